@@ -1,0 +1,54 @@
+"""The stage assets, partitioned step x micro-batch.
+
+The streaming ``train`` job records every partition as it is committed; materializing one of these
+assets (from the UI or a backfill) recomputes that stage for that stored micro-batch from its stored
+inputs, with the same stage function.
+"""
+
+
+import dagster as dg
+
+from assets.metadata import stage_metadata
+from assets.partitions import STEP_X_MICRO_BATCH, parse_stage_partition
+from resources import ExperimentResource, RayCluster
+
+_GROUP = "stages"
+
+
+def _replay(stage: str, context: dg.AssetExecutionContext, experiment: ExperimentResource) -> dg.MaterializeResult:
+    from marl_pipeline.replay import replay_stage
+    from marl_pipeline.store import MicroBatchKey
+
+    run, step, micro_batch = parse_stage_partition(context.partition_key)
+    path, table, seconds = replay_stage(stage, experiment.load(), MicroBatchKey(run, step, micro_batch))
+    return dg.MaterializeResult(metadata=stage_metadata(stage, path, seconds, table))
+
+
+@dg.asset(partitions_def=STEP_X_MICRO_BATCH, group_name=_GROUP, deps=["base_policies"], kinds={"vllm", "parquet"})
+def rollouts(
+    context: dg.AssetExecutionContext, experiment: ExperimentResource, ray: RayCluster
+) -> dg.MaterializeResult:
+    """Multi-turn episodes sampled from every agent's vLLM engine: one row per turn."""
+    return _replay("rollouts", context, experiment)
+
+
+@dg.asset(partitions_def=STEP_X_MICRO_BATCH, group_name=_GROUP, deps=[rollouts], kinds={"parquet"})
+def environment_results(context: dg.AssetExecutionContext, experiment: ExperimentResource) -> dg.MaterializeResult:
+    """The outcome of executing each turn's action."""
+    return _replay("environment_results", context, experiment)
+
+
+@dg.asset(partitions_def=STEP_X_MICRO_BATCH, group_name=_GROUP, deps=[rollouts, environment_results],
+          kinds={"parquet"})
+def rewards(context: dg.AssetExecutionContext, experiment: ExperimentResource) -> dg.MaterializeResult:
+    """Per-agent rewards and group-relative (GRPO) advantages."""
+    return _replay("rewards", context, experiment)
+
+
+@dg.asset(partitions_def=STEP_X_MICRO_BATCH, group_name=_GROUP, deps=[rollouts, rewards], kinds={"torch", "parquet"})
+def policy_updates(context: dg.AssetExecutionContext, experiment: ExperimentResource) -> dg.MaterializeResult:
+    """Each agent's gradient accumulation for the micro-batch (loss, tokens, clip fraction)."""
+    return _replay("policy_updates", context, experiment)
+
+
+STAGE_ASSETS = [rollouts, environment_results, rewards, policy_updates]

@@ -1,0 +1,100 @@
+"""CPU demo environment: a solver answers a small addition, a verifier judges the solver's answer.
+
+Small enough that a 2-layer model learns it on a CPU within minutes, yet a real two-agent workflow:
+the verifier's prompt contains the solver's turn, and each agent is scored on its own action
+(the solver for a correct sum, the verifier for a correct verdict).
+
+Warm-up examples come from a noisy teacher (right with probability ``warmup_accuracy``, otherwise a
+uniformly random answer or verdict): the base policies learn the format and start near that accuracy,
+so the reward gain after warm-up comes from RL.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from marl_pipeline.environment import ActionResult, Task, Turn
+
+
+class ArithmeticOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_operand: int = Field(3, ge=1, le=99)
+    """Operands are drawn uniformly from 0..max_operand."""
+    warmup_accuracy: float = Field(0.3, ge=0, le=1)
+    """Share of warm-up examples the noisy teacher gets right."""
+
+
+class ArithmeticCheck:
+    """Solver + verifier on ``a+b``."""
+
+    name = "arithmetic_check"
+    turn_order = ("solver", "verifier")
+    Options = ArithmeticOptions
+
+    def __init__(self, options: ArithmeticOptions) -> None:
+        self.options = options
+
+    # -- episodes ---------------------------------------------------------------------------------
+    def sample_tasks(self, rng: np.random.Generator, count: int) -> list[Task]:
+        operands = rng.integers(0, self.options.max_operand + 1, size=(count, 2))
+        return [{"id": f"{a}+{b}", "a": int(a), "b": int(b)} for a, b in operands]
+
+    def render_prompt(self, role: str, task: Task, transcript: list[Turn]) -> str:
+        question = f"{task['a']}+{task['b']}="
+        if role == "solver":
+            return question
+        if role == "verifier":
+            return f"{question}{_first_line(transcript[0].text)}?"
+        raise ValueError(f"arithmetic_check has no role {role!r}")
+
+    def execute(self, task: Task, transcript: list[Turn]) -> list[ActionResult]:
+        expected = task["a"] + task["b"]
+        answer = _parse_int(transcript[0].text)
+        if answer is None:
+            solver = ActionResult("unparsable", False, info={"expected": expected})
+        else:
+            solver = ActionResult("correct" if answer == expected else "wrong", answer == expected,
+                                  info={"answer": answer, "expected": expected})
+        verdict = _first_line(transcript[1].text)
+        if verdict not in ("yes", "no"):
+            verifier = ActionResult("unparsable", False, info={"verdict": verdict})
+        else:
+            right = (verdict == "yes") == solver.success
+            verifier = ActionResult("right_verdict" if right else "wrong_verdict", right, info={"verdict": verdict})
+        return [solver, verifier]
+
+    def score(self, task: Task, transcript: list[Turn], results: list[ActionResult]) -> dict[str, float]:
+        return {"solver": float(results[0].success), "verifier": float(results[1].success)}
+
+    # -- base policies ----------------------------------------------------------------------------
+    def text_corpus(self, rng: np.random.Generator, count: int) -> list[str]:
+        corpus = []
+        for role in ("solver", "verifier"):
+            corpus += [prompt + completion for prompt, completion in self.warmup_examples(role, rng, count)]
+        return corpus
+
+    def warmup_examples(self, role: str, rng: np.random.Generator, count: int) -> list[tuple[str, str]]:
+        top = 2 * self.options.max_operand
+        examples = []
+        for task in self.sample_tasks(rng, count):
+            expected = task["a"] + task["b"]
+            answer = expected if rng.random() < self.options.warmup_accuracy else int(rng.integers(0, top + 1))
+            solver_turn = Turn("solver", str(answer))
+            if role == "solver":
+                examples.append((self.render_prompt("solver", task, []), solver_turn.text))
+                continue
+            truth = "yes" if answer == expected else "no"
+            verdict = truth if rng.random() < self.options.warmup_accuracy else str(rng.choice(["yes", "no"]))
+            examples.append((self.render_prompt("verifier", task, [solver_turn]), verdict))
+        return examples
+
+
+def _first_line(text: str) -> str:
+    return text.strip().split("\n", 1)[0].strip()
+
+
+def _parse_int(text: str) -> int | None:
+    token = _first_line(text)
+    return int(token) if token.isdigit() and len(token) <= 6 else None

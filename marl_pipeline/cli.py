@@ -1,0 +1,142 @@
+"""The ``marl`` command: ``train CONFIG`` runs the Dagster train job; ``inspect STORE`` summarises a stored run.
+
+Heavy imports (Dagster, Ray, torch) happen after the arguments are parsed and the config validated.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from marl_pipeline.config import ConfigError, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train teams of LLM agents with RL.")
+console = Console()
+
+
+def _dagster_home() -> Path:
+    """DAGSTER_HOME, defaulting to .dagster_home in the working directory (what `dagster dev` then shows)."""
+    home = Path(os.environ.get("DAGSTER_HOME") or Path.cwd() / ".dagster_home").absolute()
+    home.mkdir(parents=True, exist_ok=True)
+    os.environ["DAGSTER_HOME"] = str(home)
+    return home
+
+
+@app.command()
+def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", metavar="CONFIG")) -> None:
+    """Run the Dagster `train` job on CONFIG, with a progress bar and a reward-per-step table."""
+    try:
+        config = load_config(config_path)
+    except ConfigError as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(2) from None
+    home = _dagster_home()
+    import dagster as dg
+    from dagster._core.utils import make_new_run_id
+
+    from assets.definitions import defs
+
+    instance = dg.DagsterInstance.get()
+    run_id = make_new_run_id()
+    run_config = {"resources": {
+        "experiment": {"config": {"config_path": str(config_path)}},
+        "ray": {"config": {"address": config.ray.address,
+                           "ray_init_options": {"include_dashboard": False,
+                                                **({"num_cpus": config.ray.num_cpus} if config.ray.num_cpus else {})}}},
+    }}
+    outcome: dict = {}
+
+    def execute() -> None:
+        try:
+            outcome["result"] = defs.get_job_def("train").execute_in_process(
+                run_config=run_config, instance=instance, run_id=run_id, raise_on_error=False)
+        except BaseException as error:  # noqa: BLE001 - reported on the main thread
+            outcome["error"] = error
+
+    started = time.perf_counter()
+    worker = threading.Thread(target=execute, name="marl-train-job")
+    worker.start()
+    _follow(instance, run_id, config, worker)
+    worker.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    result = outcome["result"]
+    if not result.success:
+        console.print(f"[red]train job failed[/red] (run {run_id}); see `dagster dev -w workspace.yaml`")
+        for event in result.all_events:
+            if event.is_failure and event.step_failure_data:
+                console.print(event.step_failure_data.error.to_string() if event.step_failure_data.error else "")
+        raise typer.Exit(1)
+    from marl_pipeline.store import ExperienceStore
+
+    store = ExperienceStore(config.store)
+    _print_reward_table(store, config.run)
+    console.print(f"run {run_id} finished in {time.perf_counter() - started:.0f} s; DAGSTER_HOME={home}")
+
+
+def _follow(instance, run_id: str, config, worker: threading.Thread) -> None:
+    """Progress bar over the job's policy materializations, read from the Dagster event log."""
+    import dagster as dg
+
+    total = config.pipeline.steps * len(config.agents)
+    seen = 0
+    with Progress(TextColumn("[bold]training[/bold] {task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} policy versions"), TimeElapsedColumn(),
+                  console=console, disable=False) as progress:
+        task = progress.add_task(config.run, total=total)
+        while worker.is_alive() or seen < total:
+            records = instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION,
+                                                   limit=100000).records
+            seen = sum(1 for r in records if r.event_log_entry.dagster_event.asset_key == dg.AssetKey("policies"))
+            progress.update(task, completed=seen)
+            if not worker.is_alive():
+                break
+            time.sleep(0.5)
+
+
+def _print_reward_table(store, run: str) -> None:
+    from marl_pipeline.summaries import reward_table
+
+    rewards = store.read_stage(run, "rewards", columns=["step", "agent", "reward"])
+    by_step = reward_table(rewards)
+    agents = sorted({agent for row in by_step.values() for agent in row})
+    table = Table(title=f"mean reward per step, run {run}")
+    table.add_column("step", justify="right")
+    for agent in agents:
+        table.add_column(agent, justify="right")
+    table.add_column("mean", justify="right", style="bold")
+    for step, row in by_step.items():
+        values = [row.get(agent, float("nan")) for agent in agents]
+        table.add_row(str(step), *(f"{v:.3f}" for v in values), f"{sum(values) / len(values):.3f}")
+    console.print(table)
+
+
+@app.command()
+def inspect(store_uri: str = typer.Argument(..., help="Experience store directory.", metavar="STORE"),
+            run: str | None = typer.Option(None, help="Run to summarise (default: every run).")) -> None:
+    """Summarise a stored run: steps, episodes, tokens and mean reward per agent per step."""
+    from marl_pipeline.store import ExperienceStore
+    from marl_pipeline.summaries import run_overview
+
+    store = ExperienceStore(store_uri)
+    runs = [run] if run else store.runs()
+    if not runs:
+        console.print(f"[yellow]no runs in {store.root}[/yellow]")
+        raise typer.Exit(1)
+    for name in runs:
+        overview = run_overview(store, name)
+        console.print(f"[bold]run {name}[/bold]: {overview['steps']} steps, {overview['episodes']} episodes, "
+                      f"{overview['turns']} turns, {overview['tokens']} response tokens; policy versions "
+                      f"{overview['policy_versions']}")
+        _print_reward_table(store, name)
+
+
+if __name__ == "__main__":
+    app()

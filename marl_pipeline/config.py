@@ -1,0 +1,199 @@
+"""Experiment config: one YAML file, loaded into typed, validated objects before anything runs.
+
+Unknown keys are errors everywhere (``extra="forbid"``); cross-field checks (agents against the
+environment's roles) run in :func:`load_config` so a bad file fails before the store is touched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A config file is invalid; the message names the offending field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConfig(_Strict):
+    """Rollout engine (vLLM) settings for one agent."""
+
+    gpu_memory_utilization: float = Field(0.15, gt=0, le=1)
+    """Share of device memory for weights + KV cache; on CPU a share of NUMA node 0's memory."""
+    max_model_len: int = Field(256, ge=16)
+    """Longest prompt + completion the engine accepts, in tokens."""
+    dtype: str = "float32"
+    """Engine dtype; float32 keeps the engine's logprobs comparable with the trainer's."""
+    num_cpus: float = Field(0.5, ge=0)
+    """Ray CPUs reserved for the engine actor."""
+    num_gpus: float = Field(0.0, ge=0)
+    """Ray GPUs reserved for the engine actor (0 on CPU machines)."""
+
+
+class TrainerConfig(_Strict):
+    """Torch trainer settings for one agent."""
+
+    lr: float = Field(2e-3, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping norm, applied once per optimizer step."""
+    num_cpus: float = Field(0.5, ge=0)
+    """Ray CPUs reserved for the trainer actor."""
+    num_gpus: float = Field(0.0, ge=0)
+    """Ray GPUs reserved for the trainer actor."""
+
+
+class WarmupConfig(_Strict):
+    """Supervised warm-up of the base policy (version 0), before any RL step."""
+
+    steps: int = Field(150, ge=0)
+    """Optimizer steps of warm-up; 0 uses the model as loaded."""
+    batch_size: int = Field(32, ge=1)
+    """Examples per warm-up step."""
+    lr: float = Field(3e-3, gt=0)
+    """Warm-up learning rate."""
+
+
+class AgentConfig(_Strict):
+    """One role of the workflow, with its own policy."""
+
+    model: str = "builtin:tiny"
+    """``builtin:tiny`` (built locally), a local Hugging Face model directory, or a hub id."""
+    engine: EngineConfig = EngineConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    warmup: WarmupConfig = WarmupConfig()
+
+
+class EnvironmentConfig(_Strict):
+    """Which environment plugin runs the episodes, and its own options."""
+
+    name: str
+    """Registered environment name (see ``marl_pipeline.environment.available_environments``)."""
+    options: dict[str, Any] = {}
+    """Passed to the environment's constructor; the plugin validates them."""
+
+
+class PipelineConfig(_Strict):
+    """How work is cut into micro-batches and steps."""
+
+    steps: int = Field(20, ge=1)
+    """RL steps (optimizer steps of every agent) per launch of the train job."""
+    prompts_per_micro_batch: int = Field(8, ge=1)
+    """Task prompts per micro-batch."""
+    samples_per_prompt: int = Field(8, ge=2)
+    """Episodes sampled per prompt (the GRPO group size)."""
+    micro_batches_per_step: int = Field(2, ge=1, le=16)
+    """Micro-batches whose gradients accumulate into one optimizer step."""
+    staleness: int = Field(0, ge=0)
+    """Rollout for step i may use policy version v only when i - v <= staleness."""
+    queue_size: int = Field(2, ge=1)
+    """Micro-batches a stage may hold ahead of the next one (backpressure)."""
+
+
+class AlgorithmConfig(_Strict):
+    """Policy-gradient settings shared by every agent."""
+
+    clip_eps: float = Field(0.2, gt=0)
+    """PPO-style ratio clipping range."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature at rollout."""
+    max_new_tokens: int = Field(8, ge=1)
+    """Longest completion per turn, in tokens."""
+    advantage_eps: float = Field(1e-6, gt=0)
+    """Added to the group's reward std before dividing."""
+
+
+class RayConfig(_Strict):
+    """Where Ray runs."""
+
+    address: str | None = None
+    """None: an embedded local Ray; otherwise an existing cluster (``ray://host:10001`` or ``auto``)."""
+    num_cpus: int | None = None
+    """CPUs of the embedded local Ray (None: all of the machine's)."""
+
+
+class ExperimentConfig(_Strict):
+    """A whole experiment: what the ``marl train`` command and the Dagster ``train`` job take."""
+
+    run: str = Field(pattern=r"^[A-Za-z0-9_.]+$")
+    """Run name: one training lineage in the store; letters, digits, ``_`` and ``.``."""
+    seed: int = 0
+    """Seeds task sampling, model building, warm-up and rollout sampling."""
+    store: str = ".marl/store"
+    """Experience store URI: a local directory (relative to the working directory)."""
+    environment: EnvironmentConfig
+    agents: dict[str, AgentConfig]
+    pipeline: PipelineConfig = PipelineConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    ray: RayConfig = RayConfig()
+
+    @field_validator("agents")
+    @classmethod
+    def validate_agents_not_empty(cls, agents: dict[str, AgentConfig]) -> dict[str, AgentConfig]:
+        if not agents:
+            raise ValueError("at least one agent is required")
+        return agents
+
+
+def _format_validation_error(error: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "<root>"
+        message = "unknown field" if item["type"] == "extra_forbidden" else item["msg"]
+        lines.append(f"  {field}: {message}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:
+    """Validate a config dict, including agents against the environment's roles.
+
+    Raises:
+        ConfigError: naming each offending field.
+    """
+    from marl_pipeline.environment import get_environment_class, roles_of
+
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid config {source}: expected a mapping at the top level")
+    try:
+        config = ExperimentConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(error, source)) from None
+    try:
+        env_class = get_environment_class(config.environment.name)
+    except KeyError as error:
+        raise ConfigError(f"invalid config {source}:\n  environment.name: {error.args[0]}") from None
+    roles = roles_of(env_class)
+    unknown = [name for name in config.agents if name not in roles]
+    if unknown:
+        raise ConfigError(
+            f"invalid config {source}:\n  agents.{unknown[0]}: unknown agent; "
+            f"environment {config.environment.name!r} has roles {list(roles)}"
+        )
+    missing = [role for role in roles if role not in config.agents]
+    if missing:
+        raise ConfigError(f"invalid config {source}:\n  agents: missing agent(s) {missing} required by the environment")
+    try:
+        env_class.Options.model_validate(config.environment.options)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(error, source).replace("\n  ", "\n  environment.options.")) from None
+    return config
+
+
+def load_config(path: str | Path) -> ExperimentConfig:
+    """Read and validate one YAML experiment file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"invalid YAML in {path}: {error}") from None
+    return parse_config(data, source=str(path))

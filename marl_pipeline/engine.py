@@ -1,0 +1,78 @@
+"""Rollout engine: one vLLM ``LLM`` per agent replica, living in-process inside a Ray actor.
+
+The engine never restarts during a run: :meth:`RolloutEngine.load_weights` reloads new parameters in
+place (vLLM's ``reload_weights``, which also handles weights the CPU backend re-packed at load time)
+and drops the prefix cache, so the next request samples from the new policy version.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# The engine must stay in the actor's process: weights are then reloaded by reference, not pickled
+# to an engine-core subprocess. Set before vllm is imported anywhere in this process.
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+              "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion, produced by the engine and consumed by the rollout stage."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+class RolloutEngine:
+    """A vLLM engine serving one agent's policy; construct inside a Ray actor (or a ``__main__`` script)."""
+
+    def __init__(self, model_dir: str, version: int, *, gpu_memory_utilization: float, max_model_len: int,
+                 dtype: str, seed: int) -> None:
+        os.environ.update(ENGINE_ENV)
+        from vllm import LLM, SamplingParams
+
+        self._sampling_params = SamplingParams
+        self.llm = LLM(model=model_dir, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+                       max_model_len=max_model_len, enforce_eager=True, seed=seed)
+        self.version = version
+        # The first generate call pays one-off set-up costs (seconds on CPU): pay them now, not in step 0.
+        self.llm.generate(["warm-up"], SamplingParams(max_tokens=2), use_tqdm=False)
+
+    def generate(self, prompts: list[str], seeds: list[int], max_tokens: int,
+                 temperature: float) -> tuple[int, list[Completion]]:
+        """Sample one completion per prompt; each request has its own seed, so sampling is reproducible.
+
+        Returns the policy version that produced the completions, and the completions.
+        """
+        params = [self._sampling_params(max_tokens=max_tokens, temperature=temperature, seed=seed, logprobs=0)
+                  for seed in seeds]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        completions = []
+        for output in outputs:
+            sample = output.outputs[0]
+            # logprobs=0 returns exactly the sampled token's logprob at each position.
+            logprobs = [entry[token].logprob for token, entry in zip(sample.token_ids, sample.logprobs)]
+            completions.append(Completion(list(output.prompt_token_ids), list(sample.token_ids), logprobs,
+                                          sample.text, str(sample.finish_reason)))
+        return self.version, completions
+
+    def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        """The engine's logprob of each response token given the prompt (teacher forcing)."""
+        ids = list(prompt_ids) + list(response_ids)
+        params = self._sampling_params(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        output = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        return [output.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt_ids), len(ids))]
+
+    def load_weights(self, named_tensors: list[tuple[str, object]], version: int) -> int:
+        """Replace the served parameters in place with a new policy version's."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        self.llm.reset_prefix_cache()
+        self.version = version
+        return version
+
+    def policy_version(self) -> int:
+        return self.version

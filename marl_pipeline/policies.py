@@ -1,0 +1,72 @@
+"""Base policies (version 0 of every agent) and the lineage of later versions in the store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from marl_pipeline.config import AgentConfig, ExperimentConfig
+from marl_pipeline.environment import Environment
+from marl_pipeline.models import BUILTIN_TINY, build_tiny_model, load_policy, save_policy
+from marl_pipeline.store import ExperienceStore
+from marl_pipeline.warmup import supervised_warmup
+
+
+@dataclass(frozen=True)
+class BasePolicy:
+    """Version 0 of one agent's policy, as committed to the store."""
+
+    agent: str
+    path: Path
+    created: bool
+    """False when it was already in the store (a retraining run continues the lineage)."""
+    warmup_loss: tuple[float, float] | None = None
+    """First and last warm-up loss, when it was created now."""
+
+
+def prepare_base_policies(config: ExperimentConfig, env: Environment, store: ExperienceStore) -> list[BasePolicy]:
+    """Make sure every agent has a committed version 0; build and warm up the ones that lack it."""
+    policies = []
+    for index, (agent, agent_config) in enumerate(config.agents.items()):
+        if store.policy_versions(config.run, agent):
+            policies.append(BasePolicy(agent, store.policy_dir(config.run, agent, 0), created=False))
+            continue
+        policies.append(_create_base_policy(config, env, store, agent, agent_config, seed=config.seed + index))
+    return policies
+
+
+def _create_base_policy(config: ExperimentConfig, env: Environment, store: ExperienceStore, agent: str,
+                        agent_config: AgentConfig, seed: int) -> BasePolicy:
+    import torch
+
+    torch.manual_seed(seed)
+    source = agent_config.model
+    if source == BUILTIN_TINY:
+        # Every agent of a run starts from the same built-in initial model (its own copy is then trained).
+        source_dir = store.root / f"run={config.run}" / "builtin_model"
+        if not (source_dir / "config.json").exists():
+            corpus = env.text_corpus(np.random.default_rng(config.seed), 4000)
+            staging = store.root / f"run={config.run}" / "_staging-builtin_model"
+            build_tiny_model(staging, corpus, seed=config.seed)
+            staging.rename(source_dir)
+        source = str(source_dir)
+    model, tokenizer = load_policy(source)
+    warmup_loss = None
+    if agent_config.warmup.steps:
+        examples = env.warmup_examples(agent, np.random.default_rng(seed), 4000)
+        losses = supervised_warmup(model, tokenizer, examples, steps=agent_config.warmup.steps,
+                                   batch_size=agent_config.warmup.batch_size, lr=agent_config.warmup.lr, seed=seed)
+        warmup_loss = (losses[0], losses[-1])
+    staging = store.staging_policy_dir(config.run, agent, 0)
+    save_policy(model, tokenizer, staging)
+    if Path(source, "generation_config.json").exists():
+        (staging / "generation_config.json").write_bytes(Path(source, "generation_config.json").read_bytes())
+    path = store.commit_policy(staging, config.run, agent, 0)
+    return BasePolicy(agent, path, created=True, warmup_loss=warmup_loss)
+
+
+def latest_versions(store: ExperienceStore, run: str, agents: list[str]) -> dict[str, int]:
+    """The newest committed policy version of each agent (0 if only the base exists)."""
+    return {agent: max(store.policy_versions(run, agent), default=0) for agent in agents}

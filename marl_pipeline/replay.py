@@ -1,0 +1,83 @@
+"""Per-partition execution: recompute one stage of one stored micro-batch from its stored inputs.
+
+The same stage functions as the streaming orchestrator; inputs come from the store, the output
+replaces the stored partition (atomically). Rollout needs Ray (it starts the engines); the others
+run in-process.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pyarrow as pa
+
+from marl_pipeline.config import ExperimentConfig
+from marl_pipeline.environment import build_environment
+from marl_pipeline.execution import execute_micro_batch
+from marl_pipeline.reward import score_micro_batch
+from marl_pipeline.rollout import RolloutSettings, rollout_micro_batch
+from marl_pipeline.store import ExperienceStore, MicroBatchKey
+from marl_pipeline.trainer import PolicyTrainer
+from marl_pipeline.training import train_batch_for, updates_table
+
+
+def replay_stage(stage: str, config: ExperimentConfig, key: MicroBatchKey) -> tuple[Path, pa.Table, float]:
+    """Recompute and commit ``stage`` for ``key``; returns (partition path, table, seconds)."""
+    if key.run != config.run:
+        raise ValueError(f"partition of run {key.run!r}, but the experiment config is for run {config.run!r}")
+    env = build_environment(config.environment.name, config.environment.options)
+    store = ExperienceStore(config.store)
+    started = time.perf_counter()
+    if stage == "rollouts":
+        table = _rollouts(config, env, store, key)
+    elif stage == "environment_results":
+        table = execute_micro_batch(env, store.read("rollouts", key))
+    elif stage == "rewards":
+        table = score_micro_batch(env, store.read("rollouts", key), store.read("environment_results", key),
+                                  config.algorithm.advantage_eps)
+    elif stage == "policy_updates":
+        table = _policy_updates(config, store, key)
+    else:
+        raise ValueError(f"unknown stage {stage!r}")
+    path = store.commit(stage, key, table)
+    return path, table, time.perf_counter() - started
+
+
+def _policy_versions_at(store: ExperienceStore, config: ExperimentConfig, step: int) -> dict[str, int]:
+    """The version each agent's trainer held when ``step`` started: the newest committed one <= step."""
+    versions = {}
+    for agent in config.agents:
+        candidates = [v for v in store.policy_versions(config.run, agent) if v <= step]
+        if not candidates:
+            raise ValueError(f"agent {agent!r} of run {config.run!r} has no committed policy version <= {step}")
+        versions[agent] = max(candidates)
+    return versions
+
+
+def _rollouts(config: ExperimentConfig, env, store: ExperienceStore, key: MicroBatchKey) -> pa.Table:
+    import ray
+
+    from marl_pipeline.workers import start_engines
+
+    engines = start_engines(config, store, _policy_versions_at(store, config, key.step))
+    try:
+        pipeline, algorithm = config.pipeline, config.algorithm
+        settings = RolloutSettings(config.seed, pipeline.prompts_per_micro_batch, pipeline.samples_per_prompt,
+                                   algorithm.max_new_tokens, algorithm.temperature)
+        return rollout_micro_batch(env, engines, key, settings)
+    finally:
+        for engine in engines.values():
+            ray.kill(engine)
+
+
+def _policy_updates(config: ExperimentConfig, store: ExperienceStore, key: MicroBatchKey) -> pa.Table:
+    """The micro-batch's gradient statistics at the step's starting policy; no optimizer step is taken."""
+    stats = {}
+    for agent, version in _policy_versions_at(store, config, key.step).items():
+        trainer = PolicyTrainer(str(store.policy_dir(config.run, agent, version)), version,
+                                lr=config.agents[agent].trainer.lr, weight_decay=0.0, max_grad_norm=1.0,
+                                clip_eps=config.algorithm.clip_eps, seed=config.seed, num_threads=1)
+        stats[agent] = trainer.accumulate(train_batch_for(store, key, agent))
+        trainer.discard_gradients()
+    return updates_table(stats)

@@ -1,0 +1,77 @@
+"""Rollout stage: multi-turn episodes sampled from the agents' engines, one row per turn.
+
+Every episode of a micro-batch advances turn by turn: all episodes' prompts for the next turn go to
+that turn's agent engine in one batched call (parallel sampling of ``n`` episodes per task prompt),
+and each later agent's prompt is rendered from the transcript so far (who sees what is the plugin's
+call). Each request carries its own seed derived from (run seed, step, micro-batch, turn, episode),
+so a micro-batch's rollout is reproducible for the same policy weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+from marl_pipeline.engine import Completion
+from marl_pipeline.environment import Environment, Task, Turn
+from marl_pipeline.schema import ROLLOUTS, with_agent
+from marl_pipeline.store import MicroBatchKey
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The slice of the config the rollout stage needs."""
+
+    seed: int
+    prompts_per_micro_batch: int
+    samples_per_prompt: int
+    max_new_tokens: int
+    temperature: float
+
+
+def plan_tasks(env: Environment, key: MicroBatchKey, seed: int, count: int) -> list[Task]:
+    """The task prompts of a micro-batch: a pure function of (seed, step, micro-batch)."""
+    return env.sample_tasks(np.random.default_rng([seed, key.step, key.micro_batch]), count)
+
+
+def rollout_micro_batch(env: Environment, engines: dict[str, "ray.actor.ActorHandle"], key: MicroBatchKey,
+                        settings: RolloutSettings) -> pa.Table:
+    """Sample every episode of one micro-batch; returns the rollouts table (with an ``agent`` column)."""
+    tasks = plan_tasks(env, key, settings.seed, settings.prompts_per_micro_batch)
+    n = settings.samples_per_prompt
+    episodes = [(p, t) for p in range(len(tasks)) for t in range(n)]
+    transcripts: list[list[Turn]] = [[] for _ in episodes]
+    columns: dict[str, list] = {name: [] for name in ROLLOUTS.names + ["agent"]}
+    for turn, role in enumerate(env.turn_order):
+        prompts = [env.render_prompt(role, tasks[p], transcripts[e]) for e, (p, _) in enumerate(episodes)]
+        seeds = np.random.SeedSequence([settings.seed, key.step, key.micro_batch, turn]).generate_state(len(episodes))
+        start = datetime.now(timezone.utc)
+        version, completions = ray.get(
+            engines[role].generate.remote(prompts, [int(s) for s in seeds], settings.max_new_tokens,
+                                          settings.temperature))
+        end = datetime.now(timezone.utc)
+        for e, ((p, trajectory), prompt, completion) in enumerate(zip(episodes, prompts, completions)):
+            transcripts[e].append(Turn(role, completion.text))
+            _append_turn(columns, key, tasks[p], p, trajectory, e, turn, role, prompt, completion, version, start, end)
+    return pa.table(columns, schema=with_agent(ROLLOUTS))
+
+
+def _append_turn(columns: dict[str, list], key: MicroBatchKey, task: Task, prompt_index: int, trajectory: int,
+                 episode: int, turn: int, role: str, prompt: str, completion: Completion, version: int,
+                 start: datetime, end: datetime) -> None:
+    input_id = f"{key.step}-{key.micro_batch}-{prompt_index}"
+    row = {
+        "sample_id": f"{input_id}_{turn}_{trajectory}", "episode": episode, "task_id": str(task["id"]),
+        "trajectory": trajectory, "role": role, "turn": turn, "task": json.dumps(task), "policy_version": version,
+        "engine": f"{role}/0", "prompt_text": prompt, "response_text": completion.text,
+        "prompt_ids": completion.prompt_ids, "response_ids": completion.response_ids,
+        "logprobs": completion.logprobs, "finish_reason": completion.finish_reason,
+        "rollout_start": start, "rollout_end": end, "status": "ok", "error": None, "agent": role,
+    }
+    for name, value in row.items():
+        columns[name].append(value)

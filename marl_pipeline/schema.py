@@ -1,0 +1,105 @@
+"""Arrow schemas of the experience store: one row per turn, column groups after FlexMARL.
+
+meta    who and when: sample_id, episode, agent, role, turn, policy_version, timestamps
+data    what: token ids, per-token logprobs, texts, outcomes, rewards, advantages
+status  per-stage state and error message
+
+``run``, ``step``, ``micro_batch`` and ``agent`` are hive partition columns: they live in the
+directory names, not in the files, and come back as columns when a dataset is read.
+A change to any schema here bumps ``SCHEMA_VERSION`` (stored in every file's metadata).
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+SCHEMA_VERSION_KEY = b"marl_pipeline.schema_version"
+
+PARTITION_SCHEMA = pa.schema(
+    [("run", pa.string()), ("stage", pa.string()), ("step", pa.int32()), ("micro_batch", pa.int32()),
+     ("agent", pa.string())]
+)
+PARTITION_COLUMNS = tuple(PARTITION_SCHEMA.names)
+
+_TURN_KEYS = [
+    pa.field("sample_id", pa.string()),  # {input_id}_{turn}_{trajectory}
+    pa.field("episode", pa.int32()),  # index of the episode within its micro-batch
+    pa.field("task_id", pa.string()),  # input_id: the task prompt's id
+    pa.field("trajectory", pa.int32()),  # which of the n samples of the task
+    pa.field("role", pa.string()),
+    pa.field("turn", pa.int32()),
+]
+
+ROLLOUTS = pa.schema(
+    _TURN_KEYS
+    + [
+        pa.field("task", pa.string()),  # the task as JSON, so later stages need nothing else
+        pa.field("policy_version", pa.int32()),
+        pa.field("engine", pa.string()),
+        pa.field("prompt_text", pa.string()),
+        pa.field("response_text", pa.string()),
+        pa.field("prompt_ids", pa.list_(pa.int32())),
+        pa.field("response_ids", pa.list_(pa.int32())),
+        pa.field("logprobs", pa.list_(pa.float32())),  # rollout engine's logprob of each response token
+        pa.field("finish_reason", pa.string()),
+        pa.field("rollout_start", pa.timestamp("us", tz="UTC")),
+        pa.field("rollout_end", pa.timestamp("us", tz="UTC")),
+        pa.field("status", pa.string()),
+        pa.field("error", pa.string()),
+    ]
+)
+
+ENVIRONMENT_RESULTS = pa.schema(
+    _TURN_KEYS
+    + [
+        pa.field("outcome", pa.string()),
+        pa.field("success", pa.bool_()),
+        pa.field("observation", pa.string()),
+        pa.field("info", pa.string()),  # JSON
+        pa.field("status", pa.string()),
+        pa.field("error", pa.string()),
+    ]
+)
+
+REWARDS = pa.schema(
+    _TURN_KEYS
+    + [
+        pa.field("reward", pa.float32()),
+        pa.field("advantage", pa.float32()),  # group-relative, per agent
+        pa.field("status", pa.string()),
+        pa.field("error", pa.string()),
+    ]
+)
+
+# One row per agent per micro-batch: the trainer's gradient accumulation of that micro-batch.
+POLICY_UPDATES = pa.schema(
+    [
+        pa.field("policy_version", pa.int32()),  # the version the gradient was taken at
+        pa.field("rows", pa.int32()),
+        pa.field("tokens", pa.int64()),
+        pa.field("loss_sum", pa.float64()),  # summed token loss; divide by the step's tokens
+        pa.field("clip_fraction", pa.float32()),
+        pa.field("mean_ratio", pa.float32()),
+        pa.field("status", pa.string()),
+        pa.field("error", pa.string()),
+    ]
+)
+
+STAGE_SCHEMAS = {
+    "rollouts": ROLLOUTS,
+    "environment_results": ENVIRONMENT_RESULTS,
+    "rewards": REWARDS,
+    "policy_updates": POLICY_UPDATES,
+}
+STAGES = tuple(STAGE_SCHEMAS)
+
+
+def with_agent(schema: pa.Schema) -> pa.Schema:
+    """A stage schema plus the ``agent`` column: what a stage function returns and the store splits on."""
+    return schema.append(pa.field("agent", pa.string()))
+
+
+def with_version(schema: pa.Schema) -> pa.Schema:
+    """The schema with the schema version in its metadata, as written to every file."""
+    return schema.with_metadata({SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode()})

@@ -1,0 +1,57 @@
+"""Plain-value summaries of stage partitions and runs, shown as Dagster metadata and by ``marl inspect``."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+def stage_summary(stage: str, table: pa.Table) -> dict[str, float | int | str]:
+    """Rows, tokens, rewards per agent and policy versions of one committed stage partition."""
+    summary: dict[str, float | int | str] = {"rows": table.num_rows}
+    if "response_ids" in table.column_names:
+        summary["tokens"] = int(pc.sum(pc.list_value_length(table.column("response_ids"))).as_py() or 0)
+    if "policy_version" in table.column_names and table.num_rows:
+        summary["policy_version"] = int(pc.max(table.column("policy_version")).as_py())
+    if "tokens" in table.column_names and stage == "policy_updates":
+        summary["tokens"] = int(pc.sum(table.column("tokens")).as_py() or 0)
+    if "reward" in table.column_names and table.num_rows:
+        for agent, mean in _mean_by_agent(table, "reward").items():
+            summary[f"mean_reward/{agent}"] = round(mean, 4)
+    if "success" in table.column_names and table.num_rows:
+        summary["success_rate"] = round(float(pc.mean(table.column("success").cast(pa.float64())).as_py()), 4)
+    if "status" in table.column_names:
+        summary["failed_rows"] = int(pc.sum(pc.not_equal(table.column("status"), "ok").cast(pa.int64())).as_py() or 0)
+    return summary
+
+
+def _mean_by_agent(table: pa.Table, column: str) -> dict[str, float]:
+    grouped = table.group_by("agent").aggregate([(column, "mean")])
+    return dict(zip(grouped.column("agent").to_pylist(), grouped.column(f"{column}_mean").to_pylist()))
+
+
+def reward_table(rewards: pa.Table) -> dict[int, dict[str, float]]:
+    """Mean reward per step and agent (from a run's ``rewards`` dataset), steps in order."""
+    if not rewards.num_rows:
+        return {}
+    grouped = rewards.group_by(["step", "agent"]).aggregate([("reward", "mean")])
+    table: dict[int, dict[str, float]] = {}
+    for step, agent, mean in zip(*(grouped.column(c).to_pylist() for c in ("step", "agent", "reward_mean"))):
+        table.setdefault(step, {})[agent] = mean
+    return dict(sorted(table.items()))
+
+
+def run_overview(store, run: str) -> dict:
+    """Steps, episodes, turns, response tokens and policy versions of a stored run."""
+    rollouts = store.read_stage(run, "rollouts", columns=["step", "micro_batch", "episode", "response_ids", "agent"])
+    episodes = (rollouts.group_by(["step", "micro_batch", "episode"]).aggregate([]).num_rows
+                if rollouts.num_rows else 0)
+    tokens = int(pc.sum(pc.list_value_length(rollouts.column("response_ids"))).as_py() or 0) if rollouts.num_rows else 0
+    agents = sorted(set(rollouts.column("agent").to_pylist())) if rollouts.num_rows else []
+    return {
+        "steps": len(set(rollouts.column("step").to_pylist())) if rollouts.num_rows else 0,
+        "episodes": episodes,
+        "turns": rollouts.num_rows,
+        "tokens": tokens,
+        "policy_versions": {agent: max(store.policy_versions(run, agent), default=None) for agent in agents},
+    }

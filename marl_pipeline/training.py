@@ -1,0 +1,48 @@
+"""Train stage: each agent's trainer accumulates the gradient of its own shard of a micro-batch.
+
+A trainer receives only its agent's rows: the stage reads that agent's rollout and reward files
+(partition pruning by directory, column projection) and joins them on ``sample_id``.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray
+
+from marl_pipeline.schema import POLICY_UPDATES, with_agent
+from marl_pipeline.store import ExperienceStore, MicroBatchKey
+from marl_pipeline.trainer import TrainBatch
+
+
+def train_batch_for(store: ExperienceStore, key: MicroBatchKey, agent: str) -> TrainBatch:
+    """One agent's shard of a micro-batch, in ``sample_id`` order (so replays sum in the same order)."""
+    rollouts = store.read("rollouts", key, agent=agent, columns=["sample_id", "prompt_ids", "response_ids", "logprobs"])
+    rewards = store.read("rewards", key, agent=agent, columns=["sample_id", "advantage", "status"])
+    # Arrow joins do not carry list columns: align the reward rows to the rollout rows by index instead.
+    position = pc.index_in(rollouts.column("sample_id"), value_set=rewards.column("sample_id"))
+    if position.null_count:
+        raise ValueError(f"{key} agent {agent}: {position.null_count} rollout turns have no reward row")
+    joined = rollouts.append_column("advantage", rewards.column("advantage").take(position))
+    joined = joined.append_column("status", rewards.column("status").take(position))
+    joined = joined.filter(pc.field("status") == "ok").sort_by("sample_id")
+    return TrainBatch(
+        prompt_ids=joined.column("prompt_ids").to_pylist(),
+        response_ids=joined.column("response_ids").to_pylist(),
+        old_logprobs=joined.column("logprobs").to_pylist(),
+        advantages=joined.column("advantage").to_pylist(),
+    )
+
+
+def train_micro_batch(store: ExperienceStore, key: MicroBatchKey,
+                      trainers: dict[str, "ray.actor.ActorHandle"]) -> pa.Table:
+    """Accumulate every agent's gradient for one micro-batch (in parallel); one stats row per agent."""
+    refs = {agent: trainer.accumulate.remote(train_batch_for(store, key, agent)) for agent, trainer in trainers.items()}
+    return updates_table(dict(zip(refs, ray.get(list(refs.values())))))
+
+
+def updates_table(stats_by_agent: dict[str, dict]) -> pa.Table:
+    """The ``policy_updates`` rows of one micro-batch from each agent's ``PolicyTrainer.accumulate`` stats."""
+    rows = [{**{name: stats.get(name) for name in POLICY_UPDATES.names}, "status": "ok", "agent": agent}
+            for agent, stats in stats_by_agent.items()]
+    return pa.Table.from_pylist(rows, schema=with_agent(POLICY_UPDATES))

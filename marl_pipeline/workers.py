@@ -1,0 +1,66 @@
+"""Spawning the Ray actors of a run: one rollout engine and one trainer per agent.
+
+``ray.remote`` is applied here, where actors are spawned, with resources from the config; the engine
+and trainer classes stay plain Python and run in-process in a script or a test just as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+
+from marl_pipeline.config import ExperimentConfig
+from marl_pipeline.engine import ENGINE_ENV, RolloutEngine
+from marl_pipeline.store import ExperienceStore
+from marl_pipeline.trainer import PolicyTrainer
+
+
+@dataclass
+class Workers:
+    """Actor handles of a run, by agent."""
+
+    engines: dict[str, "ray.actor.ActorHandle"]
+    trainers: dict[str, "ray.actor.ActorHandle"]
+
+    def shutdown(self) -> None:
+        for handle in [*self.engines.values(), *self.trainers.values()]:
+            ray.kill(handle)
+
+
+def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
+    """One vLLM engine actor per agent, serving the given policy version from the store."""
+    engines = {}
+    for index, (agent, agent_config) in enumerate(config.agents.items()):
+        engine = agent_config.engine
+        actor = ray.remote(RolloutEngine).options(
+            name=None, num_cpus=engine.num_cpus, num_gpus=engine.num_gpus,
+            runtime_env={"env_vars": ENGINE_ENV},
+        )
+        engines[agent] = actor.remote(
+            str(store.policy_dir(config.run, agent, versions[agent])), versions[agent],
+            gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
+            dtype=engine.dtype, seed=config.seed + index,
+        )
+    return engines
+
+
+def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
+    """One torch trainer actor per agent, starting from the given policy version in the store."""
+    trainers = {}
+    for index, (agent, agent_config) in enumerate(config.agents.items()):
+        trainer = agent_config.trainer
+        actor = ray.remote(PolicyTrainer).options(num_cpus=trainer.num_cpus, num_gpus=trainer.num_gpus)
+        trainers[agent] = actor.remote(
+            str(store.policy_dir(config.run, agent, versions[agent])), versions[agent], lr=trainer.lr,
+            weight_decay=trainer.weight_decay, max_grad_norm=trainer.max_grad_norm,
+            clip_eps=config.algorithm.clip_eps, seed=config.seed + index, num_threads=1,
+        )
+    return trainers
+
+
+def start_workers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> Workers:
+    """Engines and trainers of every agent; returns once all of them are ready."""
+    workers = Workers(start_engines(config, store, versions), start_trainers(config, store, versions))
+    ray.get([h.policy_version.remote() for h in [*workers.engines.values(), *workers.trainers.values()]])
+    return workers

@@ -1,0 +1,6 @@
+"""Dagster resources: thin adapters over marl_pipeline (Ray, the experiment config, the experience store)."""
+
+from resources.experiment import ExperimentResource
+from resources.ray_cluster import RayCluster
+
+__all__ = ["ExperimentResource", "RayCluster"]
