@@ -71,13 +71,13 @@ class ExperienceStore:
         ``table`` has the stage's schema plus an ``agent`` column; rows are split by agent.
         Returns the committed partition directory.
         """
+        target = self.partition_dir(stage, key)  # also validates the stage name
         schema = STAGE_SCHEMAS[stage]
         if "agent" not in table.column_names:
             raise StoreError(f"{stage} {key}: the table to commit has no 'agent' column")
         missing = [name for name in schema.names if name not in table.column_names]
         if missing:
             raise StoreError(f"{stage} {key}: the table to commit lacks columns {missing}")
-        target = self.partition_dir(stage, key)
         staging = target.parent / f"_staging-{target.name}-{uuid.uuid4().hex}"
         agents = table.column("agent").to_pylist()
         body = table.select(schema.names).cast(schema)

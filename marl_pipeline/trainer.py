@@ -58,7 +58,7 @@ class PolicyTrainer:
         loss_sum.backward()
         tokens = int(mask.sum())
         self._step_tokens += tokens
-        return {"rows": len(batch.prompt_ids), "tokens": tokens, "loss_sum": float(loss_sum),
+        return {"rows": len(batch.prompt_ids), "tokens": tokens, "loss_sum": float(loss_sum.detach()),
                 "policy_version": self.version, **stats}
 
     def apply_step(self) -> dict[str, float]:

@@ -31,5 +31,5 @@ def supervised_warmup(model, tokenizer, examples: list[tuple[str, str]], *, step
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses

@@ -1,0 +1,14 @@
+# The two commands of the README. Both set up .venv first (idempotent, instant when done).
+.PHONY: setup train test ui
+
+setup:
+	@bash scripts/setup.sh
+
+train: setup
+	.venv/bin/marl train configs/demo.yaml
+
+test: setup
+	.venv/bin/pytest
+
+ui: setup
+	DAGSTER_HOME=$(CURDIR)/.dagster_home .venv/bin/dagster dev -w workspace.yaml

@@ -1,0 +1,61 @@
+"""The trainer: gradient accumulation over micro-batches equals one full-batch step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from marl_pipeline.trainer import PolicyTrainer, TrainBatch
+
+
+def _random_batch(rng: np.random.Generator, rows: int, vocab: int) -> TrainBatch:
+    prompts = [rng.integers(1, vocab, size=rng.integers(2, 6)).tolist() for _ in range(rows)]
+    responses = [rng.integers(1, vocab, size=rng.integers(1, 5)).tolist() for _ in range(rows)]
+    old = [(-rng.random(len(r)) * 3).tolist() for r in responses]
+    return TrainBatch(prompts, responses, old, rng.normal(size=rows).tolist())
+
+
+def _split(batch: TrainBatch, bounds: list[int]) -> list[TrainBatch]:
+    parts = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        parts.append(TrainBatch(batch.prompt_ids[start:end], batch.response_ids[start:end],
+                                batch.old_logprobs[start:end], batch.advantages[start:end]))
+    return parts
+
+
+def _trainer(model_dir: Path) -> PolicyTrainer:
+    return PolicyTrainer(str(model_dir), 0, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, clip_eps=0.2, seed=0,
+                         num_threads=1)
+
+
+def test_gradient_accumulation_equals_full_batch_update(tiny_model_dir: Path) -> None:
+    vocab = 200
+    batch = _random_batch(np.random.default_rng(0), rows=12, vocab=vocab)
+    full, accumulated = _trainer(tiny_model_dir), _trainer(tiny_model_dir)
+    for _ in range(2):  # two optimizer steps, so AdamW's moment estimates are compared too
+        full.accumulate(batch)
+        full_stats = full.apply_step()
+        # uneven micro-batches: a mean-per-micro-batch loss would weight them differently
+        for part in _split(batch, [0, 2, 7, 12]):
+            accumulated.accumulate(part)
+        accumulated_stats = accumulated.apply_step()
+        assert accumulated_stats["tokens"] == full_stats["tokens"]
+    assert full.version == accumulated.version == 2
+    worst = max((a - b).abs().max().item() for a, b in zip(full.model.parameters(), accumulated.model.parameters()))
+    assert worst <= 1e-5
+    moved = max((a - b).abs().max().item() for a, b in
+                zip(full.model.parameters(), _trainer(tiny_model_dir).model.parameters()))
+    assert moved > 1e-3  # the step did change the parameters
+
+
+def test_positive_advantage_raises_the_sampled_tokens_probability(tiny_model_dir: Path) -> None:
+    trainer = _trainer(tiny_model_dir)
+    prompt, response = [5, 6, 7], [8, 9]
+    before = trainer.completion_logprobs(prompt, response)
+    trainer.accumulate(TrainBatch([prompt], [response], [before], [1.0]))
+    trainer.apply_step()
+    after = trainer.completion_logprobs(prompt, response)
+    assert sum(after) > sum(before)
+    assert torch.get_num_threads() >= 1
