@@ -11,4 +11,5 @@ test: setup
 	.venv/bin/pytest
 
 ui: setup
+	mkdir -p .dagster_home && touch .dagster_home/dagster.yaml
 	DAGSTER_HOME=$(CURDIR)/.dagster_home .venv/bin/dagster dev -w workspace.yaml

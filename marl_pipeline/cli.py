@@ -25,6 +25,9 @@ def _dagster_home() -> Path:
     """DAGSTER_HOME, defaulting to .dagster_home in the working directory (what `dagster dev` then shows)."""
     home = Path(os.environ.get("DAGSTER_HOME") or Path.cwd() / ".dagster_home").absolute()
     home.mkdir(parents=True, exist_ok=True)
+    settings = home / "dagster.yaml"
+    if not settings.exists():
+        settings.write_text("telemetry:\n  enabled: false\n")
     os.environ["DAGSTER_HOME"] = str(home)
     return home
 
