@@ -60,7 +60,7 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
         try:
             outcome["result"] = defs.get_job_def("train").execute_in_process(
                 run_config=run_config, instance=instance, run_id=run_id, raise_on_error=False)
-        except BaseException as error:  # noqa: BLE001 - reported on the main thread
+        except BaseException as error:
             outcome["error"] = error
 
     started = time.perf_counter()

@@ -39,7 +39,7 @@ def execute_micro_batch(env: Environment, rollouts: pa.Table) -> pa.Table:
             if len(results) != len(turns):
                 raise ValueError(f"execute returned {len(results)} results for {len(turns)} turns")
             status, error = "ok", None
-        except Exception as exc:  # noqa: BLE001 - a failing episode is recorded, never fatal to the batch
+        except Exception as exc:
             results = [ActionResult("error", False) for _ in turns]
             status, error = "failed", f"{type(exc).__name__}: {exc}"
         for row, result in zip(turns, results):

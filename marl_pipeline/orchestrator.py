@@ -18,9 +18,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Iterator
 
 import pyarrow as pa
 import ray
@@ -124,8 +125,8 @@ class Orchestrator:
             self._wait_for_version(step - self.config.pipeline.staleness)
             for mb in range(self.config.pipeline.micro_batches_per_step):
                 key = MicroBatchKey(self.config.run, step, mb)
-                self._commit("rollouts", key, lambda: rollout_micro_batch(
-                    self.env, self.workers.engines, key, self.rollout_settings))
+                self._commit("rollouts", key, partial(rollout_micro_batch, self.env, self.workers.engines, key,
+                                                      self.rollout_settings))
                 self._put(out, key)
 
     def _environment(self, key: MicroBatchKey) -> None:
@@ -141,7 +142,7 @@ class Orchestrator:
         last_mb = self.config.pipeline.micro_batches_per_step - 1
         step_start = time.perf_counter()
         while (key := self._get(inbox)) is not None:
-            self._commit("policy_updates", key, lambda: train_micro_batch(self.store, key, self.workers.trainers))
+            self._commit("policy_updates", key, partial(train_micro_batch, self.store, key, self.workers.trainers))
             if key.micro_batch == last_mb:
                 self._finish_step(key.step, step_start)
                 step_start = time.perf_counter()
@@ -176,7 +177,7 @@ class Orchestrator:
         def guarded() -> None:
             try:
                 target(inbox, outbox, *args)
-            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread and re-raised there
+            except BaseException as error:
                 error.add_note(f"in the {name} stage of the marl_pipeline orchestrator")
                 self._events.put(error)
             finally:

@@ -5,8 +5,8 @@ Ray must already be initialised by the caller (the Dagster Ray resource, a test 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import build_environment

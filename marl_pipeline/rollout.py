@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 import pyarrow as pa
@@ -39,7 +39,7 @@ def plan_tasks(env: Environment, key: MicroBatchKey, seed: int, count: int) -> l
     return env.sample_tasks(np.random.default_rng([seed, key.step, key.micro_batch]), count)
 
 
-def rollout_micro_batch(env: Environment, engines: dict[str, "ray.actor.ActorHandle"], key: MicroBatchKey,
+def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHandle], key: MicroBatchKey,
                         settings: RolloutSettings) -> pa.Table:
     """Sample every episode of one micro-batch; returns the rollouts table (with an ``agent`` column)."""
     tasks = plan_tasks(env, key, settings.seed, settings.prompts_per_micro_batch)
@@ -50,11 +50,11 @@ def rollout_micro_batch(env: Environment, engines: dict[str, "ray.actor.ActorHan
     for turn, role in enumerate(env.turn_order):
         prompts = [env.render_prompt(role, tasks[p], transcripts[e]) for e, (p, _) in enumerate(episodes)]
         seeds = np.random.SeedSequence([settings.seed, key.step, key.micro_batch, turn]).generate_state(len(episodes))
-        start = datetime.now(timezone.utc)
+        start = datetime.now(UTC)
         version, completions = ray.get(
             engines[role].generate.remote(prompts, [int(s) for s in seeds], settings.max_new_tokens,
                                           settings.temperature))
-        end = datetime.now(timezone.utc)
+        end = datetime.now(UTC)
         for e, ((p, trajectory), prompt, completion) in enumerate(zip(episodes, prompts, completions)):
             transcripts[e].append(Turn(role, completion.text))
             _append_turn(columns, key, tasks[p], p, trajectory, e, turn, role, prompt, completion, version, start, end)

@@ -35,7 +35,7 @@ def train_batch_for(store: ExperienceStore, key: MicroBatchKey, agent: str) -> T
 
 
 def train_micro_batch(store: ExperienceStore, key: MicroBatchKey,
-                      trainers: dict[str, "ray.actor.ActorHandle"]) -> pa.Table:
+                      trainers: dict[str, ray.actor.ActorHandle]) -> pa.Table:
     """Accumulate every agent's gradient for one micro-batch (in parallel); one stats row per agent."""
     refs = {agent: trainer.accumulate.remote(train_batch_for(store, key, agent)) for agent, trainer in trainers.items()}
     return updates_table(dict(zip(refs, ray.get(list(refs.values())))))

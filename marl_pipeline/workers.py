@@ -20,8 +20,8 @@ from marl_pipeline.trainer import PolicyTrainer
 class Workers:
     """Actor handles of a run, by agent."""
 
-    engines: dict[str, "ray.actor.ActorHandle"]
-    trainers: dict[str, "ray.actor.ActorHandle"]
+    engines: dict[str, ray.actor.ActorHandle]
+    trainers: dict[str, ray.actor.ActorHandle]
 
     def shutdown(self) -> None:
         for handle in [*self.engines.values(), *self.trainers.values()]:

@@ -57,7 +57,8 @@ def test_every_stage_partition_is_recorded_as_it_commits(trained) -> None:
         assert sorted(_materialized_partitions(instance, stage)) == expected, stage
     record = instance.fetch_materializations(dg.AssetKey("rewards"), limit=1).records[0]
     metadata = record.asset_materialization.metadata
-    assert {"dagster/row_count", "stage_latency_s", "path", "mean_reward/solver", "mean_reward/verifier"} <= set(metadata)
+    expected_metadata = {"dagster/row_count", "stage_latency_s", "path", "mean_reward/solver", "mean_reward/verifier"}
+    assert expected_metadata <= set(metadata)
     rollout_metadata = instance.fetch_materializations(dg.AssetKey("rollouts"), limit=1).records[0]
     assert rollout_metadata.asset_materialization.metadata["tokens"].value > 0
     assert Path(metadata["path"].value).is_dir()

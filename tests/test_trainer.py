@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ def _random_batch(rng: np.random.Generator, rows: int, vocab: int) -> TrainBatch
 
 def _split(batch: TrainBatch, bounds: list[int]) -> list[TrainBatch]:
     parts = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in pairwise(bounds):
         parts.append(TrainBatch(batch.prompt_ids[start:end], batch.response_ids[start:end],
                                 batch.old_logprobs[start:end], batch.advantages[start:end]))
     return parts
