@@ -8,20 +8,22 @@ moment it lands, so the UI's partition grid fills in live.
 
 import dagster as dg
 
-from assets.metadata import stage_metadata
+from assets.metadata import run_report, stage_metadata
 from assets.partitions import AGENTS, STEPS, agent_key, stage_partition, step_key
 from assets.policies import base_policy_metadata
 from resources import ExperimentResource, RayCluster
 
 
-@dg.op(description="Stream micro-batches through rollout, environment, reward and train on Ray.")
-def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResource, ray: RayCluster) -> None:
+@dg.op(description="Stream micro-batches through rollout, environment, reward and train on Ray.",
+       out=dg.Out(dict, description="Run-level pipeline figures of the launch."))
+def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResource, ray: RayCluster):
     from marl_pipeline.orchestrator import PolicyCommitted, StageCommitted, StepFinished, mean_reward
-    from marl_pipeline.recipe import RunStarted, train
+    from marl_pipeline.recipe import RunFinished, RunStarted, train
 
     config = experiment.load()
     instance = context.instance
     instance.add_dynamic_partitions(AGENTS.name, [agent_key(config.run, agent) for agent in config.agents])
+    events = []
     for event in train(config):
         if isinstance(event, StageCommitted):
             key = event.key
@@ -39,14 +41,28 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
             context.log.info(f"step {event.step}: mean reward {mean_reward(event.mean_reward):.3f} ({rewards}), "
                              f"{event.seconds:.2f} s")
         elif isinstance(event, RunStarted):
-            instance.add_dynamic_partitions(
-                STEPS.name, [step_key(config.run, step) for step in range(event.first_step, event.last_step + 1)])
-            if any(policy.created for policy in event.base_policies):
-                context.log_event(dg.AssetMaterialization(asset_key="base_policies",
-                                                          metadata=base_policy_metadata(event.base_policies)))
-            where = "a new run" if event.first_step == 0 else f"resuming from policy version {event.first_step}"
-            context.log.info(f"run {event.run}: steps {event.first_step}..{event.last_step}, {where}; "
-                             f"set-up took {event.setup_seconds:.1f} s")
+            _log_start(context, config, event)
+        elif isinstance(event, RunFinished):
+            report, metadata = run_report(config, event, events)
+            return dg.Output(report, metadata=metadata)
+        events.append(event)
+    raise RuntimeError("the training launch ended without finishing")  # unreachable: train() raises first
+
+
+def _log_start(context: dg.OpExecutionContext, config, event) -> None:
+    plan = event.plan
+    context.instance.add_dynamic_partitions(
+        STEPS.name, [step_key(config.run, step) for step in range(plan.first_step, plan.last_step + 1)])
+    if any(policy.created for policy in event.base_policies):
+        context.log_event(dg.AssetMaterialization(asset_key="base_policies",
+                                                  metadata=base_policy_metadata(event.base_policies)))
+    if plan.resumed:
+        done = ", ".join(f"{stage} {count}" for stage, count in plan.committed.items())
+        where = f"resuming an unfinished launch at step {plan.first_step} (already committed: {done})"
+    else:
+        where = "a new run" if plan.first_step == 0 else f"continuing from policy versions {plan.versions}"
+    context.log.info(f"run {event.run}: steps {plan.first_step}..{plan.last_step}, {where}; "
+                     f"set-up took {event.setup_seconds:.1f} s")
 
 
 @dg.job(name="train", description="Train every agent for `pipeline.steps` RL steps, continuing from the latest "

@@ -7,10 +7,10 @@ environment's roles) run in :func:`load_config` so a bad file fails before the s
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -96,6 +96,18 @@ class PipelineConfig(_Strict):
     """Rollout for step i may use policy version v only when i - v <= staleness."""
     queue_size: int = Field(2, ge=1)
     """Micro-batches a stage may hold ahead of the next one (backpressure)."""
+    mode: Literal["streaming", "synchronous"] = "streaming"
+    """``synchronous`` puts a barrier after each stage for the whole step (for comparison, and as a fallback)."""
+    environment_concurrency: int = Field(1, ge=1, le=64)
+    """Micro-batches the environment stage works on at once."""
+    reward_concurrency: int = Field(1, ge=1, le=64)
+    """Micro-batches the reward stage works on at once."""
+
+    @model_validator(mode="after")
+    def validate_synchronous_is_on_policy(self) -> PipelineConfig:
+        if self.mode == "synchronous" and self.staleness:
+            raise ValueError("mode 'synchronous' trains strictly on-policy: staleness must be 0")
+        return self
 
 
 class AlgorithmConfig(_Strict):

@@ -1,0 +1,64 @@
+"""Launch planning: which steps a launch of the train job runs, and whether it resumes a killed one.
+
+A launch records its target (last step) in the store before any work; the record is marked finished
+when the last step's policies are committed. A new launch that finds an unfinished record resumes
+it: same target, every committed partition kept, only missing work done. Otherwise it is a new
+launch that adds ``pipeline.steps`` steps after the newest policies (periodic retraining).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+
+from marl_pipeline.config import ExperimentConfig
+from marl_pipeline.policies import latest_versions
+from marl_pipeline.schema import STAGES
+from marl_pipeline.store import ExperienceStore
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What one launch of the train job will do."""
+
+    first_step: int
+    """The oldest step some agent still has to train (min over agents of their newest version)."""
+    last_step: int
+    versions: dict[str, int]
+    """Each agent's newest committed policy version: its trainer and engine start from it."""
+    resumed: bool
+    """True when this launch continues a launch that did not finish."""
+    committed: dict[str, int]
+    """Stage partitions already committed within [first_step, last_step] (skipped, never redone)."""
+
+
+def _record_path(store: ExperienceStore, run: str):
+    return store.root / f"run={run}" / "launch.json"
+
+
+def plan_launch(store: ExperienceStore, config: ExperimentConfig) -> LaunchPlan:
+    """Decide the launch's steps from the store, and record the target before any work starts."""
+    versions = latest_versions(store, config.run, list(config.agents))
+    first_step = min(versions.values())
+    path = _record_path(store, config.run)
+    record = json.loads(path.read_text()) if path.exists() else None
+    resumed = bool(record) and not record["finished"] and first_step <= record["last_step"]
+    last_step = record["last_step"] if resumed else first_step + config.pipeline.steps - 1
+    _write_record(path, {"last_step": last_step, "finished": False})
+    committed = {stage: sum(1 for key in store.committed_keys(config.run, stage) if first_step <= key.step <= last_step)
+                 for stage in STAGES}
+    return LaunchPlan(first_step, last_step, versions, resumed, committed)
+
+
+def finish_launch(store: ExperienceStore, run: str, last_step: int) -> None:
+    _write_record(_record_path(store, run), {"last_step": last_step, "finished": True})
+
+
+def _write_record(path, record: dict) -> None:
+    # Written to a temporary name and renamed: a launch killed mid-write leaves the old record whole.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    temporary.write_text(json.dumps(record))
+    os.replace(temporary, path)

@@ -1,0 +1,101 @@
+"""Run-level pipeline figures from stage timings: throughput, busy fractions, efficiency, overhead, a plot.
+
+Every figure is computed from ``Span`` records (one per stage per micro-batch, plus one per agent per
+optimizer step), which the orchestrator emits and the store keeps with the data, so they can be
+recomputed after the fact.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+# Which resource a stage occupies: rollout engines, environment workers, the reward scorer, the trainers.
+RESOURCE_OF_STAGE = {"rollouts": "engines", "environment_results": "environment", "rewards": "reward",
+                     "policy_updates": "trainers", "optimizer_step": "trainers"}
+STAGE_ORDER = ("rollouts", "environment_results", "rewards", "policy_updates", "optimizer_step")
+
+
+@dataclass(frozen=True)
+class Span:
+    """One stage of one micro-batch (or one agent's optimizer step), in epoch seconds."""
+
+    stage: str
+    step: int
+    micro_batch: int
+    enqueued: float
+    started: float
+    ended: float
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, current_start, current_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if current_end is None or start > current_end:
+            if current_end is not None:
+                total += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_end is not None:
+        total += current_end - current_start
+    return total
+
+
+def pipeline_report(spans: list[Span], *, steps: int, episodes: int, tokens: int, started: float,
+                    ended: float) -> dict[str, float]:
+    """Throughput, per-resource busy fraction and pipeline efficiency of one launch.
+
+    Pipeline efficiency = ideal step time / measured step time, where the ideal step time is the busiest
+    resource's total busy time per step (no pipeline can beat its bottleneck resource).
+    """
+    wall = max(ended - started, 1e-9)
+    busy = {}
+    for resource in sorted(set(RESOURCE_OF_STAGE.values())):
+        intervals = [(s.started, s.ended) for s in spans if RESOURCE_OF_STAGE.get(s.stage) == resource]
+        busy[resource] = _union_length(intervals)
+    step_time = wall / max(steps, 1)
+    ideal_step_time = max(busy.values(), default=0.0) / max(steps, 1)
+    report = {
+        "wall_s": round(wall, 3),
+        "step_time_s": round(step_time, 4),
+        "episodes_per_s": round(episodes / wall, 3),
+        "tokens_per_s": round(tokens / wall, 1),
+        "pipeline_efficiency": round(ideal_step_time / step_time, 4) if step_time else 0.0,
+    }
+    for resource, seconds in busy.items():
+        report[f"busy_fraction/{resource}"] = round(seconds / wall, 4)
+    return report
+
+
+def staleness_histogram(steps: list[int], versions: list[int]) -> dict[int, int]:
+    """How many turns were sampled at each staleness (step - policy version)."""
+    histogram: dict[int, int] = {}
+    for step, version in zip(steps, versions):
+        histogram[step - version] = histogram.get(step - version, 0) + 1
+    return dict(sorted(histogram.items()))
+
+
+def activity_plot_png(spans: list[Span], started: float, title: str = "stage activity") -> bytes:
+    """A Gantt chart of stage work over time (one row per stage, one bar per micro-batch), as PNG bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = [stage for stage in STAGE_ORDER if any(s.stage == stage for s in spans)]
+    figure, axis = plt.subplots(figsize=(10, 0.6 * len(stages) + 1.2), dpi=100)
+    colors = plt.get_cmap("tab10")
+    for row, stage in enumerate(stages):
+        for span in (s for s in spans if s.stage == stage):
+            axis.broken_barh([(span.started - started, max(span.ended - span.started, 1e-3))], (row - 0.4, 0.8),
+                             facecolors=colors(span.step % 10), edgecolors="white", linewidth=0.3)
+    axis.set_yticks(range(len(stages)), stages)
+    axis.invert_yaxis()
+    axis.set_xlabel("seconds since the first step started (colour: step)")
+    axis.set_title(title)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    plt.close(figure)
+    return buffer.getvalue()
