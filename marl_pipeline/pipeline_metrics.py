@@ -99,3 +99,34 @@ def activity_plot_png(spans: list[Span], started: float, title: str = "stage act
     figure.savefig(buffer, format="png")
     plt.close(figure)
     return buffer.getvalue()
+
+
+def orchestrator_overhead(spans: list[Span], concurrency: dict[str, int] | None = None) -> float:
+    """Mean time per micro-batch spent in neither stage work nor waiting on a busy resource.
+
+    For each micro-batch and each hand-over between consecutive stages, the gap between the earliest
+    moment the next stage could have started (its input committed and one of its ``concurrency``
+    workers free) and the moment it did start is time the orchestrator itself added (queueing,
+    polling, dispatch, reading inputs back).
+    """
+    concurrency = concurrency or {}
+    chain = [stage for stage in STAGE_ORDER if stage != "optimizer_step"]
+    by_key = {(s.stage, s.step, s.micro_batch): s for s in spans}
+    gaps: dict[tuple[int, int], float] = {}
+    for span in spans:
+        if span.stage not in chain[1:]:
+            continue
+        previous = by_key.get((chain[chain.index(span.stage) - 1], span.step, span.micro_batch))
+        if previous is None:
+            continue
+        others = [s for s in spans if s.stage == span.stage and s is not span]
+        workers = concurrency.get(span.stage, 1)
+        candidates = sorted({previous.ended, *(s.ended for s in others if previous.ended < s.ended < span.started)})
+        earliest = span.started
+        for moment in candidates:
+            if sum(1 for s in others if s.started <= moment < s.ended) < workers:
+                earliest = moment
+                break
+        key = (span.step, span.micro_batch)
+        gaps[key] = gaps.get(key, 0.0) + max(span.started - earliest, 0.0)
+    return sum(gaps.values()) / max(len(gaps), 1)
