@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dagster as dg
 
+from assets.checks import STAGE_CHECKS
 from assets.policies import base_policies, policies
 from assets.stages import STAGE_ASSETS
 from assets.train import retrain_schedule, train_job
@@ -14,6 +15,7 @@ from resources import ExperimentResource, RayCluster
 
 defs = dg.Definitions(
     assets=[base_policies, policies, *STAGE_ASSETS],
+    asset_checks=STAGE_CHECKS,
     jobs=[train_job],
     schedules=[retrain_schedule],
     resources={

@@ -6,22 +6,70 @@ from pathlib import Path
 
 import dagster as dg
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from marl_pipeline.summaries import stage_summary
 
+_SAMPLE_TURNS = 3
+_SAMPLE_COLUMNS = ("sample_id", "agent", "turn", "policy_version", "response_text", "outcome", "success", "reward",
+                   "advantage", "tokens", "loss_sum", "status")
+"""Columns shown in a partition's sample-turns table, where the stage has them."""
 
-def stage_metadata(stage: str, path: Path, seconds: float, table: pa.Table) -> dict[str, dg.MetadataValue]:
-    """Rows, tokens, mean reward per agent, policy version, stage latency and storage path."""
+
+def stage_metadata(stage: str, path: Path | str, seconds: float, table: pa.Table) -> dict[str, dg.MetadataValue]:
+    """Rows, tokens, mean reward per agent, policy version, stage latency, storage path, column schema,
+    a few sample turns as a table and, for rewards, a reward histogram."""
+    from marl_pipeline.schema import SCHEMA_VERSION
+
     metadata: dict[str, dg.MetadataValue] = {
         "dagster/row_count": dg.MetadataValue.int(table.num_rows),
         "stage_latency_s": dg.MetadataValue.float(round(seconds, 4)),
         "path": dg.MetadataValue.path(str(path)),
+        "schema_version": dg.MetadataValue.int(SCHEMA_VERSION),
+        "dagster/column_schema": dg.MetadataValue.table_schema(_table_schema(table.schema)),
     }
     for name, value in stage_summary(stage, table).items():
         if name == "rows":
             continue
         metadata[name] = dg.MetadataValue.int(value) if isinstance(value, int) else dg.MetadataValue.float(value)
+    metadata["sample_turns"] = _sample_turns(table)
+    if "reward" in table.column_names and table.num_rows:
+        metadata["reward_histogram"] = dg.MetadataValue.md(_reward_histogram_md(table))
     return metadata
+
+
+def _table_schema(schema: pa.Schema) -> dg.TableSchema:
+    return dg.TableSchema(columns=[dg.TableColumn(field.name, str(field.type)) for field in schema])
+
+
+def _sample_turns(table: pa.Table) -> dg.MetadataValue:
+    """The first few rows, short columns only (texts cut to 80 characters), as a Dagster table."""
+    head = table.slice(0, _SAMPLE_TURNS)
+    if "response_ids" in head.column_names:
+        head = head.append_column("tokens", pc.list_value_length(head.column("response_ids")))
+    head = head.select([name for name in _SAMPLE_COLUMNS if name in head.column_names])
+    records = []
+    for row in head.to_pylist():
+        records.append(dg.TableRecord({name: value[:80] if isinstance(value, str) else value
+                                       for name, value in row.items() if value is not None}))
+    return dg.MetadataValue.table(records, schema=_table_schema(head.schema))
+
+
+def _reward_histogram_md(table: pa.Table) -> str:
+    # A text histogram, not a PNG: the train job logs one per partition and a plot costs ~50 ms to render.
+    import numpy as np
+
+    from marl_pipeline.inspection import distribution, text_histogram
+
+    lines = ["| agent | reward bin | turns | |", "| --- | --- | ---: | --- |"]
+    agents = np.asarray(table.column("agent").to_pylist(), dtype=object)
+    rewards = table.column("reward").to_numpy(zero_copy_only=False).astype(np.float64)
+    for agent in sorted(set(agents)):
+        summary = distribution(rewards[agents == agent], bins=5)
+        if summary["n"]:
+            lines += [f"| {agent} | {label} | {count} | {bar} |"
+                      for label, count, bar in text_histogram(summary["histogram"], width=10)]
+    return "\n".join(lines)
 
 
 def run_report(config, finished, events) -> tuple[dict, dict[str, dg.MetadataValue]]:

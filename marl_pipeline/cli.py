@@ -122,23 +122,82 @@ def _print_reward_table(store, run: str) -> None:
 
 
 @app.command()
-def inspect(store_uri: str = typer.Argument(..., help="Experience store directory.", metavar="STORE"),
-            run: str | None = typer.Option(None, help="Run to summarise (default: every run).")) -> None:
-    """Summarise a stored run: steps, episodes, tokens and mean reward per agent per step."""
-    from marl_pipeline.store import ExperienceStore
-    from marl_pipeline.summaries import run_overview
+def inspect(store_uri: str = typer.Argument(..., help="Experience store: a directory or s3://bucket/prefix "
+                                             "(endpoint and keys from the AWS_* variables).", metavar="STORE"),
+            run: str | None = typer.Option(None, help="Run to summarise (default: every run)."),
+            step: int | None = typer.Option(None, help="Only this step."),
+            agent: str | None = typer.Option(None, help="Only this agent's turns (samples: episodes it took part in)."),
+            sample: int = typer.Option(0, help="Also render N sample episodes as the agents' conversation.")) -> None:
+    """Summarise a stored run: episodes, tokens, reward and staleness distributions, failures, sample episodes."""
+    from marl_pipeline.store import ExperienceStore, StoreError
 
-    store = ExperienceStore(store_uri)
-    runs = [run] if run else store.runs()
+    try:
+        store = ExperienceStore(store_uri)
+        runs = [run] if run else store.runs()
+    except StoreError as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(2) from None
     if not runs:
-        console.print(f"[yellow]no runs in {store.root}[/yellow]")
+        console.print(f"[yellow]no runs in {store.uri}[/yellow]")
         raise typer.Exit(1)
-    for name in runs:
-        overview = run_overview(store, name)
-        console.print(f"[bold]run {name}[/bold]: {overview['steps']} steps, {overview['episodes']} episodes, "
-                      f"{overview['turns']} turns, {overview['tokens']} response tokens; policy versions "
-                      f"{overview['policy_versions']}")
-        _print_reward_table(store, name)
+    try:
+        for name in runs:
+            _print_run(store, name, step, agent, sample)
+    except StoreError as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(1) from None
+
+
+def _print_run(store, run: str, step: int | None, agent: str | None, sample: int) -> None:
+    from marl_pipeline.inspection import inspect_run, sample_episodes, text_histogram
+
+    report = inspect_run(store, run, step, agent)
+    scope = "".join(f", {k} {v}" for k, v in (("step", step), ("agent", agent)) if v is not None)
+    versions = {a: max(store.policy_versions(run, a), default=None) for a in report["agents"]}
+    console.print(f"[bold]run {run}[/bold]{scope}: {report['steps']} steps, {report['episodes']} episodes, "
+                  f"{report['turns']} turns, {sum(a['tokens'] for a in report['agents'].values())} response tokens; "
+                  f"policy versions {versions}")
+    if step is None and agent is None:
+        _print_reward_table(store, run)
+    table = Table(title="turns, tokens and reward per agent")
+    for column in ("agent", "turns", "tokens", "reward mean", "std", "min", "p50", "max"):
+        table.add_column(column, justify="left" if column == "agent" else "right")
+    for name, figures in report["agents"].items():
+        reward = figures["reward"]
+        table.add_row(name, str(figures["turns"]), str(figures["tokens"]),
+                      *(f"{reward[k]:.3f}" if reward["n"] else "-" for k in ("mean", "std", "min", "p50", "max")))
+    console.print(table)
+    for name, figures in report["agents"].items():
+        if figures["reward"]["n"]:
+            console.print(f"reward histogram, {name}:")
+            for label, count, bar in text_histogram(figures["reward"]["histogram"]):
+                console.print(f"  {label:>16} {count:>6} {bar}")
+    staleness = ", ".join(f"{k}: {v} turns" for k, v in report["staleness"].items()) or "no turns"
+    console.print(f"policy staleness (step - policy_version): {staleness}")
+    if not report["failures"]:
+        console.print("failures: none")
+    for stage, failure in report["failures"].items():
+        console.print(f"[red]failures in {stage}: {failure['rows']} rows[/red]")
+        for error, count in list(failure["errors"].items())[:5]:
+            console.print(f"  {count} x {error or '(no error message)'}")
+    for episode in sample_episodes(store, run, sample, step, agent):
+        _print_episode(episode)
+
+
+def _print_episode(episode: dict) -> None:
+    from rich.markup import escape
+
+    console.rule(f"step {episode['step']}, micro-batch {episode['micro_batch']}, episode {episode['episode']} "
+                 f"(task {episode['task_id']})")
+    if episode["turns"]:
+        console.print(f"[dim]{escape(episode['turns'][0]['prompt_text'] or '')}[/dim]")
+    for turn in episode["turns"]:
+        reward = "-" if turn["reward"] is None else f"{turn['reward']:.3f}"
+        console.print(f"[bold]{escape(turn['agent'])}[/bold] (turn {turn['turn']}, policy v{turn['policy_version']}, "
+                      f"reward {reward}, outcome {escape(str(turn['outcome']))}): "
+                      f"{escape(turn['response_text'] or '')}")
+        if turn["status"] != "ok":
+            console.print(f"  [red]{turn['status']}: {escape(str(turn['error']))}[/red]")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,18 @@ environment's roles) run in :func:`load_config` so a bad file fails before the s
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -39,8 +47,12 @@ class EngineConfig(_Strict):
 class TrainerConfig(_Strict):
     """Torch trainer settings for one agent."""
 
-    lr: float = Field(2e-3, gt=0)
-    """AdamW learning rate."""
+    lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate (peak, before decay)."""
+    lr_decay_steps: int | None = Field(None, ge=1)
+    """Linear decay of the learning rate over this many policy versions (None: constant)."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """The decayed learning rate never goes below ``lr * min_lr_ratio``."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     max_grad_norm: float = Field(1.0, gt=0)
@@ -132,6 +144,42 @@ class RayConfig(_Strict):
     """CPUs of the embedded local Ray (None: all of the machine's)."""
 
 
+class StoreConfig(_Strict):
+    """Where the experience store lives; a plain string in the YAML file is taken as ``uri``."""
+
+    uri: str = ".marl/store"
+    """A local directory (relative to the working directory) or ``s3://bucket/prefix``."""
+    endpoint_url: str | None = None
+    """S3-compatible endpoint (MinIO, moto, ...); None: AWS_ENDPOINT_URL or AWS's own."""
+    region: str | None = None
+    """S3 region; None: AWS_REGION / AWS_DEFAULT_REGION."""
+    access_key_id: str | None = Field(None, repr=False)
+    """None: the standard AWS chain (AWS_ACCESS_KEY_ID, ~/.aws, instance role); prefer that to the YAML file."""
+    secret_access_key: str | None = Field(None, repr=False)
+    """None: the standard AWS chain (AWS_SECRET_ACCESS_KEY, ...)."""
+    policy_cache: str | None = None
+    """Local directory for policy checkpoints of an ``s3://`` store (vLLM loads from a local path);
+    None: ``.marl/cache/<bucket>/<prefix>``. Unused for a local store (checkpoints live in it)."""
+    compression: Literal["zstd", "snappy", "lz4", "gzip", "none"] = "zstd"
+    """Parquet compression of stage partitions."""
+
+    def __str__(self) -> str:
+        # Code written when ``store`` was a plain string (f"{config.store}", str(config.store)) keeps working.
+        return self.uri
+
+    @field_validator("uri")
+    @classmethod
+    def validate_uri_scheme(cls, uri: str) -> str:
+        scheme = uri.split("://", 1)[0] if "://" in uri else "file"
+        if scheme not in ("file", "s3"):
+            raise ValueError(f"store URI {uri!r}: scheme {scheme!r} is not supported (a local path or s3://)")
+        return uri
+
+
+def _store_from_uri(value: Any) -> Any:
+    return {"uri": str(value)} if isinstance(value, str | Path) else value
+
+
 class ExperimentConfig(_Strict):
     """A whole experiment: what the ``marl train`` command and the Dagster ``train`` job take."""
 
@@ -139,8 +187,8 @@ class ExperimentConfig(_Strict):
     """Run name: one training lineage in the store; letters, digits, ``_`` and ``.``."""
     seed: int = 0
     """Seeds task sampling, model building, warm-up and rollout sampling."""
-    store: str = ".marl/store"
-    """Experience store URI: a local directory (relative to the working directory)."""
+    store: Annotated[StoreConfig, BeforeValidator(_store_from_uri)] = StoreConfig()
+    """Experience store: a URI string (local directory or ``s3://...``) or a mapping of ``StoreConfig`` fields."""
     environment: EnvironmentConfig
     agents: dict[str, AgentConfig]
     pipeline: PipelineConfig = PipelineConfig()

@@ -7,6 +7,7 @@ go on: a bad episode never blocks the micro-batch.
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 
 import pyarrow as pa
 
@@ -34,6 +35,7 @@ def execute_micro_batch(env: Environment, rollouts: pa.Table) -> pa.Table:
     columns: dict[str, list] = {name: [] for name in ENVIRONMENT_RESULTS.names + ["agent"]}
     for turns in episodes_of(rollouts.select(list(_KEYS) + ["task", "response_text"])):
         task = json.loads(turns[0]["task"])
+        start = datetime.now(UTC)
         try:
             results = env.execute(task, transcript_of(turns))
             if len(results) != len(turns):
@@ -42,6 +44,7 @@ def execute_micro_batch(env: Environment, rollouts: pa.Table) -> pa.Table:
         except Exception as exc:
             results = [ActionResult("error", False) for _ in turns]
             status, error = "failed", f"{type(exc).__name__}: {exc}"
+        end = datetime.now(UTC)
         for row, result in zip(turns, results):
             for name in _KEYS:
                 columns[name].append(row[name])
@@ -49,6 +52,8 @@ def execute_micro_batch(env: Environment, rollouts: pa.Table) -> pa.Table:
             columns["success"].append(result.success)
             columns["observation"].append(result.observation)
             columns["info"].append(json.dumps(result.info, sort_keys=True))
+            columns["environment_start"].append(start)
+            columns["environment_end"].append(end)
             columns["status"].append(status)
             columns["error"].append(error)
     return pa.table(columns, schema=with_agent(ENVIRONMENT_RESULTS))

@@ -6,14 +6,23 @@ status  per-stage state and error message
 
 ``run``, ``step``, ``micro_batch`` and ``agent`` are hive partition columns: they live in the
 directory names, not in the files, and come back as columns when a dataset is read.
-A change to any schema here bumps ``SCHEMA_VERSION`` (stored in every file's metadata).
+A change to any schema here bumps ``SCHEMA_VERSION`` (stored in every file's metadata and in each
+partition's commit manifest) and records what changed in ``SCHEMA_CHANGES``. A version listed in
+``READABLE_SCHEMA_VERSIONS`` is read under the current schema (columns it lacks come back null);
+any other version is refused with a message naming the file (docs/store.md).
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+SCHEMA_CHANGES = {
+    1: "first version",
+    2: "environment_start/environment_end and reward_start/reward_end: timestamps of every stage",
+}
+# Versions whose files this code reads: each change so far only added nullable columns.
+READABLE_SCHEMA_VERSIONS = (1, 2)
 SCHEMA_VERSION_KEY = b"marl_pipeline.schema_version"
 
 PARTITION_SCHEMA = pa.schema(
@@ -57,6 +66,8 @@ ENVIRONMENT_RESULTS = pa.schema(
         pa.field("success", pa.bool_()),
         pa.field("observation", pa.string()),
         pa.field("info", pa.string()),  # JSON
+        pa.field("environment_start", pa.timestamp("us", tz="UTC")),  # the episode's execution
+        pa.field("environment_end", pa.timestamp("us", tz="UTC")),
         pa.field("status", pa.string()),
         pa.field("error", pa.string()),
     ]
@@ -67,6 +78,8 @@ REWARDS = pa.schema(
     + [
         pa.field("reward", pa.float32()),
         pa.field("advantage", pa.float32()),  # group-relative, per agent
+        pa.field("reward_start", pa.timestamp("us", tz="UTC")),  # the episode's scoring
+        pa.field("reward_end", pa.timestamp("us", tz="UTC")),
         pa.field("status", pa.string()),
         pa.field("error", pa.string()),
     ]

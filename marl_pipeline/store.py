@@ -1,34 +1,49 @@
 """The experience store: per-stage Arrow datasets, hive-partitioned run / stage / step / micro_batch / agent.
 
-Layout under the store root::
+Layout under the store root (a local directory or ``s3://bucket/prefix``; docs/store.md)::
 
-    run=R/stage=S/step=I/micro_batch=K/agent=A/part-0.parquet      committed stage outputs
-    run=R/stage=S/step=I/_staging-micro_batch=K-<uuid>/...          a commit in progress (invisible)
-    run=R/policies/agent=A/version=V/                               policy checkpoints (HF format)
+    run=R/stage=S/step=I/micro_batch=K/_manifest.json                   the committed attempt and its files
+    run=R/stage=S/step=I/micro_batch=K/agent=A/part-<attempt>.parquet   committed stage outputs
+    run=R/stage=S/step=I/_staging-micro_batch=K-<attempt>/...            a local commit in progress (invisible)
+    run=R/policies/agent=A/version=V/                                    policy checkpoints (HF format)
 
-A micro-batch's stage output is written whole into a staging directory and then renamed into place,
-so readers see all of it or none of it; pyarrow.dataset skips names starting with ``_`` or ``.``.
-Re-committing a partition swaps the old directory out before the new one is renamed in (a reader in
-that instant sees the partition absent, never mixed), then deletes the old one.
+A micro-batch's stage output becomes visible all at once through its manifest (marl_pipeline.commits).
+Readers resolve manifests and open exactly the files they name, with column projection, so reading one
+agent of one micro-batch opens one file. Policy checkpoints are local directories (vLLM and transformers
+load from a local path): in the store for a local store, in ``StoreConfig.policy_cache`` for S3.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from marl_pipeline.schema import PARTITION_SCHEMA, SCHEMA_VERSION, SCHEMA_VERSION_KEY, STAGE_SCHEMAS, with_version
+from marl_pipeline import commits
+from marl_pipeline.commits import Manifest
+from marl_pipeline.config import StoreConfig
+from marl_pipeline.schema import (
+    PARTITION_SCHEMA,
+    READABLE_SCHEMA_VERSIONS,
+    SCHEMA_VERSION,
+    STAGE_SCHEMAS,
+    with_version,
+)
+from marl_pipeline.storage import open_location, policy_root
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_READ_ATTEMPTS = 5
+"""A read retries when a re-commit replaced the files it was reading (it then reads the new commit)."""
 
 
 class StoreError(RuntimeError):
-    """A stored partition is missing, unreadable or of an unsupported schema version."""
+    """A stored partition is missing, unreadable or of an unsupported schema version, or input is invalid."""
 
 
 @dataclass(frozen=True, order=True)
@@ -44,126 +59,238 @@ class MicroBatchKey:
 
 
 class ExperienceStore:
-    """Reads and atomically commits stage partitions and policy checkpoints under one root directory."""
+    """Reads and atomically commits stage partitions and policy checkpoints under one root.
 
-    def __init__(self, uri: str | os.PathLike) -> None:
-        uri = str(uri)
-        if "://" in uri and not uri.startswith("file://"):
-            raise StoreError(f"store URI {uri!r}: only local directories are supported by this version")
-        self.root = Path(uri.removeprefix("file://")).absolute()
+    Args:
+        uri: a local directory, ``s3://bucket/prefix``, or a ``StoreConfig`` (endpoint, keys, policy cache).
+    """
+
+    def __init__(self, uri: str | os.PathLike | StoreConfig) -> None:
+        try:
+            self.config = uri if isinstance(uri, StoreConfig) else StoreConfig(uri=str(uri))
+            self.location = open_location(self.config)
+        except ValueError as error:
+            raise StoreError(str(error)) from None
+        self.uri = self.location.uri
+        self.root = policy_root(self.config, self.location)
+        """Local directory: the store itself, or the policy cache of an S3 store."""
+        self._format = ds.ParquetFileFormat()
+
+    def __repr__(self) -> str:
+        return f"ExperienceStore({self.uri!r})"
 
     # -- paths ------------------------------------------------------------------------------------
-    def stage_dir(self, run: str, stage: str) -> Path:
+    def stage_path(self, run: str, stage: str) -> str:
         if stage not in STAGE_SCHEMAS:
             raise StoreError(f"unknown stage {stage!r}; stages are {list(STAGE_SCHEMAS)}")
-        return self.root / f"run={run}" / f"stage={stage}"
+        _check_name("run", run)
+        return self.location.path(f"run={run}", f"stage={stage}")
 
-    def partition_dir(self, stage: str, key: MicroBatchKey) -> Path:
-        return self.stage_dir(key.run, stage) / f"step={key.step}" / f"micro_batch={key.micro_batch}"
+    def partition_path(self, stage: str, key: MicroBatchKey) -> str:
+        if key.step < 0 or key.micro_batch < 0:
+            raise StoreError(f"{stage} {key}: step and micro_batch must be >= 0")
+        return f"{self.stage_path(key.run, stage)}/step={key.step}/micro_batch={key.micro_batch}"
 
     def policy_dir(self, run: str, agent: str, version: int) -> Path:
         return self.root / f"run={run}" / "policies" / f"agent={agent}" / f"version={version}"
 
-    # -- stage partitions -------------------------------------------------------------------------
-    def commit(self, stage: str, key: MicroBatchKey, table: pa.Table) -> Path:
+    # -- commits ----------------------------------------------------------------------------------
+    def commit(self, stage: str, key: MicroBatchKey, table: pa.Table) -> Path | str:
         """Write one micro-batch's stage output (all agents) and make it visible at once.
 
-        ``table`` has the stage's schema plus an ``agent`` column; rows are split by agent.
-        Returns the committed partition directory.
+        ``table`` has the stage's columns plus an ``agent`` column; rows are split by agent. A partition
+        already committed is replaced whole. Returns the partition's directory (a URI on S3).
         """
-        target = self.partition_dir(stage, key)  # also validates the stage name
-        schema = STAGE_SCHEMAS[stage]
+        target = self.partition_path(stage, key)
+        body, agents = self._validated(stage, key, table)
+        attempt = commits.new_attempt()
+        local = self.location.local
+        directory = f"{target.rsplit('/', 1)[0]}/_staging-micro_batch={key.micro_batch}-{attempt}" if local else target
+        files, rows = {}, {}
+        try:
+            for agent, part in _split_by_agent(body, agents):
+                files[agent] = f"agent={agent}/part-{attempt}.parquet"
+                rows[agent] = part.num_rows
+                if local:
+                    os.makedirs(f"{directory}/agent={agent}", exist_ok=True)
+                pq.write_table(part, f"{directory}/{files[agent]}", filesystem=self.location.arrow,
+                               compression=self.config.compression)
+            manifest = Manifest(attempt, SCHEMA_VERSION, files, rows)
+            if local:
+                os.makedirs(directory, exist_ok=True)  # an empty micro-batch is still a commit
+                commits.write_manifest(self.location, directory, manifest)
+                commits.swap_in(Path(directory), Path(target))
+                replaced = None
+            else:
+                replaced = commits.read_manifest(self.location, target)
+                commits.write_manifest(self.location, target, manifest)  # the commit point
+        except BaseException:
+            self._discard(directory, files, attempt)
+            raise
+        stale = [f"{target}/{f}" for f in (replaced.files.values() if replaced else ()) if f not in files.values()]
+        commits.remove(self.location, stale + commits.partition_garbage(self.location, target, manifest,
+                                                                        commits.GRACE_SECONDS))
+        return Path(target) if local else self.location.uri_of(target)
+
+    def _validated(self, stage: str, key: MicroBatchKey, table: pa.Table) -> tuple[pa.Table, pa.ChunkedArray]:
+        schema, what = STAGE_SCHEMAS[stage], f"{stage} {key}"
         if "agent" not in table.column_names:
-            raise StoreError(f"{stage} {key}: the table to commit has no 'agent' column")
+            raise StoreError(f"{what}: the table to commit has no 'agent' column")
         missing = [name for name in schema.names if name not in table.column_names]
         if missing:
-            raise StoreError(f"{stage} {key}: the table to commit lacks columns {missing}")
-        staging = target.parent / f"_staging-{target.name}-{uuid.uuid4().hex}"
-        agents = table.column("agent").to_pylist()
-        body = table.select(schema.names).cast(schema)
-        try:
-            for agent in sorted(set(agents)):
-                mask = pa.array([a == agent for a in agents])
-                agent_dir = staging / f"agent={agent}"
-                agent_dir.mkdir(parents=True)
-                pq.write_table(body.filter(mask).replace_schema_metadata(with_version(schema).metadata),
-                               agent_dir / "part-0.parquet", compression="zstd")
-            if not agents:  # an empty micro-batch is still a commit: the directory marks it done
-                staging.mkdir(parents=True)
-            self._swap_in(staging, target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return target
+            raise StoreError(f"{what}: the table to commit lacks columns {missing}")
+        agents = table.column("agent")
+        if agents.null_count:
+            raise StoreError(f"{what}: the 'agent' column has {agents.null_count} null values")
+        for agent in pc.unique(agents).to_pylist():
+            _check_name("agent", agent)
+        columns = []
+        for field in schema:
+            column = table.column(field.name)
+            try:
+                columns.append(column if column.type == field.type else column.cast(field.type))
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+                raise StoreError(f"{what}: column {field.name!r} has type {column.type}, the {stage} schema "
+                                 f"wants {field.type}: {error}") from None
+        return pa.Table.from_arrays(columns, schema=with_version(schema)), agents
 
-    def _swap_in(self, staging: Path, target: Path) -> None:
-        old = None
-        if target.exists():
-            old = target.parent / f"_replaced-{target.name}-{uuid.uuid4().hex}"
-            os.rename(target, old)
-        os.rename(staging, target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+    def _discard(self, directory: str, files: dict[str, str], attempt: str) -> None:
+        # A failed commit removes what it wrote; a killed one leaves it to the garbage collection.
+        if self.location.local:
+            commits.remove(self.location, [directory])
+        else:
+            commits.remove(self.location, [f"{directory}/{f}" for f in files.values()
+                                           if self.location.fs.exists(f"{directory}/{f}")])
+
+    def vacuum(self, older_than: float = commits.GRACE_SECONDS) -> list[str]:
+        """Delete leftovers of dead writers older than ``older_than`` seconds; returns the deleted paths."""
+        return commits.collect_garbage(self.location, self.root, older_than)
+
+    # -- reads ------------------------------------------------------------------------------------
+    def manifest(self, stage: str, key: MicroBatchKey) -> Manifest | None:
+        """The committed attempt of a partition; None when it is not committed."""
+        path = self.partition_path(stage, key)
+        try:
+            manifest = commits.read_manifest(self.location, path)
+        except ValueError as error:
+            raise StoreError(f"{stage} {key}: {error}") from None
+        return self._readable(manifest, f"{stage} {key} ({self.location.uri_of(path)})")
+
+    def _readable(self, manifest: Manifest | None, what: str) -> Manifest | None:
+        if manifest is not None and manifest.schema_version not in READABLE_SCHEMA_VERSIONS:
+            raise StoreError(f"{what} has schema version {manifest.schema_version}; this marl_pipeline reads "
+                             f"versions {READABLE_SCHEMA_VERSIONS} (a newer marl_pipeline wrote it: upgrade)")
+        return manifest
 
     def is_committed(self, stage: str, key: MicroBatchKey) -> bool:
-        return self.partition_dir(stage, key).is_dir()
+        return self.manifest(stage, key) is not None
+
+    def committed_keys(self, run: str, stage: str) -> list[MicroBatchKey]:
+        """Every committed micro-batch of a stage, in order."""
+        stage_path = self.stage_path(run, stage)
+        pattern = "step=*/micro_batch=*" if self.location.local else f"step=*/micro_batch=*/{commits.MANIFEST}"
+        keys = []
+        for path in self.location.fs.glob(f"{stage_path}/{pattern}"):
+            step, micro_batch = path[len(stage_path) + 1:].split("/")[:2]
+            keys.append(MicroBatchKey(run, int(step[5:]), int(micro_batch[12:])))
+        return sorted(keys)
+
+    def runs(self) -> list[str]:
+        try:
+            entries = self.location.fs.ls(self.location.base, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(name[4:] for name in (e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+                      if name.startswith("run="))
 
     def read(self, stage: str, key: MicroBatchKey, agent: str | None = None,
              columns: list[str] | None = None) -> pa.Table:
         """Read one committed micro-batch of a stage, with an ``agent`` column.
 
-        With ``agent``, only that agent's files are opened (partition pruning by directory).
+        With ``agent``, only that agent's file is opened.
         """
-        directory = self.partition_dir(stage, key)
-        if not directory.is_dir():
-            raise StoreError(f"{stage} {key} is not committed (no {directory})")
-        what = f"{stage} {key}"
-        if agent is None:
-            return self._read_dataset(directory, ("agent",), what, columns)
-        directory = directory / f"agent={agent}"
-        if not directory.is_dir():
-            return self._empty(stage, columns).append_column("agent", pa.array([], pa.string()))
-        table = self._read_dataset(directory, (), what, columns)
-        return table.append_column("agent", pa.array([agent] * table.num_rows, pa.string()))
-
-    def read_stage(self, run: str, stage: str, columns: list[str] | None = None) -> pa.Table:
-        """Read every committed partition of a stage for a run, with step, micro_batch and agent columns."""
-        directory = self.stage_dir(run, stage)
-        if not directory.is_dir():
-            return self._empty(stage, columns)
-        return self._read_dataset(directory, ("step", "micro_batch", "agent"), f"{stage} of run {run}", columns)
-
-    def committed_keys(self, run: str, stage: str) -> list[MicroBatchKey]:
-        """Every committed micro-batch of a stage, in order."""
-        keys = []
-        for step_dir in self.stage_dir(run, stage).glob("step=*"):
-            for mb_dir in step_dir.glob("micro_batch=*"):
-                keys.append(MicroBatchKey(run, int(step_dir.name[5:]), int(mb_dir.name[12:])))
-        return sorted(keys)
-
-    def runs(self) -> list[str]:
-        return sorted(p.name[4:] for p in self.root.glob("run=*") if p.is_dir())
-
-    def _read_dataset(self, directory: Path, levels: tuple[str, ...], what: str,
-                      columns: list[str] | None) -> pa.Table:
-        """Read the Parquet files under ``directory``, whose sub-directories are the hive ``levels``."""
-        partitioning = ds.partitioning(pa.schema([PARTITION_SCHEMA.field(name) for name in levels]), flavor="hive")
-        dataset = ds.dataset(directory, format="parquet", partitioning=partitioning)
-        for fragment in dataset.get_fragments():
+        partition = self.partition_path(stage, key)
+        for _ in range(_READ_ATTEMPTS):
+            manifest = self.manifest(stage, key)
+            if manifest is None:
+                raise StoreError(f"{stage} {key} is not committed (no {self.location.uri_of(partition)})")
+            files = {a: f for a, f in manifest.files.items() if agent is None or a == agent}
+            paths = [f"{partition}/{f}" for f in files.values()]
             try:
-                version = (fragment.physical_schema.metadata or {}).get(SCHEMA_VERSION_KEY, b"?").decode()
-            except (pa.ArrowInvalid, OSError) as error:
-                raise StoreError(f"{what}: unreadable file {fragment.path}: {error}") from error
-            if version != str(SCHEMA_VERSION):
-                raise StoreError(f"{what}: file {fragment.path} has schema version {version}, "
-                                 f"this marl_pipeline reads version {SCHEMA_VERSION}")
-        try:
-            return dataset.to_table(columns=columns)
-        except (pa.ArrowInvalid, OSError) as error:
-            raise StoreError(f"{what}: unreadable data: {error}") from error
+                return self._dataset(stage, paths, partition, ("agent",), columns).to_table(columns=columns)
+            except (OSError, pa.ArrowInvalid) as error:
+                if self.manifest(stage, key) == manifest:
+                    raise self._unreadable(f"{stage} {key}", stage, paths, partition, ("agent",), error) from None
+        raise StoreError(f"{stage} {key}: re-committed {_READ_ATTEMPTS} times while being read")
 
-    def _empty(self, stage: str, columns: list[str] | None) -> pa.Table:
-        table = STAGE_SCHEMAS[stage].empty_table()
-        return table.select(columns) if columns else table
+    def dataset(self, run: str, stage: str) -> ds.Dataset:
+        """The committed partitions of a stage as one pyarrow dataset (step, micro_batch and agent columns).
+
+        Filters on step, micro_batch or agent prune files; DuckDB and Polars query it directly (docs/store.md).
+        """
+        for _ in range(_READ_ATTEMPTS):
+            try:
+                return self._committed_dataset(run, stage)
+            except FileNotFoundError:
+                continue  # a re-commit deleted files between reading their manifest and opening them: resolve again
+        raise StoreError(f"{stage} of run {run}: re-committed {_READ_ATTEMPTS} times while being opened")
+
+    def _committed_dataset(self, run: str, stage: str) -> ds.Dataset:
+        stage_path = self.stage_path(run, stage)
+        partitions = [self.partition_path(stage, key) for key in self.committed_keys(run, stage)]
+        # One batched read of every manifest (concurrent requests on S3) rather than one round trip each.
+        blobs = self.location.fs.cat([f"{p}/{commits.MANIFEST}" for p in partitions], on_error="omit") \
+            if partitions else {}
+        paths = []
+        for partition in partitions:
+            where = self.location.uri_of(partition)
+            blob = blobs.get(f"{partition}/{commits.MANIFEST}")
+            try:
+                manifest = (Manifest.from_bytes(blob, where) if blob is not None
+                            else commits.read_manifest(self.location, partition))  # a version-1 local partition
+            except ValueError as error:
+                raise StoreError(f"{stage} of run {run}: {error}") from None
+            if self._readable(manifest, f"{stage} {where}") is not None:
+                paths += [f"{partition}/{name}" for name in manifest.files.values()]
+        return self._dataset(stage, paths, stage_path, ("step", "micro_batch", "agent"), None)
+
+    def read_stage(self, run: str, stage: str, columns: list[str] | None = None,
+                   filter: ds.Expression | None = None) -> pa.Table:
+        """Read every committed partition of a stage for a run, with step, micro_batch and agent columns."""
+        levels = ("step", "micro_batch", "agent")
+        for _ in range(_READ_ATTEMPTS):
+            dataset = self.dataset(run, stage)
+            try:
+                return dataset.to_table(columns=columns, filter=filter)
+            except (OSError, pa.ArrowInvalid) as error:
+                if self.dataset(run, stage).files == dataset.files:
+                    raise self._unreadable(f"{stage} of run {run}", stage, dataset.files, self.stage_path(run, stage),
+                                           levels, error) from None
+        raise StoreError(f"{stage} of run {run}: re-committed {_READ_ATTEMPTS} times while being read")
+
+    def _dataset(self, stage: str, paths: list[str], base: str, levels: tuple[str, ...],
+                 columns: list[str] | None) -> ds.Dataset:
+        # The current schema is given, not inferred: files of older readable versions lack new columns,
+        # which come back null; and no file is opened just to learn the schema.
+        level_fields = [PARTITION_SCHEMA.field(name) for name in levels]
+        schema = pa.schema(list(STAGE_SCHEMAS[stage]) + level_fields)
+        if columns is not None and (unknown := [c for c in columns if c not in schema.names]):
+            raise StoreError(f"{stage}: unknown columns {unknown}; columns are {schema.names}")
+        return ds.dataset(paths, schema=schema, format=self._format, filesystem=self.location.arrow,
+                          partitioning=ds.partitioning(pa.schema(level_fields), flavor="hive"),
+                          partition_base_dir=base)
+
+    def _unreadable(self, what: str, stage: str, paths: list[str], base: str, levels: tuple[str, ...],
+                    error: Exception) -> StoreError:
+        """Name the file (and its partition) that fails, by reading the files one at a time."""
+        for path in paths:
+            try:
+                self._dataset(stage, [path], base, levels, None).to_table()
+            except (OSError, pa.ArrowInvalid) as file_error:
+                partition = path[len(self.location.base) + 1:].rsplit("/", 1)[0]
+                return StoreError(f"{what}: unreadable file {self.location.uri_of(path)} "
+                                  f"(partition {partition}): {file_error}")
+        return StoreError(f"{what}: unreadable data: {error}")
 
     # -- policies ---------------------------------------------------------------------------------
     def policy_versions(self, run: str, agent: str) -> list[int]:
@@ -173,12 +300,27 @@ class ExperienceStore:
     def staging_policy_dir(self, run: str, agent: str, version: int) -> Path:
         """A fresh directory to save a policy into before :meth:`commit_policy` publishes it."""
         target = self.policy_dir(run, agent, version)
-        staging = target.parent / f"_staging-{target.name}-{uuid.uuid4().hex}"
+        staging = target.parent / f"_staging-{target.name}-{commits.new_attempt()}"
         staging.mkdir(parents=True)
         return staging
 
     def commit_policy(self, staging: Path, run: str, agent: str, version: int) -> Path:
         target = self.policy_dir(run, agent, version)
-        self._swap_in(staging, target)
+        commits.swap_in(Path(staging), target)
         return target
 
+
+def _check_name(kind: str, value: object) -> None:
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise StoreError(f"invalid {kind} name {value!r}: use letters, digits, '_', '.' and '-' (it names a directory)")
+
+
+def _split_by_agent(table: pa.Table, agents: pa.ChunkedArray):
+    """(agent, rows) per agent, agents sorted; a contiguous run of rows is sliced (no copy), not filtered."""
+    for agent in sorted(pc.unique(agents).to_pylist()):
+        positions = pc.indices_nonzero(pc.equal(agents, agent))
+        first, count = positions[0].as_py(), len(positions)
+        if positions[count - 1].as_py() - first + 1 == count:
+            yield agent, table.slice(first, count)
+        else:
+            yield agent, table.take(positions)

@@ -39,19 +39,3 @@ def reward_table(rewards: pa.Table) -> dict[int, dict[str, float]]:
     for step, agent, mean in zip(*(grouped.column(c).to_pylist() for c in ("step", "agent", "reward_mean"))):
         table.setdefault(step, {})[agent] = mean
     return dict(sorted(table.items()))
-
-
-def run_overview(store, run: str) -> dict:
-    """Steps, episodes, turns, response tokens and policy versions of a stored run."""
-    rollouts = store.read_stage(run, "rollouts", columns=["step", "micro_batch", "episode", "response_ids", "agent"])
-    episodes = (rollouts.group_by(["step", "micro_batch", "episode"]).aggregate([]).num_rows
-                if rollouts.num_rows else 0)
-    tokens = int(pc.sum(pc.list_value_length(rollouts.column("response_ids"))).as_py() or 0) if rollouts.num_rows else 0
-    agents = sorted(set(rollouts.column("agent").to_pylist())) if rollouts.num_rows else []
-    return {
-        "steps": len(set(rollouts.column("step").to_pylist())) if rollouts.num_rows else 0,
-        "episodes": episodes,
-        "turns": rollouts.num_rows,
-        "tokens": tokens,
-        "policy_versions": {agent: max(store.policy_versions(run, agent), default=None) for agent in agents},
-    }

@@ -30,13 +30,15 @@ class PolicyTrainer:
     """Holds one agent's policy in float32 and updates it with the clipped policy-gradient loss."""
 
     def __init__(self, model_dir: str, version: int, *, lr: float, weight_decay: float, max_grad_norm: float,
-                 clip_eps: float, seed: int, num_threads: int | None = None) -> None:
+                 clip_eps: float, seed: int, num_threads: int | None = None, lr_decay_steps: int | None = None,
+                 min_lr_ratio: float = 0.1) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
         self.model, self.tokenizer = load_policy(model_dir)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.lr, self.lr_decay_steps, self.min_lr_ratio = lr, lr_decay_steps, min_lr_ratio
         self.max_grad_norm = max_grad_norm
         self.clip_eps = clip_eps
         self.version = version
@@ -68,11 +70,20 @@ class PolicyTrainer:
             if param.grad is not None:
                 param.grad.div_(tokens)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate(self.version)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._step_tokens = 0
         self.version += 1
-        return {"policy_version": self.version, "tokens": tokens, "grad_norm": float(grad_norm)}
+        return {"policy_version": self.version, "tokens": tokens, "grad_norm": float(grad_norm),
+                "lr": self.learning_rate(self.version - 1)}
+
+    def learning_rate(self, version: int) -> float:
+        """The step's learning rate, a function of the policy version, so a resumed launch continues the schedule."""
+        if not self.lr_decay_steps:
+            return self.lr
+        return self.lr * max(self.min_lr_ratio, 1.0 - version / self.lr_decay_steps)
 
     def discard_gradients(self) -> None:
         """Drop accumulated gradients without stepping (a replayed micro-batch, a failed step)."""

@@ -55,6 +55,7 @@ def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: d
             str(store.policy_dir(config.run, agent, versions[agent])), versions[agent], lr=trainer.lr,
             weight_decay=trainer.weight_decay, max_grad_norm=trainer.max_grad_norm,
             clip_eps=config.algorithm.clip_eps, seed=config.seed + index, num_threads=1,
+            lr_decay_steps=trainer.lr_decay_steps, min_lr_ratio=trainer.min_lr_ratio,
         )
     return trainers
 

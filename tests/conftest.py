@@ -52,3 +52,35 @@ def local_ray():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3-compatible server (moto's server mode) on 127.0.0.1, with a ``marl`` bucket."""
+    import socket
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                 region_name="us-east-1").create_bucket(Bucket="marl")
+    yield endpoint
+    server.stop()
+
+
+@pytest.fixture(params=["local", "s3"])
+def store_config(request, tmp_path: Path):
+    """The same store tests against a local directory and against S3 (a fresh prefix per test)."""
+    from marl_pipeline.config import StoreConfig
+
+    if request.param == "local":
+        return StoreConfig(uri=str(tmp_path / "store"))
+    endpoint = request.getfixturevalue("s3_endpoint")
+    return StoreConfig(uri=f"s3://marl/{tmp_path.name}", endpoint_url=endpoint, region="us-east-1",
+                       access_key_id="testing", secret_access_key="testing", policy_cache=str(tmp_path / "cache"))

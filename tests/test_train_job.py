@@ -15,6 +15,7 @@ import pyarrow as pa
 import pytest
 import yaml
 
+from assets.checks import STAGE_CHECKS
 from assets.definitions import defs
 from assets.partitions import agent_key, stage_partition
 from assets.stages import environment_results, policy_updates, rewards, rollouts
@@ -57,7 +58,8 @@ def test_every_stage_partition_is_recorded_as_it_commits(trained) -> None:
         assert sorted(_materialized_partitions(instance, stage)) == expected, stage
     record = instance.fetch_materializations(dg.AssetKey("rewards"), limit=1).records[0]
     metadata = record.asset_materialization.metadata
-    expected_metadata = {"dagster/row_count", "stage_latency_s", "path", "mean_reward/solver", "mean_reward/verifier"}
+    expected_metadata = {"dagster/row_count", "stage_latency_s", "path", "mean_reward/solver", "mean_reward/verifier",
+                         "dagster/column_schema", "sample_turns", "reward_histogram", "schema_version"}
     assert expected_metadata <= set(metadata)
     rollout_metadata = instance.fetch_materializations(dg.AssetKey("rollouts"), limit=1).records[0]
     assert rollout_metadata.asset_materialization.metadata["tokens"].value > 0
@@ -98,12 +100,18 @@ def test_rematerialized_stage_reproduces_its_stored_partition(trained, asset) ->
     stage = asset.key.path[-1]
     store, key = trained["store"], MicroBatchKey("small", 1, 1)
     before = _sorted(store.read(stage, key))
-    result = dg.materialize([asset], partition_key=str(stage_partition("small", 1, 1)), instance=trained["instance"],
-                            resources=trained["resources"])
+    checks = [check for check in STAGE_CHECKS if next(iter(check.check_keys)).asset_key == asset.key]
+    result = dg.materialize([asset, *checks], partition_key=str(stage_partition("small", 1, 1)),
+                            instance=trained["instance"], resources=trained["resources"])
     assert result.success
+    # The stage's asset checks run with its materialization, on the replayed partition, and pass.
+    evaluations = result.get_asset_check_evaluations()
+    assert len(evaluations) == len(checks) and all(e.passed for e in evaluations), evaluations
     after = _sorted(store.read(stage, key))
     assert after.num_rows == before.num_rows
     for name in before.column_names:
+        if name.endswith(("_start", "_end")):  # when the stage ran: a replay runs later
+            continue
         if name == "loss_sum":  # float reductions: the same inputs and order, compared to float64 rounding
             assert after.column(name).to_pylist() == pytest.approx(before.column(name).to_pylist(), rel=1e-6)
         else:
@@ -113,9 +121,12 @@ def test_rematerialized_stage_reproduces_its_stored_partition(trained, asset) ->
 def test_rematerialized_rollout_resamples_the_stored_micro_batch(trained) -> None:
     store, key = trained["store"], MicroBatchKey("small", 1, 0)
     before = _sorted(store.read("rollouts", key))
-    result = dg.materialize([rollouts], partition_key=str(stage_partition("small", 1, 0)),
+    checks = [check for check in STAGE_CHECKS if next(iter(check.check_keys)).asset_key == rollouts.key]
+    result = dg.materialize([rollouts, *checks], partition_key=str(stage_partition("small", 1, 0)),
                             instance=trained["instance"], resources=trained["resources"])
     assert result.success
+    evaluations = result.get_asset_check_evaluations()
+    assert len(evaluations) == 4 and all(e.passed for e in evaluations), evaluations
     after = _sorted(store.read("rollouts", key))
     for name in ("sample_id", "prompt_text", "policy_version", "prompt_ids"):
         assert after.column(name).equals(before.column(name)), name

@@ -1,0 +1,71 @@
+"""Where the experience store's bytes live: one fsspec filesystem (local or s3fs) and its pyarrow view.
+
+Everything the store does goes through these two handles, so a local directory and ``s3://`` share
+one code path; only the commit point differs (docs/store.md).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+import pyarrow.fs as pafs
+
+from marl_pipeline.config import StoreConfig
+
+
+@dataclass(frozen=True)
+class Location:
+    """A store root on one filesystem."""
+
+    fs: fsspec.AbstractFileSystem
+    """For listing, manifests and deletes."""
+    arrow: pafs.FileSystem
+    """The same filesystem for pyarrow.dataset / parquet reads and writes."""
+    base: str
+    """Root of the store inside ``fs`` (no scheme, no trailing slash)."""
+    local: bool
+    uri: str
+    """The root as a URI users can paste (``s3://bucket/prefix`` or an absolute path)."""
+
+    def path(self, *parts: str) -> str:
+        return "/".join((self.base, *parts))
+
+    def uri_of(self, path: str) -> str:
+        return path if self.local else f"s3://{path}"
+
+
+def open_location(config: StoreConfig) -> Location:
+    """The filesystem of ``config.uri``: a local directory, or S3 through s3fs with the config's endpoint and keys.
+
+    Settings left None fall back to botocore's standard chain (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ~/.aws, ...).
+    """
+    uri = config.uri
+    if not uri.startswith("s3://"):
+        base = os.path.abspath(uri.removeprefix("file://"))
+        return Location(fsspec.filesystem("file"), pafs.LocalFileSystem(), base.rstrip("/") or "/", True, base)
+    import s3fs
+
+    client_kwargs = {"region_name": config.region} if config.region else {}
+    # No listings cache: another process's commit must be seen by the next listing, not a stale one.
+    fs = s3fs.S3FileSystem(key=config.access_key_id, secret=config.secret_access_key,
+                           endpoint_url=config.endpoint_url, client_kwargs=client_kwargs,
+                           use_listings_cache=False, skip_instance_cache=True)
+    base = uri.removeprefix("s3://").rstrip("/")
+    if not base:
+        raise ValueError(f"store URI {uri!r} names no bucket")
+    return Location(fs, pafs.PyFileSystem(pafs.FSSpecHandler(fs)), base, False, f"s3://{base}")
+
+
+def policy_root(config: StoreConfig, location: Location) -> Path:
+    """Local directory for policy checkpoints: the store itself, or the cache of a remote store.
+
+    Checkpoints are Hugging Face directories that vLLM and transformers load from a local path.
+    """
+    if location.local:
+        return Path(location.base)
+    if config.policy_cache:
+        return Path(config.policy_cache).absolute()
+    return (Path(".marl") / "cache" / location.base).absolute()

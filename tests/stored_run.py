@@ -1,0 +1,58 @@
+"""A small synthetic run written through the store (no engines): for inspection, metadata and check tests."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from marl_pipeline.schema import ENVIRONMENT_RESULTS, REWARDS, ROLLOUTS, with_agent
+from marl_pipeline.store import ExperienceStore, MicroBatchKey
+
+AGENTS = ("solver", "verifier")
+VOCAB = 100
+
+
+def write_run(store: ExperienceStore, run: str = "r", steps: int = 2, micro_batches: int = 2,
+              episodes: int = 4, failed_episode: int | None = 1) -> None:
+    """Rollouts, environment results and rewards of ``steps`` x ``micro_batches``, and version-0 policy configs."""
+    rng = np.random.default_rng(0)
+    now = datetime.now(UTC)
+    for agent in AGENTS:
+        directory = store.policy_dir(run, agent, 0)
+        directory.mkdir(parents=True, exist_ok=True)
+        Path(directory, "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    for step in range(steps):
+        for micro_batch in range(micro_batches):
+            key = MicroBatchKey(run, step, micro_batch)
+            turns = [(episode, turn, agent) for episode in range(episodes) for turn, agent in enumerate(AGENTS)]
+            common = {
+                "sample_id": [f"{step}-{micro_batch}-{e // 2}_{t}_{e % 2}" for e, t, _ in turns],
+                "episode": [e for e, _, _ in turns], "task_id": [f"{e}+{e}" for e, _, _ in turns],
+                "trajectory": [e % 2 for e, _, _ in turns], "role": [a for _, _, a in turns],
+                "turn": [t for _, t, _ in turns], "agent": [a for _, _, a in turns],
+            }
+            n = len(turns)
+            failed = [failed_episode is not None and e == failed_episode and step == 0 and micro_batch == 0
+                      for e, _, _ in turns]
+            rollouts = {**common, "task": ["{}"] * n, "policy_version": [max(step - 1, 0)] * n, "engine": ["e0"] * n,
+                        "prompt_text": [f"What is {e}+{e}?" for e, _, _ in turns],
+                        "response_text": [f"{2 * e}" if a == "solver" else "correct" for e, _, a in turns],
+                        "prompt_ids": [list(rng.integers(0, VOCAB, 5)) for _ in turns],
+                        "response_ids": [list(rng.integers(0, VOCAB, 3)) for _ in turns],
+                        "logprobs": [list(-rng.random(3)) for _ in turns], "finish_reason": ["stop"] * n,
+                        "rollout_start": [now] * n, "rollout_end": [now] * n, "status": ["ok"] * n, "error": [None] * n}
+            results = {**common, "outcome": ["right"] * n, "success": [True] * n, "observation": [""] * n,
+                       "info": ["{}"] * n, "environment_start": [now] * n, "environment_end": [now] * n,
+                       "status": ["failed" if f else "ok" for f in failed],
+                       "error": ["ValueError: boom" if f else None for f in failed]}
+            rewards = {**common, "reward": [0.0 if f else float(rng.random()) for f in failed],
+                       "advantage": list(rng.standard_normal(n)), "reward_start": [now] * n, "reward_end": [now] * n,
+                       "status": ["failed" if f else "ok" for f in failed], "error": [None] * n}
+            for stage, schema, columns in (("rollouts", ROLLOUTS, rollouts),
+                                           ("environment_results", ENVIRONMENT_RESULTS, results),
+                                           ("rewards", REWARDS, rewards)):
+                store.commit(stage, key, pa.table(columns, schema=with_agent(schema)))

@@ -1,0 +1,115 @@
+"""Inspection of a stored run: `marl inspect`, the DuckDB and Polars one-liners of docs/store.md, partition metadata."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pyarrow.dataset as ds
+import pytest
+
+from marl_pipeline.config import StoreConfig
+from marl_pipeline.inspection import inspect_run, sample_episodes
+from marl_pipeline.store import ExperienceStore, MicroBatchKey
+from tests.stored_run import write_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _inspect(*args: str, env: dict | None = None) -> str:
+    result = subprocess.run([sys.executable, "-m", "marl_pipeline.cli", "inspect", *args], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT, env={**os.environ, "COLUMNS": "200", **(env or {})})
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_inspect_prints_distributions_failures_and_sample_conversations(tmp_path: Path) -> None:
+    store = ExperienceStore(tmp_path)
+    write_run(store)
+    out = _inspect(str(tmp_path), "--run", "r", "--sample", "2")
+    assert "run r: 2 steps, 16 episodes, 32 turns, 96 response tokens" in out
+    assert "mean reward per step" in out and "reward histogram, solver:" in out
+    assert "policy staleness (step - policy_version): 0: 16 turns, 1: 16 turns" in out
+    assert "failures in environment_results: 2 rows" in out and "2 x ValueError: boom" in out
+    assert "failures in rewards: 2 rows" in out
+    assert out.count("micro-batch") == 2  # two sample episodes, each rendered as its agents' turns
+    assert "What is" in out and "solver (turn 0, policy v" in out and "verifier (turn 1, policy v" in out
+
+
+def test_inspect_filters_by_step_and_agent(tmp_path: Path) -> None:
+    store = ExperienceStore(tmp_path)
+    write_run(store)
+    report = inspect_run(store, "r", step=1, agent="solver")
+    assert (report["steps"], report["episodes"], report["turns"]) == (1, 8, 8)
+    assert list(report["agents"]) == ["solver"] and report["staleness"] == {1: 8}
+    assert report["agents"]["solver"]["reward"]["n"] == 8 and report["failures"] == {}
+    episodes = sample_episodes(store, "r", 3, step=1, agent="solver")
+    assert len(episodes) == 3 and all(e["step"] == 1 for e in episodes)
+    assert all([t["agent"] for t in e["turns"]] == ["solver", "verifier"] for e in episodes)
+    out = _inspect(str(tmp_path), "--run", "r", "--step", "1", "--agent", "solver")
+    assert "run r, step 1, agent solver: 1 steps, 8 episodes, 8 turns" in out and "failures: none" in out
+
+
+def test_inspect_reads_an_s3_store_with_the_standard_aws_variables(s3_endpoint: str, tmp_path: Path) -> None:
+    uri = f"s3://marl/inspect-{tmp_path.name}"
+    write_run(ExperienceStore(StoreConfig(uri=uri, endpoint_url=s3_endpoint, access_key_id="testing",
+                                          secret_access_key="testing", region="us-east-1",
+                                          policy_cache=str(tmp_path / "cache"))), steps=1)
+    out = _inspect(uri, "--sample", "1", env={"AWS_ENDPOINT_URL": s3_endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                                              "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
+    assert "run r: 1 steps, 8 episodes, 16 turns" in out
+
+
+def test_duckdb_and_polars_one_liners(store_config: StoreConfig) -> None:
+    import duckdb
+    import polars as pl
+
+    store = ExperienceStore(store_config)
+    write_run(store)
+    # docs/store.md: the committed view of a stage as a pyarrow dataset, queried by DuckDB and Polars.
+    rewards = store.dataset("r", "rewards")  # noqa: F841 (DuckDB finds the dataset by its variable name)
+    by_agent = duckdb.sql("SELECT agent, count(*) AS turns, avg(reward) AS mean FROM rewards GROUP BY agent "
+                          "ORDER BY agent").fetchall()
+    assert [(a, n) for a, n, _ in by_agent] == [("solver", 16), ("verifier", 16)]
+    frame = pl.scan_pyarrow_dataset(store.dataset("r", "rollouts")).filter(pl.col("step") == 1) \
+        .group_by("agent").agg(pl.col("response_ids").list.len().sum().alias("tokens")).sort("agent").collect()
+    assert frame.to_dicts() == [{"agent": "solver", "tokens": 24}, {"agent": "verifier", "tokens": 24}]
+    if store.location.local:  # a local store is also a plain hive tree for DuckDB's own reader
+        glob = f"{store.uri}/run=r/stage=rewards/step=*/micro_batch=*/agent=*/*.parquet"
+        count = duckdb.sql(f"SELECT count(*) FROM read_parquet('{glob}', hive_partitioning = true) "
+                           "WHERE step = 1").fetchall()[0][0]
+        assert count == 16
+        assert pl.scan_parquet(glob, hive_partitioning=True).filter(pl.col("agent") == "solver").collect().height == 16
+
+
+def test_stage_metadata_has_schema_sample_turns_and_reward_histogram(tmp_path: Path) -> None:
+    from assets.metadata import stage_metadata
+
+    store = ExperienceStore(tmp_path)
+    write_run(store, steps=1, micro_batches=1)
+    key = MicroBatchKey("r", 0, 0)
+    metadata = stage_metadata("rewards", store.partition_path("rewards", key), 0.5, store.read("rewards", key))
+    assert metadata["dagster/row_count"].value == 8
+    columns = {c.name: c.type for c in metadata["dagster/column_schema"].value.columns}
+    assert columns["reward"] == "float" and columns["agent"] == "string"
+    sample = metadata["sample_turns"].value
+    assert len(sample.records) == 3 and "reward" in sample.records[0].data
+    histogram = metadata["reward_histogram"].value
+    assert isinstance(metadata["reward_histogram"], dg.MarkdownMetadataValue)
+    assert "| solver |" in histogram and "| verifier |" in histogram
+    rollouts = stage_metadata("rollouts", "p", 0.1, store.read("rollouts", key))
+    assert rollouts["tokens"].value == 24 and "tokens" in rollouts["sample_turns"].value.records[0].data
+
+
+@pytest.mark.parametrize("agent", [None, "solver"])
+def test_inspect_reads_only_the_filtered_partitions(tmp_path: Path, agent: str | None) -> None:
+    store = ExperienceStore(tmp_path)
+    write_run(store)
+    # Damage every file of step 0: a report for step 1 must not open them.
+    for path in (tmp_path / "run=r").glob("stage=*/step=0/*/agent=*/*.parquet"):
+        path.write_bytes(b"not parquet")
+    assert inspect_run(store, "r", step=1, agent=agent)["steps"] == 1
+    assert store.dataset("r", "rewards").to_table(filter=ds.field("step") == 1).num_rows == 16
