@@ -20,12 +20,13 @@ from the store, since gradients are not checkpointed.
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from marl_pipeline.execution import execute_micro_batch
 from marl_pipeline.launches import LaunchPlan
 from marl_pipeline.reward import score_micro_batch
 from marl_pipeline.rollout import RolloutSettings, rollout_micro_batch
+from marl_pipeline.schema import with_stage_timing
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.training import train_batch_for, updates_table
 from marl_pipeline.workers import Workers
@@ -227,9 +229,11 @@ class Orchestrator:
             started = time.time()
             result = ray.get(applied)
             ray.get([engine.load_weights.remote(weights, result["policy_version"]), saved])
+            timing = StageTiming(enqueued, started, time.time())
+            (staging / "timing.json").write_text(json.dumps({"step": step, **asdict(timing), **result}))
             path = self.store.commit_policy(staging, self.config.run, agent, result["policy_version"])
             self._events.put(PolicyCommitted(agent, result["policy_version"], step, path, result["grad_norm"],
-                                             result["tokens"], StageTiming(enqueued, started, time.time())))
+                                             result["tokens"], timing))
             with self._served_changed:
                 self._served[agent] = result["policy_version"]
                 self._served_changed.notify_all()
@@ -255,8 +259,10 @@ class Orchestrator:
         enqueued = self._ready_at.pop((stage, key), time.time())
         started = time.time()
         table = compute(key)
+        timing = StageTiming(enqueued, started, time.time())
+        table = with_stage_timing(table, timing.enqueued, timing.started, timing.ended)
         path = self.store.commit(stage, key, table)
-        self._events.put(StageCommitted(stage, key, path, StageTiming(enqueued, started, time.time()), table))
+        self._events.put(StageCommitted(stage, key, path, timing, table))
 
     def _spawn(self, name: str, workers: int, target: Callable, inbox, outbox, downstream_workers: int,
                *args) -> list[threading.Thread]:

@@ -130,3 +130,24 @@ def orchestrator_overhead(spans: list[Span], concurrency: dict[str, int] | None 
         key = (span.step, span.micro_batch)
         gaps[key] = gaps.get(key, 0.0) + max(span.started - earliest, 0.0)
     return sum(gaps.values()) / max(len(gaps), 1)
+
+
+def spans_from_store(store, run: str) -> list[Span]:
+    """Every stage span of a run, recomputed from the timing columns and policy checkpoints in the store."""
+    import json
+
+    import pyarrow.compute as pc
+
+    spans = []
+    for stage in ("rollouts", "environment_results", "rewards", "policy_updates"):
+        columns = ["step", "micro_batch", "stage_enqueued", "stage_started", "stage_ended"]
+        table = store.read_stage(run, stage, columns=columns)
+        table = table.filter(pc.is_valid(table.column("stage_started")))  # files older than schema v3 lack them
+        for row in table.group_by(columns).aggregate([]).to_pylist():
+            spans.append(Span(stage, row["step"], row["micro_batch"], row["stage_enqueued"].timestamp(),
+                              row["stage_started"].timestamp(), row["stage_ended"].timestamp()))
+    for timing in sorted(store.root.glob(f"run={run}/policies/agent=*/version=*/timing.json")):
+        record = json.loads(timing.read_text())
+        spans.append(Span("optimizer_step", record["step"], -1, record["enqueued"], record["started"],
+                          record["ended"]))
+    return spans

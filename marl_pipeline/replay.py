@@ -17,6 +17,7 @@ from marl_pipeline.environment import build_environment
 from marl_pipeline.execution import execute_micro_batch
 from marl_pipeline.reward import score_micro_batch
 from marl_pipeline.rollout import RolloutSettings, rollout_micro_batch
+from marl_pipeline.schema import with_stage_timing
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.trainer import PolicyTrainer
 from marl_pipeline.training import train_batch_for, updates_table
@@ -28,7 +29,7 @@ def replay_stage(stage: str, config: ExperimentConfig, key: MicroBatchKey) -> tu
         raise ValueError(f"partition of run {key.run!r}, but the experiment config is for run {config.run!r}")
     env = build_environment(config.environment.name, config.environment.options)
     store = ExperienceStore(config.store)
-    started = time.perf_counter()
+    started = time.time()
     if stage == "rollouts":
         table = _rollouts(config, env, store, key)
     elif stage == "environment_results":
@@ -40,8 +41,10 @@ def replay_stage(stage: str, config: ExperimentConfig, key: MicroBatchKey) -> tu
         table = _policy_updates(config, store, key)
     else:
         raise ValueError(f"unknown stage {stage!r}")
+    ended = time.time()
+    table = with_stage_timing(table, started, started, ended)  # a replay is ready the moment it is asked for
     path = store.commit(stage, key, table)
-    return path, table, time.perf_counter() - started
+    return path, table, ended - started
 
 
 def _policy_versions_at(store: ExperienceStore, config: ExperimentConfig, step: int) -> dict[str, int]:

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SCHEMA_CHANGES = {
     1: "first version",
     2: "environment_start/environment_end and reward_start/reward_end: timestamps of every stage",
+    3: "stage_enqueued/stage_started/stage_ended on every stage: the orchestrator's timing of the micro-batch",
 }
 # Versions whose files this code reads: each change so far only added nullable columns.
-READABLE_SCHEMA_VERSIONS = (1, 2)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 SCHEMA_VERSION_KEY = b"marl_pipeline.schema_version"
 
 PARTITION_SCHEMA = pa.schema(
@@ -99,13 +100,30 @@ POLICY_UPDATES = pa.schema(
     ]
 )
 
+# The same on every row of a micro-batch's partition: when it became ready for the stage (inputs
+# committed, or the staleness gate opened), when the stage started it and when the stage's work ended
+# (before the commit's write). Every pipeline figure of a run can be recomputed from these.
+STAGE_TIMING = [pa.field(name, pa.timestamp("us", tz="UTC"))
+                for name in ("stage_enqueued", "stage_started", "stage_ended")]
+
 STAGE_SCHEMAS = {
-    "rollouts": ROLLOUTS,
-    "environment_results": ENVIRONMENT_RESULTS,
-    "rewards": REWARDS,
-    "policy_updates": POLICY_UPDATES,
+    "rollouts": pa.schema(list(ROLLOUTS) + STAGE_TIMING),
+    "environment_results": pa.schema(list(ENVIRONMENT_RESULTS) + STAGE_TIMING),
+    "rewards": pa.schema(list(REWARDS) + STAGE_TIMING),
+    "policy_updates": pa.schema(list(POLICY_UPDATES) + STAGE_TIMING),
 }
 STAGES = tuple(STAGE_SCHEMAS)
+
+
+def with_stage_timing(table: pa.Table, enqueued: float, started: float, ended: float) -> pa.Table:
+    """``table`` with the micro-batch's stage timing columns (epoch seconds in) set on every row."""
+    for field, seconds in zip(STAGE_TIMING, (enqueued, started, ended)):
+        column = pa.array([int(seconds * 1e6)] * table.num_rows, pa.int64()).cast(field.type)
+        if field.name in table.column_names:
+            table = table.set_column(table.column_names.index(field.name), field.name, column)
+        else:
+            table = table.append_column(field, column)
+    return table
 
 
 def with_agent(schema: pa.Schema) -> pa.Schema:

@@ -33,6 +33,7 @@ from marl_pipeline.schema import (
     READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
     STAGE_SCHEMAS,
+    STAGE_TIMING,
     with_version,
 )
 from marl_pipeline.storage import open_location, policy_root
@@ -136,7 +137,9 @@ class ExperienceStore:
         schema, what = STAGE_SCHEMAS[stage], f"{stage} {key}"
         if "agent" not in table.column_names:
             raise StoreError(f"{what}: the table to commit has no 'agent' column")
-        missing = [name for name in schema.names if name not in table.column_names]
+        # Stage timing is written by the orchestrator; a table built elsewhere may leave it out (null).
+        optional = {field.name for field in STAGE_TIMING}
+        missing = [name for name in schema.names if name not in table.column_names and name not in optional]
         if missing:
             raise StoreError(f"{what}: the table to commit lacks columns {missing}")
         agents = table.column("agent")
@@ -146,6 +149,9 @@ class ExperienceStore:
             _check_name("agent", agent)
         columns = []
         for field in schema:
+            if field.name not in table.column_names:
+                columns.append(pa.nulls(table.num_rows, field.type))
+                continue
             column = table.column(field.name)
             try:
                 columns.append(column if column.type == field.type else column.cast(field.type))
