@@ -21,6 +21,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train teams 
 console = Console()
 
 
+_QUIET_ENV = {"TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+              "VLLM_LOGGING_LEVEL": "ERROR", "RAY_DEDUP_LOGS": "1", "PYTHONWARNINGS": "ignore"}
+
+
 def _dagster_home() -> Path:
     """DAGSTER_HOME, defaulting to .dagster_home in the working directory (what `dagster dev` then shows)."""
     home = Path(os.environ.get("DAGSTER_HOME") or Path.cwd() / ".dagster_home").absolute()
@@ -41,6 +45,10 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(2) from None
     home = _dagster_home()
+    # The progress bar and the reward table are the CLI's output: quiet the libraries' own bars and chatter
+    # (set before Ray starts, so the engine and trainer actors inherit them). Errors still propagate.
+    for name, value in _QUIET_ENV.items():
+        os.environ.setdefault(name, value)
     import dagster as dg
     from dagster._core.utils import make_new_run_id
 
@@ -51,9 +59,9 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     run_config = {"resources": {
         "experiment": {"config": {"config_path": str(config_path)}},
         "ray": {"config": {"address": config.ray.address,
-                           "ray_init_options": {"include_dashboard": False,
+                           "ray_init_options": {"include_dashboard": False, "log_to_driver": False,
                                                 **({"num_cpus": config.ray.num_cpus} if config.ray.num_cpus else {})}}},
-    }}
+    }, "loggers": {"console": {"config": {"log_level": "WARNING"}}}}  # the event log keeps everything
     outcome: dict = {}
 
     def execute() -> None:

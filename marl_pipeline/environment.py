@@ -3,6 +3,16 @@
 A plugin is one module with one class satisfying :class:`Environment`, registered either through the
 ``marl_pipeline.environments`` entry-point group (shipped plugins, see pyproject.toml) or by calling
 :func:`register_environment` (a module of the user's own, imported before the config is loaded).
+docs/environments.md is the guide.
+
+Optional, per plugin (the demo uses none of them):
+
+- ``actions`` + ``run_action`` (:class:`ActionEnvironment`): the turns' actions are run one by one on
+  the environment stage's action pool instead of ``execute`` (timeouts, retries, failures per action);
+- ``pool_settings``: an ``action_pool.PoolSettings`` for that pool (without it actions run in-process);
+- ``team_reward_weight``: credit assignment between the team's and each agent's own reward (reward.py);
+- ``observe(role, task, transcript) -> str | None``: the environment's reply after ``role``'s turn,
+  computed during rollout and given to later turns as ``Turn.observation`` (multi-turn feedback).
 """
 
 from __future__ import annotations
@@ -26,6 +36,26 @@ class Turn:
 
     role: str
     text: str
+    observation: str | None = None
+    """The environment's reply to this turn (``observe``), if the plugin gives one."""
+
+
+MAX_ACTION_BYTES = 64 * 1024
+"""Default payload limit of an action; a plugin may set ``max_action_bytes``."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """What one turn asks the environment to execute: produced by a plugin's ``actions``, run by the pool."""
+
+    kind: str
+    """What to do: ``answer`` (check it), ``code`` (run it in the sandbox), ``tool`` (call a tool), ..."""
+    payload: str
+    """The turn's text to act on; must be a UTF-8 ``str`` within the payload limit, or the action is malformed."""
+    expected_cost: float = 1.0
+    """Relative expected run time; the pool runs cheaper actions first."""
+    context: dict[str, Any] = field(default_factory=dict)
+    """The plugin's own facts for ``run_action`` (expected answer, hidden tests, ...); JSON-serialisable."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +101,38 @@ class Environment(Protocol):
 
     def warmup_examples(self, role: str, rng: np.random.Generator, count: int) -> list[tuple[str, str]]:
         """(prompt, completion) pairs for the supervised warm-up of ``role``'s base policy."""
+
+
+class ActionEnvironment(Environment, Protocol):
+    """An environment whose turns' actions run one by one on the action pool (instead of ``execute``)."""
+
+    def actions(self, task: Task, transcript: list[Turn]) -> list[Action | None]:
+        """The action each turn of a finished episode asks for (None: the turn asks for nothing)."""
+
+    def run_action(self, action: Action) -> ActionResult:
+        """Execute one action; runs on a pool worker, so it must not rely on state set up in the driver."""
+
+
+def validate_action(action: object, max_bytes: int = MAX_ACTION_BYTES) -> str | None:
+    """Why ``action`` cannot run (wrong type, oversized or non-UTF-8 payload), or None when it can."""
+    if not isinstance(action, Action):
+        return f"wrong type: expected Action or None, got {type(action).__name__}"
+    payload = action.payload
+    if isinstance(payload, bytes):
+        try:
+            payload.decode("utf-8")
+        except UnicodeDecodeError as error:
+            return f"invalid UTF-8 in payload at byte {error.start}"
+        return "wrong type: payload is bytes, expected str"
+    if not isinstance(payload, str):
+        return f"wrong type: payload is {type(payload).__name__}, expected str"
+    try:
+        size = len(payload.encode("utf-8"))
+    except UnicodeEncodeError as error:  # lone surrogates: text that came from undecodable bytes
+        return f"invalid UTF-8 in payload at character {error.start}"
+    if size > max_bytes:
+        return f"oversized payload: {size} bytes > {max_bytes}"
+    return None
 
 
 _registered: dict[str, type] = {}

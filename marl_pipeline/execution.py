@@ -1,17 +1,28 @@
 """Environment stage: execute each finished episode's actions and record the outcome of every turn.
 
-An environment that raises on one episode records a failure for that episode's turns and the others
-go on: a bad episode never blocks the micro-batch.
+Two ways, chosen by the plugin:
+
+- ``execute(task, transcript)`` per episode (the demo): in-process, one result per turn.
+- ``actions`` + ``run_action`` (an :class:`ActionEnvironment`): every turn's action of the whole
+  micro-batch is scheduled on its own, per action, on an :class:`ActionPool` (the one passed in, or
+  the process's shared pool for the plugin's ``pool_settings`` when Ray is up; otherwise in-process).
+
+Failures are contained: an environment that raises for one episode records that episode as failed
+(status ``failed``, it earns nothing); a malformed, failed or timed-out action records a failure for
+that turn only (status ``action_failed``, the reason in ``error``) and the episode is still scored.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from datetime import UTC, datetime
 
 import pyarrow as pa
+import ray
 
-from marl_pipeline.environment import ActionResult, Environment, Turn
+from marl_pipeline.action_pool import ActionOutcome, ActionPool, Job, shared_pool
+from marl_pipeline.environment import MAX_ACTION_BYTES, ActionResult, Environment, Turn, validate_action
 from marl_pipeline.schema import ENVIRONMENT_RESULTS, with_agent
 
 _KEYS = ("sample_id", "episode", "task_id", "trajectory", "role", "turn", "agent")
@@ -27,27 +38,23 @@ def episodes_of(rollouts: pa.Table) -> list[list[dict]]:
 
 
 def transcript_of(turns: list[dict]) -> list[Turn]:
-    return [Turn(row["role"], row["response_text"]) for row in turns]
+    return [Turn(row["role"], row["response_text"], row.get("observation")) for row in turns]
 
 
-def execute_micro_batch(env: Environment, rollouts: pa.Table) -> pa.Table:
+def execute_micro_batch(env: Environment, rollouts: pa.Table, pool: ActionPool | None = None) -> pa.Table:
     """One row per turn: the outcome of executing that turn's action."""
     columns: dict[str, list] = {name: [] for name in ENVIRONMENT_RESULTS.names + ["agent"]}
-    for turns in episodes_of(rollouts.select(list(_KEYS) + ["task", "response_text"])):
-        task = json.loads(turns[0]["task"])
-        start = datetime.now(UTC)
-        try:
-            results = env.execute(task, transcript_of(turns))
-            if len(results) != len(turns):
-                raise ValueError(f"execute returned {len(results)} results for {len(turns)} turns")
-            status, error = "ok", None
-        except Exception as exc:
-            results = [ActionResult("error", False) for _ in turns]
-            status, error = "failed", f"{type(exc).__name__}: {exc}"
-        end = datetime.now(UTC)
-        for row, result in zip(turns, results):
+    episodes = episodes_of(rollouts.select(list(_KEYS) + ["task", "response_text"]))
+    start = datetime.now(UTC)
+    if hasattr(env, "actions") and hasattr(env, "run_action"):
+        per_episode = _run_actions(env, episodes, pool)
+    else:
+        per_episode = [_execute_episode(env, turns) for turns in episodes]
+    end = datetime.now(UTC)
+    for turns, rows in zip(episodes, per_episode):
+        for turn, (result, status, error) in zip(turns, rows):
             for name in _KEYS:
-                columns[name].append(row[name])
+                columns[name].append(turn[name])
             columns["outcome"].append(result.outcome)
             columns["success"].append(result.success)
             columns["observation"].append(result.observation)
@@ -57,3 +64,73 @@ def execute_micro_batch(env: Environment, rollouts: pa.Table) -> pa.Table:
             columns["status"].append(status)
             columns["error"].append(error)
     return pa.table(columns, schema=with_agent(ENVIRONMENT_RESULTS))
+
+
+Row = tuple[ActionResult, str, str | None]  # (result, status, error) of one turn
+
+
+def _execute_episode(env: Environment, turns: list[dict]) -> list[Row]:
+    try:
+        results = env.execute(json.loads(turns[0]["task"]), transcript_of(turns))
+        if len(results) != len(turns):
+            raise ValueError(f"execute returned {len(results)} results for {len(turns)} turns")
+        return [(result, "ok", None) for result in results]
+    except Exception as exc:
+        return _episode_failed(turns, exc)
+
+
+def _episode_failed(turns: list[dict], exc: Exception) -> list[Row]:
+    error = f"{type(exc).__name__}: {exc}"
+    return [(ActionResult("error", False), "failed", error) for _ in turns]
+
+
+def _run_actions(env, episodes: list[list[dict]], pool: ActionPool | None) -> list[list[Row]]:
+    """Collect every valid action of the micro-batch, run them all at once, put the outcomes back per turn."""
+    max_bytes = getattr(env, "max_action_bytes", MAX_ACTION_BYTES)
+    rows: list[list[Row | None]] = []
+    jobs: list[Job] = []
+    places: list[tuple[int, int]] = []  # (episode, turn) of each job
+    for e, turns in enumerate(episodes):
+        try:
+            actions = env.actions(json.loads(turns[0]["task"]), transcript_of(turns))
+            if len(actions) != len(turns):
+                raise ValueError(f"actions returned {len(actions)} actions for {len(turns)} turns")
+        except Exception as exc:
+            rows.append(_episode_failed(turns, exc))
+            continue
+        episode_rows: list[Row | None] = []
+        for t, action in enumerate(actions):
+            if action is None:
+                episode_rows.append((ActionResult("no_action", True), "ok", None))
+            elif (reason := validate_action(action, max_bytes)) is not None:
+                episode_rows.append((ActionResult("malformed_action", False, info={"reason": reason}),
+                                     "action_failed", f"malformed action: {reason}"))
+            else:
+                episode_rows.append(None)
+                jobs.append(Job(env.run_action, (action,), float(action.expected_cost)))
+                places.append((e, t))
+        rows.append(episode_rows)
+    if pool is None and getattr(env, "pool_settings", None) is not None and ray.is_initialized():
+        pool = shared_pool(env.pool_settings)
+    outcomes = pool.map(jobs) if pool is not None else [_run_inline(job) for job in jobs]
+    for (e, t), outcome in zip(places, outcomes):
+        rows[e][t] = _row_of(outcome)
+    return rows  # type: ignore[return-value]
+
+
+def _run_inline(job: Job) -> ActionOutcome:
+    try:
+        return ActionOutcome("ok", job.fn(*job.args), None, 1, time.monotonic())
+    except Exception as exc:
+        return ActionOutcome("failed", None, f"{type(exc).__name__}: {exc}", 1, time.monotonic())
+
+
+def _row_of(outcome: ActionOutcome) -> Row:
+    if outcome.status == "ok" and isinstance(outcome.value, ActionResult):
+        return outcome.value, "ok", None
+    if outcome.status == "ok":
+        reason = f"run_action returned {type(outcome.value).__name__}, expected ActionResult"
+        return ActionResult("action_error", False, info={"reason": reason}), "action_failed", reason
+    name = {"failed": "action_error"}.get(outcome.status, outcome.status)
+    return ActionResult(name, False, info={"reason": outcome.error}), "action_failed", outcome.error
+

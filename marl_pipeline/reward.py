@@ -2,6 +2,11 @@
 
 GRPO: the ``n`` episodes sampled from one task prompt form a group; an agent's advantage in an episode
 is its reward minus the group's mean reward for that agent, divided by the group's std (plus eps).
+
+Credit assignment: the environment scores each agent on its own part (``score``); each agent is then
+trained on ``w * team + (1 - w) * own`` where ``team`` is the mean over the episode's agents and ``w``
+the ``team_weight`` (0: individual reward, the default; 1: shared team reward; between: a mix). A
+plugin sets its default with a ``team_reward_weight`` attribute (usually from its options).
 """
 
 from __future__ import annotations
@@ -29,20 +34,37 @@ def group_relative_advantages(rewards: np.ndarray, groups: np.ndarray, eps: floa
     return advantages
 
 
-def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, eps: float) -> pa.Table:
-    """One row per turn: the turn's agent's episode reward and its group-relative advantage."""
+def assign_credit(own: dict[str, float], team_weight: float) -> dict[str, float]:
+    """Each agent's reward: ``team_weight * mean(own over agents) + (1 - team_weight) * own[agent]``."""
+    if not 0.0 <= team_weight <= 1.0:
+        raise ValueError(f"team_weight must be in [0, 1], got {team_weight}")
+    if not own:
+        return {}
+    team = sum(own.values()) / len(own)
+    return {agent: team_weight * team + (1.0 - team_weight) * value for agent, value in own.items()}
+
+
+def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, eps: float,
+                      team_weight: float | None = None) -> pa.Table:
+    """One row per turn: the turn's agent's episode reward and its group-relative advantage.
+
+    ``team_weight`` None takes the environment's ``team_reward_weight`` (0 if it has none).
+    """
+    if team_weight is None:
+        team_weight = float(getattr(env, "team_reward_weight", 0.0))
     outcomes = {row["sample_id"]: row for row in results.select(["sample_id", "outcome", "success", "observation",
                                                                   "info", "status"]).to_pylist()}
     keyed_rows, rewards, statuses, starts, ends = [], [], [], [], []
     for turns in episodes_of(rollouts.select(list(_KEYS) + ["task", "response_text"])):
         start = datetime.now(UTC)
         episode_results = [outcomes[row["sample_id"]] for row in turns]
-        if any(r["status"] != "ok" for r in episode_results):
-            per_role, status = {}, "failed"  # a failed episode earns nothing
+        if any(r["status"] == "failed" for r in episode_results):
+            per_role, status = {}, "failed"  # a failed episode earns nothing; a failed action is scored by the env
         else:
             actions = [ActionResult(r["outcome"], r["success"], r["observation"], json.loads(r["info"]))
                        for r in episode_results]
-            per_role, status = env.score(json.loads(turns[0]["task"]), transcript_of(turns), actions), "ok"
+            own = env.score(json.loads(turns[0]["task"]), transcript_of(turns), actions)
+            per_role, status = assign_credit(own, team_weight), "ok"
         end = datetime.now(UTC)
         for row in turns:
             keyed_rows.append(row)

@@ -1,0 +1,109 @@
+"""Credit assignment by hand, and malformed or failing actions recorded per turn without stopping the batch."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+
+from environments.math_verifier import MathOptions, MathSolverVerifier
+from marl_pipeline.environment import Action, Turn
+from marl_pipeline.execution import execute_micro_batch
+from marl_pipeline.reward import assign_credit, score_micro_batch
+from marl_pipeline.schema import ROLLOUTS, with_agent
+
+
+def test_credit_assignment_by_hand() -> None:
+    own = {"solver": 1.0, "verifier": 0.0}
+    assert assign_credit(own, 0.0) == {"solver": 1.0, "verifier": 0.0}  # individual
+    assert assign_credit(own, 1.0) == {"solver": 0.5, "verifier": 0.5}  # shared team reward (mean 0.5)
+    # mix 0.25: 0.25 * 0.5 + 0.75 * own
+    assert assign_credit(own, 0.25) == pytest.approx({"solver": 0.875, "verifier": 0.125})
+    with pytest.raises(ValueError, match="team_weight"):
+        assign_credit(own, 1.5)
+
+
+def rollouts_of(env, task: dict, episodes: list[list[str]]) -> pa.Table:
+    """A rollouts table of hand-written episodes of one task (the transcript texts only matter here)."""
+    rows = []
+    for e, texts in enumerate(episodes):
+        for turn, (role, text) in enumerate(zip(env.turn_order, texts)):
+            rows.append({"sample_id": f"0-0-0_{turn}_{e}", "episode": e, "task_id": task["id"], "trajectory": e,
+                         "role": role, "turn": turn, "task": json.dumps(task), "policy_version": 0, "engine": "x",
+                         "prompt_text": "", "response_text": text, "prompt_ids": [], "response_ids": [],
+                         "logprobs": [], "finish_reason": "stop", "rollout_start": None, "rollout_end": None,
+                         "status": "ok", "error": None, "agent": role})
+    return pa.Table.from_pylist(rows, schema=with_agent(ROLLOUTS))
+
+
+class _Malformed(MathSolverVerifier):
+    """Turns whose text asks for a bad action: a fault the model can't produce as a str (bytes, surrogates)."""
+
+    def actions(self, task, transcript):
+        actions = super().actions(task, transcript)
+        bad = {"bytes": Action("answer", b"\xff\xfe", 0.1, {}), "int": 7, "big": Action("answer", "9" * 70_000),
+               "surrogate": Action("answer", "\udcff", 0.1, {})}
+        return [bad.get(t.text, a) for t, a in zip(transcript, actions)]
+
+
+def test_malformed_actions_are_recorded_and_the_batch_goes_on() -> None:
+    env = _Malformed(MathOptions())
+    task = {"id": "q", "question": "2+3?", "answer": 5}
+    rollouts = rollouts_of(env, task, [["bytes", "correct", "5"], ["4", "wrong", "int"], ["big", "wrong", "5"],
+                                       ["5", "correct", "surrogate"]])
+    results = execute_micro_batch(env, rollouts).sort_by([("episode", "ascending"), ("turn", "ascending")])
+    errors = results.column("error").to_pylist()
+    assert errors[0] == "malformed action: invalid UTF-8 in payload at byte 0"
+    assert errors[5] == "malformed action: wrong type: expected Action or None, got int"
+    assert errors[6] == "malformed action: oversized payload: 70000 bytes > 65536"
+    assert errors[11] == "malformed action: invalid UTF-8 in payload at character 0"
+    assert results.column("outcome").to_pylist()[:3] == ["malformed_action", "wrong_verdict", "correct"]
+    statuses = results.column("status").to_pylist()
+    assert statuses.count("action_failed") == 4 and statuses.count("failed") == 0
+    rewards = score_micro_batch(env, rollouts, results, 1e-6).sort_by([("episode", "ascending"), ("turn", "ascending")])
+    # Episode 0: final answer right (solver 1); first answer malformed so it counts as not correct: verdict
+    # "correct" is wrong (verifier 0). Episodes go on being scored.
+    assert rewards.column("reward").to_pylist()[:3] == [1.0, 0.0, 1.0]
+    assert set(rewards.column("status").to_pylist()) == {"ok"}
+
+
+def test_math_outcomes_and_rewards_by_hand() -> None:
+    env = MathSolverVerifier(MathOptions(team_reward_weight=0.5))
+    task = {"id": "q", "question": "Ann has 2 apples and gets 3 more. How many apples?", "answer": 5}
+    assert env.render_prompt("verifier", task, [Turn("solver", "4")]).endswith("A: 4\nCheck: ")
+    assert env.render_prompt("solver", task, [Turn("solver", "4"), Turn("verifier", "wrong, recount")]).endswith(
+        "Check: wrong, recount\nFinal: ")
+    cases = [  # (solver, verifier, revision) -> outcomes, own rewards
+        (("5", "correct", "5"), ("correct", "right_verdict", "correct"), {"solver": 1.0, "verifier": 1.0}),
+        (("4", "wrong add", "5"), ("wrong", "right_verdict", "correct"), {"solver": 1.0, "verifier": 1.0}),
+        (("4", "correct", "4"), ("wrong", "wrong_verdict", "wrong"), {"solver": 0.0, "verifier": 0.0}),
+        (("5", "wrong", "x"), ("correct", "wrong_verdict", "unparsable"), {"solver": 0.0, "verifier": 0.0}),
+        (("x", "wrong", "5"), ("unparsable", "right_verdict", "correct"), {"solver": 1.0, "verifier": 1.0}),
+        (("4", "maybe", "4"), ("wrong", "unparsable", "wrong"), {"solver": 0.0, "verifier": 0.0}),
+    ]
+    for texts, outcomes, own in cases:
+        transcript = [Turn(r, t) for r, t in zip(env.turn_order, texts)]
+        results = env.execute(task, transcript)
+        assert tuple(r.outcome for r in results) == outcomes, texts
+        assert env.score(task, transcript, results) == own
+    # The mix through the reward stage: solver right, verifier wrong -> 0.5 * 0.5 + 0.5 * own.
+    rollouts = rollouts_of(env, task, [["5", "wrong", "5"], ["4", "wrong", "4"]])
+    rewards = score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), 1e-6)
+    by_id = dict(zip(rewards.column("sample_id").to_pylist(), rewards.column("reward").to_pylist()))
+    assert by_id["0-0-0_0_0"] == 0.75 and by_id["0-0-0_1_0"] == 0.25  # episode 0: solver 1, verifier 0
+    assert by_id["0-0-0_0_1"] == 0.25 and by_id["0-0-0_1_1"] == 0.75  # episode 1: solver 0, verifier 1
+
+
+def test_task_files(tmp_path) -> None:
+    import pyarrow.parquet as pq
+
+    (tmp_path / "t.jsonl").write_text('{"question": "1+1?", "answer": 2}\n{"question": "2+2?", "answer": "4"}\n')
+    pq.write_table(pa.table({"question": ["3+3?"], "answer": [6]}), tmp_path / "t.parquet")
+    for name, count in (("t.jsonl", 2), ("t.parquet", 1)):
+        env = MathSolverVerifier(MathOptions(task_file=str(tmp_path / name)))
+        assert {t["answer"] for t in env.sample_tasks(__import__("numpy").random.default_rng(0), 20)} <= {2, 4, 6}
+        assert len(env._file_tasks) == count
+    (tmp_path / "bad.jsonl").write_text('{"question": "1+1?"}\n')
+    with pytest.raises(ValueError, match=r"row 1: missing \['answer'\]"):
+        MathOptions(task_file=str(tmp_path / "bad.jsonl"))
