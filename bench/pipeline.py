@@ -94,7 +94,8 @@ def run_mode(name: str, data: dict, base: Path) -> dict:
             started, ended = event.started, event.ended
     report = pipeline_report(spans, steps=config.pipeline.steps, episodes=episodes, tokens=tokens,
                              started=started, ended=ended)
-    overhead = orchestrator_overhead(spans, {"environment_results": config.pipeline.environment_concurrency})
+    overhead = orchestrator_overhead(spans, {"environment_results": config.pipeline.environment_concurrency},
+                                     synchronous=config.pipeline.mode == "synchronous")
     report["overhead_per_micro_batch_s"] = round(overhead, 4)
     report["overhead_share_of_step"] = round(overhead * config.pipeline.micro_batches_per_step
                                              / report["step_time_s"], 4)

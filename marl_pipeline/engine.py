@@ -39,8 +39,10 @@ class RolloutEngine:
         self.llm = LLM(model=model_dir, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                        max_model_len=max_model_len, enforce_eager=True, seed=seed)
         self.version = version
-        # The first generate call pays one-off set-up costs (seconds on CPU): pay them now, not in step 0.
-        self.llm.generate(["warm-up"], SamplingParams(max_tokens=2), use_tqdm=False)
+        # The first calls pay one-off set-up costs for each batch shape and sampling path (4 s on CPU for a
+        # first 128-request batch, measured by bench/pipeline.py): pay them now, not in step 0.
+        for batch in (1, 16, 256):
+            self.generate(["warm-up"] * batch, list(range(batch)), max_tokens=8, temperature=1.0)
 
     def generate(self, prompts: list[str], seeds: list[int], max_tokens: int,
                  temperature: float) -> tuple[int, list[Completion]]:

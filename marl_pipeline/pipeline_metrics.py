@@ -101,35 +101,45 @@ def activity_plot_png(spans: list[Span], started: float, title: str = "stage act
     return buffer.getvalue()
 
 
-def orchestrator_overhead(spans: list[Span], concurrency: dict[str, int] | None = None) -> float:
+def orchestrator_overhead(spans: list[Span], concurrency: dict[str, int] | None = None,
+                          synchronous: bool = False) -> float:
     """Mean time per micro-batch spent in neither stage work nor waiting on a busy resource.
 
-    For each micro-batch and each hand-over between consecutive stages, the gap between the earliest
-    moment the next stage could have started (its input committed and one of its ``concurrency``
-    workers free) and the moment it did start is time the orchestrator itself added (queueing,
-    polling, dispatch, reading inputs back).
+    For each stage after rollout: the moments when a micro-batch's input was committed and a worker of
+    the stage's resource sat idle, yet the stage had not started it, are time the orchestrator itself
+    added (queueing, polling, dispatch). Idle moments count once per resource, however many
+    micro-batches were waiting. A trainer's optimizer step keeps the trainers busy; in ``synchronous``
+    mode a stage's input is ready only when the whole step's previous stage is (the barrier is the mode,
+    not overhead).
     """
     concurrency = concurrency or {}
     chain = [stage for stage in STAGE_ORDER if stage != "optimizer_step"]
     by_key = {(s.stage, s.step, s.micro_batch): s for s in spans}
-    gaps: dict[tuple[int, int], float] = {}
-    for span in spans:
-        if span.stage not in chain[1:]:
-            continue
-        previous = by_key.get((chain[chain.index(span.stage) - 1], span.step, span.micro_batch))
-        if previous is None:
-            continue
-        others = [s for s in spans if s.stage == span.stage and s is not span]
-        workers = concurrency.get(span.stage, 1)
-        candidates = sorted({previous.ended, *(s.ended for s in others if previous.ended < s.ended < span.started)})
-        earliest = span.started
-        for moment in candidates:
-            if sum(1 for s in others if s.started <= moment < s.ended) < workers:
-                earliest = moment
-                break
-        key = (span.step, span.micro_batch)
-        gaps[key] = gaps.get(key, 0.0) + max(span.started - earliest, 0.0)
-    return sum(gaps.values()) / max(len(gaps), 1)
+    total, micro_batches = 0.0, {(s.step, s.micro_batch) for s in spans if s.stage == chain[0]}
+    for stage in chain[1:]:
+        resource = RESOURCE_OF_STAGE[stage]
+        busy = [(s.started, s.ended) for s in spans if RESOURCE_OF_STAGE.get(s.stage) == resource]
+        waiting = []
+        for span in (s for s in spans if s.stage == stage):
+            before = [s for s in spans if s.stage == chain[chain.index(stage) - 1] and s.step == span.step
+                      and (synchronous or s.micro_batch == span.micro_batch)]
+            if before:
+                waiting.append((max(s.ended for s in before), span.started))
+        total += _idle_while_waiting(busy, waiting, concurrency.get(stage, 1))
+    return total / max(len(micro_batches), 1)
+
+
+def _idle_while_waiting(busy: list[tuple[float, float]], waiting: list[tuple[float, float]], workers: int) -> float:
+    """Length of the time when fewer than ``workers`` spans were busy and at least one item was waiting."""
+    events = sorted({t for interval in busy + waiting for t in interval})
+    idle = 0.0
+    for start, end in zip(events, events[1:]):
+        middle = (start + end) / 2
+        running = sum(1 for a, b in busy if a <= middle < b)
+        queued = any(a <= middle < b for a, b in waiting)
+        if queued and running < workers:
+            idle += end - start
+    return idle
 
 
 def spans_from_store(store, run: str) -> list[Span]:

@@ -45,3 +45,16 @@ def test_staleness_histogram_and_plot() -> None:
     assert staleness_histogram([3, 3, 4, 4], [3, 2, 3, 4]) == {0: 2, 1: 2}
     png = activity_plot_png(_chain(0, 0, 0.0) + _chain(1, 0, 4.0), started=0.0)
     assert png.startswith(b"\x89PNG")
+
+
+def test_overhead_excludes_the_trainers_optimizer_step_and_the_synchronous_barrier() -> None:
+    # micro-batch 1's gradient waits for the trainer's optimizer step (1..2): waiting on the resource
+    spans = [Span("rewards", 0, 1, 0, 0, 1), Span("optimizer_step", 0, -1, 1, 1, 2),
+             Span("policy_updates", 0, 1, 1, 2, 3)]
+    assert orchestrator_overhead(spans) == pytest.approx(0.0)
+    # synchronous: micro-batch 0's environment waits for micro-batch 1's rollout (the barrier), then starts
+    # 0.5 s late: 0.5 s of overhead over 2 micro-batches; without the barrier it was ready at 1: 1.5 s
+    spans = [Span("rollouts", 0, 0, 0, 0, 1), Span("rollouts", 0, 1, 1, 1, 2),
+             Span("environment_results", 0, 0, 2, 2.5, 3)]
+    assert orchestrator_overhead(spans, synchronous=True) == pytest.approx(0.25)
+    assert orchestrator_overhead(spans) == pytest.approx(0.75)
