@@ -7,19 +7,24 @@ not distort it): median ``--median`` seconds, and with probability ``--stall`` a
 median. ``--fail`` of the actions raise. Which actions stall and which fail is fixed per action, so both
 schedulers see the same ones. Both start warm (workers ready before the clock starts).
 
-Both schedulers use the same worker actor class, the same per-action timeout and the same number
-of retries:
+Each trajectory is multi-turn: before each action its agent generates for ``--generation-seconds``
+(median, lognormal, drawn per turn, the same for both). Both schedulers use the same worker actor
+class, the same per-action timeout and the same number of retries:
 
-- per-trajectory (baseline): one worker per trajectory, spawned at the start and held until the
-  trajectory's last action is done; its actions run one after another. A timed-out action kills
-  that trajectory's worker, which is respawned before the retry and the rest of its actions.
-- action-level (ours): every action of the micro-batch is queued at once on an elastic pool
-  (min..max workers, sized by queue length); a timed-out action is retried on any warm worker.
+- per-trajectory (baseline): one warm worker (sandbox) per trajectory, held from the start through
+  every generation turn until the trajectory's last action is done; its actions run one after another.
+- action-level (ours): each trajectory submits its next action to one shared elastic pool when its
+  agent reaches it (warm at ``--min-workers``); while an agent generates, the pool's workers serve
+  other trajectories' actions, grow by queue length (one start at a time) and retire after
+  ``--idle-grace`` seconds idle, down to ``--min-workers``.
 
-Reported per scheduler: mean and p99 action completion time (from the micro-batch's start to the
-action's outcome), worker-seconds (each worker's lifetime, spawn to kill, summed) and failures.
+Reported per scheduler: mean and p99 action completion time (from the round's start to the action's
+outcome), mean and p99 action latency (from the action's issue to its outcome), worker-seconds (each
+worker's lifetime from the round's start to its kill, or to the last action for workers still alive,
+summed; the same accounting for both) and failures. The bar: ours p99 <= 0.5x at <= 1x worker-seconds,
+or p99 within 2% (equal) at <= 0.6x worker-seconds.
 
-    .venv/bin/python bench/actions.py [--trajectories 8] [--actions 16] [--rounds 3]
+    .venv/bin/python bench/actions.py [--trajectories 8] [--actions 16] [--rounds 3] [--generation-seconds 0.2]
 """
 
 from __future__ import annotations
@@ -45,33 +50,35 @@ def simulated_action(latency: float, fails: bool, stall: float, stall_seconds: f
     return "ok"
 
 
-def make_jobs(args: argparse.Namespace, round_: int) -> list[list[Job]]:
-    """Per trajectory, its actions (same draws for both schedulers in a round)."""
+def make_jobs(args: argparse.Namespace, round_: int) -> list[list[tuple[float, Job]]]:
+    """Per trajectory, its turns as (generation seconds before the action, action); same draws for both schedulers."""
     rng = np.random.default_rng([args.seed, round_])
     trajectories = []
     for t in range(args.trajectories):
-        jobs = []
+        turns = []
         for a in range(args.actions):
             latency = float(args.median * rng.lognormal(0.0, 0.25))
             fails = bool(rng.random() < args.fail)
+            generation = float(args.generation_seconds * rng.lognormal(0.0, 0.5))
             seed = zlib.crc32(f"{round_}/{t}/{a}".encode())
-            jobs.append(Job(simulated_action, (latency, fails, args.stall, args.stall_seconds, seed),
-                            expected_cost=args.median))
-        trajectories.append(jobs)
+            turns.append((generation, Job(simulated_action, (latency, fails, args.stall, args.stall_seconds, seed),
+                                          expected_cost=args.median)))
+        trajectories.append(turns)
     return trajectories
 
 
-def per_trajectory(trajectories: list[list[Job]], settings: PoolSettings) -> dict:
-    """Baseline: one worker per trajectory, held for the whole trajectory; actions in sequence."""
+def per_trajectory(trajectories: list[list[tuple[float, Job]]], settings: PoolSettings) -> dict:
+    """Baseline: one worker per trajectory, held for the whole trajectory (generation turns included)."""
     actor = ray.remote(ActionWorker).options(num_cpus=settings.num_cpus)
     warm = [actor.remote() for _ in trajectories]  # a warm sandbox per trajectory, ready before the clock starts
     ray.get([handle.ready.remote() for handle in warm])
     start = time.monotonic()
 
-    def run_trajectory(jobs: list[Job], handle) -> tuple[list[float], int, float]:
-        spawned = start
-        worker_seconds, completions, failures = 0.0, [], 0
-        for job in jobs:
+    def run_trajectory(turns: list[tuple[float, Job]], handle) -> tuple[list[float], list[float], int, float]:
+        completions, latencies, failures = [], [], 0
+        for generation, job in turns:
+            time.sleep(generation)  # the agent generates its next turn; the sandbox is held, idle
+            issued = time.monotonic()
             for attempt in range(settings.retries + 1):
                 # The same worker code as the pool's: a stuck attempt is abandoned at the timeout.
                 status, _, _, _ = ray.get(handle.run.remote(job.fn, job.args, settings.timeout_s))
@@ -81,31 +88,51 @@ def per_trajectory(trajectories: list[list[Job]], settings: PoolSettings) -> dic
                 if attempt == settings.retries:
                     failures += 1
             completions.append(time.monotonic() - start)
+            latencies.append(time.monotonic() - issued)
         ray.kill(handle)
-        return completions, failures, worker_seconds + time.monotonic() - spawned  # held until the last action
+        return completions, latencies, failures, time.monotonic() - start  # held from the start to its last action
 
     with ThreadPoolExecutor(len(trajectories)) as threads:
         results = list(threads.map(run_trajectory, trajectories, warm))
-    return _summary([c for r in results for c in r[0]], sum(r[1] for r in results), sum(r[2] for r in results),
-                    time.monotonic() - start, len(trajectories))
+    return _summary([c for r in results for c in r[0]], [x for r in results for x in r[1]],
+                    sum(r[2] for r in results), sum(r[3] for r in results), time.monotonic() - start,
+                    len(trajectories))
 
 
-def action_level(trajectories: list[list[Job]], settings: PoolSettings) -> dict:
-    """Ours: every action queued at once on an elastic pool (warm at min_workers, as between micro-batches)."""
+def action_level(trajectories: list[list[tuple[float, Job]]], settings: PoolSettings) -> dict:
+    """Ours: each trajectory submits its next action to one shared elastic pool when its agent reaches it;
+    while an agent generates, the pool's workers serve other trajectories' actions (or retire when idle)."""
     pool = ActionPool(settings)
-    pool.wait_ready()
+    pool.wait_ready()  # warm at min_workers, as between micro-batches
     start = time.monotonic()
-    outcomes = pool.map([job for jobs in trajectories for job in jobs])
-    elapsed = time.monotonic() - start
-    worker_seconds = pool.worker_seconds(since=start)
+
+    def run_trajectory(turns: list[tuple[float, Job]]) -> tuple[list[float], list[float], int]:
+        completions, latencies, failures = [], [], 0
+        for generation, job in turns:
+            time.sleep(generation)  # the agent generates its next turn; it holds no worker
+            issued = time.monotonic()
+            outcome = pool.submit(job).result()
+            failures += outcome.status != "ok"
+            completions.append(outcome.finished - start)
+            latencies.append(outcome.finished - issued)
+        return completions, latencies, failures
+
+    with ThreadPoolExecutor(len(trajectories)) as threads:
+        results = list(threads.map(run_trajectory, trajectories))
+    end = time.monotonic()  # the last action is done: every worker counts until now, as the baseline's do
+    worker_seconds = pool.worker_seconds(since=start, until=end)
+    peak = pool.peak_workers
     pool.shutdown()
-    return _summary([o.finished - start for o in outcomes], sum(o.status != "ok" for o in outcomes),
-                    worker_seconds, elapsed, pool.peak_workers)
+    return _summary([c for r in results for c in r[0]], [x for r in results for x in r[1]],
+                    sum(r[2] for r in results), worker_seconds, end - start, peak)
 
 
-def _summary(completions: list[float], failures: int, worker_seconds: float, elapsed: float, peak: int) -> dict:
-    values = np.asarray(completions)
-    return {"mean_s": float(values.mean()), "p99_s": float(np.percentile(values, 99)), "worker_s": worker_seconds,
+def _summary(completions: list[float], latencies: list[float], failures: int, worker_seconds: float, elapsed: float,
+             peak: int) -> dict:
+    values, waits = np.asarray(completions), np.asarray(latencies)
+    return {"mean_s": float(values.mean()), "p99_s": float(np.percentile(values, 99)),
+            "latency_mean_s": float(waits.mean()), "latency_p99_s": float(np.percentile(waits, 99)),
+            "worker_s": worker_seconds,
             "makespan_s": elapsed, "failures": failures, "actions": len(completions), "peak_workers": peak}
 
 
@@ -127,8 +154,13 @@ def main() -> None:
     parser.add_argument("--fail", type=float, default=0.05, help="share of actions that raise")
     parser.add_argument("--timeout", type=float, default=0.25, help="per-action timeout, seconds")
     parser.add_argument("--retries", type=int, default=2)
-    parser.add_argument("--min-workers", type=int, default=4)
-    parser.add_argument("--max-workers", type=int, default=6)
+    parser.add_argument("--generation-seconds", type=float, default=0.2,
+                        help="median agent generation time before each action (the baseline holds its sandbox)")
+    parser.add_argument("--min-workers", type=int, default=1)
+    parser.add_argument("--max-workers", type=int, default=8)
+    parser.add_argument("--actions-per-worker", type=int, default=1)
+    parser.add_argument("--spare-workers", type=int, default=0, help="idle pool workers kept ready beyond the queue")
+    parser.add_argument("--idle-grace", type=float, default=0.3, help="seconds a pool worker idles before it retires")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -138,8 +170,9 @@ def main() -> None:
           f"({profile['p99_s'] / profile['median_s']:.0f}x); {args.fail:.0%} of actions fail")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     settings = PoolSettings(min_workers=args.min_workers, max_workers=args.max_workers,
-                            actions_per_worker=max(1, args.actions // 2), timeout_s=args.timeout,
-                            retries=args.retries, num_cpus=0)
+                            actions_per_worker=args.actions_per_worker, timeout_s=args.timeout,
+                            retries=args.retries, num_cpus=0, idle_grace_s=args.idle_grace,
+                            spare_workers=args.spare_workers)
     rows = []
     for round_ in range(args.rounds):
         trajectories = make_jobs(args, round_)
@@ -149,6 +182,7 @@ def main() -> None:
             rows.append({"round": round_, "scheduler": name, **scheduler(trajectories, settings)})
             r = rows[-1]
             print(f"round {round_} {name:15s} mean {r['mean_s']:.3f} s  p99 {r['p99_s']:.3f} s  "
+                  f"latency mean {r['latency_mean_s']:.3f} s p99 {r['latency_p99_s']:.3f} s  "
                   f"worker-s {r['worker_s']:.1f}  makespan {r['makespan_s']:.2f} s  failures {r['failures']}/"
                   f"{r['actions']}  peak workers {r['peak_workers']}")
     ray.shutdown()
@@ -156,6 +190,12 @@ def main() -> None:
         mine = [r for r in rows if r["scheduler"] == name]
         print(f"all rounds {name:15s} mean {np.mean([r['mean_s'] for r in mine]):.3f} s  "
               f"p99 {np.mean([r['p99_s'] for r in mine]):.3f} s  worker-s {np.mean([r['worker_s'] for r in mine]):.1f}")
+    base, ours = ([r for r in rows if r["scheduler"] == n] for n in ("per-trajectory", "action-level"))
+    for b, o in zip(base, ours, strict=True):
+        p99, ws = o["p99_s"] / b["p99_s"], o["worker_s"] / b["worker_s"]
+        holds = (p99 <= 0.5 and ws <= 1.0) or (p99 <= 1.02 and ws <= 0.6)  # equal p99: within 2% (timer noise)
+        print(f"round {b['round']}: ours/baseline p99 {p99:.2f}x, worker-s {ws:.2f}x -> "
+              f"bar {'holds' if holds else 'not met'}")
     print(json.dumps({"profile": profile, "rows": rows}))
 
 

@@ -4,7 +4,8 @@ Every action of a micro-batch is queued at once, cheapest expected cost first (s
 wait behind long ones; the mean completion time is the smallest for a known cost order). Each
 worker runs one action at a time. The pool grows from ``min_workers`` towards ``max_workers`` while
 the queue is long (one worker per ``actions_per_worker`` queued or running actions) and shrinks back
-when workers sit idle.
+as it drains: a worker idle for more than ``idle_grace_s`` is retired, down to ``min_workers``. Jobs
+come in batches (``map``) or one at a time (``submit``, as each trajectory reaches its next action).
 
 Faults are per action and never block the others:
 
@@ -19,10 +20,12 @@ Faults are per action and never block the others:
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,6 +58,14 @@ class PoolSettings(BaseModel):
     """A worker holding this many abandoned (timed-out) action threads is recycled."""
     kill_grace_s: float = Field(5.0, ge=0)
     """A worker that has not answered ``timeout_s + kill_grace_s`` after an action started is killed."""
+    spare_workers: int = Field(0, ge=0)
+    """Idle workers kept ready beyond what the queue needs (up to ``max_workers``), so that an action arriving
+    while the others are busy does not wait for a worker to start."""
+    max_starting: int = Field(1, ge=1)
+    """Workers the pool starts at once when it grows (a start costs a CPU for a while; meanwhile the queue drains
+    to warm workers, which often makes the next start unnecessary)."""
+    idle_grace_s: float = Field(0.5, ge=0)
+    """A worker idle this long while the pool is above ``min_workers`` (and above what the queue needs) is retired."""
 
 
 @dataclass(frozen=True)
@@ -120,10 +131,17 @@ class _Worker:
     spawned: float
     started: Any = None
     """The ``ready`` call's ref: a worker takes actions once it has answered (start-up is not action time)."""
+    idle_since: float = 0.0
+    """time.monotonic() when it last became idle (it is retired after ``idle_grace_s`` idle above ``min_workers``)."""
 
 
 class ActionPool:
-    """Runs jobs on an elastic set of worker actors; see the module docstring for the policy."""
+    """Runs jobs on an elastic set of worker actors; see the module docstring for the policy.
+
+    A dispatcher thread owns the queue and the workers: ``submit`` queues one job and returns a future
+    (trajectories can feed the pool one action at a time, as they reach it); ``map`` submits a batch
+    and waits for all of it. Every caller shares one cost-ordered queue.
+    """
 
     def __init__(self, settings: PoolSettings = PoolSettings()) -> None:
         if settings.max_workers < settings.min_workers:
@@ -134,109 +152,190 @@ class ActionPool:
         self._starting: list[_Worker] = []
         self._lifetimes: list[tuple[float, float]] = []  # (spawned, retired) of every retired worker
         self.peak_workers = 0
-        self._lock = threading.Lock()  # environment-stage threads share one pool: one map at a time
-        for _ in range(settings.min_workers):
-            self._spawn()
+        self._lock = threading.RLock()  # guards the queue and the worker lists
+        self._wake = threading.Condition(self._lock)
+        self._queue: list[tuple[float, int, int, Job, Future]] = []  # (cost, sequence, attempt, job, future)
+        self._sequence = itertools.count()
+        self._running: dict[ray.ObjectRef, tuple[_Worker, int, Job, Future, float]] = {}
+        self._done: list[ray.ObjectRef] = []  # refs Ray reported ready, for the dispatcher
+        self._closed = False
+        with self._lock:
+            for _ in range(settings.min_workers):
+                self._spawn()
+        self._thread = threading.Thread(target=self._dispatch_loop, name="action-pool", daemon=True)
+        self._thread.start()
 
     # -- public -----------------------------------------------------------------------------------
+    def submit(self, job: Job) -> Future:
+        """Queue one job; the future's result is its :class:`ActionOutcome` (never an exception)."""
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the pool is shut down")
+            heapq.heappush(self._queue, (job.expected_cost, next(self._sequence), 0, job, future))
+            self._assign()  # an idle worker takes it at once
+            self._wake.notify()
+        return future
+
     def map(self, jobs: Sequence[Job]) -> list[ActionOutcome]:
         """Run every job; returns one outcome per job, in order. Never raises for a job's failure."""
-        with self._lock:
-            return self._map(jobs)
-
-    def _map(self, jobs: Sequence[Job]) -> list[ActionOutcome]:
-        s = self.settings
-        queue = [(job.expected_cost, i, 0) for i, job in enumerate(jobs)]
-        heapq.heapify(queue)
-        running: dict[ray.ObjectRef, tuple[_Worker, int, int, float]] = {}
-        outcomes: list[ActionOutcome | None] = [None] * len(jobs)
-        while queue or running:
-            self._resize(len(queue) + len(running), busy=len(running))
-            while queue and self._idle:
-                _, index, attempt = heapq.heappop(queue)
-                worker = self._idle.pop()
-                ref = worker.handle.run.remote(jobs[index].fn, jobs[index].args, s.timeout_s)
-                running[ref] = (worker, index, attempt, time.monotonic())
-            wait = 0.05
-            if running:
-                oldest = min(started for *_, started in running.values())
-                wait = min(wait, oldest + s.timeout_s + s.kill_grace_s - time.monotonic())
-            starting = {w.started: w for w in self._starting}
-            ready, _ = ray.wait([*running, *starting], num_returns=1, timeout=max(0.0, wait))
-            for ref in ready:
-                if ref in starting:
-                    self._starting.remove(starting[ref])
-                    self._idle.append(starting[ref])
-                    continue
-                worker, index, attempt, _ = running.pop(ref)
-                try:
-                    status, value, rss, abandoned = ray.get(ref)
-                except ray.exceptions.RayActorError as exc:  # the worker died under the action
-                    self._retire(worker)
-                    self._retry_or_record(queue, outcomes, jobs, index, attempt, "failed", f"worker died: {exc}")
-                    continue
-                if rss > s.memory_bytes:
-                    self._retire(worker)
-                    outcomes[index] = ActionOutcome("memory_limit", None, f"worker resident memory {rss} bytes "
-                                                    f"> memory_bytes {s.memory_bytes}", attempt + 1, time.monotonic())
-                    continue
-                if abandoned >= s.max_abandoned:
-                    self._retire(worker)  # stuck threads hold its memory and CPU: start a fresh one
-                else:
-                    self._idle.append(worker)
-                if status == "timeout":
-                    self._retry_or_record(queue, outcomes, jobs, index, attempt, "timeout", value)
-                    continue
-                outcomes[index] = ActionOutcome(status, value if status == "ok" else None,
-                                                None if status == "ok" else value, attempt + 1, time.monotonic())
-            now = time.monotonic()
-            for ref, (worker, index, attempt, started) in list(running.items()):
-                if now - started >= s.timeout_s + s.kill_grace_s:
-                    del running[ref]
-                    self._retire(worker)  # an unresponsive worker: killing the actor is what stops it
-                    self._retry_or_record(queue, outcomes, jobs, index, attempt, "timeout",
-                                          f"worker unresponsive {s.timeout_s + s.kill_grace_s:.1f} s into the action")
-        self._resize(0, busy=0)
-        return outcomes  # type: ignore[return-value]
+        with self._lock:  # queue the whole batch at once, so its cost order holds
+            futures = [self.submit(job) for job in jobs]
+        return [future.result() for future in futures]
 
     def wait_ready(self) -> None:
         """Block until every starting worker has answered (warm the pool before timing it)."""
-        ray.get([w.started for w in self._starting])
-        self._idle += self._starting
-        self._starting.clear()
+        with self._lock:
+            refs = [w.started for w in self._starting]
+        ray.get(refs)
+        with self._lock:
+            now = time.monotonic()
+            for worker in list(self._starting):
+                if worker.started in refs:
+                    self._starting.remove(worker)
+                    worker.idle_since = now
+                    self._idle.append(worker)
+            self._assign()
 
-    def worker_seconds(self, since: float = 0.0) -> float:
-        """Worker lifetime (spawn request to kill) summed over every worker, counted from ``since`` (monotonic)."""
-        now = time.monotonic()
-        spans = self._lifetimes + [(w.spawned, now) for w in [*self._idle, *self._starting]]
-        return sum(max(0.0, end - max(start, since)) for start, end in spans)
+    def live_workers(self) -> int:
+        """Workers alive now: starting, idle or running an action."""
+        with self._lock:
+            return len(self._starting) + len(self._idle) + len(self._running)
+
+    def worker_seconds(self, since: float = 0.0, until: float | None = None) -> float:
+        """Worker lifetime (spawn request to kill) summed over every worker, counted from ``since`` to ``until``
+        (monotonic; ``until`` defaults to now, for workers still alive)."""
+        with self._lock:
+            now = time.monotonic() if until is None else until
+            alive = [w.spawned for w in [*self._idle, *self._starting]] + [r[0].spawned for r in self._running.values()]
+            spans = self._lifetimes + [(spawned, now) for spawned in alive]
+        return sum(max(0.0, min(end, now) - max(start, since)) for start, end in spans)
 
     def shutdown(self) -> None:
-        for worker in [*self._idle, *self._starting]:
-            self._retire(worker)
+        with self._lock:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+        with self._lock:
+            for ref, (worker, *_, future, _) in list(self._running.items()):
+                del self._running[ref]
+                self._retire(worker)
+                if not future.done():
+                    future.set_result(ActionOutcome("failed", None, "pool shut down", 1, time.monotonic()))
+            while self._queue:
+                *_, future = heapq.heappop(self._queue)
+                future.set_result(ActionOutcome("failed", None, "pool shut down", 0, time.monotonic()))
+            for worker in [*self._idle, *self._starting]:
+                self._retire(worker)
 
-    # -- internals --------------------------------------------------------------------------------
-    def _retry_or_record(self, queue: list, outcomes: list, jobs: Sequence[Job], index: int, attempt: int,
-                         status: OutcomeStatus, error: str) -> None:
-        if attempt < self.settings.retries:
-            heapq.heappush(queue, (jobs[index].expected_cost, index, attempt + 1))
-        else:
-            outcomes[index] = ActionOutcome(status, None, f"{error} (after {attempt + 1} attempts)", attempt + 1,
-                                            time.monotonic())
-
-    def _resize(self, pending: int, busy: int) -> None:
-        """Grow towards one worker per ``actions_per_worker`` pending actions; drop idle workers above that."""
+    # -- dispatcher -------------------------------------------------------------------------------
+    def _dispatch_loop(self) -> None:
+        """Event-driven: Ray completion callbacks wake it (no polling); it also wakes for kill and retire deadlines."""
         s = self.settings
-        target = min(s.max_workers, max(s.min_workers, math.ceil(pending / s.actions_per_worker)))
-        while busy + len(self._starting) + len(self._idle) < target:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                for ref in self._done:
+                    worker = next((w for w in self._starting if w.started == ref), None)
+                    if worker is not None:
+                        self._starting.remove(worker)
+                        worker.idle_since = time.monotonic()
+                        self._idle.append(worker)
+                    elif ref in self._running:
+                        self._finish(ref)
+                self._done.clear()
+                now = time.monotonic()
+                for ref, (worker, attempt, job, future, started) in list(self._running.items()):
+                    if now - started >= s.timeout_s + s.kill_grace_s:
+                        del self._running[ref]
+                        self._retire(worker)  # an unresponsive worker: killing the actor is what stops it
+                        limit = s.timeout_s + s.kill_grace_s
+                        self._retry_or_record(job, future, attempt, "timeout",
+                                              f"worker unresponsive {limit:.1f} s into the action")
+                surplus = self._resize(now)
+                self._assign()
+                if self._done:
+                    continue
+                deadlines = [started + s.timeout_s + s.kill_grace_s for *_, started in self._running.values()]
+                if surplus:  # idle workers above the target, not yet past the grace: wake to retire them
+                    deadlines += [w.idle_since + s.idle_grace_s for w in self._idle]
+                due = min(deadlines, default=None)
+                self._wake.wait(None if due is None else max(0.001, due - time.monotonic()))
+
+    def _watch(self, ref: ray.ObjectRef) -> None:
+        """Wake the dispatcher when ``ref`` is ready (a Ray callback: no polling)."""
+
+        def done(_: Any) -> None:
+            with self._lock:
+                self._done.append(ref)
+                self._wake.notify()
+
+        ref.future().add_done_callback(done)
+
+    def _finish(self, ref: ray.ObjectRef) -> None:
+        s = self.settings
+        worker, attempt, job, future, _ = self._running.pop(ref)
+        try:
+            status, value, rss, abandoned = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:  # the worker died under the action
+            self._retire(worker)
+            self._retry_or_record(job, future, attempt, "failed", f"worker died: {exc}")
+            return
+        if rss > s.memory_bytes:
+            self._retire(worker)
+            future.set_result(ActionOutcome("memory_limit", None, f"worker resident memory {rss} bytes "
+                                            f"> memory_bytes {s.memory_bytes}", attempt + 1, time.monotonic()))
+            return
+        if abandoned >= s.max_abandoned:
+            self._retire(worker)  # stuck threads hold its memory and CPU: start a fresh one
+        else:
+            worker.idle_since = time.monotonic()
+            self._idle.append(worker)
+        if status == "timeout":
+            self._retry_or_record(job, future, attempt, "timeout", value)
+            return
+        future.set_result(ActionOutcome(status, value if status == "ok" else None,
+                                        None if status == "ok" else value, attempt + 1, time.monotonic()))
+
+    def _assign(self) -> None:
+        """Hand queued jobs, cheapest first, to idle workers (most recently idle first: the others can retire)."""
+        while self._queue and self._idle:
+            _, _, attempt, job, future = heapq.heappop(self._queue)
+            worker = self._idle.pop()
+            ref = worker.handle.run.remote(job.fn, job.args, self.settings.timeout_s)
+            self._running[ref] = (worker, attempt, job, future, time.monotonic())
+            self._watch(ref)
+
+    def _retry_or_record(self, job: Job, future: Future, attempt: int, status: OutcomeStatus, error: str) -> None:
+        if attempt < self.settings.retries:
+            heapq.heappush(self._queue, (job.expected_cost, next(self._sequence), attempt + 1, job, future))
+        else:
+            future.set_result(ActionOutcome(status, None, f"{error} (after {attempt + 1} attempts)", attempt + 1,
+                                            time.monotonic()))
+
+    def _resize(self, now: float) -> bool:
+        """Grow towards one worker per ``actions_per_worker`` pending actions; retire workers idle past the grace."""
+        s = self.settings
+        busy = len(self._running)
+        pending = len(self._queue) + busy
+        target = min(s.max_workers, max(s.min_workers, math.ceil(pending / s.actions_per_worker) + s.spare_workers))
+        while busy + len(self._starting) + len(self._idle) < target and len(self._starting) < s.max_starting:
             self._spawn()
-        while self._idle and busy + len(self._starting) + len(self._idle) > target:
-            self._retire(self._idle[0])
+        # Oldest-idle first; a worker is only retired after idling idle_grace_s (bursts reuse warm ones).
+        for worker in sorted(self._idle, key=lambda w: w.idle_since):
+            if busy + len(self._starting) + len(self._idle) <= max(target, s.min_workers):
+                break
+            if now - worker.idle_since >= s.idle_grace_s:
+                self._retire(worker)
         self.peak_workers = max(self.peak_workers, busy + len(self._starting) + len(self._idle))
+        return bool(self._idle) and busy + len(self._starting) + len(self._idle) > max(target, s.min_workers)
 
     def _spawn(self) -> None:
         handle = self._actor.remote()
-        self._starting.append(_Worker(handle, time.monotonic(), handle.ready.remote()))
+        worker = _Worker(handle, time.monotonic(), handle.ready.remote())
+        self._starting.append(worker)
+        self._watch(worker.started)
 
     def _retire(self, worker: _Worker) -> None:
         for group in (self._idle, self._starting):

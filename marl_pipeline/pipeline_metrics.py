@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
+from itertools import pairwise
 
 # Which resource a stage occupies: rollout engines, environment workers, the reward scorer, the trainers.
 RESOURCE_OF_STAGE = {"rollouts": "engines", "environment_results": "environment", "rewards": "reward",
@@ -114,7 +115,6 @@ def orchestrator_overhead(spans: list[Span], concurrency: dict[str, int] | None 
     """
     concurrency = concurrency or {}
     chain = [stage for stage in STAGE_ORDER if stage != "optimizer_step"]
-    by_key = {(s.stage, s.step, s.micro_batch): s for s in spans}
     total, micro_batches = 0.0, {(s.step, s.micro_batch) for s in spans if s.stage == chain[0]}
     for stage in chain[1:]:
         resource = RESOURCE_OF_STAGE[stage]
@@ -133,7 +133,7 @@ def _idle_while_waiting(busy: list[tuple[float, float]], waiting: list[tuple[flo
     """Length of the time when fewer than ``workers`` spans were busy and at least one item was waiting."""
     events = sorted({t for interval in busy + waiting for t in interval})
     idle = 0.0
-    for start, end in zip(events, events[1:]):
+    for start, end in pairwise(events):
         middle = (start + end) / 2
         running = sum(1 for a, b in busy if a <= middle < b)
         queued = any(a <= middle < b for a, b in waiting)
