@@ -76,28 +76,13 @@ def run_report(config, finished, events) -> tuple[dict, dict[str, dg.MetadataVal
     """Run-level figures of a launch (throughput, busy fractions, efficiency, staleness) and their plot."""
     import base64
 
-    from marl_pipeline.orchestrator import PolicyCommitted, StageCommitted
-    from marl_pipeline.pipeline_metrics import Span, activity_plot_png, pipeline_report, staleness_histogram
+    from marl_pipeline.pipeline_metrics import activity_plot_png, pipeline_report, timeline_from_events
 
-    spans, episodes, tokens, steps, versions = [], 0, 0, [], []
-    for event in events:
-        if isinstance(event, StageCommitted):
-            t = event.timing
-            spans.append(Span(event.stage, event.key.step, event.key.micro_batch, t.enqueued, t.started, t.ended))
-            if event.stage == "rollouts":
-                table = event.table
-                episodes += len(set(table.column("episode").to_pylist()))
-                tokens += sum(len(ids) for ids in table.column("response_ids").to_pylist())
-                steps += [event.key.step] * table.num_rows
-                versions += table.column("policy_version").to_pylist()
-        elif isinstance(event, PolicyCommitted):
-            t = event.timing
-            spans.append(Span("optimizer_step", event.step, -1, t.enqueued, t.started, t.ended))
-    plan = finished.plan
-    report = pipeline_report(spans, steps=plan.last_step - plan.first_step + 1, episodes=episodes, tokens=tokens,
-                             started=finished.started, ended=finished.ended)
-    histogram = staleness_histogram(steps, versions)
-    report["staleness_histogram"] = {str(k): v for k, v in histogram.items()}
+    timeline = timeline_from_events(events)
+    spans, plan = timeline.spans, finished.plan
+    report = pipeline_report(spans, steps=plan.last_step - plan.first_step + 1, episodes=timeline.episodes,
+                             tokens=timeline.tokens, started=finished.started, ended=finished.ended)
+    report["staleness_histogram"] = {str(k): v for k, v in timeline.staleness.items()}
     metadata: dict[str, dg.MetadataValue] = {
         name: dg.MetadataValue.float(value) for name, value in report.items() if isinstance(value, float)}
     metadata["staleness_histogram"] = dg.MetadataValue.json(report["staleness_histogram"])

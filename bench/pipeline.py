@@ -23,7 +23,12 @@ import yaml
 
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
 from marl_pipeline.environment import register_environment
-from marl_pipeline.pipeline_metrics import Span, activity_plot_png, orchestrator_overhead, pipeline_report
+from marl_pipeline.pipeline_metrics import (
+    activity_plot_png,
+    orchestrator_overhead,
+    pipeline_report,
+    timeline_from_events,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,28 +77,19 @@ def experiment(mode: dict, store: Path, steps: int, latency: float) -> dict:
 
 def run_mode(name: str, data: dict, base: Path) -> dict:
     from marl_pipeline.config import parse_config
-    from marl_pipeline.orchestrator import PolicyCommitted, StageCommitted
     from marl_pipeline.recipe import RunFinished, train
 
     store = Path(data["store"])
     shutil.rmtree(store, ignore_errors=True)
     shutil.copytree(base, store)  # identical base policies for every mode
     config = parse_config(data, source=name)
-    spans, episodes, tokens = [], 0, 0
-    for event in train(config):
-        if isinstance(event, StageCommitted):
-            t = event.timing
-            spans.append(Span(event.stage, event.key.step, event.key.micro_batch, t.enqueued, t.started, t.ended))
-            if event.stage == "rollouts":
-                episodes += len(set(event.table.column("episode").to_pylist()))
-                tokens += sum(len(ids) for ids in event.table.column("response_ids").to_pylist())
-        elif isinstance(event, PolicyCommitted):
-            t = event.timing
-            spans.append(Span("optimizer_step", event.step, -1, t.enqueued, t.started, t.ended))
-        elif isinstance(event, RunFinished):
-            started, ended = event.started, event.ended
-    report = pipeline_report(spans, steps=config.pipeline.steps, episodes=episodes, tokens=tokens,
-                             started=started, ended=ended)
+    events = list(train(config))
+    finished = events[-1]
+    assert isinstance(finished, RunFinished), finished
+    timeline = timeline_from_events(events)
+    spans, started = timeline.spans, finished.started
+    report = pipeline_report(spans, steps=config.pipeline.steps, episodes=timeline.episodes, tokens=timeline.tokens,
+                             started=started, ended=finished.ended)
     overhead = orchestrator_overhead(spans, {"environment_results": config.pipeline.environment_concurrency},
                                      synchronous=config.pipeline.mode == "synchronous")
     report["overhead_per_micro_batch_s"] = round(overhead, 4)

@@ -41,7 +41,7 @@ from marl_pipeline.reward import score_micro_batch
 from marl_pipeline.rollout import RolloutSettings, rollout_micro_batch
 from marl_pipeline.schema import with_stage_timing
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
-from marl_pipeline.training import train_batch_for, updates_table
+from marl_pipeline.training import train_micro_batch
 from marl_pipeline.workers import Workers
 
 
@@ -203,7 +203,8 @@ class Orchestrator:
                     arrived.discard(key)
                     # A committed partition (resumed launch) is not re-committed, but agents still on this
                     # step rebuild its gradient: gradients are not checkpointed.
-                    self._run_stage("policy_updates", key, partial(self._accumulate, learners=learners),
+                    self._run_stage("policy_updates", key,
+                                    partial(train_micro_batch, self.store, trainers={a: trainers[a] for a in learners}),
                                     recompute_if_committed=bool(learners))
                 for agent in learners:
                     # Issued now, in actor order: the next step's accumulate calls queue behind them.
@@ -215,11 +216,6 @@ class Orchestrator:
         finally:
             for box in publish.values():
                 box.put(None)  # end of stream for the publishers
-
-    def _accumulate(self, key: MicroBatchKey, learners: list[str]) -> pa.Table:
-        trainers = self.workers.trainers
-        stats = ray.get([trainers[a].accumulate.remote(train_batch_for(self.store, key, a)) for a in learners])
-        return updates_table(dict(zip(learners, stats)))
 
     def _publish_loop(self, inbox: queue.Queue, _: None, agent: str) -> None:
         """One agent's step end: optimizer step result, weight sync into its engine, policy commit."""

@@ -29,6 +29,38 @@ class Span:
     ended: float
 
 
+@dataclass(frozen=True)
+class LaunchTimeline:
+    """What a launch's events say about its pipeline: every span, and the rollout totals."""
+
+    spans: list[Span]
+    episodes: int
+    tokens: int
+    staleness: dict[int, int]
+    """Turns sampled at each staleness (step - policy version)."""
+
+
+def timeline_from_events(events) -> LaunchTimeline:
+    """The spans and rollout totals of a launch, from the orchestrator's events as they were yielded."""
+    from marl_pipeline.orchestrator import PolicyCommitted, StageCommitted
+
+    spans, episodes, tokens, steps, versions = [], 0, 0, [], []
+    for event in events:
+        if isinstance(event, StageCommitted):
+            t = event.timing
+            spans.append(Span(event.stage, event.key.step, event.key.micro_batch, t.enqueued, t.started, t.ended))
+            if event.stage == "rollouts":
+                table = event.table
+                episodes += len(set(table.column("episode").to_pylist()))
+                tokens += sum(len(ids) for ids in table.column("response_ids").to_pylist())
+                steps += [event.key.step] * table.num_rows
+                versions += table.column("policy_version").to_pylist()
+        elif isinstance(event, PolicyCommitted):
+            t = event.timing
+            spans.append(Span("optimizer_step", event.step, -1, t.enqueued, t.started, t.ended))
+    return LaunchTimeline(spans, episodes, tokens, staleness_histogram(steps, versions))
+
+
 def _union_length(intervals: list[tuple[float, float]]) -> float:
     total, current_start, current_end = 0.0, None, None
     for start, end in sorted(intervals):

@@ -60,9 +60,7 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store: Exper
                                    batch_size=agent_config.warmup.batch_size, lr=agent_config.warmup.lr, seed=seed)
         warmup_loss = (losses[0], losses[-1])
     staging = store.staging_policy_dir(config.run, agent, 0)
-    save_policy(model, tokenizer, staging)
-    if Path(source, "generation_config.json").exists():
-        (staging / "generation_config.json").write_bytes(Path(source, "generation_config.json").read_bytes())
+    save_policy(model, tokenizer, staging)  # save_pretrained carries the source's generation_config along
     path = store.commit_policy(staging, config.run, agent, 0)
     return BasePolicy(agent, path, created=True, warmup_loss=warmup_loss)
 

@@ -27,14 +27,6 @@ class RunStarted:
     base_policies: list[BasePolicy]
     setup_seconds: float
 
-    @property
-    def first_step(self) -> int:
-        return self.plan.first_step
-
-    @property
-    def last_step(self) -> int:
-        return self.plan.last_step
-
 
 @dataclass(frozen=True)
 class RunFinished:

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from marl_pipeline.config import parse_config
-from marl_pipeline.orchestrator import PolicyCommitted, StageCommitted
-from marl_pipeline.pipeline_metrics import Span, pipeline_report, spans_from_store
+from marl_pipeline.pipeline_metrics import pipeline_report, spans_from_store, timeline_from_events
 from marl_pipeline.recipe import RunFinished, train
 from marl_pipeline.store import ExperienceStore
 from tests.conftest import small_config_data
@@ -17,16 +16,11 @@ from tests.conftest import small_config_data
 def test_spans_recomputed_from_the_store_equal_the_live_ones(local_ray, demo_config_data, tmp_path: Path) -> None:
     config = parse_config(small_config_data(demo_config_data, tmp_path / "store", steps=2, micro_batches_per_step=2,
                                             environment_concurrency=2))
-    live = []
-    for event in train(config):
-        if isinstance(event, StageCommitted):
-            t = event.timing
-            live.append(Span(event.stage, event.key.step, event.key.micro_batch, t.enqueued, t.started, t.ended))
-        elif isinstance(event, PolicyCommitted):
-            t = event.timing
-            live.append(Span("optimizer_step", event.step, -1, t.enqueued, t.started, t.ended))
-        elif isinstance(event, RunFinished):
-            started, ended = event.started, event.ended
+    events = list(train(config))
+    finished = events[-1]
+    assert isinstance(finished, RunFinished)
+    live = timeline_from_events(events).spans
+    started, ended = finished.started, finished.ended
     stored = spans_from_store(ExperienceStore(config.store), "demo")
     key = lambda s: (s.stage, s.step, s.micro_batch, s.started)  # noqa: E731
     assert len(stored) == len(live) == 4 * 4 + 2 * 2
