@@ -11,8 +11,8 @@ import pyarrow.compute as pc
 from marl_pipeline.summaries import stage_summary
 
 _SAMPLE_TURNS = 3
-_SAMPLE_COLUMNS = ("sample_id", "agent", "turn", "policy_version", "response_text", "outcome", "success", "reward",
-                   "advantage", "tokens", "loss_sum", "status")
+_SAMPLE_COLUMNS = ("sample_id", "agent", "turn", "policy_version", "response_text", "observation", "outcome",
+                   "success", "reward", "model_score", "advantage", "tokens", "loss_sum", "status")
 """Columns shown in a partition's sample-turns table, where the stage has them."""
 
 

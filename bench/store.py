@@ -53,7 +53,8 @@ def micro_batch_table(rows: int, tokens: int, seed: int) -> pa.Table:
         "prompt_ids": _token_lists(rng, rows, tokens - response, np.int32),
         "response_ids": _token_lists(rng, rows, response, np.int32),
         "logprobs": _token_lists(rng, rows, response, np.float32),
-        "finish_reason": pa.array(["stop"] * rows), "rollout_start": pa.array([now] * rows, pa.timestamp("us", "UTC")),
+        "finish_reason": pa.array(["stop"] * rows), "observation": pa.array([None] * rows, pa.string()),
+        "rollout_start": pa.array([now] * rows, pa.timestamp("us", "UTC")),
         "rollout_end": pa.array([now] * rows, pa.timestamp("us", "UTC")), "status": pa.array(["ok"] * rows),
         "error": pa.array([None] * rows, pa.string()), "agent": pa.array([AGENTS[i * 2 // rows] for i in index]),
     }

@@ -91,6 +91,20 @@ class ArithmeticCheck:
         return examples
 
 
+    def reward_examples(self, rng: np.random.Generator, count: int) -> list[tuple[str, str, float]]:
+        """(prompt, response, label) for the built-in reward model: half right answers and verdicts, half wrong."""
+        top = 2 * self.options.max_operand
+        examples = []
+        for task in self.sample_tasks(rng, count):
+            expected = task["a"] + task["b"]
+            answer = expected if rng.random() < 0.5 else int(rng.choice([n for n in range(top + 1) if n != expected]))
+            examples.append((self.render_prompt("solver", task, []), str(answer), float(answer == expected)))
+            verdict = str(rng.choice(["yes", "no"]))
+            prompt = self.render_prompt("verifier", task, [Turn("solver", str(answer))])
+            examples.append((prompt, verdict, float((verdict == "yes") == (answer == expected))))
+        return examples
+
+
 def _first_line(text: str) -> str:
     return text.strip().split("\n", 1)[0].strip()
 

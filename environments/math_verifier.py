@@ -1,7 +1,8 @@
 """Math solver-verifier: the solver answers, the verifier checks and critiques, the solver revises.
 
 Turns: solver (answer) -> verifier (``correct`` or ``wrong``, then a critique) -> solver (final answer,
-having seen the verifier's turn). The solver is rewarded for an exact-match final answer, the
+having seen the verifier's turn and the environment's reply to it: the verdict as the environment
+reads it, ``observe``). The solver is rewarded for an exact-match final answer, the
 verifier for a right verdict on the first answer; ``team_reward_weight`` mixes in the team's mean.
 
 Tasks: procedurally generated arithmetic word problems, or a user's file (``task_file``: JSONL or
@@ -106,8 +107,16 @@ class MathSolverVerifier:
         if role == "verifier":
             return prompt
         if role == "solver":
-            return prompt + f"{_first_line(transcript[1].text)}\nFinal: "
+            reply = f"{transcript[1].observation}\n" if transcript[1].observation else ""
+            return prompt + f"{_first_line(transcript[1].text)}\n{reply}Final: "
         raise ValueError(f"{self.name} has no role {role!r}")
+
+    def observe(self, role: str, task: Task, transcript: list[Turn]) -> str | None:
+        """The environment's reply to the verifier's turn, which the solver's revision sees: the verdict it reads."""
+        if role != "verifier":
+            return None
+        verdict = _verdict_of(transcript[-1].text)
+        return f"Verdict: {verdict or 'unreadable'}"
 
     # -- actions: each turn's answer or verdict is checked on the action pool ------------------------------------
     def actions(self, task: Task, transcript: list[Turn]) -> list[Action | None]:
@@ -127,9 +136,9 @@ class MathSolverVerifier:
                                 info={"answer": answer, "expected": expected})
         if action.kind == "verdict":
             words = _first_line(action.payload).split(maxsplit=1)
-            verdict = words[0].lower() if words else ""
-            if verdict not in ("correct", "wrong"):
-                return ActionResult("unparsable", False, info={"verdict": verdict})
+            verdict = _verdict_of(action.payload)
+            if verdict is None:
+                return ActionResult("unparsable", False, info={"verdict": words[0].lower() if words else ""})
             right = (verdict == "correct") == action.context["first_answer_correct"]
             return ActionResult("right_verdict" if right else "wrong_verdict", right,
                                 info={"verdict": verdict, "critique": words[1] if len(words) > 1 else ""})
@@ -157,8 +166,33 @@ class MathSolverVerifier:
         return examples
 
 
+    def reward_examples(self, rng: np.random.Generator, count: int) -> list[tuple[str, str, float]]:
+        """(prompt, response, label) for the built-in reward model: answers right or off by one, verdicts right
+        or wrong, final answers after a verdict."""
+        examples = []
+        for task in self.sample_tasks(rng, count):
+            first = task["answer"] + int(rng.choice([0, 0, -1, 1]))
+            verdict = str(rng.choice(["correct", "wrong"]))
+            final = task["answer"] + int(rng.choice([0, -1, 1]))
+            transcript = [Turn("solver", str(first)), Turn("verifier", verdict, f"Verdict: {verdict}")]
+            examples += [
+                (self.render_prompt("solver", task, []), str(first), float(first == task["answer"])),
+                (self.render_prompt("verifier", task, transcript[:1]), verdict,
+                 float((verdict == "correct") == (first == task["answer"]))),
+                (self.render_prompt("solver", task, transcript), str(final), float(final == task["answer"])),
+            ]
+        return examples
+
+
 def _first_line(text: str) -> str:
     return text.strip().split("\n", 1)[0].strip()
+
+
+def _verdict_of(text: str) -> str | None:
+    """``correct`` or ``wrong`` when the turn's first word is one of them (any case), else None."""
+    words = _first_line(text).split(maxsplit=1)
+    verdict = words[0].lower() if words else ""
+    return verdict if verdict in ("correct", "wrong") else None
 
 
 def _parse_int(text: str) -> int | None:

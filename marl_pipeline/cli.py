@@ -204,6 +204,8 @@ def _print_episode(episode: dict) -> None:
         console.print(f"[bold]{escape(turn['agent'])}[/bold] (turn {turn['turn']}, policy v{turn['policy_version']}, "
                       f"reward {reward}, outcome {escape(str(turn['outcome']))}): "
                       f"{escape(turn['response_text'] or '')}")
+        if turn.get("reply"):
+            console.print(f"  [cyan]environment:[/cyan] {escape(turn['reply'])}")
         if turn["status"] != "ok":
             console.print(f"  [red]{turn['status']}: {escape(str(turn['error']))}[/red]")
 

@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from marl_pipeline.action_pool import PoolSettings
+
 
 class ConfigError(ValueError):
     """A config file is invalid; the message names the offending field."""
@@ -91,6 +93,9 @@ class EnvironmentConfig(_Strict):
     """Registered environment name (see ``marl_pipeline.environment.available_environments``)."""
     options: dict[str, Any] = {}
     """Passed to the environment's constructor; the plugin validates them."""
+    pool: PoolSettings | None = None
+    """The action pool that runs the actions of a plugin with ``actions`` + ``run_action`` (workers, timeout,
+    retries, memory); None: the plugin's own ``pool_settings``, else the defaults."""
 
 
 class PipelineConfig(_Strict):
@@ -133,6 +138,54 @@ class AlgorithmConfig(_Strict):
     """Longest completion per turn, in tokens."""
     advantage_eps: float = Field(1e-6, gt=0)
     """Added to the group's reward std before dividing."""
+
+
+class RewardModelConfig(_Strict):
+    """A model-based reward mixed into the environment's rule-based one, served by a pool of Ray actors."""
+
+    model: str = "builtin:tiny"
+    """``builtin:tiny`` (a tiny classifier trained at launch on the environment's ``reward_examples``, for CPU
+    runs and tests) or a local Hugging Face model directory (sequence classification for ``classifier``, a
+    causal LM for ``judge``)."""
+    kind: Literal["classifier", "judge"] = "classifier"
+    """``classifier``: the score is sigmoid of a one-logit head (softmax of the last label with several);
+    ``judge``: a causal LM asked ``judge_template``, the score is P(judge_yes) / (P(judge_yes) + P(judge_no))."""
+    agents: list[str] | None = None
+    """Agents whose reward gets the model's score (None: every agent)."""
+    weight: float = Field(0.5, ge=0, le=1)
+    """An agent's reward is ``(1 - weight) * rule reward + weight * model score`` (1: the model's alone)."""
+    judge_template: str = "{prompt}{response}\nIs that right? Answer:"
+    """Judge prompt, with ``{prompt}`` and ``{response}`` of the scored turn."""
+    judge_yes: str = " yes"
+    """The judge's approving continuation (must be one token)."""
+    judge_no: str = " no"
+    """The judge's rejecting continuation (must be one token)."""
+    max_length: int = Field(256, ge=8)
+    """Tokens of one scored text; longer ones keep their end (the response)."""
+    batch_size: int = Field(64, ge=1)
+    """Texts per forward pass of a replica."""
+    min_replicas: int = Field(1, ge=1)
+    """Replicas (Ray actors, each holding the model) kept while the run lasts."""
+    max_replicas: int = Field(2, ge=1)
+    """Most replicas; the pool grows while more than ``batches_per_replica`` batches wait per replica."""
+    batches_per_replica: int = Field(4, ge=1)
+    """Pending batches per replica the pool aims for when it sizes itself."""
+    num_cpus: float = Field(0.25, ge=0)
+    """Ray CPUs reserved per replica."""
+    num_gpus: float = Field(0.0, ge=0)
+    """Ray GPUs reserved per replica."""
+    train_steps: int = Field(600, ge=1)
+    """Training steps of the built-in model (``builtin:tiny`` only)."""
+
+    @model_validator(mode="after")
+    def validate_model_and_replicas(self) -> RewardModelConfig:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        if self.model == "builtin:tiny" and self.kind == "judge":
+            raise ValueError("builtin:tiny is a classifier; a judge needs a causal LM directory in 'model'")
+        if self.kind == "judge" and not ("{prompt}" in self.judge_template and "{response}" in self.judge_template):
+            raise ValueError("judge_template must contain {prompt} and {response}")
+        return self
 
 
 class RayConfig(_Strict):
@@ -193,6 +246,8 @@ class ExperimentConfig(_Strict):
     agents: dict[str, AgentConfig]
     pipeline: PipelineConfig = PipelineConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    reward_model: RewardModelConfig | None = None
+    """A model-based reward mixed into the environment's (None: the environment's rule-based reward alone)."""
     ray: RayConfig = RayConfig()
 
     @field_validator("agents")
@@ -240,6 +295,16 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
     missing = [role for role in roles if role not in config.agents]
     if missing:
         raise ConfigError(f"invalid config {source}:\n  agents: missing agent(s) {missing} required by the environment")
+    reward_model = config.reward_model
+    if reward_model is not None:
+        unknown = [name for name in reward_model.agents or [] if name not in roles]
+        if unknown:
+            raise ConfigError(f"invalid config {source}:\n  reward_model.agents: unknown agent {unknown[0]!r}; "
+                              f"environment {config.environment.name!r} has roles {list(roles)}")
+        if reward_model.model == "builtin:tiny" and not hasattr(env_class, "reward_examples"):
+            raise ConfigError(f"invalid config {source}:\n  reward_model.model: environment "
+                              f"{config.environment.name!r} has no reward_examples to train builtin:tiny on; "
+                              f"give a model directory")
     try:
         env_class.Options.model_validate(config.environment.options)
     except ValidationError as error:

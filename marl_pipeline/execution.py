@@ -4,8 +4,9 @@ Two ways, chosen by the plugin:
 
 - ``execute(task, transcript)`` per episode (the demo): in-process, one result per turn.
 - ``actions`` + ``run_action`` (an :class:`ActionEnvironment`): every turn's action of the whole
-  micro-batch is scheduled on its own, per action, on an :class:`ActionPool` (the one passed in, or
-  the process's shared pool for the plugin's ``pool_settings`` when Ray is up; otherwise in-process).
+  micro-batch is scheduled on its own, per action, on an :class:`ActionPool` (the one passed in: the
+  train job passes the run's shared pool, see :func:`action_pool_for`; without one, the process's
+  shared pool for the plugin's ``pool_settings`` when Ray is up; otherwise in-process).
 
 Failures are contained: an environment that raises for one episode records that episode as failed
 (status ``failed``, it earns nothing); a malformed, failed or timed-out action records a failure for
@@ -21,11 +22,24 @@ from datetime import UTC, datetime
 import pyarrow as pa
 import ray
 
-from marl_pipeline.action_pool import ActionOutcome, ActionPool, Job, shared_pool
+from marl_pipeline.action_pool import ActionOutcome, ActionPool, Job, PoolSettings, shared_pool
 from marl_pipeline.environment import MAX_ACTION_BYTES, ActionResult, Environment, Turn, validate_action
 from marl_pipeline.schema import ENVIRONMENT_RESULTS, with_agent
 
 _KEYS = ("sample_id", "episode", "task_id", "trajectory", "role", "turn", "agent")
+
+
+def is_action_environment(env: Environment) -> bool:
+    """Whether the plugin's turns run as actions on the pool (``actions`` + ``run_action``)."""
+    return hasattr(env, "actions") and hasattr(env, "run_action")
+
+
+def action_pool_for(env: Environment, settings: PoolSettings | None) -> ActionPool | None:
+    """The shared action pool of a run (Ray must be up): the config's settings, else the plugin's
+    ``pool_settings``, else the defaults; None for a plugin without actions."""
+    if not is_action_environment(env):
+        return None
+    return shared_pool(settings or getattr(env, "pool_settings", None) or PoolSettings())
 
 
 def episodes_of(rollouts: pa.Table) -> list[list[dict]]:
@@ -44,12 +58,15 @@ def transcript_of(turns: list[dict]) -> list[Turn]:
 def execute_micro_batch(env: Environment, rollouts: pa.Table, pool: ActionPool | None = None) -> pa.Table:
     """One row per turn: the outcome of executing that turn's action."""
     columns: dict[str, list] = {name: [] for name in ENVIRONMENT_RESULTS.names + ["agent"]}
-    episodes = episodes_of(rollouts.select(list(_KEYS) + ["task", "response_text"]))
+    episodes = episodes_of(rollouts.select(list(_KEYS) + ["task", "response_text", "observation", "status", "error"]))
     start = datetime.now(UTC)
-    if hasattr(env, "actions") and hasattr(env, "run_action"):
-        per_episode = _run_actions(env, episodes, pool)
+    failed = {e: _rollout_failed(turns) for e, turns in enumerate(episodes)}
+    runnable = [turns for e, turns in enumerate(episodes) if failed[e] is None]
+    if is_action_environment(env):
+        done = iter(_run_actions(env, runnable, pool))
     else:
-        per_episode = [_execute_episode(env, turns) for turns in episodes]
+        done = iter([_execute_episode(env, turns) for turns in runnable])
+    per_episode = [next(done) if failed[e] is None else failed[e] for e in range(len(episodes))]
     end = datetime.now(UTC)
     for turns, rows in zip(episodes, per_episode):
         for turn, (result, status, error) in zip(turns, rows):
@@ -67,6 +84,12 @@ def execute_micro_batch(env: Environment, rollouts: pa.Table, pool: ActionPool |
 
 
 Row = tuple[ActionResult, str, str | None]  # (result, status, error) of one turn
+
+
+def _rollout_failed(turns: list[dict]) -> list[Row] | None:
+    """The episode's rows as failed when a turn of its rollout failed (its ``observe`` raised), else None."""
+    errors = [row.get("error") or row["status"] for row in turns if row.get("status", "ok") != "ok"]
+    return [(ActionResult("error", False), "failed", errors[0]) for _ in turns] if errors else None
 
 
 def _execute_episode(env: Environment, turns: list[dict]) -> list[Row]:

@@ -98,9 +98,12 @@ def _episode_turns(store, run: str, where: ds.Expression, episode: int) -> list[
     where = where & (ds.field("episode") == episode)
     rollouts = store.read_stage(run, "rollouts", filter=where, columns=[
         "sample_id", "task_id", "agent", "role", "turn", "policy_version", "prompt_text", "response_text",
-        "finish_reason", "status", "error"])
-    by_sample: dict[str, dict] = {row["sample_id"]: {**row, "reward": None, "outcome": None}
-                                  for row in rollouts.to_pylist()}
+        "observation", "finish_reason", "status", "error"])
+    # ``reply``: the environment's reply during rollout (observe); ``observation``: its action's result, below.
+    by_sample: dict[str, dict] = {}
+    for row in rollouts.to_pylist():
+        row["reply"] = row.pop("observation")
+        by_sample[row["sample_id"]] = {**row, "reward": None, "outcome": None, "observation": None}
     for stage, columns in (("rewards", ["sample_id", "reward", "advantage"]),
                            ("environment_results", ["sample_id", "outcome", "observation"])):
         for row in store.read_stage(run, stage, filter=where, columns=columns).to_pylist():

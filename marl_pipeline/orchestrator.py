@@ -35,9 +35,10 @@ import ray
 
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import Environment
-from marl_pipeline.execution import execute_micro_batch
+from marl_pipeline.execution import action_pool_for, execute_micro_batch
 from marl_pipeline.launches import LaunchPlan
 from marl_pipeline.reward import score_micro_batch
+from marl_pipeline.reward_model import model_reward
 from marl_pipeline.rollout import RolloutSettings, rollout_micro_batch
 from marl_pipeline.schema import with_stage_timing
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
@@ -109,6 +110,9 @@ class Orchestrator:
         self.rollout_settings = RolloutSettings(config.seed, pipeline.prompts_per_micro_batch,
                                                 pipeline.samples_per_prompt, algorithm.max_new_tokens,
                                                 algorithm.temperature)
+        self._action_pool = action_pool_for(env, config.environment.pool)  # None: the plugin has no actions
+        pool, settings = workers.reward_pool, config.reward_model
+        self._model_reward = model_reward(settings, pool) if pool is not None and settings is not None else None
         self._events: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._served = dict(plan.versions)  # per agent: the version its engine serves
@@ -174,11 +178,12 @@ class Orchestrator:
         return rollout_micro_batch(self.env, self.workers.engines, key, self.rollout_settings)
 
     def _environment(self, key: MicroBatchKey) -> pa.Table:
-        return execute_micro_batch(self.env, self.store.read("rollouts", key))
+        return execute_micro_batch(self.env, self.store.read("rollouts", key), pool=self._action_pool)
 
     def _reward(self, key: MicroBatchKey) -> pa.Table:
         return score_micro_batch(self.env, self.store.read("rollouts", key),
-                                 self.store.read("environment_results", key), self.config.algorithm.advantage_eps)
+                                 self.store.read("environment_results", key), self.config.algorithm.advantage_eps,
+                                 model_reward=self._model_reward)
 
     def _map_loop(self, inbox: queue.Queue, outbox: queue.Queue, stage: str, work: Callable, next_stage: str,
                   barrier: _StepBarrier) -> None:

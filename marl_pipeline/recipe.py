@@ -14,6 +14,7 @@ from marl_pipeline.environment import build_environment
 from marl_pipeline.launches import LaunchPlan, finish_launch, plan_launch
 from marl_pipeline.orchestrator import Event, Orchestrator
 from marl_pipeline.policies import BasePolicy, prepare_base_policies
+from marl_pipeline.reward_model import prepare_reward_model
 from marl_pipeline.store import ExperienceStore
 from marl_pipeline.workers import start_workers
 
@@ -44,8 +45,9 @@ def train(config: ExperimentConfig) -> Iterator[RunStarted | Event | RunFinished
     env = build_environment(config.environment.name, config.environment.options)
     store = ExperienceStore(config.store)
     base_policies = prepare_base_policies(config, env, store)
+    reward_model = prepare_reward_model(config, env, store)  # after the policies: the built-in shares their tokenizer
     plan = plan_launch(store, config)
-    workers = start_workers(config, store, plan.versions)
+    workers = start_workers(config, store, plan.versions, reward_model)
     try:
         yield RunStarted(config.run, plan, base_policies, time.perf_counter() - started)
         streaming_started = time.time()

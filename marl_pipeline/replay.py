@@ -16,6 +16,7 @@ from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import build_environment
 from marl_pipeline.execution import execute_micro_batch
 from marl_pipeline.reward import score_micro_batch
+from marl_pipeline.reward_model import RewardModelServer, model_reward, prepare_reward_model
 from marl_pipeline.rollout import RolloutSettings, rollout_micro_batch
 from marl_pipeline.schema import with_stage_timing
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
@@ -36,7 +37,7 @@ def replay_stage(stage: str, config: ExperimentConfig, key: MicroBatchKey) -> tu
         table = execute_micro_batch(env, store.read("rollouts", key))
     elif stage == "rewards":
         table = score_micro_batch(env, store.read("rollouts", key), store.read("environment_results", key),
-                                  config.algorithm.advantage_eps)
+                                  config.algorithm.advantage_eps, model_reward=_model_reward(config, env, store))
     elif stage == "policy_updates":
         table = _policy_updates(config, store, key)
     else:
@@ -45,6 +46,17 @@ def replay_stage(stage: str, config: ExperimentConfig, key: MicroBatchKey) -> tu
     table = with_stage_timing(table, started, started, ended)  # a replay is ready the moment it is asked for
     path = store.commit(stage, key, table)
     return path, table, ended - started
+
+
+def _model_reward(config: ExperimentConfig, env, store: ExperienceStore):
+    """The run's reward model, loaded in-process (one partition's scoring needs no pool); None without one."""
+    path = prepare_reward_model(config, env, store)
+    if path is None or config.reward_model is None:
+        return None
+    settings = config.reward_model
+    server = RewardModelServer(str(path), settings.kind, judge_template=settings.judge_template,
+                               judge_yes=settings.judge_yes, judge_no=settings.judge_no, max_length=settings.max_length)
+    return model_reward(settings, server)
 
 
 def _policy_versions_at(store: ExperienceStore, config: ExperimentConfig, step: int) -> dict[str, int]:

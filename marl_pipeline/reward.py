@@ -7,11 +7,18 @@ Credit assignment: the environment scores each agent on its own part (``score``)
 trained on ``w * team + (1 - w) * own`` where ``team`` is the mean over the episode's agents and ``w``
 the ``team_weight`` (0: individual reward, the default; 1: shared team reward; between: a mix). A
 plugin sets its default with a ``team_reward_weight`` attribute (usually from its options).
+
+Model-based reward (:class:`ModelReward`, optional): before credit assignment, each scored agent's own
+reward becomes ``(1 - weight) * rule + weight * model score``, the model scoring the agent's last turn of
+the episode (its final say). The score is stored in ``model_score`` on that turn's row. A failed episode
+is not sent to the model.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import numpy as np
@@ -22,6 +29,22 @@ from marl_pipeline.execution import episodes_of, transcript_of
 from marl_pipeline.schema import REWARDS, with_agent
 
 _KEYS = ("sample_id", "episode", "task_id", "trajectory", "role", "turn", "agent")
+
+
+@dataclass(frozen=True)
+class ModelReward:
+    """A reward model's part in the reward: its scorer, which agents it scores, and its weight in the mix."""
+
+    score: Callable[[list[str], list[str]], list[float]]
+    """(prompts, responses) -> a score in [0, 1] each (e.g. ``RewardModelPool.score``)."""
+    agents: frozenset[str] | None = None
+    """Agents it scores (None: every agent)."""
+    weight: float = 0.5
+    """Own reward = (1 - weight) * rule + weight * score."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.weight <= 1.0:
+            raise ValueError(f"model reward weight must be in [0, 1], got {self.weight}")
 
 
 def group_relative_advantages(rewards: np.ndarray, groups: np.ndarray, eps: float) -> np.ndarray:
@@ -45,7 +68,7 @@ def assign_credit(own: dict[str, float], team_weight: float) -> dict[str, float]
 
 
 def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, eps: float,
-                      team_weight: float | None = None) -> pa.Table:
+                      team_weight: float | None = None, model_reward: ModelReward | None = None) -> pa.Table:
     """One row per turn: the turn's agent's episode reward and its group-relative advantage.
 
     ``team_weight`` None takes the environment's ``team_reward_weight`` (0 if it has none).
@@ -54,8 +77,10 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, e
         team_weight = float(getattr(env, "team_reward_weight", 0.0))
     outcomes = {row["sample_id"]: row for row in results.select(["sample_id", "outcome", "success", "observation",
                                                                   "info", "status"]).to_pylist()}
+    episodes = episodes_of(rollouts.select(list(_KEYS) + ["task", "prompt_text", "response_text", "observation"]))
+    model_scores = _model_scores(episodes, outcomes, model_reward) if model_reward is not None else {}
     keyed_rows, rewards, statuses, starts, ends = [], [], [], [], []
-    for turns in episodes_of(rollouts.select(list(_KEYS) + ["task", "response_text"])):
+    for turns in episodes:
         start = datetime.now(UTC)
         episode_results = [outcomes[row["sample_id"]] for row in turns]
         if any(r["status"] == "failed" for r in episode_results):
@@ -64,6 +89,10 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, e
             actions = [ActionResult(r["outcome"], r["success"], r["observation"], json.loads(r["info"]))
                        for r in episode_results]
             own = env.score(json.loads(turns[0]["task"]), transcript_of(turns), actions)
+            for row in turns:
+                if row["sample_id"] in model_scores:
+                    w = model_reward.weight  # type: ignore[union-attr]
+                    own[row["role"]] = (1.0 - w) * own.get(row["role"], 0.0) + w * model_scores[row["sample_id"]]
             per_role, status = assign_credit(own, team_weight), "ok"
         end = datetime.now(UTC)
         for row in turns:
@@ -78,5 +107,27 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, e
     advantages = group_relative_advantages(rewards_array, groups, eps) if keyed_rows else rewards_array
     columns = {name: [row[name] for row in keyed_rows] for name in _KEYS}
     columns.update(reward=rewards_array.astype(np.float32), advantage=advantages.astype(np.float32),
+                   model_score=pa.array([model_scores.get(row["sample_id"]) for row in keyed_rows], pa.float32()),
                    reward_start=starts, reward_end=ends, status=statuses, error=[None] * len(keyed_rows))
     return pa.table(columns, schema=with_agent(REWARDS))
+
+
+def _model_scores(episodes: list[list[dict]], outcomes: dict[str, dict], model_reward: ModelReward
+                  ) -> dict[str, float]:
+    """The model's score of each scored agent's last turn in every episode that did not fail, by sample_id;
+    one call for the whole micro-batch, so the pool batches it."""
+    scored = []
+    for turns in episodes:
+        if any(outcomes[row["sample_id"]]["status"] == "failed" for row in turns):
+            continue
+        last = {row["role"]: row for row in turns}  # turns are in order: the last one per role wins
+        scored += [row for role, row in last.items() if model_reward.agents is None or role in model_reward.agents]
+    if not scored:
+        return {}
+    scores = model_reward.score([row["prompt_text"] for row in scored], [row["response_text"] for row in scored])
+    if len(scores) != len(scored):
+        raise ValueError(f"the reward model returned {len(scores)} scores for {len(scored)} turns")
+    bad = [s for s in scores if not (isinstance(s, float) and 0.0 <= s <= 1.0)]
+    if bad:
+        raise ValueError(f"the reward model returned scores outside [0, 1]: {bad[:3]}")
+    return {row["sample_id"]: score for row, score in zip(scored, scores)}

@@ -3,8 +3,13 @@
 Every episode of a micro-batch advances turn by turn: all episodes' prompts for the next turn go to
 that turn's agent engine in one batched call (parallel sampling of ``n`` episodes per task prompt),
 and each later agent's prompt is rendered from the transcript so far (who sees what is the plugin's
-call). Each request carries its own seed derived from (run seed, step, micro-batch, turn, episode),
-so a micro-batch's rollout is reproducible for the same policy weights.
+call). After each turn, a plugin with ``observe`` replies to every episode (a tool's result, a check of
+the answer's format, a hidden state revealed bit by bit): the reply is stored with the turn and later
+turns see it as ``Turn.observation``, so an agent's next turn can depend on the environment's reply.
+A reply that raises marks that turn ``observe_failed`` (the error stored) and the episode goes on; the
+environment stage then records the whole episode as failed. Each request carries its own seed derived
+from (run seed, step, micro-batch, turn, episode), so a micro-batch's rollout is reproducible for the
+same policy weights.
 """
 
 from __future__ import annotations
@@ -54,24 +59,40 @@ def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHand
         version, completions = ray.get(
             engines[role].generate.remote(prompts, [int(s) for s in seeds], settings.max_new_tokens,
                                           settings.temperature))
-        end = datetime.now(UTC)
         for e, ((p, trajectory), prompt, completion) in enumerate(zip(episodes, prompts, completions)):
-            transcripts[e].append(Turn(role, completion.text))
-            _append_turn(columns, key, tasks[p], p, trajectory, e, turn, role, prompt, completion, version, start, end)
+            observation, error = _observe(env, role, tasks[p], [*transcripts[e], Turn(role, completion.text)])
+            transcripts[e].append(Turn(role, completion.text, observation))
+            _append_turn(columns, key, tasks[p], p, trajectory, e, turn, role, prompt, completion, version, start,
+                         datetime.now(UTC), observation, error)
     return pa.table(columns, schema=with_agent(ROLLOUTS))
+
+
+def _observe(env: Environment, role: str, task: Task, transcript: list[Turn]) -> tuple[str | None, str | None]:
+    """(the environment's reply to the last turn, None) or (None, why it failed); (None, None) without ``observe``."""
+    observe = getattr(env, "observe", None)
+    if observe is None:
+        return None, None
+    try:
+        reply = observe(role, task, transcript)
+    except Exception as exc:
+        return None, f"observe: {type(exc).__name__}: {exc}"
+    if reply is not None and not isinstance(reply, str):
+        return None, f"observe: returned {type(reply).__name__}, expected str or None"
+    return reply, None
 
 
 def _append_turn(columns: dict[str, list], key: MicroBatchKey, task: Task, prompt_index: int, trajectory: int,
                  episode: int, turn: int, role: str, prompt: str, completion: Completion, version: int,
-                 start: datetime, end: datetime) -> None:
+                 start: datetime, end: datetime, observation: str | None, error: str | None) -> None:
     input_id = f"{key.step}-{key.micro_batch}-{prompt_index}"
     row = {
         "sample_id": f"{input_id}_{turn}_{trajectory}", "episode": episode, "task_id": str(task["id"]),
         "trajectory": trajectory, "role": role, "turn": turn, "task": json.dumps(task), "policy_version": version,
         "engine": f"{role}/0", "prompt_text": prompt, "response_text": completion.text,
         "prompt_ids": completion.prompt_ids, "response_ids": completion.response_ids,
-        "logprobs": completion.logprobs, "finish_reason": completion.finish_reason,
-        "rollout_start": start, "rollout_end": end, "status": "ok", "error": None, "agent": role,
+        "logprobs": completion.logprobs, "finish_reason": completion.finish_reason, "observation": observation,
+        "rollout_start": start, "rollout_end": end, "status": "ok" if error is None else "observe_failed",
+        "error": error, "agent": role,
     }
     for name, value in row.items():
         columns[name].append(value)

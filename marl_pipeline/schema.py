@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 SCHEMA_CHANGES = {
     1: "first version",
     2: "environment_start/environment_end and reward_start/reward_end: timestamps of every stage",
     3: "stage_enqueued/stage_started/stage_ended on every stage: the orchestrator's timing of the micro-batch",
+    4: "rollouts.observation: the environment's reply to a turn (observe); rewards.model_score: the reward model's",
 }
 # Versions whose files this code reads: each change so far only added nullable columns.
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
 SCHEMA_VERSION_KEY = b"marl_pipeline.schema_version"
 
 PARTITION_SCHEMA = pa.schema(
@@ -53,6 +54,7 @@ ROLLOUTS = pa.schema(
         pa.field("response_ids", pa.list_(pa.int32())),
         pa.field("logprobs", pa.list_(pa.float32())),  # rollout engine's logprob of each response token
         pa.field("finish_reason", pa.string()),
+        pa.field("observation", pa.string()),  # the environment's reply to this turn (observe); null: none
         pa.field("rollout_start", pa.timestamp("us", tz="UTC")),
         pa.field("rollout_end", pa.timestamp("us", tz="UTC")),
         pa.field("status", pa.string()),
@@ -79,6 +81,7 @@ REWARDS = pa.schema(
     + [
         pa.field("reward", pa.float32()),
         pa.field("advantage", pa.float32()),  # group-relative, per agent
+        pa.field("model_score", pa.float32()),  # the reward model's score of the turn, in [0, 1]; null: not scored
         pa.field("reward_start", pa.timestamp("us", tz="UTC")),  # the episode's scoring
         pa.field("reward_end", pa.timestamp("us", tz="UTC")),
         pa.field("status", pa.string()),
@@ -105,6 +108,10 @@ POLICY_UPDATES = pa.schema(
 # (before the commit's write). Every pipeline figure of a run can be recomputed from these.
 STAGE_TIMING = [pa.field(name, pa.timestamp("us", tz="UTC"))
                 for name in ("stage_enqueued", "stage_started", "stage_ended")]
+
+# Columns a stage's producer may leave out of a table it commits (they are stored null): the orchestrator
+# adds the stage timing, and plugins without ``observe`` or runs without a reward model have nothing to put.
+OPTIONAL_COLUMNS = frozenset([field.name for field in STAGE_TIMING] + ["observation", "model_score"])
 
 STAGE_SCHEMAS = {
     "rollouts": pa.schema(list(ROLLOUTS) + STAGE_TIMING),

@@ -29,11 +29,11 @@ from marl_pipeline import commits
 from marl_pipeline.commits import Manifest
 from marl_pipeline.config import StoreConfig
 from marl_pipeline.schema import (
+    OPTIONAL_COLUMNS,
     PARTITION_SCHEMA,
     READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
     STAGE_SCHEMAS,
-    STAGE_TIMING,
     with_version,
 )
 from marl_pipeline.storage import open_location, policy_root
@@ -137,9 +137,7 @@ class ExperienceStore:
         schema, what = STAGE_SCHEMAS[stage], f"{stage} {key}"
         if "agent" not in table.column_names:
             raise StoreError(f"{what}: the table to commit has no 'agent' column")
-        # Stage timing is written by the orchestrator; a table built elsewhere may leave it out (null).
-        optional = {field.name for field in STAGE_TIMING}
-        missing = [name for name in schema.names if name not in table.column_names and name not in optional]
+        missing = [name for name in schema.names if name not in table.column_names and name not in OPTIONAL_COLUMNS]
         if missing:
             raise StoreError(f"{what}: the table to commit lacks columns {missing}")
         agents = table.column("agent")

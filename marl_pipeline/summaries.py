@@ -18,6 +18,10 @@ def stage_summary(stage: str, table: pa.Table) -> dict[str, float | int | str]:
     if "reward" in table.column_names and table.num_rows:
         for agent, mean in _mean_by_agent(table, "reward").items():
             summary[f"mean_reward/{agent}"] = round(mean, 4)
+    if "model_score" in table.column_names and table.column("model_score").null_count < table.num_rows:
+        for agent, mean in _mean_by_agent(table.filter(pc.is_valid(table.column("model_score"))),
+                                          "model_score").items():
+            summary[f"mean_model_score/{agent}"] = round(mean, 4)
     if "success" in table.column_names and table.num_rows:
         summary["success_rate"] = round(float(pc.mean(table.column("success").cast(pa.float64())).as_py()), 4)
     if "status" in table.column_names:

@@ -1,4 +1,4 @@
-"""Spawning the Ray actors of a run: one rollout engine and one trainer per agent.
+"""Spawning the Ray actors of a run: one rollout engine and one trainer per agent, and the stage pools.
 
 ``ray.remote`` is applied here, where actors are spawned, with resources from the config; the engine
 and trainer classes stay plain Python and run in-process in a script or a test just as well.
@@ -7,11 +7,13 @@ and trainer classes stay plain Python and run in-process in a script or a test j
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.engine import ENGINE_ENV, RolloutEngine
+from marl_pipeline.reward_model import RewardModelPool
 from marl_pipeline.store import ExperienceStore
 from marl_pipeline.trainer import PolicyTrainer
 
@@ -22,10 +24,14 @@ class Workers:
 
     engines: dict[str, ray.actor.ActorHandle]
     trainers: dict[str, ray.actor.ActorHandle]
+    reward_pool: RewardModelPool | None = None
+    """Replicas of the run's reward model (None: rule-based reward only)."""
 
     def shutdown(self) -> None:
         for handle in [*self.engines.values(), *self.trainers.values()]:
             ray.kill(handle)
+        if self.reward_pool is not None:
+            self.reward_pool.shutdown()
 
 
 def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
@@ -60,8 +66,32 @@ def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: d
     return trainers
 
 
-def start_workers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> Workers:
-    """Engines and trainers of every agent; returns once all of them are ready."""
+START_TIMEOUT_S = 600.0
+"""An actor not up by then is reported with what was asked and what the cluster has (no silent hang)."""
+
+
+def _wait_ready(config: ExperimentConfig, handles: list) -> None:
+    try:
+        ray.get([h.policy_version.remote() for h in handles], timeout=START_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        asked = {"CPU": sum(a.engine.num_cpus + a.trainer.num_cpus for a in config.agents.values()),
+                 "GPU": sum(a.engine.num_gpus + a.trainer.num_gpus for a in config.agents.values())}
+        raise TimeoutError(
+            f"engines and trainers not ready after {START_TIMEOUT_S:.0f} s: they ask for {asked} in all "
+            f"(agents.*.engine/trainer.num_cpus, num_gpus); the Ray cluster has {ray.cluster_resources()} and "
+            f"{ray.available_resources()} free. Lower the requests or give Ray more.") from None
+
+
+def start_workers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int],
+                  reward_model: Path | None = None) -> Workers:
+    """Engines and trainers of every agent, and the reward model's pool when there is one; returns once all of
+    them are ready."""
     workers = Workers(start_engines(config, store, versions), start_trainers(config, store, versions))
-    ray.get([h.policy_version.remote() for h in [*workers.engines.values(), *workers.trainers.values()]])
+    try:
+        if reward_model is not None and config.reward_model is not None:
+            workers.reward_pool = RewardModelPool(reward_model, config.reward_model)
+        _wait_ready(config, [*workers.engines.values(), *workers.trainers.values()])
+    except BaseException:
+        workers.shutdown()
+        raise
     return workers

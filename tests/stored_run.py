@@ -44,13 +44,15 @@ def write_run(store: ExperienceStore, run: str = "r", steps: int = 2, micro_batc
                         "prompt_ids": [list(rng.integers(0, VOCAB, 5)) for _ in turns],
                         "response_ids": [list(rng.integers(0, VOCAB, 3)) for _ in turns],
                         "logprobs": [list(-rng.random(3)) for _ in turns], "finish_reason": ["stop"] * n,
+                        "observation": [None] * n,
                         "rollout_start": [now] * n, "rollout_end": [now] * n, "status": ["ok"] * n, "error": [None] * n}
             results = {**common, "outcome": ["right"] * n, "success": [True] * n, "observation": [""] * n,
                        "info": ["{}"] * n, "environment_start": [now] * n, "environment_end": [now] * n,
                        "status": ["failed" if f else "ok" for f in failed],
                        "error": ["ValueError: boom" if f else None for f in failed]}
             rewards = {**common, "reward": [0.0 if f else float(rng.random()) for f in failed],
-                       "advantage": list(rng.standard_normal(n)), "reward_start": [now] * n, "reward_end": [now] * n,
+                       "advantage": list(rng.standard_normal(n)), "model_score": [None] * n,
+                       "reward_start": [now] * n, "reward_end": [now] * n,
                        "status": ["failed" if f else "ok" for f in failed], "error": [None] * n}
             for stage, schema, columns in (("rollouts", ROLLOUTS, rollouts),
                                            ("environment_results", ENVIRONMENT_RESULTS, results),

@@ -74,6 +74,12 @@ def test_math_outcomes_and_rewards_by_hand() -> None:
     assert env.render_prompt("verifier", task, [Turn("solver", "4")]).endswith("A: 4\nCheck: ")
     assert env.render_prompt("solver", task, [Turn("solver", "4"), Turn("verifier", "wrong, recount")]).endswith(
         "Check: wrong, recount\nFinal: ")
+    # The environment's reply to the verifier's turn, and the revision prompt that shows it.
+    assert env.observe("solver", task, [Turn("solver", "4")]) is None
+    assert env.observe("verifier", task, [Turn("solver", "4"), Turn("verifier", "WRONG recount")]) == "Verdict: wrong"
+    assert env.observe("verifier", task, [Turn("solver", "4"), Turn("verifier", "hmm")]) == "Verdict: unreadable"
+    replied = [Turn("solver", "4"), Turn("verifier", "wrong, recount", "Verdict: unreadable")]
+    assert env.render_prompt("solver", task, replied).endswith("Check: wrong, recount\nVerdict: unreadable\nFinal: ")
     cases = [  # (solver, verifier, revision) -> outcomes, own rewards
         (("5", "correct", "5"), ("correct", "right_verdict", "correct"), {"solver": 1.0, "verifier": 1.0}),
         (("4", "wrong add", "5"), ("wrong", "right_verdict", "correct"), {"solver": 1.0, "verifier": 1.0}),

@@ -7,13 +7,16 @@ that real episodes are recorded with one outcome per turn from the environment's
 
 from __future__ import annotations
 
+import itertools
+import json
+
 import pytest
 
 from environments.code_tester import CodeOptions, CodeWriterTester
 from environments.math_verifier import MathOptions, MathSolverVerifier
 from marl_pipeline.action_pool import ActionPool, PoolSettings
 from marl_pipeline.engine import ENGINE_ENV, RolloutEngine
-from marl_pipeline.environment import Turn
+from marl_pipeline.environment import ActionResult, Turn
 from marl_pipeline.execution import execute_micro_batch
 from marl_pipeline.reward import score_micro_batch
 from marl_pipeline.rollout import RolloutSettings, rollout_micro_batch
@@ -80,3 +83,124 @@ def test_code_writer_tester_by_hand() -> None:
         results = env.execute(task, transcript)
         assert tuple(r.outcome for r in results) == outcomes, (code, [r.info for r in results])
         assert env.score(task, transcript, results) == pytest.approx(rewards)
+
+
+class GuessNumber:
+    """Tests-only plugin: the guesser guesses a hidden number three times; after each guess the environment
+    replies higher/lower/correct, and the next guess's prompt shows that reply (a multi-turn episode whose
+    next turn depends on the environment's reply). Its ``observe`` raises for tasks marked ``broken``."""
+
+    name = "guess_number"
+    turn_order = ("guesser", "guesser", "guesser")
+
+    class Options(__import__("pydantic").BaseModel):
+        pass
+
+    def __init__(self, options) -> None:
+        pass
+
+    def sample_tasks(self, rng, count):
+        return [{"id": f"s{i}", "secret": int(rng.integers(0, 10)), "broken": i == 1} for i in range(count)]
+
+    def render_prompt(self, role, task, transcript):
+        return "1+2=" + "".join(f"{t.text.strip()[:3]}:{t.observation}," for t in transcript)
+
+    def observe(self, role, task, transcript):
+        if task["broken"]:
+            raise RuntimeError("the hidden number went missing")
+        guess = transcript[-1].text.strip()
+        if not guess.isdigit():
+            return "not a number"
+        return "correct" if int(guess) == task["secret"] else "higher" if int(guess) < task["secret"] else "lower"
+
+    def execute(self, task, transcript):
+        return [ActionResult("found" if t.observation == "correct" else "missed", t.observation == "correct")
+                for t in transcript]
+
+    def score(self, task, transcript, results):
+        return {"guesser": float(any(r.success for r in results))}
+
+    def text_corpus(self, rng, count):
+        return []
+
+    def warmup_examples(self, role, rng, count):
+        return []
+
+
+def test_observe_replies_between_turns_through_the_real_engine(engine) -> None:
+    env = GuessNumber(None)
+    rollouts, results, rewards = _episode(env, engine, None)
+    rows = rollouts.sort_by([("episode", "ascending"), ("turn", "ascending")]).to_pylist()
+    assert len(rows) == 2 * 2 * 3
+    for row in rows:
+        task = json.loads(row["task"])
+        if task["broken"]:  # the plugin's reply raised: recorded on the turn, the episode goes on
+            assert row["status"] == "observe_failed" and row["observation"] is None
+            assert row["error"] == "observe: RuntimeError: the hidden number went missing"
+            continue
+        guess = row["response_text"].strip()
+        expected = ("not a number" if not guess.isdigit() else "correct" if int(guess) == task["secret"]
+                    else "higher" if int(guess) < task["secret"] else "lower")
+        assert row["status"] == "ok" and row["observation"] == expected
+    for earlier, later in itertools.pairwise(rows):
+        if later["episode"] == earlier["episode"] and not json.loads(later["task"])["broken"]:
+            # The next turn's prompt carries the environment's reply to the previous one.
+            assert later["prompt_text"].endswith(f"{earlier['response_text'].strip()[:3]}:{earlier['observation']},")
+    statuses = {(r["episode"], r["status"]) for r in results.to_pylist()}
+    broken = {row["episode"] for row in rows if json.loads(row["task"])["broken"]}
+    assert broken and all(status == ("failed" if e in broken else "ok") for e, status in statuses)
+    for row in rewards.to_pylist():
+        if row["episode"] in broken:
+            assert row["status"] == "failed" and row["reward"] == 0.0
+
+
+class WhereMathRuns(MathSolverVerifier):
+    """The math environment, recording which process ran each action (to see the train job use the pool)."""
+
+    name = "math_where"
+
+    def run_action(self, action):
+        import os
+
+        result = super().run_action(action)
+        return ActionResult(result.outcome, result.success, result.observation, {**result.info, "pid": os.getpid()})
+
+
+def test_train_job_runs_actions_on_the_pool_and_scores_with_the_reward_model(local_ray, demo_config_data,
+                                                                             tmp_path) -> None:
+    """configs/math_reward_model.yaml cut down to one step: every action ran on a pool worker (another
+    process), every episode has the environment's reply before the revision, and the solver's final turn
+    has a model score."""
+    import os
+
+    import yaml
+
+    from marl_pipeline.config import parse_config
+    from marl_pipeline.environment import register_environment
+    from marl_pipeline.recipe import train
+    from marl_pipeline.store import ExperienceStore
+    from tests.conftest import ROOT, small_config_data
+
+    register_environment(WhereMathRuns)
+    data = yaml.safe_load((ROOT / "configs" / "math_reward_model.yaml").read_text())
+    data["environment"]["name"] = "math_where"
+    data["environment"]["pool"] = {"min_workers": 1, "max_workers": 2, "num_cpus": 0}
+    data["reward_model"].update(train_steps=100, num_cpus=0)
+    data = small_config_data(data, tmp_path / "store", steps=1, micro_batches_per_step=1)
+    for agent in data["agents"].values():  # the module's engine holds 0.5 of the 2 CPUs
+        agent.update(engine={"num_cpus": 0.25}, trainer={"num_cpus": 0.25})
+    config = parse_config(data)
+    list(train(config))
+    store = ExperienceStore(config.store)
+    results = store.read_stage(config.run, "environment_results").to_pylist()
+    assert len(results) == 4 * 4 * 3 and {r["status"] for r in results} == {"ok"}
+    pids = {json.loads(r["info"])["pid"] for r in results}
+    assert os.getpid() not in pids  # ran on the action pool's workers, not in the driver
+    rollouts = store.read_stage(config.run, "rollouts").to_pylist()
+    assert {r["observation"] for r in rollouts if r["turn"] == 1} <= {"Verdict: correct", "Verdict: wrong",
+                                                                      "Verdict: unreadable"}
+    assert all(r["observation"] is None for r in rollouts if r["turn"] != 1)
+    assert all("Verdict: " in r["prompt_text"] for r in rollouts if r["turn"] == 2)
+    rewards = store.read_stage(config.run, "rewards").to_pylist()
+    scored = {(r["episode"], r["turn"]) for r in rewards if r["model_score"] is not None}
+    assert scored == {(r["episode"], 2) for r in rewards if r["agent"] == "solver"}

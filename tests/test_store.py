@@ -222,13 +222,14 @@ def test_readers_during_commits_see_one_whole_version(store_config: StoreConfig)
 def test_older_schema_versions_are_read_or_refused_clearly(tmp_path: Path) -> None:
     # A version-1 partition as the first store wrote it: no manifest, part-0.parquet, no reward timestamps.
     store = ExperienceStore(tmp_path)
-    v1 = REWARDS.remove(REWARDS.get_field_index("reward_start")).remove(REWARDS.get_field_index("reward_end") - 1)
+    v1 = pa.schema([field for field in REWARDS if field.name not in ("reward_start", "reward_end", "model_score")])
     table = _rewards(["solver"], 1.0).select(v1.names).cast(v1)
     directory = tmp_path / "run=r" / "stage=rewards" / "step=0" / "micro_batch=0" / "agent=solver"
     directory.mkdir(parents=True)
     pq.write_table(table.replace_schema_metadata({b"marl_pipeline.schema_version": b"1"}), directory / "part-0.parquet")
     read = store.read("rewards", MicroBatchKey("r", 0, 0))
     assert read.num_rows == 2 and read.column("reward_start").null_count == 2
+    assert read.column("model_score").null_count == 2  # added in version 4
     assert store.committed_keys("r", "rewards") == [MicroBatchKey("r", 0, 0)]
     # A version this code does not know is refused, naming the partition and the versions it reads.
     key = MicroBatchKey("r", 1, 0)

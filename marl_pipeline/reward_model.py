@@ -1,0 +1,246 @@
+"""Model-based reward: a reward model served by an elastic pool of Ray actors, and the built-in tiny one.
+
+Two kinds, both loaded with transformers from a local Hugging Face directory:
+
+- ``classifier`` (any sequence-classification model): score = sigmoid(logit) of a one-logit head, or the
+  softmax probability of the last label ("good") with several labels;
+- ``judge`` (any causal LM): the model reads ``judge_template`` filled with the turn's prompt and response;
+  score = P(yes) / (P(yes) + P(no)) of the next token (``judge_yes`` / ``judge_no``).
+
+Scoring is stateless, so replicas are interchangeable: the pool sends each batch to the replica with the
+fewest batches in flight, grows towards ``max_replicas`` while more than ``batches_per_replica`` batches
+wait per replica, and retires replicas above ``min_replicas`` once they have idled ``idle_grace_s`` (ROLLART's
+elastic reward pool). ``ray.util.ActorPool`` would do the dispatch, but it is not thread-safe and the reward
+stage scores several micro-batches at once, nor can it retire a busy-looking actor: hence this small pool.
+
+``builtin:tiny`` is a 2-layer Qwen2 sequence classifier trained at launch on the environment's
+``reward_examples`` (prompt, response, label) with the run's built-in tokenizer: a learned outcome
+verifier small enough for CPU runs and tests. It is saved in the store beside the built-in policy.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from marl_pipeline.config import ExperimentConfig, RewardModelConfig
+from marl_pipeline.models import BUILTIN_TINY, TINY_ARCHITECTURE, save_policy, train_tokenizer
+
+
+class RewardModelServer:
+    """One replica: holds a reward model and scores (prompt, response) pairs; plain Python, or a Ray actor."""
+
+    def __init__(self, path: str, kind: str, *, judge_template: str = "", judge_yes: str = " yes",
+                 judge_no: str = " no", max_length: int = 256, num_threads: int | None = None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.kind, self.template, self.max_length = kind, judge_template, max_length
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer.truncation_side = "left"  # keep the response, which is what is judged
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if kind == "classifier":
+            self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+            self.tokenizer.padding_side = "right"
+        elif kind == "judge":
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            self.tokenizer.padding_side = "left"  # the next-token position is the last one of every row
+            self.yes, self.no = (self._single_token(word, name) for word, name in ((judge_yes, "judge_yes"),
+                                                                                  (judge_no, "judge_no")))
+        else:
+            raise ValueError(f"reward model kind {kind!r}: expected 'classifier' or 'judge'")
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.model.eval()
+
+    def _single_token(self, word: str, name: str) -> int:
+        ids = self.tokenizer(word, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise ValueError(f"reward_model.{name} {word!r} is {len(ids)} tokens for this tokenizer; it must be one")
+        return ids[0]
+
+    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+        """A score in [0, 1] per (prompt, response)."""
+        import torch
+
+        if self.kind == "judge":
+            texts = [self.template.format(prompt=p, response=r) for p, r in zip(prompts, responses)]
+        else:
+            texts = [p + r for p, r in zip(prompts, responses)]
+        batch = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
+                               max_length=self.max_length, add_special_tokens=False)
+        with torch.inference_mode():
+            if self.kind == "classifier":
+                logits = self.model(**batch).logits.float()
+                scores = torch.sigmoid(logits[:, 0]) if logits.shape[1] == 1 else logits.softmax(-1)[:, -1]
+            else:
+                last = self.model(**batch).logits[:, -1, :].float().log_softmax(-1)
+                scores = torch.sigmoid(last[:, self.yes] - last[:, self.no])  # = p_yes / (p_yes + p_no)
+        return [float(s) for s in scores]
+
+    def ready(self) -> bool:
+        return True
+
+
+@dataclass(eq=False)
+class _Replica:
+    handle: object
+    in_flight: int = 0
+    idle_since: float = 0.0
+
+
+class RewardModelPool:
+    """Replicas of one reward model on Ray, sized by the batches waiting; see the module docstring."""
+
+    def __init__(self, path: str | Path, settings: RewardModelConfig, idle_grace_s: float = 30.0) -> None:
+        import ray
+
+        self.settings, self.idle_grace_s = settings, idle_grace_s
+        self._actor = ray.remote(RewardModelServer).options(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus)
+        self._kwargs = {"judge_template": settings.judge_template, "judge_yes": settings.judge_yes,
+                        "judge_no": settings.judge_no, "max_length": settings.max_length, "num_threads": 1}
+        self._path = str(path)
+        self._lock = threading.Lock()
+        self._replicas: list[_Replica] = []
+        self.peak_replicas = 0
+        for _ in range(settings.min_replicas):
+            self._replicas.append(self._spawn())
+        ray.get([r.handle.ready.remote() for r in self._replicas])  # a bad model fails here, at set-up
+
+    def _spawn(self) -> _Replica:
+        replica = _Replica(self._actor.remote(self._path, self.settings.kind, **self._kwargs),
+                           idle_since=time.monotonic())
+        self.peak_replicas = max(self.peak_replicas, len(self._replicas) + 1)
+        return replica
+
+    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+        """Scores of every pair, in order; batches spread over the replicas."""
+        import ray
+
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        size = self.settings.batch_size
+        chunks = [(prompts[i:i + size], responses[i:i + size]) for i in range(0, len(prompts), size)]
+        calls = []
+        with self._lock:
+            self._resize(len(chunks))
+            for chunk in chunks:
+                replica = min(self._replicas, key=lambda r: r.in_flight)
+                replica.in_flight += 1
+                calls.append((replica, replica.handle.score.remote(*chunk)))
+        try:
+            results = ray.get([ref for _, ref in calls])
+        finally:
+            with self._lock:
+                for replica, _ in calls:
+                    replica.in_flight -= 1
+                    replica.idle_since = time.monotonic()
+        return [score for chunk in results for score in chunk]
+
+    def _resize(self, new_batches: int) -> None:
+        import ray
+
+        s = self.settings
+        pending = new_batches + sum(r.in_flight for r in self._replicas)
+        target = min(s.max_replicas, max(s.min_replicas, math.ceil(pending / s.batches_per_replica)))
+        while len(self._replicas) < target:
+            self._replicas.append(self._spawn())
+        now = time.monotonic()
+        for replica in sorted(self._replicas, key=lambda r: r.idle_since):
+            if len(self._replicas) <= target:
+                break
+            if replica.in_flight == 0 and now - replica.idle_since >= self.idle_grace_s:
+                self._replicas.remove(replica)
+                ray.kill(replica.handle)
+
+    @property
+    def replicas(self) -> int:
+        with self._lock:
+            return len(self._replicas)
+
+    def shutdown(self) -> None:
+        import ray
+
+        with self._lock:
+            for replica in self._replicas:
+                ray.kill(replica.handle)
+            self._replicas.clear()
+
+
+def model_reward(settings: RewardModelConfig, scorer: RewardModelPool | RewardModelServer):
+    """The reward stage's view of a reward model: its scorer, the agents it scores and its weight."""
+    from marl_pipeline.reward import ModelReward
+
+    agents = frozenset(settings.agents) if settings.agents is not None else None
+    return ModelReward(scorer.score, agents, settings.weight)
+
+
+# -- the built-in reward model -------------------------------------------------------------------------------------
+def reward_model_dir(config: ExperimentConfig, store) -> Path:
+    """Where the run's reward model is: the configured directory, or the built-in one in the store."""
+    assert config.reward_model is not None
+    if config.reward_model.model != BUILTIN_TINY:
+        return Path(config.reward_model.model)
+    return store.root / f"run={config.run}" / "reward_model"
+
+
+def prepare_reward_model(config: ExperimentConfig, env, store) -> Path | None:
+    """The run's reward model directory, training the built-in one on first use; None without a reward model."""
+    if config.reward_model is None:
+        return None
+    directory = reward_model_dir(config, store)
+    if config.reward_model.model != BUILTIN_TINY:
+        if not (directory / "config.json").is_file():
+            raise FileNotFoundError(f"reward_model.model {str(directory)!r} is not a Hugging Face model directory "
+                                    f"(no config.json)")
+        return directory
+    if not (directory / "config.json").exists():
+        examples = env.reward_examples(np.random.default_rng([config.seed, 1]), 4000)
+        tokenizer_dir = store.root / f"run={config.run}" / "builtin_model"
+        staging = directory.with_name(f"_staging-reward_model-{time.time_ns()}")
+        train_tiny_reward_model(staging, examples, steps=config.reward_model.train_steps, seed=config.seed,
+                                tokenizer_dir=tokenizer_dir if (tokenizer_dir / "tokenizer.json").exists() else None)
+        staging.rename(directory)
+    return directory
+
+
+def train_tiny_reward_model(directory: Path, examples: list[tuple[str, str, float]], *, steps: int, seed: int,
+                            batch_size: int = 32, lr: float = 3e-4, tokenizer_dir: Path | None = None) -> list[float]:
+    """Train and save the built-in classifier on (prompt, response, label in [0, 1]); returns the step losses."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    if not examples:
+        raise ValueError("no reward examples to train the built-in reward model on")
+    texts = [p + r for p, r, _ in examples]
+    labels = torch.tensor([float(label) for *_, label in examples])
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else train_tokenizer(texts)
+    tokenizer.padding_side = "right"
+    torch.manual_seed(seed)
+    model = Qwen2ForSequenceClassification(Qwen2Config(
+        vocab_size=len(tokenizer), num_labels=1, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
+        **TINY_ARCHITECTURE))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng = np.random.default_rng(seed)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        rows = rng.integers(0, len(texts), size=batch_size)
+        batch = tokenizer([texts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=False)
+        logits = model(**batch).logits[:, 0]
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels[rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    save_policy(model, tokenizer, directory)
+    return losses
