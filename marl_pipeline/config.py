@@ -170,8 +170,9 @@ class RewardModelConfig(_Strict):
     """Most replicas; the pool grows while more than ``batches_per_replica`` batches wait per replica."""
     batches_per_replica: int = Field(4, ge=1)
     """Pending batches per replica the pool aims for when it sizes itself."""
-    num_cpus: float = Field(0.25, ge=0)
-    """Ray CPUs reserved per replica."""
+    num_cpus: float = Field(0.0, ge=0)
+    """Ray CPUs reserved per replica. 0 by default: the engines and trainers' defaults reserve every CPU of a
+    2-core machine, and a replica that cannot be placed would wait for ever (its work still uses real CPU)."""
     num_gpus: float = Field(0.0, ge=0)
     """Ray GPUs reserved per replica."""
     train_steps: int = Field(600, ge=1)
