@@ -5,8 +5,8 @@ Two ways, chosen by the plugin:
 - ``execute(task, transcript)`` per episode (the demo): in-process, one result per turn.
 - ``actions`` + ``run_action`` (an :class:`ActionEnvironment`): every turn's action of the whole
   micro-batch is scheduled on its own, per action, on an :class:`ActionPool` (the one passed in: the
-  train job passes the run's shared pool, see :func:`action_pool_for`; without one, the process's
-  shared pool for the plugin's ``pool_settings`` when Ray is up; otherwise in-process).
+  train job passes the run's own pool, sized by :func:`action_pool_settings`; without one, the
+  process's shared pool for the plugin's ``pool_settings`` when Ray is up; otherwise in-process).
 
 Failures are contained: an environment that raises for one episode records that episode as failed
 (status ``failed``, it earns nothing); a malformed, failed or timed-out action records a failure for
@@ -34,12 +34,12 @@ def is_action_environment(env: Environment) -> bool:
     return hasattr(env, "actions") and hasattr(env, "run_action")
 
 
-def action_pool_for(env: Environment, settings: PoolSettings | None) -> ActionPool | None:
-    """The shared action pool of a run (Ray must be up): the config's settings, else the plugin's
-    ``pool_settings``, else the defaults; None for a plugin without actions."""
+def action_pool_settings(env: Environment, configured: PoolSettings | None) -> PoolSettings | None:
+    """The action pool a run needs: the config's settings, else the plugin's ``pool_settings``, else the
+    defaults; None for a plugin without actions."""
     if not is_action_environment(env):
         return None
-    return shared_pool(settings or getattr(env, "pool_settings", None) or PoolSettings())
+    return configured or getattr(env, "pool_settings", None) or PoolSettings()
 
 
 def episodes_of(rollouts: pa.Table) -> list[list[dict]]:

@@ -35,7 +35,7 @@ import ray
 
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import Environment
-from marl_pipeline.execution import action_pool_for, execute_micro_batch
+from marl_pipeline.execution import execute_micro_batch
 from marl_pipeline.launches import LaunchPlan
 from marl_pipeline.reward import score_micro_batch
 from marl_pipeline.reward_model import model_reward
@@ -110,7 +110,6 @@ class Orchestrator:
         self.rollout_settings = RolloutSettings(config.seed, pipeline.prompts_per_micro_batch,
                                                 pipeline.samples_per_prompt, algorithm.max_new_tokens,
                                                 algorithm.temperature)
-        self._action_pool = action_pool_for(env, config.environment.pool)  # None: the plugin has no actions
         pool, settings = workers.reward_pool, config.reward_model
         self._model_reward = model_reward(settings, pool) if pool is not None and settings is not None else None
         self._events: queue.Queue = queue.Queue()
@@ -178,7 +177,7 @@ class Orchestrator:
         return rollout_micro_batch(self.env, self.workers.engines, key, self.rollout_settings)
 
     def _environment(self, key: MicroBatchKey) -> pa.Table:
-        return execute_micro_batch(self.env, self.store.read("rollouts", key), pool=self._action_pool)
+        return execute_micro_batch(self.env, self.store.read("rollouts", key), pool=self.workers.action_pool)
 
     def _reward(self, key: MicroBatchKey) -> pa.Table:
         return score_micro_batch(self.env, self.store.read("rollouts", key),

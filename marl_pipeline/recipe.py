@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import build_environment
+from marl_pipeline.execution import action_pool_settings
 from marl_pipeline.launches import LaunchPlan, finish_launch, plan_launch
 from marl_pipeline.orchestrator import Event, Orchestrator
 from marl_pipeline.policies import BasePolicy, prepare_base_policies
@@ -47,7 +48,8 @@ def train(config: ExperimentConfig) -> Iterator[RunStarted | Event | RunFinished
     base_policies = prepare_base_policies(config, env, store)
     reward_model = prepare_reward_model(config, env, store)  # after the policies: the built-in shares their tokenizer
     plan = plan_launch(store, config)
-    workers = start_workers(config, store, plan.versions, reward_model)
+    workers = start_workers(config, store, plan.versions, reward_model,
+                            action_pool_settings(env, config.environment.pool))
     try:
         yield RunStarted(config.run, plan, base_policies, time.perf_counter() - started)
         streaming_started = time.time()

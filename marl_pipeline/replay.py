@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from marl_pipeline.action_pool import shared_pool
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import build_environment
-from marl_pipeline.execution import execute_micro_batch
+from marl_pipeline.execution import action_pool_settings, execute_micro_batch
 from marl_pipeline.reward import score_micro_batch
 from marl_pipeline.reward_model import RewardModelServer, model_reward, prepare_reward_model
 from marl_pipeline.rollout import RolloutSettings, rollout_micro_batch
@@ -34,7 +35,7 @@ def replay_stage(stage: str, config: ExperimentConfig, key: MicroBatchKey) -> tu
     if stage == "rollouts":
         table = _rollouts(config, env, store, key)
     elif stage == "environment_results":
-        table = execute_micro_batch(env, store.read("rollouts", key))
+        table = execute_micro_batch(env, store.read("rollouts", key), pool=_action_pool(config, env))
     elif stage == "rewards":
         table = score_micro_batch(env, store.read("rollouts", key), store.read("environment_results", key),
                                   config.algorithm.advantage_eps, model_reward=_model_reward(config, env, store))
@@ -46,6 +47,14 @@ def replay_stage(stage: str, config: ExperimentConfig, key: MicroBatchKey) -> tu
     table = with_stage_timing(table, started, started, ended)  # a replay is ready the moment it is asked for
     path = store.commit(stage, key, table)
     return path, table, ended - started
+
+
+def _action_pool(config: ExperimentConfig, env):
+    """The process's shared pool for the run's action settings when Ray is up; None runs the actions in-process."""
+    import ray
+
+    settings = action_pool_settings(env, config.environment.pool)
+    return shared_pool(settings) if settings is not None and ray.is_initialized() else None
 
 
 def _model_reward(config: ExperimentConfig, env, store: ExperienceStore):

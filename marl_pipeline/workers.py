@@ -11,6 +11,7 @@ from pathlib import Path
 
 import ray
 
+from marl_pipeline.action_pool import ActionPool, PoolSettings
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.engine import ENGINE_ENV, RolloutEngine
 from marl_pipeline.reward_model import RewardModelPool
@@ -26,12 +27,15 @@ class Workers:
     trainers: dict[str, ray.actor.ActorHandle]
     reward_pool: RewardModelPool | None = None
     """Replicas of the run's reward model (None: rule-based reward only)."""
+    action_pool: ActionPool | None = None
+    """The environment stage's action workers (None: the plugin runs no actions)."""
 
     def shutdown(self) -> None:
         for handle in [*self.engines.values(), *self.trainers.values()]:
             ray.kill(handle)
-        if self.reward_pool is not None:
-            self.reward_pool.shutdown()
+        for pool in (self.reward_pool, self.action_pool):
+            if pool is not None:
+                pool.shutdown()
 
 
 def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
@@ -83,11 +87,13 @@ def _wait_ready(config: ExperimentConfig, handles: list) -> None:
 
 
 def start_workers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int],
-                  reward_model: Path | None = None) -> Workers:
-    """Engines and trainers of every agent, and the reward model's pool when there is one; returns once all of
-    them are ready."""
+                  reward_model: Path | None = None, action_pool: PoolSettings | None = None) -> Workers:
+    """Engines and trainers of every agent, the reward model's pool and the action pool when the run has them;
+    returns once the engines, trainers and reward-model replicas are ready. The pools live as long as the run."""
     workers = Workers(start_engines(config, store, versions), start_trainers(config, store, versions))
     try:
+        if action_pool is not None:
+            workers.action_pool = ActionPool(action_pool)
         if reward_model is not None and config.reward_model is not None:
             workers.reward_pool = RewardModelPool(reward_model, config.reward_model)
         _wait_ready(config, [*workers.engines.values(), *workers.trainers.values()])
