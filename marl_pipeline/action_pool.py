@@ -14,7 +14,18 @@ Faults are per action and never block the others:
   and retried up to ``retries`` times, then recorded as ``timeout``; a worker that stops answering
   is killed and replaced (the only way to stop a running actor call);
 - a worker whose resident memory passes ``memory_bytes`` after an action is recycled, the action
-  recorded as ``memory_limit``; a worker that dies is replaced and its action retried.
+  recorded as ``memory_limit``; a worker that dies is replaced and its action retried;
+- a call that Ray itself fails (an argument that cannot be unpickled on the worker) is a recorded failure.
+
+Hedged (speculative) execution, after Dean & Barroso, "The Tail at Scale" (off unless ``hedge_after_s``
+is set): an attempt still running ``hedge_after_s`` after it started gets a duplicate copy on an idle
+worker (the pool grows for it up to ``max_workers``; queued actions always take idle workers first).
+The first copy to finish decides the outcome, whether it returned or raised; a copy that timed out or
+whose worker died decides nothing while another copy of the attempt still runs. The losing copy's
+worker is killed at once (an actor call cannot be cancelled otherwise) and counts its worker-seconds
+until then; the pool replaces it if it needs the worker. A hedge is a fresh run of the same action: it
+helps when the slowness belongs to the attempt (a hung tool call, a stuck sandbox), not when the action
+itself is slow (then both copies are slow and the hedge costs a worker for nothing).
 """
 
 from __future__ import annotations
@@ -22,11 +33,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import ray
@@ -52,8 +64,9 @@ class PoolSettings(BaseModel):
     """Extra attempts for an action that timed out or whose worker died (not for one that raised)."""
     memory_bytes: int = Field(2 * 2**30, gt=0)
     """A worker above this resident memory after an action is recycled."""
-    num_cpus: float = Field(0.25, ge=0)
-    """Ray CPUs reserved per worker."""
+    num_cpus: float = Field(0.0, ge=0)
+    """Ray CPUs reserved per worker. 0 by default: the engines and trainers' defaults reserve every CPU of a
+    2-core machine, and a worker that cannot be placed would wait for ever (its work still uses real CPU)."""
     max_abandoned: int = Field(2, ge=1)
     """A worker holding this many abandoned (timed-out) action threads is recycled."""
     kill_grace_s: float = Field(5.0, ge=0)
@@ -66,6 +79,11 @@ class PoolSettings(BaseModel):
     to warm workers, which often makes the next start unnecessary)."""
     idle_grace_s: float = Field(0.5, ge=0)
     """A worker idle this long while the pool is above ``min_workers`` (and above what the queue needs) is retired."""
+    hedge_after_s: float | None = Field(None, gt=0)
+    """Start a duplicate copy of an attempt still running this long after its latest copy started (None: never).
+    Off by default: a hedge only pays off for attempt-level stalls, and it doubles the work of slow actions."""
+    max_hedges: int = Field(1, ge=1)
+    """Duplicate copies an attempt may get (each ``hedge_after_s`` after the previous copy started)."""
 
 
 @dataclass(frozen=True)
@@ -85,8 +103,11 @@ class ActionOutcome:
     value: Any
     error: str | None
     attempts: int
+    """Attempts made (a hedged copy belongs to its attempt: it is not counted as another)."""
     finished: float
     """time.monotonic() when the outcome was recorded."""
+    hedged: bool = False
+    """Whether a duplicate (hedged) copy of some attempt of this job was started."""
 
 
 class ActionWorker:
@@ -126,6 +147,26 @@ class ActionWorker:
 
 
 @dataclass(eq=False)
+class _Task:
+    """One submitted job's state: its current attempt and the refs of that attempt's running copies."""
+
+    job: Job
+    future: Future
+    attempt: int = 0
+    copies: list = field(default_factory=list)
+    """Refs of this attempt's copies still in ``_running`` (more than one once hedged)."""
+    hedges: int = 0
+    """Duplicate copies started for this attempt."""
+    launched: float = 0.0
+    """time.monotonic() when this attempt's latest copy started."""
+    hedged: bool = False
+    """Whether any attempt of this job got a duplicate copy."""
+
+    def outcome(self, status: OutcomeStatus, value: Any, error: str | None) -> ActionOutcome:
+        return ActionOutcome(status, value, error, self.attempt + 1, time.monotonic(), self.hedged)
+
+
+@dataclass(eq=False)
 class _Worker:
     handle: Any
     spawned: float
@@ -146,6 +187,9 @@ class ActionPool:
     def __init__(self, settings: PoolSettings = PoolSettings()) -> None:
         if settings.max_workers < settings.min_workers:
             raise ValueError(f"max_workers ({settings.max_workers}) < min_workers ({settings.min_workers})")
+        if settings.hedge_after_s is not None and settings.hedge_after_s >= settings.timeout_s:
+            raise ValueError(f"hedge_after_s ({settings.hedge_after_s}) >= timeout_s ({settings.timeout_s}): "
+                             "no attempt would ever be hedged")
         self.settings = settings
         self._actor = ray.remote(ActionWorker).options(num_cpus=settings.num_cpus, max_concurrency=1)
         self._idle: list[_Worker] = []
@@ -153,11 +197,14 @@ class ActionPool:
         self._lifetimes: list[tuple[float, float]] = []  # (spawned, retired) of every retired worker
         self.peak_workers = 0
         self._lock = threading.RLock()  # guards the queue and the worker lists
-        self._wake = threading.Condition(self._lock)
-        self._queue: list[tuple[float, int, int, Job, Future]] = []  # (cost, sequence, attempt, job, future)
+        # Ray completion callbacks never take the lock: they run on Ray's own thread, which ray.kill (called under
+        # the lock to retire a worker) waits for. They hand the ref over through a lock-free queue and an event.
+        self._ready: queue.SimpleQueue[ray.ObjectRef] = queue.SimpleQueue()
+        self._wake = threading.Event()  # set when there is something for the dispatcher to do
+        self._queue: list[tuple[float, int, _Task]] = []  # (cost, sequence, task)
         self._sequence = itertools.count()
-        self._running: dict[ray.ObjectRef, tuple[_Worker, int, Job, Future, float]] = {}
-        self._done: list[ray.ObjectRef] = []  # refs Ray reported ready, for the dispatcher
+        self._running: dict[ray.ObjectRef, tuple[_Worker, _Task, float]] = {}  # per copy: (worker, task, started)
+        self._done: list[ray.ObjectRef] = []  # ready refs the dispatcher is handling now
         self._closed = False
         with self._lock:
             for _ in range(settings.min_workers):
@@ -172,9 +219,9 @@ class ActionPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the pool is shut down")
-            heapq.heappush(self._queue, (job.expected_cost, next(self._sequence), 0, job, future))
+            self._enqueue(_Task(job, future))
             self._assign()  # an idle worker takes it at once
-            self._wake.notify()
+            self._wake.set()
         return future
 
     def map(self, jobs: Sequence[Job]) -> list[ActionOutcome]:
@@ -214,28 +261,33 @@ class ActionPool:
     def shutdown(self) -> None:
         with self._lock:
             self._closed = True
-            self._wake.notify()
+            self._wake.set()
         self._thread.join(timeout=10)
         with self._lock:
-            for ref, (worker, *_, future, _) in list(self._running.items()):
+            for ref, (worker, task, _) in list(self._running.items()):
                 del self._running[ref]
                 self._retire(worker)
-                if not future.done():
-                    future.set_result(ActionOutcome("failed", None, "pool shut down", 1, time.monotonic()))
+                if not task.future.done():
+                    task.future.set_result(task.outcome("failed", None, "pool shut down"))
             while self._queue:
-                *_, future = heapq.heappop(self._queue)
-                future.set_result(ActionOutcome("failed", None, "pool shut down", 0, time.monotonic()))
+                *_, task = heapq.heappop(self._queue)
+                task.future.set_result(ActionOutcome("failed", None, "pool shut down", task.attempt, time.monotonic(),
+                                                     task.hedged))
             for worker in [*self._idle, *self._starting]:
                 self._retire(worker)
 
     # -- dispatcher -------------------------------------------------------------------------------
     def _dispatch_loop(self) -> None:
-        """Event-driven: Ray completion callbacks wake it (no polling); it also wakes for kill and retire deadlines."""
+        """Event-driven: Ray completion callbacks wake it (no polling); it also wakes for kill, hedge and retire
+        deadlines."""
         s = self.settings
         while True:
+            self._wake.clear()  # before taking what is ready: a ref that comes later sets it again
             with self._lock:
                 if self._closed:
                     return
+                while not self._ready.empty():
+                    self._done.append(self._ready.get())
                 for ref in self._done:
                     worker = next((w for w in self._starting if w.started == ref), None)
                     if worker is not None:
@@ -246,46 +298,51 @@ class ActionPool:
                         self._finish(ref)
                 self._done.clear()
                 now = time.monotonic()
-                for ref, (worker, attempt, job, future, started) in list(self._running.items()):
+                for ref, (worker, task, started) in list(self._running.items()):
                     if now - started >= s.timeout_s + s.kill_grace_s:
-                        del self._running[ref]
-                        self._retire(worker)  # an unresponsive worker: killing the actor is what stops it
+                        self._drop(ref)  # an unresponsive worker: killing the actor is what stops it
+                        self._retire(worker)
                         limit = s.timeout_s + s.kill_grace_s
-                        self._retry_or_record(job, future, attempt, "timeout",
-                                              f"worker unresponsive {limit:.1f} s into the action")
-                surplus = self._resize(now)
+                        self._copy_lost(task, "timeout", f"worker unresponsive {limit:.1f} s into the action")
+                hedges_due, hedge_deadlines = self._hedges(now)
+                surplus = self._resize(now, len(hedges_due))
                 self._assign()
-                if self._done:
-                    continue
+                self._hedge(hedges_due)
                 deadlines = [started + s.timeout_s + s.kill_grace_s for *_, started in self._running.values()]
+                deadlines += hedge_deadlines  # the overdue ones wait for a worker: its start or finish wakes us
                 if surplus:  # idle workers above the target, not yet past the grace: wake to retire them
                     deadlines += [w.idle_since + s.idle_grace_s for w in self._idle]
                 due = min(deadlines, default=None)
-                self._wake.wait(None if due is None else max(0.001, due - time.monotonic()))
+            self._wake.wait(None if due is None else max(0.001, due - time.monotonic()))
 
     def _watch(self, ref: ray.ObjectRef) -> None:
         """Wake the dispatcher when ``ref`` is ready (a Ray callback: no polling)."""
 
         def done(_: Any) -> None:
-            with self._lock:
-                self._done.append(ref)
-                self._wake.notify()
+            self._ready.put(ref)
+            self._wake.set()
 
         ref.future().add_done_callback(done)
 
     def _finish(self, ref: ray.ObjectRef) -> None:
         s = self.settings
-        worker, attempt, job, future, _ = self._running.pop(ref)
+        worker, task, _ = self._drop(ref)
         try:
             status, value, rss, abandoned = ray.get(ref)
         except ray.exceptions.RayActorError as exc:  # the worker died under the action
             self._retire(worker)
-            self._retry_or_record(job, future, attempt, "failed", f"worker died: {exc}")
+            self._copy_lost(task, "failed", f"worker died: {exc}")
+            return
+        except ray.exceptions.RayError as exc:  # the call itself failed (an argument that cannot be unpickled...):
+            self._retire(worker)  # a failure of the action; the dispatcher must survive it
+            if not task.future.done():
+                self._decide(task, task.outcome("failed", None, f"{type(exc).__name__}: {exc}"))
             return
         if rss > s.memory_bytes:
             self._retire(worker)
-            future.set_result(ActionOutcome("memory_limit", None, f"worker resident memory {rss} bytes "
-                                            f"> memory_bytes {s.memory_bytes}", attempt + 1, time.monotonic()))
+            if not task.future.done():  # (a late copy of a decided attempt records nothing)
+                self._decide(task, task.outcome("memory_limit", None, f"worker resident memory {rss} bytes "
+                                                f"> memory_bytes {s.memory_bytes}"))
             return
         if abandoned >= s.max_abandoned:
             self._retire(worker)  # stuck threads hold its memory and CPU: start a fresh one
@@ -293,33 +350,83 @@ class ActionPool:
             worker.idle_since = time.monotonic()
             self._idle.append(worker)
         if status == "timeout":
-            self._retry_or_record(job, future, attempt, "timeout", value)
-            return
-        future.set_result(ActionOutcome(status, value if status == "ok" else None,
-                                        None if status == "ok" else value, attempt + 1, time.monotonic()))
+            self._copy_lost(task, "timeout", value)
+        elif not task.future.done():  # the first copy to return or raise decides (raising is deterministic)
+            self._decide(task, task.outcome(status, value if status == "ok" else None,
+                                            None if status == "ok" else value))
+
+    def _drop(self, ref: ray.ObjectRef) -> tuple[_Worker, _Task, float]:
+        """Forget one running copy; returns its ``_running`` entry."""
+        entry = self._running.pop(ref)
+        entry[1].copies.remove(ref)
+        return entry
+
+    def _copy_lost(self, task: _Task, status: OutcomeStatus, error: str) -> None:
+        """A copy timed out or lost its worker: the attempt fails only once no other copy of it still runs."""
+        if not task.copies and not task.future.done():
+            self._retry_or_record(task, status, error)
+
+    def _decide(self, task: _Task, outcome: ActionOutcome) -> None:
+        """Record ``task``'s outcome and stop its other copies: a copy still running loses its worker (killed);
+        one that already finished (its ref is ready, not yet handled) is left to ``_finish``, which records nothing."""
+        for ref in list(task.copies):
+            if ref not in self._done:
+                worker, *_ = self._drop(ref)
+                self._retire(worker)
+        task.future.set_result(outcome)
 
     def _assign(self) -> None:
         """Hand queued jobs, cheapest first, to idle workers (most recently idle first: the others can retire)."""
         while self._queue and self._idle:
-            _, _, attempt, job, future = heapq.heappop(self._queue)
-            worker = self._idle.pop()
-            ref = worker.handle.run.remote(job.fn, job.args, self.settings.timeout_s)
-            self._running[ref] = (worker, attempt, job, future, time.monotonic())
-            self._watch(ref)
+            *_, task = heapq.heappop(self._queue)
+            task.hedges = 0
+            self._launch(task)
 
-    def _retry_or_record(self, job: Job, future: Future, attempt: int, status: OutcomeStatus, error: str) -> None:
-        if attempt < self.settings.retries:
-            heapq.heappush(self._queue, (job.expected_cost, next(self._sequence), attempt + 1, job, future))
+    def _launch(self, task: _Task) -> None:
+        """Start a copy of ``task``'s current attempt on the most recently idle worker."""
+        worker = self._idle.pop()
+        ref = worker.handle.run.remote(task.job.fn, task.job.args, self.settings.timeout_s)
+        task.launched = time.monotonic()
+        self._running[ref] = (worker, task, task.launched)
+        task.copies.append(ref)
+        self._watch(ref)
+
+    def _hedges(self, now: float) -> tuple[list[_Task], list[float]]:
+        """Attempts due for a duplicate copy now (longest overdue first), and the future hedge deadlines."""
+        s = self.settings
+        if s.hedge_after_s is None:
+            return [], []
+        tasks = {task: None for _, task, _ in self._running.values() if task.hedges < s.max_hedges}
+        due = sorted((t for t in tasks if now - t.launched >= s.hedge_after_s), key=lambda t: t.launched)
+        return due, [t.launched + s.hedge_after_s for t in tasks if now - t.launched < s.hedge_after_s]
+
+    def _hedge(self, due: list[_Task]) -> None:
+        """Give idle workers to overdue attempts, once the queue is empty (queued actions go first)."""
+        for task in due:
+            if self._queue or not self._idle:
+                return
+            task.hedges += 1
+            task.hedged = True
+            self._launch(task)
+
+    def _enqueue(self, task: _Task) -> None:
+        heapq.heappush(self._queue, (task.job.expected_cost, next(self._sequence), task))
+
+    def _retry_or_record(self, task: _Task, status: OutcomeStatus, error: str) -> None:
+        if task.attempt < self.settings.retries:
+            task.attempt += 1
+            self._enqueue(task)
         else:
-            future.set_result(ActionOutcome(status, None, f"{error} (after {attempt + 1} attempts)", attempt + 1,
-                                            time.monotonic()))
+            task.future.set_result(task.outcome(status, None, f"{error} (after {task.attempt + 1} attempts)"))
 
-    def _resize(self, now: float) -> bool:
-        """Grow towards one worker per ``actions_per_worker`` pending actions; retire workers idle past the grace."""
+    def _resize(self, now: float, hedges_due: int = 0) -> bool:
+        """Grow towards one worker per ``actions_per_worker`` pending actions, plus one per hedge due (a copy needs a
+        worker of its own); retire workers idle past the grace."""
         s = self.settings
         busy = len(self._running)
         pending = len(self._queue) + busy
-        target = min(s.max_workers, max(s.min_workers, math.ceil(pending / s.actions_per_worker) + s.spare_workers))
+        wanted = math.ceil(pending / s.actions_per_worker) + s.spare_workers + hedges_due
+        target = min(s.max_workers, max(s.min_workers, wanted))
         while busy + len(self._starting) + len(self._idle) < target and len(self._starting) < s.max_starting:
             self._spawn()
         # Oldest-idle first; a worker is only retired after idling idle_grace_s (bursts reuse warm ones).
@@ -345,12 +452,15 @@ class ActionPool:
         self._lifetimes.append((worker.spawned, time.monotonic()))
 
 
-_shared: dict[tuple[str, PoolSettings], ActionPool] = {}
+_shared: dict[tuple[str, str, PoolSettings], ActionPool] = {}
 
 
 def shared_pool(settings: PoolSettings) -> ActionPool:
     """One pool per settings and Ray session in this process (the environment stage's, when a plugin asks)."""
-    key = (ray.get_runtime_context().get_job_id(), settings)  # a new ray.init must not reuse dead actors
+    # A new ray.init must not reuse dead actors: job ids restart at 01000000 with every new local cluster,
+    # so the key also names the driver's node, which is new with every cluster.
+    context = ray.get_runtime_context()
+    key = (context.get_node_id(), context.get_job_id(), settings)
     if key not in _shared:
         _shared[key] = ActionPool(settings)
     return _shared[key]
