@@ -127,7 +127,8 @@ def _model_scores(episodes: list[list[dict]], outcomes: dict[str, dict], model_r
     scores = model_reward.score([row["prompt_text"] for row in scored], [row["response_text"] for row in scored])
     if len(scores) != len(scored):
         raise ValueError(f"the reward model returned {len(scores)} scores for {len(scored)} turns")
-    bad = [s for s in scores if not (isinstance(s, float) and 0.0 <= s <= 1.0)]
+    scores = [float(s) for s in scores]  # numpy scalars and tensors' items alike
+    bad = [s for s in scores if not 0.0 <= s <= 1.0]  # NaN fails this too
     if bad:
         raise ValueError(f"the reward model returned scores outside [0, 1]: {bad[:3]}")
     return {row["sample_id"]: score for row, score in zip(scored, scores)}

@@ -162,3 +162,15 @@ def test_training_launch_stores_and_replays_the_model_reward(local_ray, demo_con
         assert (after["model_score"] is None) == (before["model_score"] is None)
     assert model_reward(config.reward_model, RewardModelServer(
         str(store.root / f"run={config.run}" / "reward_model"), "classifier")).agents == frozenset({"solver"})
+
+
+def test_reward_stage_refuses_scores_outside_0_1() -> None:
+    # A stand-in scorer: a fault (NaN, a short answer) that the real reward model cannot be made to produce.
+    task = {"id": "2+3", "a": 2, "b": 3}
+    rollouts = rollouts_of(ENV, task, [["5", "yes"], ["4", "yes"]])
+    results = execute_micro_batch(ENV, rollouts)
+    for scores, message in (([np.float32(0.5), float("nan")], r"outside \[0, 1\]: \[nan\]"),
+                            ([0.5], r"returned 1 scores for 2 turns")):
+        with pytest.raises(ValueError, match=message):
+            score_micro_batch(ENV, rollouts, results, 1e-6,
+                              model_reward=ModelReward(lambda p, r, s=scores: s, frozenset({"solver"})))
