@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from marl_pipeline.action_pool import PoolSettings
+from marl_pipeline.models import BUILTIN_TINY
 
 
 class ConfigError(ValueError):
@@ -79,7 +80,7 @@ class WarmupConfig(_Strict):
 class AgentConfig(_Strict):
     """One role of the workflow, with its own policy."""
 
-    model: str = "builtin:tiny"
+    model: str = BUILTIN_TINY
     """``builtin:tiny`` (built locally), a local Hugging Face model directory, or a hub id."""
     engine: EngineConfig = EngineConfig()
     trainer: TrainerConfig = TrainerConfig()
@@ -143,7 +144,7 @@ class AlgorithmConfig(_Strict):
 class RewardModelConfig(_Strict):
     """A model-based reward mixed into the environment's rule-based one, served by a pool of Ray actors."""
 
-    model: str = "builtin:tiny"
+    model: str = BUILTIN_TINY
     """``builtin:tiny`` (a tiny classifier trained at launch on the environment's ``reward_examples``, for CPU
     runs and tests) or a local Hugging Face model directory (sequence classification for ``classifier``, a
     causal LM for ``judge``)."""
@@ -182,7 +183,7 @@ class RewardModelConfig(_Strict):
     def validate_model_and_replicas(self) -> RewardModelConfig:
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
-        if self.model == "builtin:tiny" and self.kind == "judge":
+        if self.model == BUILTIN_TINY and self.kind == "judge":
             raise ValueError("builtin:tiny is a classifier; a judge needs a causal LM directory in 'model'")
         if self.kind == "judge" and not ("{prompt}" in self.judge_template and "{response}" in self.judge_template):
             raise ValueError("judge_template must contain {prompt} and {response}")
@@ -302,7 +303,7 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
         if unknown:
             raise ConfigError(f"invalid config {source}:\n  reward_model.agents: unknown agent {unknown[0]!r}; "
                               f"environment {config.environment.name!r} has roles {list(roles)}")
-        if reward_model.model == "builtin:tiny" and not hasattr(env_class, "reward_examples"):
+        if reward_model.model == BUILTIN_TINY and not hasattr(env_class, "reward_examples"):
             raise ConfigError(f"invalid config {source}:\n  reward_model.model: environment "
                               f"{config.environment.name!r} has no reward_examples to train builtin:tiny on; "
                               f"give a model directory")

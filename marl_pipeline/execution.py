@@ -4,9 +4,9 @@ Two ways, chosen by the plugin:
 
 - ``execute(task, transcript)`` per episode (the demo): in-process, one result per turn.
 - ``actions`` + ``run_action`` (an :class:`ActionEnvironment`): every turn's action of the whole
-  micro-batch is scheduled on its own, per action, on an :class:`ActionPool` (the one passed in: the
-  train job passes the run's own pool, sized by :func:`action_pool_settings`; without one, the
-  process's shared pool for the plugin's ``pool_settings`` when Ray is up; otherwise in-process).
+  micro-batch is scheduled on its own, per action, on the :class:`ActionPool` passed in (the train
+  job's own pool, a replay's shared one, both sized by :func:`action_pool_settings`); without one, the
+  actions run in-process.
 
 Failures are contained: an environment that raises for one episode records that episode as failed
 (status ``failed``, it earns nothing); a malformed, failed or timed-out action records a failure for
@@ -20,9 +20,8 @@ import time
 from datetime import UTC, datetime
 
 import pyarrow as pa
-import ray
 
-from marl_pipeline.action_pool import ActionOutcome, ActionPool, Job, PoolSettings, shared_pool
+from marl_pipeline.action_pool import ActionOutcome, ActionPool, Job, PoolSettings
 from marl_pipeline.environment import MAX_ACTION_BYTES, ActionResult, Environment, Turn, validate_action
 from marl_pipeline.schema import ENVIRONMENT_RESULTS, with_agent
 
@@ -133,8 +132,6 @@ def _run_actions(env, episodes: list[list[dict]], pool: ActionPool | None) -> li
                 jobs.append(Job(env.run_action, (action,), float(action.expected_cost)))
                 places.append((e, t))
         rows.append(episode_rows)
-    if pool is None and getattr(env, "pool_settings", None) is not None and ray.is_initialized():
-        pool = shared_pool(env.pool_settings)
     outcomes = pool.map(jobs) if pool is not None else [_run_inline(job) for job in jobs]
     for (e, t), outcome in zip(places, outcomes):
         rows[e][t] = _row_of(outcome)

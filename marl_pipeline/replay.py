@@ -62,10 +62,7 @@ def _model_reward(config: ExperimentConfig, env, store: ExperienceStore):
     path = prepare_reward_model(config, env, store)
     if path is None or config.reward_model is None:
         return None
-    settings = config.reward_model
-    server = RewardModelServer(str(path), settings.kind, judge_template=settings.judge_template,
-                               judge_yes=settings.judge_yes, judge_no=settings.judge_no, max_length=settings.max_length)
-    return model_reward(settings, server)
+    return model_reward(config.reward_model, RewardModelServer.from_settings(path, config.reward_model))
 
 
 def _policy_versions_at(store: ExperienceStore, config: ExperimentConfig, step: int) -> dict[str, int]:

@@ -61,6 +61,11 @@ class RewardModelServer:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.eval()
 
+    @classmethod
+    def from_settings(cls, path: str | Path, settings: RewardModelConfig, num_threads: int | None = None):
+        """An in-process server for the configured reward model."""
+        return cls(str(path), settings.kind, **server_options(settings, num_threads))
+
     def _single_token(self, word: str, name: str) -> int:
         ids = self.tokenizer(word, add_special_tokens=False)["input_ids"]
         if len(ids) != 1:
@@ -90,6 +95,12 @@ class RewardModelServer:
         return True
 
 
+def server_options(settings: RewardModelConfig, num_threads: int | None = None) -> dict:
+    """The keyword arguments of :class:`RewardModelServer` for the configured reward model."""
+    return {"judge_template": settings.judge_template, "judge_yes": settings.judge_yes, "judge_no": settings.judge_no,
+            "max_length": settings.max_length, "num_threads": num_threads}
+
+
 @dataclass(eq=False)
 class _Replica:
     handle: object
@@ -105,8 +116,7 @@ class RewardModelPool:
 
         self.settings, self.idle_grace_s = settings, idle_grace_s
         self._actor = ray.remote(RewardModelServer).options(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus)
-        self._kwargs = {"judge_template": settings.judge_template, "judge_yes": settings.judge_yes,
-                        "judge_no": settings.judge_no, "max_length": settings.max_length, "num_threads": 1}
+        self._kwargs = server_options(settings, num_threads=1)
         self._path = str(path)
         self._lock = threading.Lock()
         self._replicas: list[_Replica] = []
