@@ -456,7 +456,7 @@ _shared: dict[tuple[str, str, PoolSettings], ActionPool] = {}
 
 
 def shared_pool(settings: PoolSettings) -> ActionPool:
-    """One pool per settings and Ray session in this process (the environment stage's, when a plugin asks)."""
+    """One pool per settings and Ray session in this process (what a replayed environment partition runs on)."""
     # A new ray.init must not reuse dead actors: job ids restart at 01000000 with every new local cluster,
     # so the key also names the driver's node, which is new with every cluster.
     context = ray.get_runtime_context()
