@@ -1,6 +1,6 @@
 """Asset checks of the stage assets, per partition: schema version, finite values, staleness, token ids.
 
-Each check reads the stored partition through the experiment's store (marl_pipeline.validation does the
+Each check reads the stored partition through the experiment's store (marl_pipeline.store.validation does the
 work), so it runs with a stage asset's materialization from Dagster and on its own for any partition.
 """
 
@@ -37,25 +37,25 @@ def _partition_check(asset: dg.AssetsDefinition, name: str, description: str, ru
 
 
 def _schema_version(store, stage, key, config):
-    from marl_pipeline.validation import check_schema_version
+    from marl_pipeline.store.validation import check_schema_version
 
     return check_schema_version(store, stage, key)
 
 
 def _finite(store, stage, key, config):
-    from marl_pipeline.validation import check_finite
+    from marl_pipeline.store.validation import check_finite
 
     return check_finite(store, stage, key)
 
 
 def _staleness(store, stage, key, config):
-    from marl_pipeline.validation import check_staleness
+    from marl_pipeline.store.validation import check_staleness
 
     return check_staleness(store, key, config.pipeline.staleness)
 
 
 def _token_ids(store, stage, key, config):
-    from marl_pipeline.validation import check_token_ids
+    from marl_pipeline.store.validation import check_token_ids
 
     return check_token_ids(store, key)
 

@@ -8,7 +8,7 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from marl_pipeline.summaries import stage_summary
+from marl_pipeline.store.summaries import stage_summary
 
 _SAMPLE_TURNS = 3
 _SAMPLE_COLUMNS = ("sample_id", "agent", "turn", "policy_version", "response_text", "observation", "outcome",
@@ -19,7 +19,7 @@ _SAMPLE_COLUMNS = ("sample_id", "agent", "turn", "policy_version", "response_tex
 def stage_metadata(stage: str, path: Path | str, seconds: float, table: pa.Table) -> dict[str, dg.MetadataValue]:
     """Rows, tokens, mean reward per agent, policy version, stage latency, storage path, column schema,
     a few sample turns as a table and, for rewards, a reward histogram."""
-    from marl_pipeline.schema import SCHEMA_VERSION
+    from marl_pipeline.store.schema import SCHEMA_VERSION
 
     metadata: dict[str, dg.MetadataValue] = {
         "dagster/row_count": dg.MetadataValue.int(table.num_rows),
@@ -59,7 +59,7 @@ def _reward_histogram_md(table: pa.Table) -> str:
     # A text histogram, not a PNG: the train job logs one per partition and a plot costs ~50 ms to render.
     import numpy as np
 
-    from marl_pipeline.inspection import distribution, text_histogram
+    from marl_pipeline.store.inspection import distribution, text_histogram
 
     lines = ["| agent | reward bin | turns | |", "| --- | --- | ---: | --- |"]
     agents = np.asarray(table.column("agent").to_pylist(), dtype=object)
@@ -72,13 +72,12 @@ def _reward_histogram_md(table: pa.Table) -> str:
     return "\n".join(lines)
 
 
-def run_report(config, finished, events) -> tuple[dict, dict[str, dg.MetadataValue]]:
+def run_report(finished, timeline) -> tuple[dict, dict[str, dg.MetadataValue]]:
     """Run-level figures of a launch (throughput, busy fractions, efficiency, staleness) and their plot."""
     import base64
 
-    from marl_pipeline.pipeline_metrics import activity_plot_png, pipeline_report, timeline_from_events
+    from marl_pipeline.run.pipeline_metrics import activity_plot_png, pipeline_report
 
-    timeline = timeline_from_events(events)
     spans, plan = timeline.spans, finished.plan
     report = pipeline_report(spans, steps=plan.last_step - plan.first_step + 1, episodes=timeline.episodes,
                              tokens=timeline.tokens, started=finished.started, ended=finished.ended)

@@ -16,11 +16,11 @@ _GROUP = "stages"
 
 
 def _replay(stage: str, context: dg.AssetExecutionContext, experiment: ExperimentResource) -> dg.MaterializeResult:
-    from marl_pipeline.replay import replay_stage
+    from marl_pipeline.stages.recompute import recompute_stage
     from marl_pipeline.store import MicroBatchKey
 
     run, step, micro_batch = parse_stage_partition(context.partition_key)
-    path, table, seconds = replay_stage(stage, experiment.load(), MicroBatchKey(run, step, micro_batch))
+    path, table, seconds = recompute_stage(stage, experiment.load(), MicroBatchKey(run, step, micro_batch))
     return dg.MaterializeResult(metadata=stage_metadata(stage, path, seconds, table))
 
 

@@ -17,14 +17,23 @@ from resources import ExperimentResource, RayCluster
 @dg.op(description="Stream micro-batches through rollout, environment, reward and train on Ray.",
        out=dg.Out(dict, description="Run-level pipeline figures of the launch."))
 def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResource, ray: RayCluster):
-    from marl_pipeline.orchestrator import PolicyCommitted, StageCommitted, StepFinished, mean_reward
-    from marl_pipeline.recipe import RunFinished, RunStarted, train
+    from marl_pipeline.run.events import (
+        PolicyCommitted,
+        RunFinished,
+        RunStarted,
+        StageCommitted,
+        StepFinished,
+        mean_reward,
+    )
+    from marl_pipeline.run.pipeline_metrics import TimelineRecorder
+    from marl_pipeline.run.recipe import train
 
     config = experiment.load()
     instance = context.instance
     instance.add_dynamic_partitions(AGENTS.name, [agent_key(config.run, agent) for agent in config.agents])
-    events = []
+    timeline = TimelineRecorder()  # what the run report needs of each event; the events themselves are dropped
     for event in train(config):
+        timeline.add(event)
         if isinstance(event, StageCommitted):
             key = event.key
             context.log_event(dg.AssetMaterialization(
@@ -43,9 +52,8 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
         elif isinstance(event, RunStarted):
             _log_start(context, config, event)
         elif isinstance(event, RunFinished):
-            report, metadata = run_report(config, event, events)
+            report, metadata = run_report(event, timeline.timeline())
             return dg.Output(report, metadata=metadata)
-        events.append(event)
     raise RuntimeError("the training launch ended without finishing")  # unreachable: train() raises first
 
 

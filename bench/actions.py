@@ -57,7 +57,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import ray
 
-from marl_pipeline.action_pool import ActionPool, ActionWorker, Job, PoolSettings
+from marl_pipeline.config import PoolSettings
+from marl_pipeline.runtime.action_pool import ActionPool
+from marl_pipeline.runtime.action_worker import ActionWorker, Job
 
 Trajectories = list[list[tuple[float, Job]]]
 

@@ -23,7 +23,7 @@ import yaml
 
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
 from marl_pipeline.environment import register_environment
-from marl_pipeline.pipeline_metrics import (
+from marl_pipeline.run.pipeline_metrics import (
     activity_plot_png,
     orchestrator_overhead,
     pipeline_report,
@@ -77,7 +77,8 @@ def experiment(mode: dict, store: Path, steps: int, latency: float) -> dict:
 
 def run_mode(name: str, data: dict, base: Path) -> dict:
     from marl_pipeline.config import parse_config
-    from marl_pipeline.recipe import RunFinished, train
+    from marl_pipeline.run.events import RunFinished
+    from marl_pipeline.run.recipe import train
 
     store = Path(data["store"])
     shutil.rmtree(store, ignore_errors=True)
@@ -111,7 +112,7 @@ def main() -> None:
 
     from marl_pipeline.config import parse_config
     from marl_pipeline.environment import build_environment
-    from marl_pipeline.policies import prepare_base_policies
+    from marl_pipeline.runtime.policies import prepare_base_policies
     from marl_pipeline.store import ExperienceStore
 
     ray.init(include_dashboard=False, log_to_driver=False)

@@ -24,8 +24,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from marl_pipeline.schema import ROLLOUTS, with_agent
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
+from marl_pipeline.store.schema import ROLLOUTS, with_agent
 
 AGENTS = ("solver", "verifier")
 

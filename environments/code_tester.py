@@ -13,7 +13,7 @@ import json
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from marl_pipeline.action_pool import PoolSettings
+from marl_pipeline.config import PoolSettings
 from marl_pipeline.environment import Action, ActionResult, Task, Turn
 from marl_pipeline.sandbox import SandboxLimits, run_python
 

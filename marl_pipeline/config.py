@@ -20,8 +20,8 @@ from pydantic import (
     model_validator,
 )
 
-from marl_pipeline.action_pool import PoolSettings
-from marl_pipeline.models import BUILTIN_TINY
+BUILTIN_TINY = "builtin:tiny"
+"""The built-in tiny model (built locally, no download): the default of every model field."""
 
 
 class ConfigError(ValueError):
@@ -85,6 +85,43 @@ class AgentConfig(_Strict):
     engine: EngineConfig = EngineConfig()
     trainer: TrainerConfig = TrainerConfig()
     warmup: WarmupConfig = WarmupConfig()
+
+
+class PoolSettings(_Strict):
+    """The action pool's size, limits and retries (``environment.pool``, or a plugin's ``pool_settings``)."""
+
+    min_workers: int = Field(1, ge=1)
+    """Workers kept alive while the pool exists."""
+    max_workers: int = Field(4, ge=1)
+    """Most workers at once, reached when the queue is long."""
+    actions_per_worker: int = Field(4, ge=1)
+    """Queued or running actions per worker the pool aims for when it sizes itself."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Per-action wall-clock limit; the worker running it is killed when it passes."""
+    retries: int = Field(1, ge=0)
+    """Extra attempts for an action that timed out or whose worker died (not for one that raised)."""
+    memory_bytes: int = Field(2 * 2**30, gt=0)
+    """A worker above this resident memory after an action is recycled."""
+    num_cpus: float = Field(0.0, ge=0)
+    """Ray CPUs reserved per worker. 0 by default: the engines and trainers' defaults reserve every CPU of a
+    2-core machine, and a worker that cannot be placed would wait for ever (its work still uses real CPU)."""
+    max_abandoned: int = Field(2, ge=1)
+    """A worker holding this many abandoned (timed-out) action threads is recycled."""
+    kill_grace_s: float = Field(5.0, ge=0)
+    """A worker that has not answered ``timeout_s + kill_grace_s`` after an action started is killed."""
+    spare_workers: int = Field(0, ge=0)
+    """Idle workers kept ready beyond what the queue needs (up to ``max_workers``), so that an action arriving
+    while the others are busy does not wait for a worker to start."""
+    max_starting: int = Field(1, ge=1)
+    """Workers the pool starts at once when it grows (a start costs a CPU for a while; meanwhile the queue drains
+    to warm workers, which often makes the next start unnecessary)."""
+    idle_grace_s: float = Field(0.5, ge=0)
+    """A worker idle this long while the pool is above ``min_workers`` (and above what the queue needs) is retired."""
+    hedge_after_s: float | None = Field(None, gt=0)
+    """Start a duplicate copy of an attempt still running this long after its latest copy started (None: never).
+    Off by default: a hedge only pays off for attempt-level stalls, and it doubles the work of slow actions."""
+    max_hedges: int = Field(1, ge=1)
+    """Duplicate copies an attempt may get (each ``hedge_after_s`` after the previous copy started)."""
 
 
 class EnvironmentConfig(_Strict):

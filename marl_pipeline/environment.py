@@ -9,7 +9,8 @@ Optional, per plugin (the demo uses none of them):
 
 - ``actions`` + ``run_action`` (:class:`ActionEnvironment`): the turns' actions are run one by one on
   the environment stage's action pool instead of ``execute`` (timeouts, retries, failures per action);
-- ``pool_settings``: an ``action_pool.PoolSettings`` for that pool (without it actions run in-process);
+- ``pool_settings``: a ``config.PoolSettings`` for that pool (the config's ``environment.pool`` wins; without
+  either, the pool's defaults);
 - ``team_reward_weight``: credit assignment between the team's and each agent's own reward (reward.py);
 - ``observe(role, task, transcript) -> str | None``: the environment's reply after ``role``'s turn,
   computed during rollout and given to later turns as ``Turn.observation`` (multi-turn feedback).

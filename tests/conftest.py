@@ -38,7 +38,7 @@ def small_config(demo_config_data: dict, tmp_path: Path) -> ExperimentConfig:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
-    from marl_pipeline.models import build_tiny_model
+    from marl_pipeline.runtime.models import build_tiny_model
 
     env = ArithmeticCheck(ArithmeticOptions())
     directory = tmp_path_factory.mktemp("tiny") / "model"

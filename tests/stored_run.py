@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from marl_pipeline.schema import ENVIRONMENT_RESULTS, REWARDS, ROLLOUTS, with_agent
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
+from marl_pipeline.store.schema import ENVIRONMENT_RESULTS, REWARDS, ROLLOUTS, with_agent
 
 AGENTS = ("solver", "verifier")
 VOCAB = 100

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from marl_pipeline.action_pool import ActionPool, Job, PoolSettings
+from marl_pipeline.config import PoolSettings
+from marl_pipeline.runtime.action_pool import ActionPool
+from marl_pipeline.runtime.action_worker import Job
 
 STALL = 3.0  # a stalled first copy sleeps this long; the checks below finish well before it
 

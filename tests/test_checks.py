@@ -13,7 +13,7 @@ from assets.checks import STAGE_CHECKS
 from assets.partitions import STEPS, stage_partition, step_key
 from assets.stages import STAGE_ASSETS
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
-from marl_pipeline.validation import check_finite, check_schema_version, check_staleness, check_token_ids
+from marl_pipeline.store.validation import check_finite, check_schema_version, check_staleness, check_token_ids
 from resources import ExperimentResource, RayCluster
 from tests.stored_run import VOCAB, write_run
 

@@ -47,7 +47,7 @@ def test_cli_rejects_bad_config_before_writing_anything(demo_config_data: dict, 
     data["store"] = str(tmp_path / "store")
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(data))
-    result = subprocess.run([sys.executable, "-m", "marl_pipeline.cli", "train", str(path)], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-m", "assets.cli", "train", str(path)], cwd=tmp_path,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "agents.critic: unknown agent" in result.stdout + result.stderr

@@ -14,12 +14,13 @@ import pytest
 
 from environments.code_tester import CodeOptions, CodeWriterTester
 from environments.math_verifier import MathOptions, MathSolverVerifier
-from marl_pipeline.action_pool import ActionPool, PoolSettings
-from marl_pipeline.engine import ENGINE_ENV, RolloutEngine
+from marl_pipeline.config import PoolSettings
 from marl_pipeline.environment import ActionResult, Turn
-from marl_pipeline.execution import execute_micro_batch
-from marl_pipeline.reward import score_micro_batch
-from marl_pipeline.rollout import RolloutSettings, rollout_micro_batch
+from marl_pipeline.runtime.action_pool import ActionPool
+from marl_pipeline.runtime.engine import ENGINE_ENV, RolloutEngine
+from marl_pipeline.stages.execution import execute_micro_batch
+from marl_pipeline.stages.reward import score_micro_batch
+from marl_pipeline.stages.rollout import RolloutSettings, rollout_micro_batch
 from marl_pipeline.store import MicroBatchKey
 
 
@@ -177,7 +178,7 @@ def test_train_job_runs_actions_on_the_pool_and_scores_with_the_reward_model(loc
 
     from marl_pipeline.config import parse_config
     from marl_pipeline.environment import register_environment
-    from marl_pipeline.recipe import train
+    from marl_pipeline.run.recipe import train
     from marl_pipeline.store import ExperienceStore
     from tests.conftest import ROOT, small_config_data
 

@@ -12,15 +12,15 @@ import pyarrow.dataset as ds
 import pytest
 
 from marl_pipeline.config import StoreConfig
-from marl_pipeline.inspection import inspect_run, sample_episodes
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
+from marl_pipeline.store.inspection import inspect_run, sample_episodes
 from tests.stored_run import write_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _inspect(*args: str, env: dict | None = None) -> str:
-    result = subprocess.run([sys.executable, "-m", "marl_pipeline.cli", "inspect", *args], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "assets.cli", "inspect", *args], capture_output=True,
                             text=True, timeout=120, cwd=ROOT, env={**os.environ, "COLUMNS": "200", **(env or {})})
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from marl_pipeline.losses import clipped_pg_loss_sum, pad_sequences
-from marl_pipeline.reward import group_relative_advantages
+from marl_pipeline.runtime.losses import clipped_pg_loss_sum, pad_sequences
+from marl_pipeline.stages.reward import group_relative_advantages
 
 
 def test_clipped_loss_matches_hand_computation() -> None:

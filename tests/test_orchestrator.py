@@ -17,10 +17,10 @@ import yaml
 from safetensors.torch import load_file
 
 from marl_pipeline.config import parse_config
-from marl_pipeline.orchestrator import StepFinished
-from marl_pipeline.recipe import RunFinished, train
-from marl_pipeline.schema import STAGES
+from marl_pipeline.run.events import RunFinished, StepFinished
+from marl_pipeline.run.recipe import train
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
+from marl_pipeline.store.schema import STAGES
 from tests.conftest import small_config_data
 
 # Streaming with staleness 0 and the synchronous pipeline see the same samples (seeded per request)
@@ -74,7 +74,7 @@ def _committed(store: ExperienceStore) -> int:
 
 def _launch(config_path: Path, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "DAGSTER_HOME": str(cwd / "dagster_home")}
-    return subprocess.Popen([sys.executable, "-m", "marl_pipeline.cli", "train", str(config_path)], cwd=cwd, env=env,
+    return subprocess.Popen([sys.executable, "-m", "assets.cli", "train", str(config_path)], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 

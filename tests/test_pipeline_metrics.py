@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from marl_pipeline.pipeline_metrics import (
+from marl_pipeline.run.pipeline_metrics import (
     Span,
     activity_plot_png,
     orchestrator_overhead,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from marl_pipeline.config import parse_config
 from marl_pipeline.environment import build_environment
-from marl_pipeline.models import load_policy
-from marl_pipeline.policies import latest_versions, prepare_base_policies
+from marl_pipeline.runtime.models import load_policy
+from marl_pipeline.runtime.policies import latest_versions, prepare_base_policies
 from marl_pipeline.store import ExperienceStore
 
 

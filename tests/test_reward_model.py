@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
 from marl_pipeline.config import ConfigError, RewardModelConfig, parse_config
-from marl_pipeline.execution import execute_micro_batch
-from marl_pipeline.reward import ModelReward, score_micro_batch
-from marl_pipeline.reward_model import RewardModelPool, RewardModelServer, model_reward, train_tiny_reward_model
+from marl_pipeline.runtime.reward_model import RewardModelPool, RewardModelServer, train_tiny_reward_model
+from marl_pipeline.stages.execution import execute_micro_batch
+from marl_pipeline.stages.reward import ModelReward, score_micro_batch
 from tests.conftest import small_config_data
 from tests.test_credit_and_actions import rollouts_of
 
@@ -139,8 +139,8 @@ def test_reward_model_config_errors(demo_config_data: dict, tmp_path: Path) -> N
 
 def test_training_launch_stores_and_replays_the_model_reward(local_ray, demo_config_data: dict,
                                                              tmp_path: Path) -> None:
-    from marl_pipeline.recipe import train
-    from marl_pipeline.replay import replay_stage
+    from marl_pipeline.run.recipe import train
+    from marl_pipeline.stages.recompute import recompute_stage
     from marl_pipeline.store import ExperienceStore, MicroBatchKey
 
     data = small_config_data(demo_config_data, tmp_path / "store", steps=1, micro_batches_per_step=1)
@@ -154,14 +154,14 @@ def test_training_launch_stores_and_replays_the_model_reward(local_ray, demo_con
     assert solver and all(row["model_score"] is not None for row in solver)
     assert all(row["model_score"] is None for row in stored if row["agent"] == "verifier")
     assert (store.root / f"run={config.run}" / "reward_model" / "config.json").is_file()
-    _, replayed, _ = replay_stage("rewards", config, key)
+    _, replayed, _ = recompute_stage("rewards", config, key)
     replayed_rows = replayed.sort_by("sample_id").to_pylist()
     for before, after in zip(stored, replayed_rows, strict=True):
         assert after["sample_id"] == before["sample_id"]
         assert after["reward"] == pytest.approx(before["reward"], abs=1e-5)
         assert (after["model_score"] is None) == (before["model_score"] is None)
-    assert model_reward(config.reward_model, RewardModelServer(
-        str(store.root / f"run={config.run}" / "reward_model"), "classifier")).agents == frozenset({"solver"})
+    assert ModelReward.from_settings(config.reward_model, RewardModelServer(
+        str(store.root / f"run={config.run}" / "reward_model"), "classifier").score).agents == frozenset({"solver"})
 
 
 def test_reward_stage_refuses_scores_outside_0_1() -> None:

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from marl_pipeline.config import parse_config
-from marl_pipeline.pipeline_metrics import pipeline_report, spans_from_store, timeline_from_events
-from marl_pipeline.recipe import RunFinished, train
+from marl_pipeline.run.events import RunFinished
+from marl_pipeline.run.pipeline_metrics import pipeline_report, spans_from_store, timeline_from_events
+from marl_pipeline.run.recipe import train
 from marl_pipeline.store import ExperienceStore
 from tests.conftest import small_config_data
 

@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from marl_pipeline.config import StoreConfig, parse_config
-from marl_pipeline.schema import REWARDS, SCHEMA_VERSION, with_agent, with_version
 from marl_pipeline.store import ExperienceStore, MicroBatchKey, StoreError
+from marl_pipeline.store.schema import REWARDS, SCHEMA_VERSION, with_agent, with_version
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,7 +144,7 @@ def test_bad_input_fails_clearly_and_writes_nothing(store_config: StoreConfig) -
 
 _KILLED_WRITER = """
 import json, os, sys, time
-from marl_pipeline import commits
+from marl_pipeline.store import commits
 from marl_pipeline.config import StoreConfig
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from tests.test_store import _rewards

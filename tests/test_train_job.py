@@ -19,8 +19,8 @@ from assets.checks import STAGE_CHECKS
 from assets.definitions import defs
 from assets.partitions import agent_key, stage_partition
 from assets.stages import environment_results, policy_updates, rewards, rollouts
-from marl_pipeline.schema import STAGES
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
+from marl_pipeline.store.schema import STAGES
 from resources import ExperimentResource, RayCluster
 from tests.conftest import ROOT, small_config_data
 
@@ -135,7 +135,7 @@ def test_rematerialized_rollout_resamples_the_stored_micro_batch(trained) -> Non
 
 
 def test_inspect_summarises_the_stored_run(trained) -> None:
-    result = subprocess.run([sys.executable, "-m", "marl_pipeline.cli", "inspect", str(trained["store"].root),
+    result = subprocess.run([sys.executable, "-m", "assets.cli", "inspect", str(trained["store"].root),
                              "--run", "small"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert f"{STEPS} steps, {STEPS * MICRO_BATCHES * 16} episodes" in result.stdout

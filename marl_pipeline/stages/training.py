@@ -10,13 +10,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
-from marl_pipeline.schema import POLICY_UPDATES, with_agent
+from marl_pipeline.runtime.trainer import TrainBatch
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
-from marl_pipeline.trainer import TrainBatch
+from marl_pipeline.store.schema import POLICY_UPDATES, with_agent
 
 
 def train_batch_for(store: ExperienceStore, key: MicroBatchKey, agent: str) -> TrainBatch:
-    """One agent's shard of a micro-batch, in ``sample_id`` order (so replays sum in the same order)."""
+    """One agent's shard of a micro-batch, in ``sample_id`` order (so recomputations sum in the same order)."""
     rollouts = store.read("rollouts", key, agent=agent, columns=["sample_id", "prompt_ids", "response_ids", "logprobs"])
     rewards = store.read("rewards", key, agent=agent, columns=["sample_id", "advantage", "status"])
     # Arrow joins do not carry list columns: align the reward rows to the rollout rows by index instead.

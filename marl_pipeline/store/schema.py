@@ -31,7 +31,6 @@ PARTITION_SCHEMA = pa.schema(
     [("run", pa.string()), ("stage", pa.string()), ("step", pa.int32()), ("micro_batch", pa.int32()),
      ("agent", pa.string())]
 )
-PARTITION_COLUMNS = tuple(PARTITION_SCHEMA.names)
 
 _TURN_KEYS = [
     pa.field("sample_id", pa.string()),  # {input_id}_{turn}_{trajectory}

@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from marl_pipeline.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY
 from marl_pipeline.store import ExperienceStore, MicroBatchKey, StoreError
+from marl_pipeline.store.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY
 
 FINITE_COLUMNS = {"rollouts": ["logprobs"], "rewards": ["reward", "advantage"]}
 """Float columns that must hold no NaN or inf, per stage."""

@@ -113,7 +113,7 @@ def _follow(instance, run_id: str, config, worker: threading.Thread) -> None:
 
 
 def _print_reward_table(store, run: str) -> None:
-    from marl_pipeline.summaries import reward_table
+    from marl_pipeline.store.summaries import reward_table
 
     rewards = store.read_stage(run, "rewards", columns=["step", "agent", "reward"])
     by_step = reward_table(rewards)
@@ -157,7 +157,7 @@ def inspect(store_uri: str = typer.Argument(..., help="Experience store: a direc
 
 
 def _print_run(store, run: str, step: int | None, agent: str | None, sample: int) -> None:
-    from marl_pipeline.inspection import inspect_run, sample_episodes, text_histogram
+    from marl_pipeline.store.inspection import inspect_run, sample_episodes, text_histogram
 
     report = inspect_run(store, run, step, agent)
     scope = "".join(f", {k} {v}" for k, v in (("step", step), ("agent", agent)) if v is not None)

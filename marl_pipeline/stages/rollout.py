@@ -22,10 +22,11 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from marl_pipeline.engine import Completion
+from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import Environment, Task, Turn
-from marl_pipeline.schema import ROLLOUTS, with_agent
+from marl_pipeline.runtime.engine import Completion
 from marl_pipeline.store import MicroBatchKey
+from marl_pipeline.store.schema import ROLLOUTS, with_agent
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,13 @@ class RolloutSettings:
     samples_per_prompt: int
     max_new_tokens: int
     temperature: float
+
+    @classmethod
+    def from_config(cls, config: ExperimentConfig) -> RolloutSettings:
+        """The one place the rollout settings are cut from the config (the train job and recomputation alike)."""
+        pipeline, algorithm = config.pipeline, config.algorithm
+        return cls(config.seed, pipeline.prompts_per_micro_batch, pipeline.samples_per_prompt,
+                   algorithm.max_new_tokens, algorithm.temperature)
 
 
 def plan_tasks(env: Environment, key: MicroBatchKey, seed: int, count: int) -> list[Task]:

@@ -7,11 +7,10 @@ Reads go through ``ExperienceStore.read_stage`` with a partition filter and a co
 from __future__ import annotations
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from marl_pipeline.schema import STAGES
+from marl_pipeline.store.schema import STAGES
 
 _EPISODE = ["step", "micro_batch", "episode"]
 
@@ -119,6 +118,3 @@ def text_histogram(histogram: dict, width: int = 20) -> list[tuple[str, int, str
     return [(f"[{edges[i]:.3g}, {edges[i + 1]:.3g}{']' if i == len(counts) - 1 else ')'}", count,
              "█" * round(width * count / top)) for i, count in enumerate(counts)]
 
-
-def column_types(schema: pa.Schema) -> list[tuple[str, str]]:
-    return [(field.name, str(field.type)) for field in schema]

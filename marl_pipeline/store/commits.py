@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from marl_pipeline.storage import Location
+from marl_pipeline.store.storage import Location
 
 MANIFEST = "_manifest.json"
 MANIFEST_FORMAT = 1

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 
-from marl_pipeline.config import AgentConfig, ExperimentConfig
+from marl_pipeline.config import BUILTIN_TINY, AgentConfig, ExperimentConfig
 from marl_pipeline.environment import Environment
-from marl_pipeline.models import BUILTIN_TINY, build_tiny_model, load_policy, save_policy
+from marl_pipeline.runtime.models import build_tiny_model, load_policy, save_policy
+from marl_pipeline.runtime.warmup import supervised_warmup
 from marl_pipeline.store import ExperienceStore
-from marl_pipeline.warmup import supervised_warmup
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,10 @@ import io
 from dataclasses import dataclass
 from itertools import pairwise
 
+import pyarrow.compute as pc
+
+from marl_pipeline.run.events import PolicyCommitted, StageCommitted
+
 # Which resource a stage occupies: rollout engines, environment workers, the reward scorer, the trainers.
 RESOURCE_OF_STAGE = {"rollouts": "engines", "environment_results": "environment", "rewards": "reward",
                      "policy_updates": "trainers", "optimizer_step": "trainers"}
@@ -40,25 +44,42 @@ class LaunchTimeline:
     """Turns sampled at each staleness (step - policy version)."""
 
 
-def timeline_from_events(events) -> LaunchTimeline:
-    """The spans and rollout totals of a launch, from the orchestrator's events as they were yielded."""
-    from marl_pipeline.orchestrator import PolicyCommitted, StageCommitted
+class TimelineRecorder:
+    """Keeps what the run-level figures need of each event as it is yielded (spans, rollout totals), and
+    nothing else: a long launch's events carry every committed table, which a caller must not hold on to."""
 
-    spans, episodes, tokens, steps, versions = [], 0, 0, [], []
-    for event in events:
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self.episodes = self.tokens = 0
+        self._steps: list[int] = []
+        self._versions: list[int] = []
+
+    def add(self, event: object) -> None:
         if isinstance(event, StageCommitted):
             t = event.timing
-            spans.append(Span(event.stage, event.key.step, event.key.micro_batch, t.enqueued, t.started, t.ended))
+            self.spans.append(Span(event.stage, event.key.step, event.key.micro_batch, t.enqueued, t.started,
+                                   t.ended))
             if event.stage == "rollouts":
                 table = event.table
-                episodes += len(set(table.column("episode").to_pylist()))
-                tokens += sum(len(ids) for ids in table.column("response_ids").to_pylist())
-                steps += [event.key.step] * table.num_rows
-                versions += table.column("policy_version").to_pylist()
+                self.episodes += len(pc.unique(table.column("episode")))
+                self.tokens += int(pc.sum(pc.list_value_length(table.column("response_ids"))).as_py() or 0)
+                self._steps += [event.key.step] * table.num_rows
+                self._versions += table.column("policy_version").to_pylist()
         elif isinstance(event, PolicyCommitted):
             t = event.timing
-            spans.append(Span("optimizer_step", event.step, -1, t.enqueued, t.started, t.ended))
-    return LaunchTimeline(spans, episodes, tokens, staleness_histogram(steps, versions))
+            self.spans.append(Span("optimizer_step", event.step, -1, t.enqueued, t.started, t.ended))
+
+    def timeline(self) -> LaunchTimeline:
+        return LaunchTimeline(list(self.spans), self.episodes, self.tokens,
+                              staleness_histogram(self._steps, self._versions))
+
+
+def timeline_from_events(events) -> LaunchTimeline:
+    """The spans and rollout totals of a launch, from the orchestrator's events as they were yielded."""
+    recorder = TimelineRecorder()
+    for event in events:
+        recorder.add(event)
+    return recorder.timeline()
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
@@ -177,8 +198,6 @@ def _idle_while_waiting(busy: list[tuple[float, float]], waiting: list[tuple[flo
 def spans_from_store(store, run: str) -> list[Span]:
     """Every stage span of a run, recomputed from the timing columns and policy checkpoints in the store."""
     import json
-
-    import pyarrow.compute as pc
 
     spans = []
     for stage in ("rollouts", "environment_results", "rewards", "policy_updates"):

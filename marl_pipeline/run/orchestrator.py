@@ -26,7 +26,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
@@ -35,66 +35,44 @@ import ray
 
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import Environment
-from marl_pipeline.execution import execute_micro_batch
-from marl_pipeline.launches import LaunchPlan
-from marl_pipeline.reward import score_micro_batch
-from marl_pipeline.reward_model import model_reward
-from marl_pipeline.rollout import RolloutSettings, rollout_micro_batch
-from marl_pipeline.schema import with_stage_timing
+from marl_pipeline.run.events import Event, PolicyCommitted, StageCommitted, StageTiming, StepFinished
+from marl_pipeline.run.launches import LaunchPlan
+from marl_pipeline.runtime.workers import Workers
+from marl_pipeline.stages.execution import execute_micro_batch
+from marl_pipeline.stages.reward import ModelReward, score_micro_batch
+from marl_pipeline.stages.rollout import RolloutSettings, rollout_micro_batch
+from marl_pipeline.stages.training import train_micro_batch
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
-from marl_pipeline.training import train_micro_batch
-from marl_pipeline.workers import Workers
+from marl_pipeline.store.schema import with_stage_timing
 
 
 @dataclass(frozen=True)
-class StageTiming:
-    """Wall-clock facts of one stage of one micro-batch (epoch seconds)."""
+class Stage:
+    """One stage of the micro-batch pipeline as the orchestrator runs it: ``workers`` threads compute and
+    commit ``name`` for each micro-batch key that reaches them."""
 
+    name: str
+    """The stored stage (``rollouts``, ``environment_results``, ``rewards``)."""
+    compute: Callable[[MicroBatchKey], pa.Table]
+    workers: int
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """One agent's optimizer step, issued by the train thread and finished by that agent's publisher."""
+
+    step: int
+    staging: Path
+    """Where the trainer saves the new version before the store commits it."""
+    applied: ray.ObjectRef
+    """-> ``StepResult`` of the optimizer step."""
+    weights: ray.ObjectRef
+    """-> the new parameters, for the engine's reload."""
+    saved: ray.ObjectRef
+    """-> None once the checkpoint is written to ``staging``."""
     enqueued: float
-    """When the micro-batch became ready for the stage (its inputs committed, or the gate opened)."""
-    started: float
-    ended: float
-    """When its output was committed."""
 
 
-@dataclass(frozen=True)
-class StageCommitted:
-    """A stage's output for one micro-batch is committed to the store."""
-
-    stage: str
-    key: MicroBatchKey
-    path: Path
-    timing: StageTiming
-    table: pa.Table = field(repr=False)
-
-    @property
-    def seconds(self) -> float:
-        return self.timing.ended - self.timing.started
-
-
-@dataclass(frozen=True)
-class PolicyCommitted:
-    """A new policy version of one agent is trained, synced into its engine and saved."""
-
-    agent: str
-    version: int
-    step: int
-    path: Path
-    grad_norm: float
-    tokens: int
-    timing: StageTiming
-
-
-@dataclass(frozen=True)
-class StepFinished:
-    """Every agent has stepped past ``step``: its reward summary, for progress displays."""
-
-    step: int
-    mean_reward: dict[str, float]
-    seconds: float
-
-
-Event = StageCommitted | PolicyCommitted | StepFinished
 _DONE = object()
 
 
@@ -104,14 +82,19 @@ class Orchestrator:
     def __init__(self, config: ExperimentConfig, env: Environment, store: ExperienceStore, workers: Workers,
                  plan: LaunchPlan) -> None:
         self.config, self.env, self.store, self.workers, self.plan = config, env, store, workers, plan
-        pipeline, algorithm = config.pipeline, config.algorithm
+        pipeline = config.pipeline
         self.micro_batches = pipeline.micro_batches_per_step
-        self.staleness = 0 if pipeline.mode == "synchronous" else pipeline.staleness
-        self.rollout_settings = RolloutSettings(config.seed, pipeline.prompts_per_micro_batch,
-                                                pipeline.samples_per_prompt, algorithm.max_new_tokens,
-                                                algorithm.temperature)
+        self.synchronous = pipeline.mode == "synchronous"
+        self.staleness = 0 if self.synchronous else pipeline.staleness
+        self.rollout_settings = RolloutSettings.from_config(config)
         pool, settings = workers.reward_pool, config.reward_model
-        self._model_reward = model_reward(settings, pool) if pool is not None and settings is not None else None
+        self._model_reward = (ModelReward.from_settings(settings, pool.score)
+                              if pool is not None and settings is not None else None)
+        self.stages = [
+            Stage("rollouts", self._rollout, 1),
+            Stage("environment_results", self._environment, pipeline.environment_concurrency),
+            Stage("rewards", self._reward, pipeline.reward_concurrency),
+        ]
         self._events: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._served = dict(plan.versions)  # per agent: the version its engine serves
@@ -122,24 +105,23 @@ class Orchestrator:
     # -- the recipe -------------------------------------------------------------------------------
     def run(self) -> Iterator[Event]:
         """Run every step of the launch; yields events as commits land. Raises the first stage error."""
-        pipeline = self.config.pipeline
-        size = max(pipeline.queue_size, self.micro_batches if pipeline.mode == "synchronous" else 1)
-        to_env, to_reward, to_train = queue.Queue(size), queue.Queue(size), queue.Queue(size)
+        size = max(self.config.pipeline.queue_size, self.micro_batches if self.synchronous else 1)
+        # outboxes[i] carries the keys stages[i] committed to the next stage (the last one's go to training).
+        outboxes = [queue.Queue(size) for _ in self.stages]
+        consumers = [stage.workers for stage in self.stages[1:]] + [1]
         publish = {agent: queue.Queue() for agent in self.config.agents}
-        synchronous = pipeline.mode == "synchronous"
-        groups = [
-            self._spawn("rollout", 1, self._rollout_loop, None, to_env, pipeline.environment_concurrency,
-                        _StepBarrier(self.micro_batches, synchronous)),
-            self._spawn("environment", pipeline.environment_concurrency, self._map_loop, to_env, to_reward,
-                        pipeline.reward_concurrency, "environment_results", self._environment, "rewards",
-                        _StepBarrier(self.micro_batches, synchronous)),
-            self._spawn("reward", pipeline.reward_concurrency, self._map_loop, to_reward, to_train, 1,
-                        "rewards", self._reward, "policy_updates", _StepBarrier(self.micro_batches, synchronous)),
-            self._spawn("train", 1, self._train_loop, to_train, None, 0, publish),
-            *(self._spawn(f"publish-{agent}", 1, self._publish_loop, publish[agent], None, 0, agent)
-              for agent in self.config.agents),
-        ]
-        threads = [thread for group in groups for thread in group]
+        first = self.stages[0]
+        threads = self._spawn(first.name, first.workers, partial(self._source_loop, first, outboxes[0]),
+                              outboxes[0], consumers[0])
+        for i, stage in enumerate(self.stages[1:], start=1):
+            following = self.stages[i + 1].name if i + 1 < len(self.stages) else "policy_updates"
+            threads += self._spawn(stage.name, stage.workers,
+                                   partial(self._map_loop, stage, outboxes[i - 1], outboxes[i], following,
+                                           _StepBarrier(self.micro_batches, self.synchronous)),
+                                   outboxes[i], consumers[i])
+        threads += self._spawn("policy_updates", 1, partial(self._train_loop, outboxes[-1], publish))
+        for agent in self.config.agents:
+            threads += self._spawn(f"publish-{agent}", 1, partial(self._publish_loop, publish[agent], agent))
         finished = 0
         try:
             while finished < len(threads):
@@ -163,15 +145,17 @@ class Orchestrator:
     def keys(self, step: int) -> list[MicroBatchKey]:
         return [MicroBatchKey(self.config.run, step, mb) for mb in range(self.micro_batches)]
 
-    def _rollout_loop(self, _: None, out: queue.Queue, barrier: _StepBarrier) -> None:
+    def _source_loop(self, stage: Stage, outbox: queue.Queue) -> None:
+        """Rollout: each step's micro-batches once the staleness gate opens for the step."""
+        barrier = _StepBarrier(self.micro_batches, self.synchronous)
         for step in self.steps():
             self._wait_until_served(step - self.staleness)
             self._step_started.setdefault(step, time.time())
             for key in self.keys(step):
-                self._ready_at[("rollouts", key)] = time.time()
-                self._run_stage("rollouts", key, self._rollout)
+                self._ready_at[(stage.name, key)] = time.time()
+                self._run_stage(stage.name, key, stage.compute)
                 for ready in barrier.add(key):
-                    self._put(out, ready, "environment_results")
+                    self._put(outbox, ready, self.stages[1].name)
 
     def _rollout(self, key: MicroBatchKey) -> pa.Table:
         return rollout_micro_batch(self.env, self.workers.engines, key, self.rollout_settings)
@@ -184,14 +168,14 @@ class Orchestrator:
                                  self.store.read("environment_results", key), self.config.algorithm.advantage_eps,
                                  model_reward=self._model_reward)
 
-    def _map_loop(self, inbox: queue.Queue, outbox: queue.Queue, stage: str, work: Callable, next_stage: str,
+    def _map_loop(self, stage: Stage, inbox: queue.Queue, outbox: queue.Queue, next_stage: str,
                   barrier: _StepBarrier) -> None:
         while (key := self._get(inbox)) is not None:
-            self._run_stage(stage, key, work)
+            self._run_stage(stage.name, key, stage.compute)
             for ready in barrier.add(key):
                 self._put(outbox, ready, next_stage)
 
-    def _train_loop(self, inbox: queue.Queue, _: None, publish: dict[str, queue.Queue]) -> None:
+    def _train_loop(self, inbox: queue.Queue, publish: dict[str, queue.Queue]) -> None:
         """Accumulate micro-batches in (step, micro-batch) order; hand each finished step to the publishers."""
         trainers = self.workers.trainers
         version = dict(self.plan.versions)  # per agent: the version its trainer holds once the issued calls run
@@ -213,34 +197,35 @@ class Orchestrator:
                 for agent in learners:
                     # Issued now, in actor order: the next step's accumulate calls queue behind them.
                     staging = self.store.staging_policy_dir(self.config.run, agent, step + 1)
-                    refs = (trainers[agent].apply_step.remote(), trainers[agent].named_weights.remote(),
-                            trainers[agent].save.remote(str(staging)))
-                    publish[agent].put((step, staging, refs, time.time()))
+                    trainer = trainers[agent]
+                    publish[agent].put(PendingStep(step, staging, trainer.apply_step.remote(),
+                                                   trainer.named_weights.remote(), trainer.save.remote(str(staging)),
+                                                   time.time()))
                     version[agent] = step + 1
         finally:
             for box in publish.values():
                 box.put(None)  # end of stream for the publishers
 
-    def _publish_loop(self, inbox: queue.Queue, _: None, agent: str) -> None:
+    def _publish_loop(self, inbox: queue.Queue, agent: str) -> None:
         """One agent's step end: optimizer step result, weight sync into its engine, policy commit."""
         engine = self.workers.engines[agent]
-        while (item := self._get(inbox)) is not None:
-            step, staging, (applied, weights, saved), enqueued = item
+        while (pending := self._get(inbox)) is not None:
             started = time.time()
-            result = ray.get(applied)
-            ray.get([engine.load_weights.remote(weights, result["policy_version"]), saved])
-            timing = StageTiming(enqueued, started, time.time())
-            (staging / "timing.json").write_text(json.dumps({"step": step, **asdict(timing), **result}))
-            path = self.store.commit_policy(staging, self.config.run, agent, result["policy_version"])
-            self._events.put(PolicyCommitted(agent, result["policy_version"], step, path, result["grad_norm"],
-                                             result["tokens"], timing))
+            result = ray.get(pending.applied)
+            ray.get([engine.load_weights.remote(pending.weights, result.policy_version), pending.saved])
+            timing = StageTiming(pending.enqueued, started, time.time())
+            (pending.staging / "timing.json").write_text(
+                json.dumps({"step": pending.step, **asdict(timing), **asdict(result)}))
+            path = self.store.commit_policy(pending.staging, self.config.run, agent, result.policy_version)
+            self._events.put(PolicyCommitted(agent, result.policy_version, pending.step, path, result.grad_norm,
+                                             result.tokens, timing))
             with self._served_changed:
-                self._served[agent] = result["policy_version"]
+                self._served[agent] = result.policy_version
                 self._served_changed.notify_all()
-                everyone_past = min(self._served.values()) > step
+                everyone_past = min(self._served.values()) > pending.step
             if everyone_past:
-                self._events.put(StepFinished(step, self.step_rewards(step),
-                                              time.time() - self._step_started.get(step, started)))
+                self._events.put(StepFinished(pending.step, self.step_rewards(pending.step),
+                                              time.time() - self._step_started.get(pending.step, started)))
 
     def step_rewards(self, step: int) -> dict[str, float]:
         """Mean episode reward of each agent over a step's committed micro-batches."""
@@ -264,15 +249,16 @@ class Orchestrator:
         path = self.store.commit(stage, key, table)
         self._events.put(StageCommitted(stage, key, path, timing, table))
 
-    def _spawn(self, name: str, workers: int, target: Callable, inbox, outbox, downstream_workers: int,
-               *args) -> list[threading.Thread]:
-        """``workers`` threads running ``target``; the last one to finish ends the stream for the next stage."""
+    def _spawn(self, name: str, workers: int, target: Callable[[], None], outbox: queue.Queue | None = None,
+               consumers: int = 0) -> list[threading.Thread]:
+        """``workers`` threads running ``target``; the last one to finish puts one end-of-stream marker in
+        ``outbox`` for each of the next stage's ``consumers``."""
         remaining = [workers]
         lock = threading.Lock()
 
         def guarded() -> None:
             try:
-                target(inbox, outbox, *args)
+                target()
             except BaseException as error:  # handed to the caller's thread and re-raised there
                 error.add_note(f"in the {name} stage of the marl_pipeline orchestrator")
                 self._events.put(error)
@@ -281,7 +267,7 @@ class Orchestrator:
                     remaining[0] -= 1
                     last = remaining[0] == 0
                 if last and outbox is not None:
-                    for _ in range(downstream_workers):
+                    for _ in range(consumers):
                         self._put(outbox, None)
                 self._events.put(_DONE)
 
@@ -334,8 +320,3 @@ class _StepBarrier:
             if len(self.done[key.step]) < self.micro_batches:
                 return []
             return sorted(self.done.pop(key.step))
-
-
-def mean_reward(rewards: dict[str, float]) -> float:
-    """The step reward reported to users: the mean over agents of their mean episode reward."""
-    return sum(rewards.values()) / max(len(rewards), 1)

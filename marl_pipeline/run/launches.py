@@ -14,9 +14,9 @@ import uuid
 from dataclasses import dataclass
 
 from marl_pipeline.config import ExperimentConfig
-from marl_pipeline.policies import latest_versions
-from marl_pipeline.schema import STAGES
+from marl_pipeline.runtime.policies import latest_versions
 from marl_pipeline.store import ExperienceStore
+from marl_pipeline.store.schema import STAGES
 
 
 @dataclass(frozen=True)

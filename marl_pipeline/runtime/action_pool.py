@@ -36,114 +36,15 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field
 
-OutcomeStatus = Literal["ok", "failed", "timeout", "memory_limit"]
-
-
-class PoolSettings(BaseModel):
-    """Pool size, limits and retries (an environment's options may carry one)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    min_workers: int = Field(1, ge=1)
-    """Workers kept alive while the pool exists."""
-    max_workers: int = Field(4, ge=1)
-    """Most workers at once, reached when the queue is long."""
-    actions_per_worker: int = Field(4, ge=1)
-    """Queued or running actions per worker the pool aims for when it sizes itself."""
-    timeout_s: float = Field(30.0, gt=0)
-    """Per-action wall-clock limit; the worker running it is killed when it passes."""
-    retries: int = Field(1, ge=0)
-    """Extra attempts for an action that timed out or whose worker died (not for one that raised)."""
-    memory_bytes: int = Field(2 * 2**30, gt=0)
-    """A worker above this resident memory after an action is recycled."""
-    num_cpus: float = Field(0.0, ge=0)
-    """Ray CPUs reserved per worker. 0 by default: the engines and trainers' defaults reserve every CPU of a
-    2-core machine, and a worker that cannot be placed would wait for ever (its work still uses real CPU)."""
-    max_abandoned: int = Field(2, ge=1)
-    """A worker holding this many abandoned (timed-out) action threads is recycled."""
-    kill_grace_s: float = Field(5.0, ge=0)
-    """A worker that has not answered ``timeout_s + kill_grace_s`` after an action started is killed."""
-    spare_workers: int = Field(0, ge=0)
-    """Idle workers kept ready beyond what the queue needs (up to ``max_workers``), so that an action arriving
-    while the others are busy does not wait for a worker to start."""
-    max_starting: int = Field(1, ge=1)
-    """Workers the pool starts at once when it grows (a start costs a CPU for a while; meanwhile the queue drains
-    to warm workers, which often makes the next start unnecessary)."""
-    idle_grace_s: float = Field(0.5, ge=0)
-    """A worker idle this long while the pool is above ``min_workers`` (and above what the queue needs) is retired."""
-    hedge_after_s: float | None = Field(None, gt=0)
-    """Start a duplicate copy of an attempt still running this long after its latest copy started (None: never).
-    Off by default: a hedge only pays off for attempt-level stalls, and it doubles the work of slow actions."""
-    max_hedges: int = Field(1, ge=1)
-    """Duplicate copies an attempt may get (each ``hedge_after_s`` after the previous copy started)."""
-
-
-@dataclass(frozen=True)
-class Job:
-    """One action to run: ``fn(*args)`` on a worker; produced by the environment stage, consumed by the pool."""
-
-    fn: Callable[..., Any]
-    args: tuple
-    expected_cost: float = 1.0
-
-
-@dataclass(frozen=True)
-class ActionOutcome:
-    """What became of one job: produced by the pool, consumed by the environment stage and benchmarks."""
-
-    status: OutcomeStatus
-    value: Any
-    error: str | None
-    attempts: int
-    """Attempts made (a hedged copy belongs to its attempt: it is not counted as another)."""
-    finished: float
-    """time.monotonic() when the outcome was recorded."""
-    hedged: bool = False
-    """Whether a duplicate (hedged) copy of some attempt of this job was started."""
-
-
-class ActionWorker:
-    """A plain worker; ``ray.remote`` is applied by the pool with resources from its settings.
-
-    The action runs on a daemon thread joined with the timeout: a stuck action is abandoned there and
-    the worker answers at once, so a timeout costs no actor restart. The pool recycles a worker that
-    holds ``max_abandoned`` abandoned threads, and kills one that does not answer at all (a backstop).
-    """
-
-    def __init__(self) -> None:
-        self.abandoned = 0
-
-    def run(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> tuple[str, Any, int, int]:
-        import psutil
-
-        box: list = []
-
-        def target() -> None:
-            try:
-                box.append(("ok", fn(*args)))
-            except Exception as exc:  # the action's own failure is its result
-                box.append(("failed", f"{type(exc).__name__}: {exc}"))
-
-        thread = threading.Thread(target=target, daemon=True)
-        thread.start()
-        thread.join(timeout_s)
-        if thread.is_alive():
-            self.abandoned += 1
-            status, value = "timeout", f"action exceeded timeout_s={timeout_s}"
-        else:
-            status, value = box[0]
-        return status, value, psutil.Process().memory_info().rss, self.abandoned
-
-    def ready(self) -> bool:
-        return True
+from marl_pipeline.config import PoolSettings
+from marl_pipeline.runtime.action_worker import ActionOutcome, ActionWorker, Job, OutcomeStatus, WorkerReport
 
 
 @dataclass(eq=False)
@@ -328,7 +229,7 @@ class ActionPool:
         s = self.settings
         worker, task, _ = self._drop(ref)
         try:
-            status, value, rss, abandoned = ray.get(ref)
+            report: WorkerReport = ray.get(ref)
         except ray.exceptions.RayActorError as exc:  # the worker died under the action
             self._retire(worker)
             self._copy_lost(task, "failed", f"worker died: {exc}")
@@ -338,13 +239,14 @@ class ActionPool:
             if not task.future.done():
                 self._decide(task, task.outcome("failed", None, f"{type(exc).__name__}: {exc}"))
             return
-        if rss > s.memory_bytes:
+        status, value = report.status, report.value
+        if report.rss_bytes > s.memory_bytes:
             self._retire(worker)
             if not task.future.done():  # (a late copy of a decided attempt records nothing)
-                self._decide(task, task.outcome("memory_limit", None, f"worker resident memory {rss} bytes "
-                                                f"> memory_bytes {s.memory_bytes}"))
+                self._decide(task, task.outcome("memory_limit", None, f"worker resident memory {report.rss_bytes} "
+                                                f"bytes > memory_bytes {s.memory_bytes}"))
             return
-        if abandoned >= s.max_abandoned:
+        if report.abandoned_threads >= s.max_abandoned:
             self._retire(worker)  # stuck threads hold its memory and CPU: start a fresh one
         else:
             worker.idle_since = time.monotonic()
@@ -456,7 +358,7 @@ _shared: dict[tuple[str, str, PoolSettings], ActionPool] = {}
 
 
 def shared_pool(settings: PoolSettings) -> ActionPool:
-    """One pool per settings and Ray session in this process (what a replayed environment partition runs on)."""
+    """One pool per settings and Ray session in this process (what a recomputed environment partition runs on)."""
     # A new ray.init must not reuse dead actors: job ids restart at 01000000 with every new local cluster,
     # so the key also names the driver's node, which is new with every cluster.
     context = ray.get_runtime_context()

@@ -24,11 +24,10 @@ from datetime import UTC, datetime
 import numpy as np
 import pyarrow as pa
 
+from marl_pipeline.config import RewardModelConfig
 from marl_pipeline.environment import ActionResult, Environment
-from marl_pipeline.execution import episodes_of, transcript_of
-from marl_pipeline.schema import REWARDS, with_agent
-
-_KEYS = ("sample_id", "episode", "task_id", "trajectory", "role", "turn", "agent")
+from marl_pipeline.stages.episodes import TURN_KEYS, episodes_of, transcript_of
+from marl_pipeline.store.schema import REWARDS, with_agent
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,13 @@ class ModelReward:
     def __post_init__(self) -> None:
         if not 0.0 <= self.weight <= 1.0:
             raise ValueError(f"model reward weight must be in [0, 1], got {self.weight}")
+
+    @classmethod
+    def from_settings(cls, settings: RewardModelConfig, score: Callable[[list[str], list[str]], list[float]]
+                      ) -> ModelReward:
+        """The config's reward-model section with a scorer (a replica pool's or an in-process server's ``score``)."""
+        agents = frozenset(settings.agents) if settings.agents is not None else None
+        return cls(score, agents, settings.weight)
 
 
 def group_relative_advantages(rewards: np.ndarray, groups: np.ndarray, eps: float) -> np.ndarray:
@@ -77,7 +83,7 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, e
         team_weight = float(getattr(env, "team_reward_weight", 0.0))
     outcomes = {row["sample_id"]: row for row in results.select(["sample_id", "outcome", "success", "observation",
                                                                   "info", "status"]).to_pylist()}
-    episodes = episodes_of(rollouts.select(list(_KEYS) + ["task", "prompt_text", "response_text", "observation"]))
+    episodes = episodes_of(rollouts.select(list(TURN_KEYS) + ["task", "prompt_text", "response_text", "observation"]))
     model_scores = _model_scores(episodes, outcomes, model_reward) if model_reward is not None else {}
     keyed_rows, rewards, statuses, starts, ends = [], [], [], [], []
     for turns in episodes:
@@ -105,7 +111,7 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, e
     # A group is one task prompt's n episodes, per agent: input_id is the sample_id before its turn suffix.
     groups = np.asarray([f"{row['sample_id'].split('_')[0]}/{row['agent']}" for row in keyed_rows])
     advantages = group_relative_advantages(rewards_array, groups, eps) if keyed_rows else rewards_array
-    columns = {name: [row[name] for row in keyed_rows] for name in _KEYS}
+    columns = {name: [row[name] for row in keyed_rows] for name in TURN_KEYS}
     columns.update(reward=rewards_array.astype(np.float32), advantage=advantages.astype(np.float32),
                    model_score=pa.array([model_scores.get(row["sample_id"]) for row in keyed_rows], pa.float32()),
                    reward_start=starts, reward_end=ends, status=statuses, error=[None] * len(keyed_rows))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from marl_pipeline.losses import pad_sequences, token_logprobs
+from marl_pipeline.runtime.losses import pad_sequences, token_logprobs
 
 
 def supervised_warmup(model, tokenizer, examples: list[tuple[str, str]], *, steps: int, batch_size: int,

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from marl_pipeline.config import ExperimentConfig, RewardModelConfig
-from marl_pipeline.models import BUILTIN_TINY, TINY_ARCHITECTURE, save_policy, train_tokenizer
+from marl_pipeline.config import BUILTIN_TINY, ExperimentConfig, RewardModelConfig
+from marl_pipeline.runtime.models import TINY_ARCHITECTURE, save_policy, train_tokenizer
 
 
 class RewardModelServer:
@@ -183,14 +183,6 @@ class RewardModelPool:
             for replica in self._replicas:
                 ray.kill(replica.handle)
             self._replicas.clear()
-
-
-def model_reward(settings: RewardModelConfig, scorer: RewardModelPool | RewardModelServer):
-    """The reward stage's view of a reward model: its scorer, the agents it scores and its weight."""
-    from marl_pipeline.reward import ModelReward
-
-    agents = frozenset(settings.agents) if settings.agents is not None else None
-    return ModelReward(scorer.score, agents, settings.weight)
 
 
 # -- the built-in reward model -------------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
 """Per-partition execution: recompute one stage of one stored micro-batch from its stored inputs.
 
 The same stage functions as the streaming orchestrator; inputs come from the store, the output
-replaces the stored partition (atomically). Rollout needs Ray (it starts the engines); the others
-run in-process.
+replaces the stored partition (atomically). Rollout needs Ray (it starts the engines); environment
+actions run on the process's shared action pool when Ray is up (the Dagster assets that run them require
+the Ray resource), else in-process; reward and policy updates run in-process.
+
+Not to be confused with a replay buffer: nothing is sampled from old experience for training here.
 """
 
 from __future__ import annotations
@@ -12,20 +15,21 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from marl_pipeline.action_pool import shared_pool
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import build_environment
-from marl_pipeline.execution import action_pool_settings, execute_micro_batch
-from marl_pipeline.reward import score_micro_batch
-from marl_pipeline.reward_model import RewardModelServer, model_reward, prepare_reward_model
-from marl_pipeline.rollout import RolloutSettings, rollout_micro_batch
-from marl_pipeline.schema import with_stage_timing
+from marl_pipeline.runtime.action_pool import shared_pool
+from marl_pipeline.runtime.reward_model import RewardModelServer, prepare_reward_model
+from marl_pipeline.runtime.trainer import PolicyTrainer
+from marl_pipeline.runtime.workers import trainer_options
+from marl_pipeline.stages.execution import action_pool_settings, execute_micro_batch
+from marl_pipeline.stages.reward import ModelReward, score_micro_batch
+from marl_pipeline.stages.rollout import RolloutSettings, rollout_micro_batch
+from marl_pipeline.stages.training import train_batch_for, updates_table
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
-from marl_pipeline.trainer import PolicyTrainer
-from marl_pipeline.training import train_batch_for, updates_table
+from marl_pipeline.store.schema import with_stage_timing
 
 
-def replay_stage(stage: str, config: ExperimentConfig, key: MicroBatchKey) -> tuple[Path, pa.Table, float]:
+def recompute_stage(stage: str, config: ExperimentConfig, key: MicroBatchKey) -> tuple[Path, pa.Table, float]:
     """Recompute and commit ``stage`` for ``key``; returns (partition path, table, seconds)."""
     if key.run != config.run:
         raise ValueError(f"partition of run {key.run!r}, but the experiment config is for run {config.run!r}")
@@ -44,7 +48,7 @@ def replay_stage(stage: str, config: ExperimentConfig, key: MicroBatchKey) -> tu
     else:
         raise ValueError(f"unknown stage {stage!r}")
     ended = time.time()
-    table = with_stage_timing(table, started, started, ended)  # a replay is ready the moment it is asked for
+    table = with_stage_timing(table, started, started, ended)  # ready the moment it is asked for
     path = store.commit(stage, key, table)
     return path, table, ended - started
 
@@ -62,7 +66,8 @@ def _model_reward(config: ExperimentConfig, env, store: ExperienceStore):
     path = prepare_reward_model(config, env, store)
     if path is None or config.reward_model is None:
         return None
-    return model_reward(config.reward_model, RewardModelServer.from_settings(path, config.reward_model))
+    server = RewardModelServer.from_settings(path, config.reward_model)
+    return ModelReward.from_settings(config.reward_model, server.score)
 
 
 def _policy_versions_at(store: ExperienceStore, config: ExperimentConfig, step: int) -> dict[str, int]:
@@ -79,14 +84,11 @@ def _policy_versions_at(store: ExperienceStore, config: ExperimentConfig, step: 
 def _rollouts(config: ExperimentConfig, env, store: ExperienceStore, key: MicroBatchKey) -> pa.Table:
     import ray
 
-    from marl_pipeline.workers import start_engines
+    from marl_pipeline.runtime.workers import start_engines
 
     engines = start_engines(config, store, _policy_versions_at(store, config, key.step))
     try:
-        pipeline, algorithm = config.pipeline, config.algorithm
-        settings = RolloutSettings(config.seed, pipeline.prompts_per_micro_batch, pipeline.samples_per_prompt,
-                                   algorithm.max_new_tokens, algorithm.temperature)
-        return rollout_micro_batch(env, engines, key, settings)
+        return rollout_micro_batch(env, engines, key, RolloutSettings.from_config(config))
     finally:
         for engine in engines.values():
             ray.kill(engine)
@@ -97,8 +99,7 @@ def _policy_updates(config: ExperimentConfig, store: ExperienceStore, key: Micro
     stats = {}
     for agent, version in _policy_versions_at(store, config, key.step).items():
         trainer = PolicyTrainer(str(store.policy_dir(config.run, agent, version)), version,
-                                lr=config.agents[agent].trainer.lr, weight_decay=0.0, max_grad_norm=1.0,
-                                clip_eps=config.algorithm.clip_eps, seed=config.seed, num_threads=1)
+                                **trainer_options(config, agent))
         stats[agent] = trainer.accumulate(train_batch_for(store, key, agent))
         trainer.discard_gradients()
     return updates_table(stats)

@@ -8,10 +8,8 @@ model. Nothing is downloaded.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-BUILTIN_TINY = "builtin:tiny"
 EOS_TOKEN = "<|endoftext|>"
 TINY_ARCHITECTURE = {
     "hidden_size": 128,
@@ -73,7 +71,3 @@ def save_policy(model, tokenizer, directory: Path) -> None:
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
 
-
-def eos_token_id(model_dir: Path) -> int:
-    """The EOS id a saved policy stops on."""
-    return int(json.loads((Path(model_dir) / "config.json").read_text())["eos_token_id"])

@@ -7,40 +7,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import build_environment
-from marl_pipeline.execution import action_pool_settings
-from marl_pipeline.launches import LaunchPlan, finish_launch, plan_launch
-from marl_pipeline.orchestrator import Event, Orchestrator
-from marl_pipeline.policies import BasePolicy, prepare_base_policies
-from marl_pipeline.reward_model import prepare_reward_model
+from marl_pipeline.run.events import LaunchEvent, RunFinished, RunStarted
+from marl_pipeline.run.launches import finish_launch, plan_launch
+from marl_pipeline.run.orchestrator import Orchestrator
+from marl_pipeline.runtime.policies import prepare_base_policies
+from marl_pipeline.runtime.reward_model import prepare_reward_model
+from marl_pipeline.runtime.workers import start_workers
+from marl_pipeline.stages.execution import action_pool_settings
 from marl_pipeline.store import ExperienceStore
-from marl_pipeline.workers import start_workers
 
 
-@dataclass(frozen=True)
-class RunStarted:
-    """Base policies are ready and the workers are up."""
-
-    run: str
-    plan: LaunchPlan
-    base_policies: list[BasePolicy]
-    setup_seconds: float
-
-
-@dataclass(frozen=True)
-class RunFinished:
-    """Every step of the launch is committed."""
-
-    run: str
-    plan: LaunchPlan
-    started: float
-    ended: float
-
-
-def train(config: ExperimentConfig) -> Iterator[RunStarted | Event | RunFinished]:
+def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
     """Run one launch: resume an unfinished one, or add ``pipeline.steps`` steps after the newest policies."""
     started = time.perf_counter()
     env = build_environment(config.environment.name, config.environment.options)

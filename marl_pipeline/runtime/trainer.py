@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from marl_pipeline.losses import clipped_pg_loss_sum, pad_sequences, token_logprobs
-from marl_pipeline.models import load_policy, save_policy
+from marl_pipeline.runtime.losses import clipped_pg_loss_sum, pad_sequences, token_logprobs
+from marl_pipeline.runtime.models import load_policy, save_policy
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,21 @@ class TrainBatch:
     response_ids: list[list[int]]
     old_logprobs: list[list[float]]
     advantages: list[float]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step of one agent: produced by :meth:`PolicyTrainer.apply_step`, consumed by the
+    orchestrator's publisher (stored in the version's ``timing.json``)."""
+
+    policy_version: int
+    """The version the step produced."""
+    tokens: int
+    """Response tokens the step's gradient was normalised by."""
+    grad_norm: float
+    """Gradient norm before clipping."""
+    lr: float
+    """Learning rate of the step."""
 
 
 class PolicyTrainer:
@@ -63,7 +78,7 @@ class PolicyTrainer:
         return {"rows": len(batch.prompt_ids), "tokens": tokens, "loss_sum": float(loss_sum.detach()),
                 "policy_version": self.version, **stats}
 
-    def apply_step(self) -> dict[str, float]:
+    def apply_step(self) -> StepResult:
         """Turn the accumulated gradients into one optimizer step; the policy version goes up by one."""
         tokens = max(self._step_tokens, 1)
         for param in self.model.parameters():
@@ -76,8 +91,7 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._step_tokens = 0
         self.version += 1
-        return {"policy_version": self.version, "tokens": tokens, "grad_norm": float(grad_norm),
-                "lr": self.learning_rate(self.version - 1)}
+        return StepResult(self.version, tokens, float(grad_norm), self.learning_rate(self.version - 1))
 
     def learning_rate(self, version: int) -> float:
         """The step's learning rate, a function of the policy version, so a resumed launch continues the schedule."""
@@ -86,7 +100,7 @@ class PolicyTrainer:
         return self.lr * max(self.min_lr_ratio, 1.0 - version / self.lr_decay_steps)
 
     def discard_gradients(self) -> None:
-        """Drop accumulated gradients without stepping (a replayed micro-batch, a failed step)."""
+        """Drop accumulated gradients without stepping (a recomputed micro-batch, a failed step)."""
         self.optimizer.zero_grad(set_to_none=True)
         self._step_tokens = 0
 

@@ -7,7 +7,7 @@ Layout under the store root (a local directory or ``s3://bucket/prefix``; docs/s
     run=R/stage=S/step=I/_staging-micro_batch=K-<attempt>/...            a local commit in progress (invisible)
     run=R/policies/agent=A/version=V/                                    policy checkpoints (HF format)
 
-A micro-batch's stage output becomes visible all at once through its manifest (marl_pipeline.commits).
+A micro-batch's stage output becomes visible all at once through its manifest (marl_pipeline.store.commits).
 Readers resolve manifests and open exactly the files they name, with column projection, so reading one
 agent of one micro-batch opens one file. Policy checkpoints are local directories (vLLM and transformers
 load from a local path): in the store for a local store, in ``StoreConfig.policy_cache`` for S3.
@@ -25,10 +25,10 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from marl_pipeline import commits
-from marl_pipeline.commits import Manifest
 from marl_pipeline.config import StoreConfig
-from marl_pipeline.schema import (
+from marl_pipeline.store import commits
+from marl_pipeline.store.commits import Manifest
+from marl_pipeline.store.schema import (
     OPTIONAL_COLUMNS,
     PARTITION_SCHEMA,
     READABLE_SCHEMA_VERSIONS,
@@ -36,7 +36,7 @@ from marl_pipeline.schema import (
     STAGE_SCHEMAS,
     with_version,
 )
-from marl_pipeline.storage import open_location, policy_root
+from marl_pipeline.store.storage import open_location, policy_root
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _READ_ATTEMPTS = 5

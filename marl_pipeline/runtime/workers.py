@@ -11,12 +11,12 @@ from pathlib import Path
 
 import ray
 
-from marl_pipeline.action_pool import ActionPool, PoolSettings
-from marl_pipeline.config import ExperimentConfig
-from marl_pipeline.engine import ENGINE_ENV, RolloutEngine
-from marl_pipeline.reward_model import RewardModelPool
+from marl_pipeline.config import ExperimentConfig, PoolSettings
+from marl_pipeline.runtime.action_pool import ActionPool
+from marl_pipeline.runtime.engine import ENGINE_ENV, RolloutEngine
+from marl_pipeline.runtime.reward_model import RewardModelPool
+from marl_pipeline.runtime.trainer import PolicyTrainer
 from marl_pipeline.store import ExperienceStore
-from marl_pipeline.trainer import PolicyTrainer
 
 
 @dataclass
@@ -55,18 +55,24 @@ def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: di
     return engines
 
 
+def trainer_options(config: ExperimentConfig, agent: str) -> dict:
+    """``PolicyTrainer``'s keyword arguments for one agent, cut from its slice of the config (the one place:
+    the train job's actors and a recomputed partition's in-process trainer alike)."""
+    trainer = config.agents[agent].trainer
+    index = list(config.agents).index(agent)
+    return dict(lr=trainer.lr, weight_decay=trainer.weight_decay, max_grad_norm=trainer.max_grad_norm,
+                clip_eps=config.algorithm.clip_eps, seed=config.seed + index, num_threads=1,
+                lr_decay_steps=trainer.lr_decay_steps, min_lr_ratio=trainer.min_lr_ratio)
+
+
 def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
     """One torch trainer actor per agent, starting from the given policy version in the store."""
     trainers = {}
-    for index, (agent, agent_config) in enumerate(config.agents.items()):
-        trainer = agent_config.trainer
-        actor = ray.remote(PolicyTrainer).options(num_cpus=trainer.num_cpus, num_gpus=trainer.num_gpus)
-        trainers[agent] = actor.remote(
-            str(store.policy_dir(config.run, agent, versions[agent])), versions[agent], lr=trainer.lr,
-            weight_decay=trainer.weight_decay, max_grad_norm=trainer.max_grad_norm,
-            clip_eps=config.algorithm.clip_eps, seed=config.seed + index, num_threads=1,
-            lr_decay_steps=trainer.lr_decay_steps, min_lr_ratio=trainer.min_lr_ratio,
-        )
+    for agent, agent_config in config.agents.items():
+        resources = agent_config.trainer
+        actor = ray.remote(PolicyTrainer).options(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus)
+        trainers[agent] = actor.remote(str(store.policy_dir(config.run, agent, versions[agent])), versions[agent],
+                                       **trainer_options(config, agent))
     return trainers
 
 

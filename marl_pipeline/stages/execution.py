@@ -5,7 +5,7 @@ Two ways, chosen by the plugin:
 - ``execute(task, transcript)`` per episode (the demo): in-process, one result per turn.
 - ``actions`` + ``run_action`` (an :class:`ActionEnvironment`): every turn's action of the whole
   micro-batch is scheduled on its own, per action, on the :class:`ActionPool` passed in (the train
-  job's own pool, a replay's shared one, both sized by :func:`action_pool_settings`); without one, the
+  job's own pool, a recomputation's shared one, both sized by :func:`action_pool_settings`); without one, the
   actions run in-process.
 
 Failures are contained: an environment that raises for one episode records that episode as failed
@@ -21,11 +21,12 @@ from datetime import UTC, datetime
 
 import pyarrow as pa
 
-from marl_pipeline.action_pool import ActionOutcome, ActionPool, Job, PoolSettings
-from marl_pipeline.environment import MAX_ACTION_BYTES, ActionResult, Environment, Turn, validate_action
-from marl_pipeline.schema import ENVIRONMENT_RESULTS, with_agent
-
-_KEYS = ("sample_id", "episode", "task_id", "trajectory", "role", "turn", "agent")
+from marl_pipeline.config import PoolSettings
+from marl_pipeline.environment import MAX_ACTION_BYTES, ActionResult, Environment, validate_action
+from marl_pipeline.runtime.action_pool import ActionPool
+from marl_pipeline.runtime.action_worker import ActionOutcome, Job
+from marl_pipeline.stages.episodes import TURN_KEYS, episodes_of, transcript_of
+from marl_pipeline.store.schema import ENVIRONMENT_RESULTS, with_agent
 
 
 def is_action_environment(env: Environment) -> bool:
@@ -41,23 +42,10 @@ def action_pool_settings(env: Environment, configured: PoolSettings | None) -> P
     return configured or getattr(env, "pool_settings", None) or PoolSettings()
 
 
-def episodes_of(rollouts: pa.Table) -> list[list[dict]]:
-    """Rows of a rollouts table grouped by episode, each episode's turns in order."""
-    rows = rollouts.sort_by([("episode", "ascending"), ("turn", "ascending")]).to_pylist()
-    episodes: dict[int, list[dict]] = {}
-    for row in rows:
-        episodes.setdefault(row["episode"], []).append(row)
-    return list(episodes.values())
-
-
-def transcript_of(turns: list[dict]) -> list[Turn]:
-    return [Turn(row["role"], row["response_text"], row.get("observation")) for row in turns]
-
-
 def execute_micro_batch(env: Environment, rollouts: pa.Table, pool: ActionPool | None = None) -> pa.Table:
     """One row per turn: the outcome of executing that turn's action."""
     columns: dict[str, list] = {name: [] for name in ENVIRONMENT_RESULTS.names + ["agent"]}
-    episodes = episodes_of(rollouts.select(list(_KEYS) + ["task", "response_text", "observation", "status", "error"]))
+    episodes = episodes_of(rollouts.select([*TURN_KEYS, "task", "response_text", "observation", "status", "error"]))
     start = datetime.now(UTC)
     failed = {e: _rollout_failed(turns) for e, turns in enumerate(episodes)}
     runnable = [turns for e, turns in enumerate(episodes) if failed[e] is None]
@@ -69,7 +57,7 @@ def execute_micro_batch(env: Environment, rollouts: pa.Table, pool: ActionPool |
     end = datetime.now(UTC)
     for turns, rows in zip(episodes, per_episode):
         for turn, (result, status, error) in zip(turns, rows):
-            for name in _KEYS:
+            for name in TURN_KEYS:
                 columns[name].append(turn[name])
             columns["outcome"].append(result.outcome)
             columns["success"].append(result.success)

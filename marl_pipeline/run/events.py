@@ -1,0 +1,100 @@
+"""What a training launch tells its caller as it goes (the Dagster op, the CLI, benchmarks, tests).
+
+Produced by ``recipe.train`` (``RunStarted``, ``RunFinished``) and the orchestrator (the rest); consumed
+by ``assets/train.py`` (materializations, logs) and ``pipeline_metrics`` (run-level figures).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from marl_pipeline.run.launches import LaunchPlan
+from marl_pipeline.runtime.policies import BasePolicy
+from marl_pipeline.store import MicroBatchKey
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    """Wall-clock facts of one stage of one micro-batch (epoch seconds)."""
+
+    enqueued: float
+    """When the micro-batch became ready for the stage (its inputs committed, or the gate opened)."""
+    started: float
+    ended: float
+    """When its output was committed."""
+
+
+@dataclass(frozen=True)
+class StageCommitted:
+    """A stage's output for one micro-batch is committed to the store.
+
+    ``table`` is the committed partition, for whoever wants a look now (metadata, totals); a consumer that
+    keeps events for long should keep what it needs of it, not the event (the table holds every turn).
+    """
+
+    stage: str
+    key: MicroBatchKey
+    path: Path | str
+    timing: StageTiming
+    table: pa.Table = field(repr=False)
+
+    @property
+    def seconds(self) -> float:
+        return self.timing.ended - self.timing.started
+
+
+@dataclass(frozen=True)
+class PolicyCommitted:
+    """A new policy version of one agent is trained, synced into its engine and saved."""
+
+    agent: str
+    version: int
+    step: int
+    path: Path
+    grad_norm: float
+    tokens: int
+    timing: StageTiming
+
+
+@dataclass(frozen=True)
+class StepFinished:
+    """Every agent has stepped past ``step``: its reward summary, for progress displays."""
+
+    step: int
+    mean_reward: dict[str, float]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RunStarted:
+    """Base policies are ready and the workers are up."""
+
+    run: str
+    plan: LaunchPlan
+    base_policies: list[BasePolicy]
+    setup_seconds: float
+
+
+@dataclass(frozen=True)
+class RunFinished:
+    """Every step of the launch is committed."""
+
+    run: str
+    plan: LaunchPlan
+    started: float
+    ended: float
+
+
+Event = StageCommitted | PolicyCommitted | StepFinished
+"""What the orchestrator yields."""
+
+LaunchEvent = RunStarted | Event | RunFinished
+"""What ``recipe.train`` yields."""
+
+
+def mean_reward(rewards: dict[str, float]) -> float:
+    """The step reward reported to users: the mean over agents of their mean episode reward."""
+    return sum(rewards.values()) / max(len(rewards), 1)

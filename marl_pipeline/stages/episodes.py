@@ -1,0 +1,24 @@
+"""Episodes as the environment and reward stages see them: a micro-batch's turn rows grouped per episode."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from marl_pipeline.environment import Turn
+
+TURN_KEYS = ("sample_id", "episode", "task_id", "trajectory", "role", "turn", "agent")
+"""Columns that name a turn; every stage's row of that turn repeats them."""
+
+
+def episodes_of(rollouts: pa.Table) -> list[list[dict]]:
+    """Rows of a rollouts table grouped by episode, each episode's turns in order."""
+    rows = rollouts.sort_by([("episode", "ascending"), ("turn", "ascending")]).to_pylist()
+    episodes: dict[int, list[dict]] = {}
+    for row in rows:
+        episodes.setdefault(row["episode"], []).append(row)
+    return list(episodes.values())
+
+
+def transcript_of(turns: list[dict]) -> list[Turn]:
+    """The plugin's view of an episode's turns (what ``render_prompt``, ``execute`` and ``score`` receive)."""
+    return [Turn(row["role"], row["response_text"], row.get("observation")) for row in turns]

@@ -1,0 +1,50 @@
+"""The layering of docs/ARCHITECTURE.md is a contract: import-linter checks it, and a broken one fails here."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("marl_pipeline", "assets", "resources", "environments")
+LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
+
+
+def _lint_imports(cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(cwd)}  # the packages under cwd, not the installed ones
+    return subprocess.run([LINT_IMPORTS, "--config", "pyproject.toml", "--no-cache"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_import_contracts_hold() -> None:
+    result = _lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+def test_a_broken_contract_fails(tmp_path: Path) -> None:
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    # The engine reaching up into the Dagster layer: what the first contract forbids.
+    recipe = tmp_path / "marl_pipeline" / "run" / "recipe.py"
+    recipe.write_text(recipe.read_text() + "\nimport assets.definitions  # noqa\n")
+    # A store module importing the orchestrator: a layer pointing the wrong way.
+    schema = tmp_path / "marl_pipeline" / "store" / "schema.py"
+    schema.write_text(schema.read_text() + "\nimport marl_pipeline.run.orchestrator  # noqa\n")
+    result = _lint_imports(tmp_path)
+    assert result.returncode != 0
+    assert "the engine is Dagster-free" in result.stdout and "BROKEN" in result.stdout
+    assert "marl_pipeline.store.schema -> marl_pipeline.run.orchestrator" in result.stdout
+
+
+def test_modules_stay_small() -> None:
+    lengths = {path.relative_to(ROOT): len(path.read_text().splitlines())
+               for path in (ROOT / "marl_pipeline").rglob("*.py") if path.name != "__init__.py"}
+    too_long = {str(path): n for path, n in lengths.items() if n > 400}
+    assert not too_long, f"modules over 400 lines: {too_long}"
+    assert statistics.median(lengths.values()) <= 150
