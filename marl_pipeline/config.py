@@ -81,7 +81,9 @@ class AgentConfig(_Strict):
     """One role of the workflow, with its own policy."""
 
     model: str = BUILTIN_TINY
-    """``builtin:tiny`` (built locally), a local Hugging Face model directory, or a hub id."""
+    """``builtin:tiny`` (built locally), a local Hugging Face model directory, a hub id, a ``.gguf`` file
+    (dequantized once into a cached directory), or a packaged model's short name (``smollm2-135m-instruct``,
+    the ``models`` extra); see ``runtime/model_sources.py``."""
     engine: EngineConfig = EngineConfig()
     trainer: TrainerConfig = TrainerConfig()
     warmup: WarmupConfig = WarmupConfig()

@@ -68,7 +68,9 @@ def test_code_writer_tester_real_episodes(engine) -> None:
 
 
 def test_code_writer_tester_by_hand() -> None:
-    env = CodeWriterTester(CodeOptions())
+    # A wall limit far above the CPU limit: on a loaded machine a busy loop gets a fraction of a core, and the
+    # case below is about the CPU limit stopping it (the wall timeout has its own test in test_sandbox.py).
+    env = CodeWriterTester(CodeOptions(wall_seconds=60.0))
     task = next(t for t in env.sample_tasks(__import__("numpy").random.default_rng(0), 50) if t["id"] == "add")
     cases = [  # (writer code, tester continuation) -> outcomes, rewards
         (("def add(a, b):\n    return a + b", "add(1, 1) == 2\nassert add(2, 2) == 4"),

@@ -9,6 +9,7 @@ import numpy as np
 
 from marl_pipeline.config import BUILTIN_TINY, AgentConfig, ExperimentConfig
 from marl_pipeline.environment import Environment
+from marl_pipeline.runtime.model_sources import resolve_model_source
 from marl_pipeline.runtime.models import build_tiny_model, load_policy, save_policy
 from marl_pipeline.runtime.warmup import supervised_warmup
 from marl_pipeline.store import ExperienceStore
@@ -52,7 +53,7 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store: Exper
             build_tiny_model(staging, corpus, seed=config.seed)
             staging.rename(source_dir)
         source = str(source_dir)
-    model, tokenizer = load_policy(source)
+    model, tokenizer = load_policy(resolve_model_source(source))
     warmup_loss = None
     if agent_config.warmup.steps:
         examples = env.warmup_examples(agent, np.random.default_rng(seed), 4000)
