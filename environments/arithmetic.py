@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from marl_pipeline.environment import ActionResult, Task, Turn
+from marl_pipeline.environment import ActionResult, EvaluationCase, Task, Turn
 
 
 class ArithmeticOptions(BaseModel):
@@ -67,6 +67,34 @@ class ArithmeticCheck:
 
     def score(self, task: Task, transcript: list[Turn], results: list[ActionResult]) -> dict[str, float]:
         return {"solver": float(results[0].success), "verifier": float(results[1].success)}
+
+    # -- held-out evaluation ----------------------------------------------------------------------
+    def evaluation_cases(self, role: str, rng: np.random.Generator, count: int) -> list[EvaluationCase]:
+        """The solver gets additions; the verifier gets additions with a right answer in half the cases and a
+        wrong one in the other half, so that its balanced accuracy is measured whatever the solver says."""
+        cases = []
+        for index, task in enumerate(self.sample_tasks(rng, count)):
+            expected = task["a"] + task["b"]
+            if role == "solver":
+                cases.append(EvaluationCase(task, [], str(expected)))
+                continue
+            wrong = [n for n in range(2 * self.options.max_operand + 1) if n != expected]
+            answer = expected if index % 2 == 0 else int(rng.choice(wrong))
+            cases.append(EvaluationCase(task, [Turn("solver", str(answer))], "yes" if answer == expected else "no"))
+        return cases
+
+    def evaluate(self, role: str, cases: list[EvaluationCase], responses: list[str]) -> dict[str, float]:
+        if role == "solver":
+            right = [_parse_int(response) == int(case.label) for case, response in zip(cases, responses)]
+            return {"accuracy": float(np.mean(right)) if right else 0.0}
+        verdicts = [(case.label, self.answer_of(role, response)) for case, response in zip(cases, responses)]
+        rates = {label: np.mean([verdict == label for truth, verdict in verdicts if truth == label])
+                 for label in ("yes", "no") if any(truth == label for truth, _ in verdicts)}
+        tpr, tnr = float(rates.get("yes", 0.0)), float(rates.get("no", 0.0))
+        return {"balanced_accuracy": (tpr + tnr) / 2, "true_positive_rate": tpr, "true_negative_rate": tnr}
+
+    def answer_of(self, role: str, response: str) -> str:
+        return _first_line(response)
 
     # -- base policies ----------------------------------------------------------------------------
     def text_corpus(self, rng: np.random.Generator, count: int) -> list[str]:

@@ -229,6 +229,18 @@ class RewardModelConfig(_Strict):
         return self
 
 
+class EvaluationConfig(_Strict):
+    """Held-out evaluation of every agent (the plugin's ``evaluation_cases`` + ``evaluate``), greedy decoding."""
+
+    every: int | None = Field(None, ge=1)
+    """The train job evaluates policy versions 0, every, 2*every, ... and the launch's last (None: never; the
+    ``evaluations`` asset still evaluates any stored version from the UI)."""
+    cases_per_agent: int = Field(64, ge=2)
+    """Held-out cases per agent, the same ones for every version."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Longest answer (None: ``algorithm.max_new_tokens``)."""
+
+
 class RayConfig(_Strict):
     """Where Ray runs."""
 
@@ -289,6 +301,7 @@ class ExperimentConfig(_Strict):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     reward_model: RewardModelConfig | None = None
     """A model-based reward mixed into the environment's (None: the environment's rule-based reward alone)."""
+    evaluation: EvaluationConfig = EvaluationConfig()
     ray: RayConfig = RayConfig()
 
     @field_validator("agents")
@@ -346,6 +359,9 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
             raise ConfigError(f"invalid config {source}:\n  reward_model.model: environment "
                               f"{config.environment.name!r} has no reward_examples to train builtin:tiny on; "
                               f"give a model directory")
+    if config.evaluation.every is not None and not hasattr(env_class, "evaluation_cases"):
+        raise ConfigError(f"invalid config {source}:\n  evaluation.every: environment {config.environment.name!r} "
+                          f"has no evaluation_cases/evaluate to measure its agents on held-out cases")
     try:
         env_class.Options.model_validate(config.environment.options)
     except ValidationError as error:

@@ -13,7 +13,9 @@ Optional, per plugin (the demo uses none of them):
   either, the pool's defaults);
 - ``team_reward_weight``: credit assignment between the team's and each agent's own reward (reward.py);
 - ``observe(role, task, transcript) -> str | None``: the environment's reply after ``role``'s turn,
-  computed during rollout and given to later turns as ``Turn.observation`` (multi-turn feedback).
+  computed during rollout and given to later turns as ``Turn.observation`` (multi-turn feedback);
+- ``evaluation_cases`` + ``evaluate`` (:class:`EvaluatedEnvironment`): held-out questions per agent and the
+  metrics of its greedy answers, so that each agent's skill is measured on its own, not read off the reward.
 """
 
 from __future__ import annotations
@@ -102,6 +104,36 @@ class Environment(Protocol):
 
     def warmup_examples(self, role: str, rng: np.random.Generator, count: int) -> list[tuple[str, str]]:
         """(prompt, completion) pairs for the supervised warm-up of ``role``'s base policy."""
+
+
+@dataclass(frozen=True)
+class EvaluationCase:
+    """One held-out question for one agent: the episode up to that agent's turn, and what a right answer is.
+
+    The plugin chooses the earlier turns, so an agent is tested on its own skill: a verifier is shown right
+    and wrong answers in the proportions the plugin picks, whatever the solver would have said.
+    """
+
+    task: Task
+    transcript: list[Turn]
+    """The turns before the evaluated agent's (empty for the first speaker)."""
+    label: str
+    """What the plugin's ``evaluate`` compares the answer with (the expected sum, ``yes``/``no``...)."""
+
+
+class EvaluatedEnvironment(Environment, Protocol):
+    """An environment that measures each agent on held-out cases (the ``evaluations`` of a run)."""
+
+    def evaluation_cases(self, role: str, rng: np.random.Generator, count: int) -> list[EvaluationCase]:
+        """``count`` held-out cases for ``role``. ``rng`` comes from a seed stream that training never draws
+        from; a plugin whose task space is small should also keep its evaluation tasks apart."""
+
+    def evaluate(self, role: str, cases: list[EvaluationCase], responses: list[str]) -> dict[str, float]:
+        """Metrics of ``role``'s greedy responses to ``cases``, each in [0, 1], higher is better; the first one
+        is the agent's headline metric (accuracy for a solver, balanced accuracy for a verifier)."""
+
+    def answer_of(self, role: str, response: str) -> str:
+        """The answer a response gives, normalised (for the answer entropy and the collapse check)."""
 
 
 class ActionEnvironment(Environment, Protocol):

@@ -88,7 +88,17 @@ class RunFinished:
     ended: float
 
 
-Event = StageCommitted | PolicyCommitted | StepFinished
+@dataclass(frozen=True)
+class EvaluationCommitted:
+    """Every agent's held-out evaluation of one policy version is committed (``evaluations``, step=version)."""
+
+    version: int
+    path: Path | str
+    metrics: dict[str, dict[str, float]]
+    """Per agent: the plugin's metrics, then answer_entropy, top_answer_share and collapsed."""
+
+
+Event = StageCommitted | PolicyCommitted | StepFinished | EvaluationCommitted
 """What the orchestrator yields."""
 
 LaunchEvent = RunStarted | Event | RunFinished

@@ -35,9 +35,11 @@ import ray
 
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import Environment
+from marl_pipeline.run.evaluations import EvaluationRounds
 from marl_pipeline.run.events import Event, PolicyCommitted, StageCommitted, StageTiming, StepFinished
 from marl_pipeline.run.launches import LaunchPlan
 from marl_pipeline.runtime.workers import Workers
+from marl_pipeline.stages.evaluation import EvaluationSettings, is_evaluated
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.reward import ModelReward, score_micro_batch
 from marl_pipeline.stages.rollout import RolloutSettings, rollout_micro_batch
@@ -95,6 +97,10 @@ class Orchestrator:
             Stage("environment_results", self._environment, pipeline.environment_concurrency),
             Stage("rewards", self._reward, pipeline.reward_concurrency),
         ]
+        every = config.evaluation.every
+        self.evaluations = (EvaluationRounds(env, store, config.run, list(config.agents), every, plan.last_step + 1,
+                                             EvaluationSettings.from_config(config))
+                            if every is not None and is_evaluated(env) else None)
         self._events: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._served = dict(plan.versions)  # per agent: the version its engine serves
@@ -105,6 +111,8 @@ class Orchestrator:
     # -- the recipe -------------------------------------------------------------------------------
     def run(self) -> Iterator[Event]:
         """Run every step of the launch; yields events as commits land. Raises the first stage error."""
+        for agent, version in self.plan.versions.items():  # the versions the engines serve now (0 for a new run)
+            self._evaluate_if_due(agent, version)
         size = max(self.config.pipeline.queue_size, self.micro_batches if self.synchronous else 1)
         # outboxes[i] carries the keys stages[i] committed to the next stage (the last one's go to training).
         outboxes = [queue.Queue(size) for _ in self.stages]
@@ -219,6 +227,7 @@ class Orchestrator:
             path = self.store.commit_policy(pending.staging, self.config.run, agent, result.policy_version)
             self._events.put(PolicyCommitted(agent, result.policy_version, pending.step, path, result.grad_norm,
                                              result.tokens, timing))
+            self._evaluate_if_due(agent, result.policy_version)  # before rollout can ask this engine for more
             with self._served_changed:
                 self._served[agent] = result.policy_version
                 self._served_changed.notify_all()
@@ -226,6 +235,12 @@ class Orchestrator:
             if everyone_past:
                 self._events.put(StepFinished(pending.step, self.step_rewards(pending.step),
                                               time.time() - self._step_started.get(pending.step, started)))
+
+    def _evaluate_if_due(self, agent: str, version: int) -> None:
+        if self.evaluations is not None and self.evaluations.due(version):
+            committed = self.evaluations.evaluate(agent, self.workers.engines[agent], version)
+            if committed is not None:
+                self._events.put(committed)
 
     def step_rewards(self, step: int) -> dict[str, float]:
         """Mean episode reward of each agent over a step's committed micro-batches."""

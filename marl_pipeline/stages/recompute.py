@@ -21,6 +21,7 @@ from marl_pipeline.runtime.action_pool import shared_pool
 from marl_pipeline.runtime.reward_model import RewardModelServer, prepare_reward_model
 from marl_pipeline.runtime.trainer import PolicyTrainer
 from marl_pipeline.runtime.workers import trainer_options
+from marl_pipeline.stages.evaluation import EvaluationSettings, evaluate_agent, is_evaluated
 from marl_pipeline.stages.execution import action_pool_settings, execute_micro_batch
 from marl_pipeline.stages.reward import ModelReward, score_micro_batch
 from marl_pipeline.stages.rollout import RolloutSettings, rollout_micro_batch
@@ -45,6 +46,10 @@ def recompute_stage(stage: str, config: ExperimentConfig, key: MicroBatchKey) ->
                                   config.algorithm.advantage_eps, model_reward=_model_reward(config, env, store))
     elif stage == "policy_updates":
         table = _policy_updates(config, store, key)
+    elif stage == "evaluations":
+        table = _evaluations(config, env, store, key.step)
+        path = store.commit(stage, key, table)  # not a pipeline stage: no stage timing
+        return path, table, time.time() - started
     else:
         raise ValueError(f"unknown stage {stage!r}")
     ended = time.time()
@@ -89,6 +94,26 @@ def _rollouts(config: ExperimentConfig, env, store: ExperienceStore, key: MicroB
     engines = start_engines(config, store, _policy_versions_at(store, config, key.step))
     try:
         return rollout_micro_batch(env, engines, key, RolloutSettings.from_config(config))
+    finally:
+        for engine in engines.values():
+            ray.kill(engine)
+
+
+def _evaluations(config: ExperimentConfig, env, store: ExperienceStore, version: int) -> pa.Table:
+    """Every agent's held-out evaluation at policy ``version`` (which every agent must have committed)."""
+    import ray
+
+    from marl_pipeline.runtime.workers import start_engines
+
+    if not is_evaluated(env):
+        raise ValueError(f"environment {config.environment.name!r} has no evaluation_cases/evaluate")
+    missing = [agent for agent in config.agents if version not in store.policy_versions(config.run, agent)]
+    if missing:
+        raise ValueError(f"policy version {version} of run {config.run!r} is not stored for agents {missing}")
+    engines = start_engines(config, store, {agent: version for agent in config.agents})
+    try:
+        settings = EvaluationSettings.from_config(config)
+        return pa.concat_tables([evaluate_agent(env, agent, engine, settings) for agent, engine in engines.items()])
     finally:
         for engine in engines.values():
             ray.kill(engine)

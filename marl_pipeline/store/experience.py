@@ -29,11 +29,11 @@ from marl_pipeline.config import StoreConfig
 from marl_pipeline.store import commits
 from marl_pipeline.store.commits import Manifest
 from marl_pipeline.store.schema import (
+    DATASET_SCHEMAS,
     OPTIONAL_COLUMNS,
     PARTITION_SCHEMA,
     READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
-    STAGE_SCHEMAS,
     with_version,
 )
 from marl_pipeline.store.storage import open_location, policy_root
@@ -82,8 +82,8 @@ class ExperienceStore:
 
     # -- paths ------------------------------------------------------------------------------------
     def stage_path(self, run: str, stage: str) -> str:
-        if stage not in STAGE_SCHEMAS:
-            raise StoreError(f"unknown stage {stage!r}; stages are {list(STAGE_SCHEMAS)}")
+        if stage not in DATASET_SCHEMAS:
+            raise StoreError(f"unknown stage {stage!r}; stages are {list(DATASET_SCHEMAS)}")
         _check_name("run", run)
         return self.location.path(f"run={run}", f"stage={stage}")
 
@@ -134,7 +134,7 @@ class ExperienceStore:
         return Path(target) if local else self.location.uri_of(target)
 
     def _validated(self, stage: str, key: MicroBatchKey, table: pa.Table) -> tuple[pa.Table, pa.ChunkedArray]:
-        schema, what = STAGE_SCHEMAS[stage], f"{stage} {key}"
+        schema, what = DATASET_SCHEMAS[stage], f"{stage} {key}"
         if "agent" not in table.column_names:
             raise StoreError(f"{what}: the table to commit has no 'agent' column")
         missing = [name for name in schema.names if name not in table.column_names and name not in OPTIONAL_COLUMNS]
@@ -277,7 +277,7 @@ class ExperienceStore:
         # The current schema is given, not inferred: files of older readable versions lack new columns,
         # which come back null; and no file is opened just to learn the schema.
         level_fields = [PARTITION_SCHEMA.field(name) for name in levels]
-        schema = pa.schema(list(STAGE_SCHEMAS[stage]) + level_fields)
+        schema = pa.schema(list(DATASET_SCHEMAS[stage]) + level_fields)
         if columns is not None and (unknown := [c for c in columns if c not in schema.names]):
             raise StoreError(f"{stage}: unknown columns {unknown}; columns are {schema.names}")
         return ds.dataset(paths, schema=schema, format=self._format, filesystem=self.location.arrow,

@@ -140,3 +140,26 @@ def with_agent(schema: pa.Schema) -> pa.Schema:
 def with_version(schema: pa.Schema) -> pa.Schema:
     """The schema with the schema version in its metadata, as written to every file."""
     return schema.with_metadata({SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode()})
+
+
+# One row per held-out case per agent: an agent's greedy answer to one of its evaluation cases (the plugin's
+# ``evaluation_cases``), stored under step=<v> for policy version v; not a pipeline stage, but stored, read and
+# committed like one, so an evaluation is as queryable and replaceable as any partition.
+EVALUATIONS = pa.schema(
+    [
+        pa.field("policy_version", pa.int32()),
+        pa.field("case", pa.int32()),  # index of the case in the agent's held-out set
+        pa.field("task_id", pa.string()),
+        pa.field("task", pa.string()),  # JSON
+        pa.field("transcript", pa.string()),  # JSON list of {role, text, observation}: the turns before the agent's
+        pa.field("label", pa.string()),
+        pa.field("prompt_text", pa.string()),
+        pa.field("response_text", pa.string()),
+        pa.field("answer", pa.string()),  # the plugin's normalised answer (answer_of)
+        pa.field("status", pa.string()),
+        pa.field("error", pa.string()),
+    ]
+)
+
+DATASET_SCHEMAS = {**STAGE_SCHEMAS, "evaluations": EVALUATIONS}
+"""Every dataset the store holds: the four stages, and the held-out evaluations."""

@@ -1,0 +1,52 @@
+"""Held-out evaluations during a launch: which policy versions are evaluated, and committing each version's
+evaluation once every agent has answered.
+
+Each agent is evaluated on its own engine right after that engine loads a due version (its publisher
+thread; the engine's calls are serialised by Ray, so no weight change can fall inside the evaluation),
+so agents never wait for each other; the last agent to deliver commits the version's partition.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pyarrow as pa
+import ray
+
+from marl_pipeline.environment import Environment
+from marl_pipeline.run.events import EvaluationCommitted
+from marl_pipeline.stages.evaluation import EvaluationSettings, evaluate_agent, evaluation_metrics
+from marl_pipeline.store import ExperienceStore, MicroBatchKey
+
+
+class EvaluationRounds:
+    """Evaluates versions 0, every, 2*every, ... and ``last_version`` of every agent of one launch."""
+
+    def __init__(self, env: Environment, store: ExperienceStore, run: str, agents: list[str], every: int,
+                 last_version: int, settings: EvaluationSettings) -> None:
+        self.env, self.store, self.run, self.agents = env, store, run, agents
+        self.every, self.last_version, self.settings = every, last_version, settings
+        self._lock = threading.Lock()
+        self._parts: dict[int, dict[str, pa.Table]] = {}
+
+    def due(self, version: int) -> bool:
+        """Whether ``version`` is evaluated and not yet committed (a resumed launch skips committed ones)."""
+        wanted = version % self.every == 0 or version == self.last_version
+        return wanted and not self.store.is_committed("evaluations", MicroBatchKey(self.run, version, 0))
+
+    def evaluate(self, agent: str, engine: ray.actor.ActorHandle, version: int) -> EvaluationCommitted | None:
+        """Evaluate ``agent`` at ``version`` (the version its engine serves now); returns the commit event when
+        this was the last agent of the version."""
+        table = evaluate_agent(self.env, agent, engine, self.settings)
+        served = set(table.column("policy_version").to_pylist())
+        if served - {version}:  # a bug, not a fault: the caller must hold the engine at this version
+            raise RuntimeError(f"evaluation of {agent} v{version}: the engine served versions {served}")
+        with self._lock:
+            parts = self._parts.setdefault(version, {})
+            parts[agent] = table
+            if len(parts) < len(self.agents):
+                return None
+            del self._parts[version]
+        combined = pa.concat_tables([parts[a] for a in self.agents])
+        path = self.store.commit("evaluations", MicroBatchKey(self.run, version, 0), combined)
+        return EvaluationCommitted(version, path, evaluation_metrics(self.env, combined))

@@ -1,0 +1,110 @@
+"""Held-out evaluation: each agent's greedy answers to its own held-out cases, and the metrics of its skill.
+
+Learning is measured per agent, not read off the reward: a verifier that always says "yes" earns exactly
+the solver's accuracy while its skill (telling right answers from wrong ones) falls. The plugin's
+``evaluation_cases`` give each agent its own cases (a verifier is shown right and wrong answers whatever
+the solver says) and its ``evaluate`` computes the agent's metrics; every agent also gets the entropy of
+its answers and the share of its most frequent one, which expose a collapsed policy.
+
+Cases are drawn from a seed stream training never draws from (training's tasks come from
+``[seed, step, micro_batch]``), the same cases for every policy version so versions compare; decoding is
+greedy, so an evaluation is a function of the weights alone.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+from marl_pipeline.config import ExperimentConfig
+from marl_pipeline.environment import Environment, EvaluationCase, Turn
+from marl_pipeline.store.schema import EVALUATIONS, with_agent
+
+EVALUATION_STREAM = 0x5EED_E7A1
+"""The fourth word of the evaluation seed (training's task seeds have three words)."""
+COLLAPSE_SHARE = 0.95
+"""An agent whose most frequent answer is above this share of its held-out answers, on cases whose right
+answers differ, has collapsed."""
+
+
+@dataclass(frozen=True)
+class EvaluationSettings:
+    """The slice of the config the evaluation needs."""
+
+    seed: int
+    cases_per_agent: int
+    max_new_tokens: int
+
+    @classmethod
+    def from_config(cls, config: ExperimentConfig) -> EvaluationSettings:
+        evaluation = config.evaluation
+        return cls(config.seed, evaluation.cases_per_agent,
+                   evaluation.max_new_tokens or config.algorithm.max_new_tokens)
+
+
+def is_evaluated(env: Environment) -> bool:
+    """Whether the plugin measures its agents on held-out cases (``evaluation_cases`` + ``evaluate``)."""
+    return all(hasattr(env, name) for name in ("evaluation_cases", "evaluate", "answer_of"))
+
+
+def evaluation_cases(env: Environment, role: str, settings: EvaluationSettings) -> list[EvaluationCase]:
+    """``role``'s held-out cases: the same for every policy version of the run."""
+    rng = np.random.default_rng([settings.seed, zlib.crc32(role.encode()), 1, EVALUATION_STREAM])
+    return env.evaluation_cases(role, rng, settings.cases_per_agent)  # type: ignore[attr-defined]
+
+
+def evaluate_agent(env: Environment, role: str, engine: ray.actor.ActorHandle,
+                   settings: EvaluationSettings) -> pa.Table:
+    """Greedy answers of the policy ``engine`` serves to ``role``'s held-out cases; one row per case."""
+    cases = evaluation_cases(env, role, settings)
+    prompts = [env.render_prompt(role, case.task, case.transcript) for case in cases]
+    version, completions = ray.get(engine.generate.remote(prompts, [0] * len(prompts), settings.max_new_tokens, 0.0))
+    rows = [{
+        "policy_version": version, "case": index, "task_id": str(case.task["id"]), "task": json.dumps(case.task),
+        "transcript": json.dumps([asdict(turn) for turn in case.transcript]), "label": case.label,
+        "prompt_text": prompt, "response_text": completion.text,
+        "answer": env.answer_of(role, completion.text),  # type: ignore[attr-defined]
+        "status": "ok", "error": None, "agent": role,
+    } for index, (case, prompt, completion) in enumerate(zip(cases, prompts, completions))]
+    return pa.Table.from_pylist(rows, schema=with_agent(EVALUATIONS))
+
+
+def evaluation_metrics(env: Environment, table: pa.Table) -> dict[str, dict[str, float]]:
+    """Per agent: the plugin's metrics of the stored answers, plus ``answer_entropy`` (nats),
+    ``top_answer_share`` and ``collapsed`` (1.0 when the top share passes ``COLLAPSE_SHARE`` although the
+    right answers differ)."""
+    metrics = {}
+    for agent in sorted(set(table.column("agent").to_pylist())):
+        rows = sorted((r for r in table.to_pylist() if r["agent"] == agent), key=lambda r: r["case"])
+        cases = [EvaluationCase(json.loads(r["task"]), [Turn(**t) for t in json.loads(r["transcript"])], r["label"])
+                 for r in rows]
+        figures = dict(env.evaluate(agent, cases, [r["response_text"] for r in rows]))  # type: ignore[attr-defined]
+        figures.update(answer_statistics([r["answer"] for r in rows], [r["label"] for r in rows]))
+        metrics[agent] = figures
+    return metrics
+
+
+def answer_statistics(answers: list[str], labels: list[str]) -> dict[str, float]:
+    """Entropy (nats) of the answer distribution, the share of the most frequent answer, and whether that share
+    marks a collapse (above ``COLLAPSE_SHARE`` on cases that need more than one answer)."""
+    if not answers:
+        return {"answer_entropy": 0.0, "top_answer_share": 0.0, "collapsed": 0.0}
+    counts = np.asarray(list(Counter(answers).values()), dtype=np.float64)
+    shares = counts / counts.sum()
+    top = float(shares.max())
+    entropy = float(-(shares * np.log(shares)).sum())
+    needs_several = len(set(labels)) > 1
+    return {"answer_entropy": max(entropy, 0.0), "top_answer_share": top,
+            "collapsed": float(needs_several and top > COLLAPSE_SHARE)}
+
+
+def headline_metric(metrics: dict[str, float]) -> tuple[str, float]:
+    """The agent's headline metric: the plugin's first one."""
+    name = next(iter(metrics))
+    return name, metrics[name]
