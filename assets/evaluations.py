@@ -1,0 +1,83 @@
+"""The ``evaluations`` asset: every agent's held-out metrics at one policy version, and a collapse check.
+
+Partitioned like the stage assets' step dimension (``<run>-<version>``): the train job records the versions
+it evaluates (``evaluation.every``); materializing a partition from the UI evaluates that stored version.
+"""
+
+import warnings
+
+import dagster as dg
+
+from assets.partitions import STEPS
+from resources import ExperimentResource, RayCluster
+
+
+def parse_version_key(partition_key: str) -> tuple[str, int]:
+    """(run, policy version) of a ``<run>-<version>`` key."""
+    run, _, version = partition_key.rpartition("-")
+    if not run or not version.isdigit():
+        raise ValueError(f"evaluation partition {partition_key!r} is not of the form <run>-<version>")
+    return run, int(version)
+
+
+def evaluation_metadata(metrics: dict[str, dict[str, float]], path, history=None) -> dict[str, dg.MetadataValue]:
+    """Every agent's metrics as numbers, the partition's path and, given the run's history, a plot across
+    versions."""
+    import base64
+
+    metadata: dict[str, dg.MetadataValue] = {"path": dg.MetadataValue.path(str(path))}
+    for agent, figures in metrics.items():
+        for name, value in figures.items():
+            metadata[f"{agent}/{name}"] = dg.MetadataValue.float(round(float(value), 4))
+    if history:
+        from marl_pipeline.run.evaluations import evaluation_plot_png
+
+        png = base64.b64encode(evaluation_plot_png(history)).decode()
+        metadata["history"] = dg.MetadataValue.md(f"![held-out evaluation](data:image/png;base64,{png})")
+    return metadata
+
+
+@dg.asset(partitions_def=STEPS, group_name="evaluation", deps=["base_policies", "policies"],
+          kinds={"vllm", "parquet"})
+def evaluations(context: dg.AssetExecutionContext, experiment: ExperimentResource,
+                ray: RayCluster) -> dg.MaterializeResult:
+    """Each agent's greedy answers to its own held-out cases at the partition's policy version: solver
+    accuracy, verifier balanced accuracy (the plugin's metrics), answer entropy and top-answer share."""
+    from marl_pipeline.environment import build_environment
+    from marl_pipeline.run.evaluations import evaluation_history
+    from marl_pipeline.stages.evaluation import evaluation_metrics
+    from marl_pipeline.stages.recompute import recompute_stage
+    from marl_pipeline.store import MicroBatchKey
+
+    config = experiment.load()
+    run, version = parse_version_key(context.partition_key)
+    path, table, _ = recompute_stage("evaluations", config, MicroBatchKey(run, version, 0))
+    env = build_environment(config.environment.name, config.environment.options)
+    history = evaluation_history(env, experiment.store(), run)
+    return dg.MaterializeResult(metadata=evaluation_metadata(evaluation_metrics(env, table), path, history))
+
+
+def _no_collapse(context: dg.AssetCheckExecutionContext, experiment: ExperimentResource) -> dg.AssetCheckResult:
+    from marl_pipeline.environment import build_environment
+    from marl_pipeline.stages.evaluation import COLLAPSE_SHARE, evaluation_metrics
+    from marl_pipeline.store import MicroBatchKey
+
+    config = experiment.load()
+    run, version = parse_version_key(context.partition_key)
+    env = build_environment(config.environment.name, config.environment.options)
+    metrics = evaluation_metrics(env, experiment.store().read("evaluations", MicroBatchKey(run, version, 0)))
+    collapsed = {agent: figures["top_answer_share"] for agent, figures in metrics.items() if figures["collapsed"]}
+    found = [f"{agent} gives one answer to {share:.0%} of its held-out cases" for agent, share in collapsed.items()]
+    description = ("collapsed: " + "; ".join(found) if found
+                   else f"no agent gives one answer to more than {COLLAPSE_SHARE:.0%} of its cases")
+    return dg.AssetCheckResult(passed=not collapsed, description=description, metadata={
+        f"top_answer_share/{agent}": figures["top_answer_share"] for agent, figures in metrics.items()})
+
+
+# Partitioned asset checks are a dagster 1.13 preview feature (see assets/checks.py); silenced here only.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", dg.PreviewWarning)
+    no_collapsed_agent = dg.asset_check(
+        asset=evaluations, name="no_collapsed_agent", partitions_def=STEPS,
+        description="No agent gives the same answer to more than 95% of held-out cases whose right answers differ.",
+    )(_no_collapse)
