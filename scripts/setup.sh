@@ -47,5 +47,8 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 echo "setting up .venv ($engine engine); this takes about two minutes the first time" >&2
 bootstrap_uv
-"$uv" sync -q --locked --python "$python" --extra "$engine" --extra dev --extra models
+"$uv" sync -q --locked --python "$python" --extra "$engine" --extra dev --extra models || {
+  echo "set-up failed; if uv.lock is out of date with pyproject.toml, refresh it with: make lock" >&2
+  exit 1
+}
 echo "$want" > "$stamp"
