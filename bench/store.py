@@ -45,6 +45,7 @@ def micro_batch_table(rows: int, tokens: int, seed: int) -> pa.Table:
     columns = {
         "sample_id": pa.array([f"{seed}-{i // 16}_{i % 2}_{i // 2 % 8}" for i in index]),
         "episode": pa.array(index // 2, pa.int32()), "task_id": pa.array([f"{seed}-{i // 16}" for i in index]),
+        "group_id": pa.array([f"{seed}-{i // 16}" for i in index]),
         "trajectory": pa.array(index // 2 % 8, pa.int32()),
         "role": pa.array([AGENTS[i * 2 // rows] for i in index]), "turn": pa.array(index * 2 // rows, pa.int32()),
         "task": pa.array(['{"a": 1, "b": 2}'] * rows), "policy_version": pa.array(np.full(rows, 3, np.int32)),

@@ -32,6 +32,7 @@ def write_run(store: ExperienceStore, run: str = "r", steps: int = 2, micro_batc
             common = {
                 "sample_id": [f"{step}-{micro_batch}-{e // 2}_{t}_{e % 2}" for e, t, _ in turns],
                 "episode": [e for e, _, _ in turns], "task_id": [f"{e}+{e}" for e, _, _ in turns],
+                "group_id": [f"{step}-{micro_batch}-{e // 2}" for e, _, _ in turns],
                 "trajectory": [e % 2 for e, _, _ in turns], "role": [a for _, _, a in turns],
                 "turn": [t for _, t, _ in turns], "agent": [a for _, _, a in turns],
             }

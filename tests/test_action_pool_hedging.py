@@ -4,10 +4,12 @@ outcome, the losing copy's worker is killed, queued actions go before hedges and
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import ray
 
 from marl_pipeline.config import PoolSettings
 from marl_pipeline.runtime.action_pool import ActionPool
@@ -38,6 +40,41 @@ def copy_of(directory: str, key: str, stall_s: float, sleep_s: float = 0.05, fai
 
 def started(directory: Path, key: str, n: int) -> float:
     return float((directory / f"{key}.{n}").read_text())
+
+
+class LiveWorkers:
+    """The most ``ActionWorker`` actors Ray itself held alive at once while the block ran, sampled every few ms.
+
+    The witness is Ray's actor table, not the pool's own count (that is the bookkeeping under test). It is read
+    from the GCS directly: ``ray.util.state.list_actors`` goes through the dashboard's API server, which the
+    ``local_ray`` fixture does not start, and at about 2 ms a read the GCS can be sampled densely enough to catch
+    a worker spawned before another one was gone.
+    """
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s = interval_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._before: set[str] = set()
+
+    def alive(self) -> set[str]:
+        return {actor_id for actor_id, info in ray._private.state.actors().items()
+                if info["ActorClassName"] == "ActionWorker" and info["State"] == "ALIVE"}
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, len(self.alive() - self._before))
+            time.sleep(self.interval_s)
+
+    def __enter__(self) -> LiveWorkers:
+        self._before = self.alive()  # an earlier test's pool: not this one's
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def warm_pool(**settings) -> ActionPool:
@@ -93,28 +130,34 @@ def test_a_copy_that_times_out_records_nothing_while_another_runs(local_ray, tmp
 
 
 def test_hedges_never_exceed_max_workers(local_ray, tmp_path: Path) -> None:
-    pool = warm_pool(min_workers=2, max_workers=2, hedge_after_s=0.2)
-    begin = time.monotonic()
-    outcomes = pool.map([Job(copy_of, (str(tmp_path), key, 1.5)) for key in "ab"])
-    # Both workers hold a stalled copy: no idle worker, no room to start one, so no hedge until one of them is
-    # done (then the other, overdue, may be hedged on the freed worker).
-    assert [o.status for o in outcomes] == ["ok", "ok"] and min(o.finished for o in outcomes) - begin >= 1.5
-    first = min(started(tmp_path, key, 0) for key in "ab")
-    assert all(started(tmp_path, key, 1) >= first + 1.5 for key in "ab" if (tmp_path / f"{key}.1").exists())
-    assert pool.peak_workers == 2
-    pool.shutdown()
+    with LiveWorkers() as live:
+        pool = warm_pool(min_workers=2, max_workers=2, hedge_after_s=0.2)
+        begin = time.monotonic()
+        a, b = pool.map([Job(copy_of, (str(tmp_path), "a", 1.0)), Job(copy_of, (str(tmp_path), "b", STALL))])
+        pool.wait_ready()  # b's losing copy was killed and its worker replaced: the replacement is sampled alive
+        time.sleep(0.1)
+        pool.shutdown()
+    # Both workers hold a stalled copy and the pool may not grow: neither is hedged while both run. a is done
+    # after 1 s, unhedged; b, overdue since 0.2 s, is hedged on a's freed worker then, and the hedge wins.
+    assert a.status == "ok" and a.value == 0 and not a.hedged and not (tmp_path / "a.1").exists()
+    assert b.status == "ok" and b.value == 1 and b.hedged and b.finished - begin < STALL
+    assert started(tmp_path, "b", 1) >= started(tmp_path, "a", 0) + 1.0
+    assert live.peak == 2  # Ray never held more than max_workers of them (and the sampler saw them)
 
 
 def test_the_pool_grows_for_hedges_up_to_max_workers(local_ray, tmp_path: Path) -> None:
-    pool = warm_pool(min_workers=2, max_workers=3, hedge_after_s=0.2)
-    begin = time.monotonic()
-    outcomes = pool.map([Job(copy_of, (str(tmp_path), key, STALL)) for key in "ab"])
+    with LiveWorkers() as live:
+        pool = warm_pool(min_workers=2, max_workers=3, hedge_after_s=0.2)
+        begin = time.monotonic()
+        outcomes = pool.map([Job(copy_of, (str(tmp_path), key, STALL)) for key in "ab"])
+        pool.wait_ready()  # the losers' workers were killed and replaced: the replacements are sampled alive
+        time.sleep(0.1)
+        pool.shutdown()
     # Both warm workers hold a stalled copy; two hedges are due but only one worker may start: it hedges the
     # longest overdue, wins, and is then free to hedge the other.
     assert all(o.status == "ok" and o.hedged and o.value == 1 for o in outcomes)
     assert max(o.finished for o in outcomes) - begin < STALL
-    assert pool.peak_workers == 3
-    pool.shutdown()
+    assert live.peak == 3  # Ray really started the third worker, and never a fourth
 
 
 def test_queued_actions_go_before_hedges(local_ray, tmp_path: Path) -> None:

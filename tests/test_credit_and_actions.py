@@ -24,12 +24,14 @@ def test_credit_assignment_by_hand() -> None:
         assign_credit(own, 1.5)
 
 
-def rollouts_of(env, task: dict, episodes: list[list[str]]) -> pa.Table:
-    """A rollouts table of hand-written episodes of one task (the transcript texts only matter here)."""
+def rollouts_of(env, task: dict, episodes: list[list[str]], groups: list[str] | None = None) -> pa.Table:
+    """A rollouts table of hand-written episodes of one task (the transcript texts only matter here), one GRPO group
+    unless ``groups`` names each episode's."""
     rows = []
     for e, texts in enumerate(episodes):
         for turn, (role, text) in enumerate(zip(env.turn_order, texts)):
-            rows.append({"sample_id": f"0-0-0_{turn}_{e}", "episode": e, "task_id": task["id"], "trajectory": e,
+            rows.append({"sample_id": f"0-0-0_{turn}_{e}", "episode": e, "task_id": task["id"],
+                         "group_id": groups[e] if groups else "0-0-0", "trajectory": e,
                          "role": role, "turn": turn, "task": json.dumps(task), "policy_version": 0, "engine": "x",
                          "prompt_text": "", "response_text": text, "prompt_ids": [], "response_ids": [],
                          "logprobs": [], "finish_reason": "stop", "rollout_start": None, "rollout_end": None,
@@ -99,6 +101,73 @@ def test_math_outcomes_and_rewards_by_hand() -> None:
     by_id = dict(zip(rewards.column("sample_id").to_pylist(), rewards.column("reward").to_pylist()))
     assert by_id["0-0-0_0_0"] == 0.75 and by_id["0-0-0_1_0"] == 0.25  # episode 0: solver 1, verifier 0
     assert by_id["0-0-0_0_1"] == 0.25 and by_id["0-0-0_1_1"] == 0.75  # episode 1: solver 0, verifier 1
+
+
+def test_advantages_are_relative_to_the_stored_group_by_hand() -> None:
+    env = MathSolverVerifier(MathOptions())
+    task = {"id": "q", "question": "2+3?", "answer": 5}
+    # Every sample_id says one group (0-0-0_<turn>_<e>); the group_id column says two, interleaved: A = episodes
+    # 0, 2, 4 and B = 1, 3. Own rewards: "5", "wrong", "5" -> solver 1, verifier 0; "4", "wrong", "4" -> 0, 1.
+    right, wrong = ["5", "wrong", "5"], ["4", "wrong", "4"]
+    rollouts = rollouts_of(env, task, [right, right, wrong, wrong, wrong], groups=["A", "B", "A", "B", "A"])
+    rewards = score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), 0.0, team_weight=0.0)
+    advantage = {(row["episode"], row["agent"]): row["advantage"] for row in rewards.to_pylist()}
+    # A: solver rewards 1, 0, 0 (mean 1/3, std sqrt(2)/3) -> sqrt(2), -1/sqrt(2), -1/sqrt(2); verifier the negation.
+    # B: solver 1, 0 (mean 1/2, std 1/2) -> 1, -1. One group of all five would give the solver of episode 0 1.22.
+    root2 = 2 ** 0.5
+    expected = {0: root2, 2: -1 / root2, 4: -1 / root2, 1: 1.0, 3: -1.0}
+    for episode, value in expected.items():
+        assert advantage[episode, "solver"] == pytest.approx(value, abs=1e-6)
+        assert advantage[episode, "verifier"] == pytest.approx(-value, abs=1e-6)
+    assert rewards.column("group_id").to_pylist() == rollouts.column("group_id").to_pylist()
+    # A table without groups is refused, not scored as one group.
+    ungrouped = rollouts.set_column(rollouts.column_names.index("group_id"), "group_id",
+                                    pa.nulls(rollouts.num_rows, pa.string()))
+    with pytest.raises(ValueError, match="15 rollout turns have no group_id"):
+        score_micro_batch(env, ungrouped, execute_micro_batch(env, rollouts), 0.0)
+
+
+def test_a_version_4_partition_is_re_scored_with_the_same_groups(small_config) -> None:
+    from marl_pipeline.environment import build_environment
+    from marl_pipeline.stages.recompute import recompute_stage
+    from marl_pipeline.store import ExperienceStore, MicroBatchKey
+    from tests.test_store import as_version_4
+
+    env = build_environment(small_config.environment.name, small_config.environment.options)
+    store, key = ExperienceStore(small_config.store), MicroBatchKey(small_config.run, 0, 0)
+    # Two prompts of the same task (so task_id is no group), three episodes each, as the rollout stage names them.
+    task = {"id": "1+1", "a": 1, "b": 1}
+    answers = {0: ["2", "2", "3"], 1: ["3", "3", "2"]}
+    rows = []
+    for prompt, texts in answers.items():
+        for t, text in enumerate(texts):
+            for turn, (role, reply) in enumerate(zip(env.turn_order, [text, "yes"])):
+                rows.append({"sample_id": f"0-0-{prompt}_{turn}_{t}", "episode": 3 * prompt + t, "task_id": task["id"],
+                             "group_id": f"0-0-{prompt}", "trajectory": t, "role": role, "turn": turn,
+                             "task": json.dumps(task), "policy_version": 0, "engine": "x", "prompt_text": "",
+                             "response_text": reply, "prompt_ids": [], "response_ids": [], "logprobs": [],
+                             "finish_reason": "stop", "status": "ok", "error": None, "agent": role})
+    store.commit("rollouts", key, pa.Table.from_pylist(rows, schema=with_agent(ROLLOUTS)))
+    recompute_stage("environment_results", small_config, key)
+    _, scored, _ = recompute_stage("rewards", small_config, key)
+    before = {row["sample_id"]: row for row in scored.to_pylist()}
+    # Per prompt, the solver (and the verifier, who says yes) gets 1, 1, 0 and 0, 0, 1: +-1/sqrt(2) and -+sqrt(2).
+    # One group of the micro-batch (or of the task) would give +-1.
+    root2 = 2 ** 0.5
+    assert [before[f"0-0-0_0_{t}"]["advantage"] for t in range(3)] == pytest.approx(
+        [1 / root2, 1 / root2, -root2], abs=1e-5)  # eps in the std
+    assert [before[f"0-0-1_1_{t}"]["advantage"] for t in range(3)] == pytest.approx(
+        [-1 / root2, -1 / root2, root2], abs=1e-5)
+    for stage in ("rollouts", "environment_results", "rewards"):
+        as_version_4(store, stage, key)
+    # Re-executed and re-scored from the old partitions: the same groups, so the same advantages, now stored.
+    recompute_stage("environment_results", small_config, key)
+    _, rescored, _ = recompute_stage("rewards", small_config, key)
+    for row in rescored.to_pylist():
+        assert (row["group_id"], row["reward"], row["advantage"]) == tuple(
+            before[row["sample_id"]][name] for name in ("group_id", "reward", "advantage"))
+    assert store.manifest("rewards", key).schema_version == 5
+    assert store.dataset(key.run, "rewards").to_table(columns=["group_id"]).column("group_id").null_count == 0
 
 
 def test_task_files(tmp_path) -> None:

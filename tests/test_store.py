@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
@@ -27,8 +28,8 @@ def _rewards(agents: list[str], value: float, per_agent: int = 2) -> pa.Table:
     now = datetime.now(UTC)
     rows = []
     for index, agent in enumerate(agents * per_agent):
-        rows.append({"sample_id": f"0-0-{index}_0_0", "episode": index, "task_id": "1+1", "trajectory": 0,
-                     "role": agent, "turn": 0, "reward": value, "advantage": 0.0, "reward_start": now,
+        rows.append({"sample_id": f"0-0-{index}_0_0", "episode": index, "task_id": "1+1", "group_id": f"0-0-{index}",
+                     "trajectory": 0, "role": agent, "turn": 0, "reward": value, "advantage": 0.0, "reward_start": now,
                      "reward_end": now, "status": "ok", "error": None, "agent": agent})
     return pa.Table.from_pylist(rows)
 
@@ -132,7 +133,8 @@ def test_bad_input_fails_clearly_and_writes_nothing(store_config: StoreConfig) -
         store.commit("rewards", key, _rewards(["solver"], 1.0).drop_columns(["reward"]))
     with pytest.raises(StoreError, match="invalid agent name 'a/b'"):
         store.commit("rewards", key, _rewards(["a/b"], 1.0))
-    wrong = _rewards(["solver"], 1.0).set_column(6, "reward", pa.array(["x", "y"]))
+    good = _rewards(["solver"], 1.0)
+    wrong = good.set_column(good.column_names.index("reward"), "reward", pa.array(["x", "y"]))
     with pytest.raises(StoreError, match="column 'reward' has type string"):
         store.commit("rewards", key, wrong)
     store.commit("rewards", key, _rewards(["solver"], 1.0))
@@ -222,7 +224,8 @@ def test_readers_during_commits_see_one_whole_version(store_config: StoreConfig)
 def test_older_schema_versions_are_read_or_refused_clearly(tmp_path: Path) -> None:
     # A version-1 partition as the first store wrote it: no manifest, part-0.parquet, no reward timestamps.
     store = ExperienceStore(tmp_path)
-    v1 = pa.schema([field for field in REWARDS if field.name not in ("reward_start", "reward_end", "model_score")])
+    v1 = pa.schema([field for field in REWARDS
+                    if field.name not in ("reward_start", "reward_end", "model_score", "group_id")])
     table = _rewards(["solver"], 1.0).select(v1.names).cast(v1)
     directory = tmp_path / "run=r" / "stage=rewards" / "step=0" / "micro_batch=0" / "agent=solver"
     directory.mkdir(parents=True)
@@ -230,6 +233,7 @@ def test_older_schema_versions_are_read_or_refused_clearly(tmp_path: Path) -> No
     read = store.read("rewards", MicroBatchKey("r", 0, 0))
     assert read.num_rows == 2 and read.column("reward_start").null_count == 2
     assert read.column("model_score").null_count == 2  # added in version 4
+    assert read.column("group_id").to_pylist() == ["0-0-0", "0-0-1"]  # added in version 5, derived from sample_id
     assert store.committed_keys("r", "rewards") == [MicroBatchKey("r", 0, 0)]
     # A version this code does not know is refused, naming the partition and the versions it reads.
     key = MicroBatchKey("r", 1, 0)
@@ -239,6 +243,46 @@ def test_older_schema_versions_are_read_or_refused_clearly(tmp_path: Path) -> No
     with pytest.raises(StoreError, match=r"rewards r/step=1/micro_batch=0 .* schema version 99; this marl_pipeline"):
         store.read("rewards", key)
     assert with_version(REWARDS).metadata[b"marl_pipeline.schema_version"] == str(SCHEMA_VERSION).encode()
+
+
+def as_version_4(store: ExperienceStore, stage: str, key: MicroBatchKey) -> None:
+    """Rewrite a committed local partition as schema version 4 wrote it: no group_id column, version 4 in every
+    file's metadata and in the manifest."""
+    partition = Path(store.partition_path(stage, key))
+    for name in store.manifest(stage, key).files.values():
+        table = pq.ParquetFile(partition / name).read().drop_columns(["group_id"])
+        pq.write_table(table.replace_schema_metadata({b"marl_pipeline.schema_version": b"4"}), partition / name)
+    record = json.loads((partition / "_manifest.json").read_text())
+    (partition / "_manifest.json").write_text(json.dumps({**record, "schema_version": 4}))
+
+
+def test_version_4_rows_get_their_group_from_the_sample_id(tmp_path: Path) -> None:
+    store = ExperienceStore(tmp_path)
+    old, new = MicroBatchKey("r", 0, 0), MicroBatchKey("r", 1, 0)
+    store.commit("rewards", old, _rewards(["solver", "verifier"], 1.0))
+    as_version_4(store, "rewards", old)
+    assert "group_id" not in pq.read_schema(next(iter(_files(store, "rewards", old).values()))).names
+    # A current partition whose groups are not what its sample_ids say: stored values are never overwritten.
+    current = _rewards(["solver"], 2.0)
+    store.commit("rewards", new, current.set_column(current.column_names.index("group_id"), "group_id",
+                                                    pa.array(["g", "g"])))
+    derived = {f"0-0-{index}_0_0": f"0-0-{index}" for index in range(4)}
+    table = store.read("rewards", old)
+    assert dict(zip(table.column("sample_id").to_pylist(), table.column("group_id").to_pylist())) == derived
+    # Asked for alone, the group still comes derived (its source column is read, then left out).
+    assert store.read("rewards", old, columns=["group_id"]).column_names == ["group_id"]
+    assert sorted(store.read("rewards", old, columns=["group_id"]).column("group_id").to_pylist()) == sorted(
+        derived.values())
+    whole = store.read_stage("r", "rewards", columns=["step", "group_id"])
+    assert sorted(whole.filter(pc.field("step") == 0).column("group_id").to_pylist()) == sorted(derived.values())
+    assert whole.filter(pc.field("step") == 1).column("group_id").to_pylist() == ["g", "g"]
+    # A bare pyarrow read of the tree sees the files as stored: the old ones have no group.
+    raw = store.dataset("r", "rewards").to_table(filter=ds.field("step") == 0)
+    assert raw.column("group_id").null_count == 4
+    # A null group is how a reader tells an older row, so a commit refuses one.
+    with pytest.raises(StoreError, match="'group_id' column has 2 null values"):
+        store.commit("rewards", new, current.set_column(current.column_names.index("group_id"), "group_id",
+                                                        pa.nulls(2, pa.string())))
 
 
 def test_s3_settings_from_the_standard_aws_variables(s3_endpoint: str, monkeypatch, tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import pyarrow as pa
 
 from marl_pipeline.environment import Turn
 
-TURN_KEYS = ("sample_id", "episode", "task_id", "trajectory", "role", "turn", "agent")
+TURN_KEYS = ("sample_id", "episode", "task_id", "group_id", "trajectory", "role", "turn", "agent")
 """Columns that name a turn; every stage's row of that turn repeats them."""
 
 

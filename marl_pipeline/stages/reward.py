@@ -1,7 +1,8 @@
 """Reward stage: the environment's per-agent reward of each episode, and group-relative advantages.
 
-GRPO: the ``n`` episodes sampled from one task prompt form a group; an agent's advantage in an episode
-is its reward minus the group's mean reward for that agent, divided by the group's std (plus eps).
+GRPO: the ``n`` episodes sampled from one task prompt form a group (the rollouts' ``group_id``); an agent's
+advantage in an episode is its reward minus the group's mean reward for that agent, divided by the group's std
+(plus eps).
 
 Credit assignment: the environment scores each agent on its own part (``score``); each agent is then
 trained on ``w * team + (1 - w) * own`` where ``team`` is the mean over the episode's agents and ``w``
@@ -81,6 +82,10 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, e
     """
     if team_weight is None:
         team_weight = float(getattr(env, "team_reward_weight", 0.0))
+    if missing := rollouts.column("group_id").null_count:
+        # The store derives the group of rows written before the column existed; a table without it is not stored.
+        raise ValueError(f"{missing} rollout turns have no group_id: read stored rollouts through ExperienceStore, "
+                         "or give every turn its GRPO group")
     outcomes = {row["sample_id"]: row for row in results.select(["sample_id", "outcome", "success", "observation",
                                                                   "info", "status"]).to_pylist()}
     episodes = episodes_of(rollouts.select(list(TURN_KEYS) + ["task", "prompt_text", "response_text", "observation"]))
@@ -108,8 +113,9 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, e
             starts.append(start)
             ends.append(end)
     rewards_array = np.asarray(rewards, dtype=np.float64)
-    # A group is one task prompt's n episodes, per agent: input_id is the sample_id before its turn suffix.
-    groups = np.asarray([f"{row['sample_id'].split('_')[0]}/{row['agent']}" for row in keyed_rows])
+    # Advantages are relative within one task prompt's n episodes, per agent: one label per (group, agent).
+    labels: dict[tuple[str, str], int] = {}
+    groups = np.asarray([labels.setdefault((row["group_id"], row["agent"]), len(labels)) for row in keyed_rows])
     advantages = group_relative_advantages(rewards_array, groups, eps) if keyed_rows else rewards_array
     columns = {name: [row[name] for row in keyed_rows] for name in TURN_KEYS}
     columns.update(reward=rewards_array.astype(np.float32), advantage=advantages.astype(np.float32),

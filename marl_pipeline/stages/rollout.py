@@ -92,11 +92,11 @@ def _observe(env: Environment, role: str, task: Task, transcript: list[Turn]) ->
 def _append_turn(columns: dict[str, list], key: MicroBatchKey, task: Task, prompt_index: int, trajectory: int,
                  episode: int, turn: int, role: str, prompt: str, completion: Completion, version: int,
                  start: datetime, end: datetime, observation: str | None, error: str | None) -> None:
-    input_id = f"{key.step}-{key.micro_batch}-{prompt_index}"
+    input_id = f"{key.step}-{key.micro_batch}-{prompt_index}"  # the prompt's n episodes are its GRPO group
     row = {
         "sample_id": f"{input_id}_{turn}_{trajectory}", "episode": episode, "task_id": str(task["id"]),
-        "trajectory": trajectory, "role": role, "turn": turn, "task": json.dumps(task), "policy_version": version,
-        "engine": f"{role}/0", "prompt_text": prompt, "response_text": completion.text,
+        "group_id": input_id, "trajectory": trajectory, "role": role, "turn": turn, "task": json.dumps(task),
+        "policy_version": version, "engine": f"{role}/0", "prompt_text": prompt, "response_text": completion.text,
         "prompt_ids": completion.prompt_ids, "response_ids": completion.response_ids,
         "logprobs": completion.logprobs, "finish_reason": completion.finish_reason, "observation": observation,
         "rollout_start": start, "rollout_end": end, "status": "ok" if error is None else "observe_failed",

@@ -30,10 +30,13 @@ from marl_pipeline.store import commits
 from marl_pipeline.store.commits import Manifest
 from marl_pipeline.store.schema import (
     DATASET_SCHEMAS,
+    NON_NULL_COLUMNS,
     OPTIONAL_COLUMNS,
     PARTITION_SCHEMA,
     READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
+    columns_to_read,
+    upgraded,
     with_version,
 )
 from marl_pipeline.store.storage import open_location, policy_root
@@ -151,6 +154,8 @@ class ExperienceStore:
                 columns.append(pa.nulls(table.num_rows, field.type))
                 continue
             column = table.column(field.name)
+            if field.name in NON_NULL_COLUMNS and column.null_count:
+                raise StoreError(f"{what}: the {field.name!r} column has {column.null_count} null values")
             try:
                 columns.append(column if column.type == field.type else column.cast(field.type))
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
@@ -211,7 +216,8 @@ class ExperienceStore:
              columns: list[str] | None = None) -> pa.Table:
         """Read one committed micro-batch of a stage, with an ``agent`` column.
 
-        With ``agent``, only that agent's file is opened.
+        With ``agent``, only that agent's file is opened. Columns that rows of an older schema version lack are
+        null, or derived from the columns they have (``schema.DERIVED_COLUMNS``: ``group_id``).
         """
         partition = self.partition_path(stage, key)
         for _ in range(_READ_ATTEMPTS):
@@ -221,7 +227,9 @@ class ExperienceStore:
             files = {a: f for a, f in manifest.files.items() if agent is None or a == agent}
             paths = [f"{partition}/{f}" for f in files.values()]
             try:
-                return self._dataset(stage, paths, partition, ("agent",), columns).to_table(columns=columns)
+                table = self._dataset(stage, paths, partition, ("agent",), columns).to_table(
+                    columns=columns_to_read(columns))
+                return upgraded(table, columns)
             except (OSError, pa.ArrowInvalid) as error:
                 if self.manifest(stage, key) == manifest:
                     raise self._unreadable(f"{stage} {key}", stage, paths, partition, ("agent",), error) from None
@@ -260,12 +268,16 @@ class ExperienceStore:
 
     def read_stage(self, run: str, stage: str, columns: list[str] | None = None,
                    filter: ds.Expression | None = None) -> pa.Table:
-        """Read every committed partition of a stage for a run, with step, micro_batch and agent columns."""
+        """Read every committed partition of a stage for a run, with step, micro_batch and agent columns.
+
+        Rows of older schema versions are upgraded as by :meth:`read`; ``filter`` sees the stored values (a
+        ``group_id`` of a row written before schema 5 is null there).
+        """
         levels = ("step", "micro_batch", "agent")
         for _ in range(_READ_ATTEMPTS):
             dataset = self.dataset(run, stage)
             try:
-                return dataset.to_table(columns=columns, filter=filter)
+                return upgraded(dataset.to_table(columns=columns_to_read(columns), filter=filter), columns)
             except (OSError, pa.ArrowInvalid) as error:
                 if self.dataset(run, stage).files == dataset.files:
                     raise self._unreadable(f"{stage} of run {run}", stage, dataset.files, self.stage_path(run, stage),

@@ -89,14 +89,15 @@ def sample_episodes(store, run: str, count: int, step: int | None = None, agent:
     for key in chosen:
         where = (ds.field("step") == key["step"]) & (ds.field("micro_batch") == key["micro_batch"])
         turns = _episode_turns(store, run, where, key["episode"])
-        episodes.append({**key, "task_id": turns[0]["task_id"] if turns else None, "turns": turns})
+        first = turns[0] if turns else {}
+        episodes.append({**key, "task_id": first.get("task_id"), "group_id": first.get("group_id"), "turns": turns})
     return episodes
 
 
 def _episode_turns(store, run: str, where: ds.Expression, episode: int) -> list[dict]:
     where = where & (ds.field("episode") == episode)
     rollouts = store.read_stage(run, "rollouts", filter=where, columns=[
-        "sample_id", "task_id", "agent", "role", "turn", "policy_version", "prompt_text", "response_text",
+        "sample_id", "task_id", "group_id", "agent", "role", "turn", "policy_version", "prompt_text", "response_text",
         "observation", "finish_reason", "status", "error"])
     # ``reply``: the environment's reply during rollout (observe); ``observation``: its action's result, below.
     by_sample: dict[str, dict] = {}

@@ -8,23 +8,28 @@ status  per-stage state and error message
 directory names, not in the files, and come back as columns when a dataset is read.
 A change to any schema here bumps ``SCHEMA_VERSION`` (stored in every file's metadata and in each
 partition's commit manifest) and records what changed in ``SCHEMA_CHANGES``. A version listed in
-``READABLE_SCHEMA_VERSIONS`` is read under the current schema (columns it lacks come back null);
-any other version is refused with a message naming the file (docs/store.md).
+``READABLE_SCHEMA_VERSIONS`` is read under the current schema (columns it lacks come back null, or
+derived from the columns it has: ``DERIVED_COLUMNS``); any other version is refused with a message naming
+the file (docs/store.md).
 """
 
 from __future__ import annotations
 
-import pyarrow as pa
+from collections.abc import Callable
 
-SCHEMA_VERSION = 4
+import pyarrow as pa
+import pyarrow.compute as pc
+
+SCHEMA_VERSION = 5
 SCHEMA_CHANGES = {
     1: "first version",
     2: "environment_start/environment_end and reward_start/reward_end: timestamps of every stage",
     3: "stage_enqueued/stage_started/stage_ended on every stage: the orchestrator's timing of the micro-batch",
     4: "rollouts.observation: the environment's reply to a turn (observe); rewards.model_score: the reward model's",
+    5: "group_id on every turn: the GRPO group, stored instead of parsed out of sample_id (derived so for older files)",
 }
-# Versions whose files this code reads: each change so far only added nullable columns.
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
+# Versions whose files this code reads: each change so far only added columns, null or derived in older files.
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
 SCHEMA_VERSION_KEY = b"marl_pipeline.schema_version"
 
 PARTITION_SCHEMA = pa.schema(
@@ -35,8 +40,12 @@ PARTITION_SCHEMA = pa.schema(
 _TURN_KEYS = [
     pa.field("sample_id", pa.string()),  # {input_id}_{turn}_{trajectory}
     pa.field("episode", pa.int32()),  # index of the episode within its micro-batch
-    pa.field("task_id", pa.string()),  # input_id: the task prompt's id
-    pa.field("trajectory", pa.int32()),  # which of the n samples of the task
+    # The task's own id. Not the group: two prompts of a micro-batch may draw the same task.
+    pa.field("task_id", pa.string()),
+    # The GRPO group: the n episodes sampled from one task prompt, whose rewards an advantage is relative to.
+    # The rollout stage writes the prompt's input_id ({step}-{micro_batch}-{prompt_index}).
+    pa.field("group_id", pa.string()),
+    pa.field("trajectory", pa.int32()),  # which of the group's n samples
     pa.field("role", pa.string()),
     pa.field("turn", pa.int32()),
 ]
@@ -111,6 +120,8 @@ STAGE_TIMING = [pa.field(name, pa.timestamp("us", tz="UTC"))
 # Columns a stage's producer may leave out of a table it commits (they are stored null): the orchestrator
 # adds the stage timing, and plugins without ``observe`` or runs without a reward model have nothing to put.
 OPTIONAL_COLUMNS = frozenset([field.name for field in STAGE_TIMING] + ["observation", "model_score"])
+# Columns a commit refuses null values in: a reader takes a null group_id for a row written before it existed.
+NON_NULL_COLUMNS = frozenset(["group_id"])
 
 STAGE_SCHEMAS = {
     "rollouts": pa.schema(list(ROLLOUTS) + STAGE_TIMING),
@@ -140,6 +151,38 @@ def with_agent(schema: pa.Schema) -> pa.Schema:
 def with_version(schema: pa.Schema) -> pa.Schema:
     """The schema with the schema version in its metadata, as written to every file."""
     return schema.with_metadata({SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode()})
+
+
+def group_ids_from_sample_ids(sample_ids: pa.ChunkedArray) -> pa.ChunkedArray:
+    """The GRPO group of turns written before schema 5: input_id, the sample_id before its first ``_``
+    (``{input_id}_{turn}_{trajectory}``), exactly what the reward stage grouped on before the column existed."""
+    return pc.list_element(pc.split_pattern(sample_ids, "_", max_splits=1), 0)
+
+
+# Columns an older readable version lacks that the store derives on read from a column it has, rather than
+# returning them null: column -> (source column, derivation). A commit never stores them null (NON_NULL_COLUMNS),
+# so a null is always an older row's.
+DERIVED_COLUMNS: dict[str, tuple[str, Callable[[pa.ChunkedArray], pa.ChunkedArray]]] = {
+    "group_id": ("sample_id", group_ids_from_sample_ids),
+}
+
+
+def columns_to_read(columns: list[str] | None) -> list[str] | None:
+    """A read's projection plus the source columns its derived columns need (``upgraded`` drops them again)."""
+    if columns is None:
+        return None
+    sources = [DERIVED_COLUMNS[name][0] for name in columns if name in DERIVED_COLUMNS]
+    return columns + [source for source in dict.fromkeys(sources) if source not in columns]
+
+
+def upgraded(table: pa.Table, columns: list[str] | None = None) -> pa.Table:
+    """A table read under the current schema, its derived columns filled in where older rows left them null,
+    projected to ``columns`` (a read's projection; None: every column). The one place older rows are upgraded."""
+    for name, (source, derive) in DERIVED_COLUMNS.items():
+        if name in table.column_names and table.column(name).null_count:
+            values = pc.coalesce(table.column(name), derive(table.column(source)))
+            table = table.set_column(table.column_names.index(name), name, values)
+    return table if columns is None else table.select(columns)
 
 
 # One row per held-out case per agent: an agent's greedy answer to one of its evaluation cases (the plugin's
