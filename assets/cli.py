@@ -56,11 +56,11 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
 
     instance = dg.DagsterInstance.get()
     run_id = make_new_run_id()
+    # The Definitions' store and Ray resources nest `experiment`, so this one path configures all three; Ray's
+    # address and local CPU count come from the YAML's `ray:` through the resource, as in `dagster dev`.
     run_config = {"resources": {
         "experiment": {"config": {"config_path": str(config_path)}},
-        "ray": {"config": {"address": config.ray.address,
-                           "ray_init_options": {"include_dashboard": False, "log_to_driver": False,
-                                                **({"num_cpus": config.ray.num_cpus} if config.ray.num_cpus else {})}}},
+        "ray": {"config": {"ray_init_options": {"include_dashboard": False, "log_to_driver": False}}},
     }, "loggers": {"console": {"config": {"log_level": "WARNING"}}}}  # the event log keeps everything
     outcome: dict = {}
 
