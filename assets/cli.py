@@ -82,7 +82,7 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     if not result.success:
         console.print(f"[red]train job failed[/red] (run {run_id}); see `dagster dev -w workspace.yaml`")
         for event in result.all_events:
-            if event.is_failure and event.step_failure_data:
+            if event.is_step_failure and event.step_failure_data:
                 console.print(event.step_failure_data.error.to_string() if event.step_failure_data.error else "")
         raise typer.Exit(1)
     from marl_pipeline.store import ExperienceStore
