@@ -10,7 +10,7 @@ import dagster as dg
 
 from assets.partitions import STEP_X_MICRO_BATCH, parse_stage_partition
 from assets.stages import environment_results, policy_updates, rewards, rollouts
-from resources import ExperimentResource
+from resources import ExperienceStoreResource, ExperimentResource
 
 
 def _result(outcome) -> dg.AssetCheckResult:
@@ -21,12 +21,12 @@ def _partition_check(asset: dg.AssetsDefinition, name: str, description: str, ru
     """An asset check of ``asset`` per stage partition; ``run_check(store, stage, key, config)`` returns an outcome."""
     stage = asset.key.path[-1]
 
-    def _check(context: dg.AssetCheckExecutionContext, experiment: ExperimentResource) -> dg.AssetCheckResult:
-        from marl_pipeline.store import ExperienceStore, MicroBatchKey
+    def _check(context: dg.AssetCheckExecutionContext, experiment: ExperimentResource,
+               store: ExperienceStoreResource) -> dg.AssetCheckResult:
+        from marl_pipeline.store import MicroBatchKey
 
-        config = experiment.load()
         key = MicroBatchKey(*parse_stage_partition(context.partition_key))
-        return _result(run_check(ExperienceStore(config.store), stage, key, config))
+        return _result(run_check(store.open(), stage, key, experiment.load()))
 
     # Partitioned asset checks are a preview feature of dagster 1.13; they are what lets a check run for one
     # (step, micro-batch) partition, so the preview warning is silenced here and only here.

@@ -56,11 +56,11 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
 
     instance = dg.DagsterInstance.get()
     run_id = make_new_run_id()
+    # The Definitions' store and Ray resources nest `experiment`, so this one path configures all three; Ray's
+    # address and local CPU count come from the YAML's `ray:` through the resource, as in `dagster dev`.
     run_config = {"resources": {
         "experiment": {"config": {"config_path": str(config_path)}},
-        "ray": {"config": {"address": config.ray.address,
-                           "ray_init_options": {"include_dashboard": False, "log_to_driver": False,
-                                                **({"num_cpus": config.ray.num_cpus} if config.ray.num_cpus else {})}}},
+        "ray": {"config": {"ray_init_options": {"include_dashboard": False, "log_to_driver": False}}},
     }, "loggers": {"console": {"config": {"log_level": "WARNING"}}}}  # the event log keeps everything
     outcome: dict = {}
 
@@ -74,7 +74,7 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     started = time.perf_counter()
     worker = threading.Thread(target=execute, name="marl-train-job")
     worker.start()
-    _follow(instance, run_id, config, worker)
+    _follow(instance, run_id, config.run, worker)
     worker.join()
     if "error" in outcome:
         raise outcome["error"]
@@ -82,7 +82,7 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     if not result.success:
         console.print(f"[red]train job failed[/red] (run {run_id}); see `dagster dev -w workspace.yaml`")
         for event in result.all_events:
-            if event.is_failure and event.step_failure_data:
+            if event.is_step_failure and event.step_failure_data:
                 console.print(event.step_failure_data.error.to_string() if event.step_failure_data.error else "")
         raise typer.Exit(1)
     from marl_pipeline.store import ExperienceStore
@@ -92,22 +92,53 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     console.print(f"run {run_id} finished in {time.perf_counter() - started:.0f} s; DAGSTER_HOME={home}")
 
 
-def _follow(instance, run_id: str, config, worker: threading.Thread) -> None:
-    """Progress bar over the job's policy materializations, read from the Dagster event log."""
-    import dagster as dg
+class _PolicyProgress:
+    """A train-job run's policy versions: those its launch will commit (``total``) and those committed (``done``).
 
-    total = config.pipeline.steps * len(config.agents)
-    seen = 0
+    Read from the run's event log by cursor, so each poll fetches only the records logged since the last one.
+    The total is the op's own launch plan (``assets.train.plan_observations``, one ``policies`` observation per
+    agent), so a resumed launch counts only the versions it has left; None until the op has planned.
+    """
+
+    def __init__(self, instance, run_id: str) -> None:
+        self.instance, self.run_id = instance, run_id
+        self.total: int | None = None
+        self.done = 0
+        self._cursor: str | None = None
+
+    def poll(self) -> int:
+        """Read the records logged since the last poll; returns how many there were."""
+        import dagster as dg
+
+        kinds = {dg.DagsterEventType.ASSET_OBSERVATION, dg.DagsterEventType.ASSET_MATERIALIZATION}
+        connection = self.instance.get_records_for_run(self.run_id, cursor=self._cursor, of_type=kinds)
+        for record in connection.records:
+            event = record.event_log_entry.dagster_event
+            if event.asset_key != dg.AssetKey("policies"):
+                continue
+            if event.is_asset_observation:
+                metadata = event.asset_observation_data.asset_observation.metadata
+                self.total = (self.total or 0) + (metadata["launch_to_version"].value
+                                                  - metadata["launch_from_version"].value)
+            else:
+                self.done += 1
+        self._cursor = connection.cursor
+        return len(connection.records)
+
+
+def _follow(instance, run_id: str, run: str, worker: threading.Thread) -> None:
+    """Progress bar over the job's policy versions, read from the Dagster event log while the job runs."""
+    followed = _PolicyProgress(instance, run_id)
     with Progress(TextColumn("[bold]training[/bold] {task.description}"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total} policy versions"), TimeElapsedColumn(),
-                  console=console, disable=False) as progress:
-        task = progress.add_task(config.run, total=total)
-        while worker.is_alive() or seen < total:
-            records = instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION,
-                                                   limit=100000).records
-            seen = sum(1 for r in records if r.event_log_entry.dagster_event.asset_key == dg.AssetKey("policies"))
-            progress.update(task, completed=seen)
-            if not worker.is_alive():
+                  TextColumn("{task.fields[versions]}"), TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task(run, total=None, versions="setting up")
+        while True:
+            finished = not worker.is_alive()  # checked before the last poll, so that poll sees every event
+            followed.poll()
+            if followed.total is not None:
+                progress.update(task, total=followed.total, completed=followed.done,
+                                versions=f"{followed.done}/{followed.total} policy versions")
+            if finished:
                 break
             time.sleep(0.5)
 

@@ -11,7 +11,11 @@ from assets.checks import STAGE_CHECKS
 from assets.policies import base_policies, policies
 from assets.stages import STAGE_ASSETS
 from assets.train import retrain_schedule, train_job
-from resources import ExperimentResource, RayCluster
+from resources import ExperienceStoreResource, ExperimentResource, RayCluster
+
+# Configured at launch and nested in the other two: run config given for `experiment` (the CLI's, the UI
+# launchpad's) reaches the store and Ray resources too, so all three read the same YAML file.
+experiment = ExperimentResource.configure_at_launch()
 
 defs = dg.Definitions(
     assets=[base_policies, policies, *STAGE_ASSETS],
@@ -19,7 +23,8 @@ defs = dg.Definitions(
     jobs=[train_job],
     schedules=[retrain_schedule],
     resources={
-        "experiment": ExperimentResource(),
-        "ray": RayCluster(ray_init_options={"include_dashboard": False}),
+        "experiment": experiment,
+        "store": ExperienceStoreResource(experiment=experiment),
+        "ray": RayCluster(experiment=experiment, ray_init_options={"include_dashboard": False}),
     },
 )

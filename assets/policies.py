@@ -4,7 +4,7 @@
 import dagster as dg
 
 from assets.partitions import AGENTS
-from resources import ExperimentResource
+from resources import ExperienceStoreResource, ExperimentResource
 
 
 def base_policy_metadata(base_policies) -> dict[str, dg.MetadataValue]:
@@ -19,7 +19,7 @@ def base_policy_metadata(base_policies) -> dict[str, dg.MetadataValue]:
 
 
 @dg.asset(group_name="policies", kinds={"torch"})
-def base_policies(experiment: ExperimentResource) -> dg.MaterializeResult:
+def base_policies(experiment: ExperimentResource, store: ExperienceStoreResource) -> dg.MaterializeResult:
     """Version 0 of every agent: the configured model (built-in tiny one by default) after its warm-up.
 
     Already committed versions are kept: a run's lineage is never overwritten.
@@ -30,7 +30,7 @@ def base_policies(experiment: ExperimentResource) -> dg.MaterializeResult:
     config = experiment.load()
     env = build_environment(config.environment.name, config.environment.options)
     return dg.MaterializeResult(metadata=base_policy_metadata(
-        prepare_base_policies(config, env, experiment.store())))
+        prepare_base_policies(config, env, store.open())))
 
 
 # Recorded by the train job after each optimizer step (with lineage to the stage partitions that

@@ -10,45 +10,50 @@ import dagster as dg
 
 from assets.metadata import stage_metadata
 from assets.partitions import STEP_X_MICRO_BATCH, parse_stage_partition
-from resources import ExperimentResource, RayCluster
+from resources import ExperienceStoreResource, ExperimentResource, RayCluster
 
 _GROUP = "stages"
 
 
-def _replay(stage: str, context: dg.AssetExecutionContext, experiment: ExperimentResource) -> dg.MaterializeResult:
+def _recompute(stage: str, context: dg.AssetExecutionContext, experiment: ExperimentResource,
+               store: ExperienceStoreResource) -> dg.MaterializeResult:
     from marl_pipeline.stages.recompute import recompute_stage
     from marl_pipeline.store import MicroBatchKey
 
-    run, step, micro_batch = parse_stage_partition(context.partition_key)
-    path, table, seconds = recompute_stage(stage, experiment.load(), MicroBatchKey(run, step, micro_batch))
+    key = MicroBatchKey(*parse_stage_partition(context.partition_key))
+    path, table, seconds = recompute_stage(stage, experiment.load(), store.open(), key)
     return dg.MaterializeResult(metadata=stage_metadata(stage, path, seconds, table))
 
 
 @dg.asset(partitions_def=STEP_X_MICRO_BATCH, group_name=_GROUP, deps=["base_policies"], kinds={"vllm", "parquet"})
-def rollouts(
-    context: dg.AssetExecutionContext, experiment: ExperimentResource, ray: RayCluster
-) -> dg.MaterializeResult:
+def rollouts(context: dg.AssetExecutionContext, experiment: ExperimentResource, store: ExperienceStoreResource,
+             ray: RayCluster) -> dg.MaterializeResult:
     """Multi-turn episodes sampled from every agent's vLLM engine: one row per turn."""
-    return _replay("rollouts", context, experiment)
+    return _recompute("rollouts", context, experiment, store)
 
 
+# Ray is required, not only used: with Ray up the recomputation runs an action environment's actions on the
+# shared action pool (isolated worker processes, as in the train job) instead of in Dagster's step process.
 @dg.asset(partitions_def=STEP_X_MICRO_BATCH, group_name=_GROUP, deps=[rollouts], kinds={"parquet"})
-def environment_results(context: dg.AssetExecutionContext, experiment: ExperimentResource) -> dg.MaterializeResult:
+def environment_results(context: dg.AssetExecutionContext, experiment: ExperimentResource,
+                        store: ExperienceStoreResource, ray: RayCluster) -> dg.MaterializeResult:
     """The outcome of executing each turn's action."""
-    return _replay("environment_results", context, experiment)
+    return _recompute("environment_results", context, experiment, store)
 
 
 @dg.asset(partitions_def=STEP_X_MICRO_BATCH, group_name=_GROUP, deps=[rollouts, environment_results],
           kinds={"parquet"})
-def rewards(context: dg.AssetExecutionContext, experiment: ExperimentResource) -> dg.MaterializeResult:
+def rewards(context: dg.AssetExecutionContext, experiment: ExperimentResource,
+            store: ExperienceStoreResource) -> dg.MaterializeResult:
     """Per-agent rewards and group-relative (GRPO) advantages."""
-    return _replay("rewards", context, experiment)
+    return _recompute("rewards", context, experiment, store)
 
 
 @dg.asset(partitions_def=STEP_X_MICRO_BATCH, group_name=_GROUP, deps=[rollouts, rewards], kinds={"torch", "parquet"})
-def policy_updates(context: dg.AssetExecutionContext, experiment: ExperimentResource) -> dg.MaterializeResult:
+def policy_updates(context: dg.AssetExecutionContext, experiment: ExperimentResource,
+                   store: ExperienceStoreResource) -> dg.MaterializeResult:
     """Each agent's gradient accumulation for the micro-batch (loss, tokens, clip fraction)."""
-    return _replay("policy_updates", context, experiment)
+    return _recompute("policy_updates", context, experiment, store)
 
 
 STAGE_ASSETS = [rollouts, environment_results, rewards, policy_updates]

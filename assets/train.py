@@ -61,6 +61,8 @@ def _log_start(context: dg.OpExecutionContext, config, event) -> None:
     plan = event.plan
     context.instance.add_dynamic_partitions(
         STEPS.name, [step_key(config.run, step) for step in range(plan.first_step, plan.last_step + 1)])
+    for observation in plan_observations(config.run, plan):
+        context.log_event(observation)
     if any(policy.created for policy in event.base_policies):
         context.log_event(dg.AssetMaterialization(asset_key="base_policies",
                                                   metadata=base_policy_metadata(event.base_policies)))
@@ -71,6 +73,19 @@ def _log_start(context: dg.OpExecutionContext, config, event) -> None:
         where = "a new run" if plan.first_step == 0 else f"continuing from policy versions {plan.versions}"
     context.log.info(f"run {event.run}: steps {plan.first_step}..{plan.last_step}, {where}; "
                      f"set-up took {event.setup_seconds:.1f} s")
+
+
+def plan_observations(run: str, plan) -> list[dg.AssetObservation]:
+    """One ``policies`` observation per agent: the policy versions this launch will commit (from, to].
+
+    The plan is made inside the op (it reads and writes the store's launch record), so the op records it in
+    the event log and the ``marl`` CLI takes its progress total from there (``cli._PolicyProgress``): a resumed
+    launch's total is what it has left, and no second planning outside the op can disagree with the op's.
+    """
+    return [dg.AssetObservation(asset_key="policies", partition=agent_key(run, agent),
+                                metadata={"launch_from_version": version, "launch_to_version": plan.last_step + 1,
+                                          "launch_resumed": plan.resumed})
+            for agent, version in plan.versions.items()]
 
 
 @dg.job(name="train", description="Train every agent for `pipeline.steps` RL steps, continuing from the latest "

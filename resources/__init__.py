@@ -2,5 +2,6 @@
 
 from resources.experiment import ExperimentResource
 from resources.ray_cluster import RayCluster
+from resources.store import ExperienceStoreResource
 
-__all__ = ["ExperimentResource", "RayCluster"]
+__all__ = ["ExperienceStoreResource", "ExperimentResource", "RayCluster"]

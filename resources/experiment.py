@@ -1,4 +1,4 @@
-"""The experiment resource: the validated experiment config and its experience store."""
+"""The experiment resource: the validated experiment config."""
 
 from __future__ import annotations
 
@@ -16,8 +16,3 @@ class ExperimentResource(dg.ConfigurableResource):
         from marl_pipeline.config import load_config
 
         return load_config(self.config_path)
-
-    def store(self):
-        from marl_pipeline.store import ExperienceStore
-
-        return ExperienceStore(self.load().store)

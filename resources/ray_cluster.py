@@ -1,20 +1,50 @@
-"""The Ray resource: dagster-ray's ``RayResource`` lifecycle, embedded local Ray or an existing cluster."""
+"""The Ray resource: dagster-ray's ``RayResource`` lifecycle, embedded local Ray or an existing cluster.
 
-from __future__ import annotations
+No ``from __future__ import annotations`` here: Dagster tells a nested resource field (``experiment``) from a
+config field by its evaluated annotation.
+"""
 
+import contextlib
+from collections.abc import Generator
+
+import dagster as dg
 from dagster_ray import RayResource
 from pydantic import Field
 
+from resources.experiment import ExperimentResource
+
 
 class RayCluster(RayResource):
-    """Ray for a Dagster step.
+    """Ray for a Dagster step, where the experiment's YAML (``ray:``) says.
 
-    ``address=None`` (the default) starts an embedded local Ray for the step and stops it afterwards, like
-    dagster-ray's ``LocalRay``; an address (``ray://host:10001``, ``auto``) connects to an existing cluster.
+    The address is this resource's ``address`` when set, else the YAML's ``ray.address``: None starts an
+    embedded local Ray for the step and stops it afterwards (like dagster-ray's ``LocalRay``), with the
+    YAML's ``ray.num_cpus`` unless ``ray_init_options`` names ``num_cpus``; an address (``ray://host:10001``,
+    ``auto``) connects to an existing cluster. Reading the YAML here is what makes ``dagster dev``, the
+    ``retrain`` schedule and the ``marl`` CLI (which all share this resource) agree on where Ray runs.
     We subclass dagster-ray's base rather than use ``LocalRay`` because ``LocalRay`` pins the address to None.
     """
 
-    address: str | None = Field(default=None, description="Existing Ray cluster to join; None starts a local one.")
+    experiment: ExperimentResource = Field(description="The experiment whose `ray` settings apply where unset here.")
+    address: str | None = Field(default=None, description="Existing Ray cluster to join; None: the experiment's "
+                                                          "`ray.address` (None there too starts a local one).")
+
+    def resolved(self) -> "RayCluster":
+        """This resource with the experiment's ``ray`` settings filled in where its own are unset."""
+        settings = self.experiment.load().ray
+        address = self.address if self.address is not None else settings.address
+        options = dict(self.ray_init_options)
+        # ray.init refuses num_cpus when it joins an existing cluster: the YAML's count sizes a local Ray only.
+        if address is None and settings.num_cpus is not None:
+            options.setdefault("num_cpus", settings.num_cpus)
+        return self.model_copy(update={"address": address, "ray_init_options": options})
+
+    @contextlib.contextmanager
+    def yield_for_execution(self, context: dg.InitResourceContext) -> Generator["RayCluster", None, None]:
+        # dagster-ray's connect reads ``ray_address`` and ``ray_init_options`` off the resource it runs on, so
+        # the step gets (and connects) the resolved copy; the YAML is read when a step starts, never at import.
+        with RayResource.yield_for_execution(self.resolved(), context) as ray:
+            yield ray
 
     @property
     def host(self) -> str:

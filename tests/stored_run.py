@@ -1,14 +1,18 @@
-"""A small synthetic run written through the store (no engines): for inspection, metadata and check tests."""
+"""A small synthetic run written through the store (no engines): for inspection, metadata, check and recomputation
+tests; and an action environment over its turns."""
 
 from __future__ import annotations
 
 import json
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+from pydantic import BaseModel, ConfigDict
 
+from marl_pipeline.environment import Action, ActionResult
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import ENVIRONMENT_RESULTS, REWARDS, ROLLOUTS, with_agent
 
@@ -59,3 +63,44 @@ def write_run(store: ExperienceStore, run: str = "r", steps: int = 2, micro_batc
                                            ("environment_results", ENVIRONMENT_RESULTS, results),
                                            ("rewards", REWARDS, rewards)):
                 store.commit(stage, key, pa.table(columns, schema=with_agent(schema)))
+
+
+class WhereActionsRun:
+    """Tests-only action environment over :func:`write_run`'s two-turn episodes: each turn is one action whose
+    result records where it ran: the process (to tell the action pool's workers from the caller) and the CPUs of
+    its Ray cluster (None outside Ray). Registered with
+    ``register_environment`` by the tests that use it; kept in this light module because the pool's workers
+    import it to unpickle ``run_action``."""
+
+    name = "where_actions_run"
+    turn_order = AGENTS
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+    def __init__(self, options) -> None:
+        pass
+
+    def sample_tasks(self, rng, count):
+        return [{"id": str(i)} for i in range(count)]
+
+    def render_prompt(self, role, task, transcript):
+        return f"{role}:"
+
+    def actions(self, task, transcript):
+        return [Action("echo", turn.text, 0.1) for turn in transcript]
+
+    def run_action(self, action):
+        import ray
+
+        cpus = ray.cluster_resources().get("CPU") if ray.is_initialized() else None
+        return ActionResult("ran", True, info={"pid": os.getpid(), "cluster_cpus": cpus})
+
+    def score(self, task, transcript, results):
+        return {agent: 1.0 for agent in AGENTS}
+
+    def text_corpus(self, rng, count):
+        return []
+
+    def warmup_examples(self, role, rng, count):
+        return []

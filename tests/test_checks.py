@@ -14,7 +14,7 @@ from assets.partitions import STEPS, stage_partition, step_key
 from assets.stages import STAGE_ASSETS
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.validation import check_finite, check_schema_version, check_staleness, check_token_ids
-from resources import ExperimentResource, RayCluster
+from resources import ExperienceStoreResource, ExperimentResource, RayCluster
 from tests.stored_run import VOCAB, write_run
 
 
@@ -62,6 +62,9 @@ def test_checks_run_on_their_own_for_a_partition_in_dagster(tmp_path: Path, demo
     config_path = tmp_path / "experiment.yaml"
     config_path.write_text(yaml.safe_dump({**demo_config_data, "store": str(tmp_path / "store"),
                                            "pipeline": {**demo_config_data["pipeline"], "staleness": 1}}))
+    experiment = ExperimentResource(config_path=str(config_path))
+    resources = {"experiment": experiment, "store": ExperienceStoreResource(experiment=experiment),
+                 "ray": RayCluster(experiment=experiment)}
     instance = dg.DagsterInstance.ephemeral()
     instance.add_dynamic_partitions(STEPS.name, [step_key("demo", 1)])
     written = dg.AssetSelection.checks_for_assets(*STAGE_ASSETS[:3])  # the synthetic run has no policy_updates
@@ -72,8 +75,7 @@ def test_checks_run_on_their_own_for_a_partition_in_dagster(tmp_path: Path, demo
         tags = {"dagster/partition": str(partition),
                 **{f"dagster/partition/{dim}": key for dim, key in partition.keys_by_dimension.items()}}
         result = dg.materialize([*STAGE_ASSETS, *STAGE_CHECKS], selection=written, instance=instance, tags=tags,
-                                resources={"experiment": ExperimentResource(config_path=str(config_path)),
-                                           "ray": RayCluster()})
+                                resources=resources)
         assert result.success
         evaluations = result.get_asset_check_evaluations()
         assert not result.get_asset_materialization_events()  # the checks alone: nothing recomputed

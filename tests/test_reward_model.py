@@ -154,7 +154,7 @@ def test_training_launch_stores_and_replays_the_model_reward(local_ray, demo_con
     assert solver and all(row["model_score"] is not None for row in solver)
     assert all(row["model_score"] is None for row in stored if row["agent"] == "verifier")
     assert (store.root / f"run={config.run}" / "reward_model" / "config.json").is_file()
-    _, replayed, _ = recompute_stage("rewards", config, key)
+    _, replayed, _ = recompute_stage("rewards", config, store, key)
     replayed_rows = replayed.sort_by("sample_id").to_pylist()
     for before, after in zip(stored, replayed_rows, strict=True):
         assert after["sample_id"] == before["sample_id"]

@@ -21,7 +21,7 @@ from assets.partitions import agent_key, stage_partition
 from assets.stages import environment_results, policy_updates, rewards, rollouts
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import STAGES
-from resources import ExperimentResource, RayCluster
+from resources import ExperienceStoreResource, ExperimentResource, RayCluster
 from tests.conftest import ROOT, small_config_data
 
 STEPS, MICRO_BATCHES = 2, 2
@@ -36,8 +36,9 @@ def trained(tmp_path_factory, demo_config_data):
     config_path.write_text(yaml.safe_dump(data))
     (work / "dagster_home").mkdir()
     instance = dg.DagsterInstance.local_temp(str(work / "dagster_home"))
-    resources = {"experiment": ExperimentResource(config_path=str(config_path)),
-                 "ray": RayCluster(ray_init_options={"include_dashboard": False, "num_cpus": 2})}
+    experiment = ExperimentResource(config_path=str(config_path))
+    resources = {"experiment": experiment, "store": ExperienceStoreResource(experiment=experiment),
+                 "ray": RayCluster(experiment=experiment, ray_init_options={"include_dashboard": False, "num_cpus": 2})}
     result = defs.get_job_def("train").execute_in_process(
         instance=instance, run_config={"resources": {"experiment": {"config": {"config_path": str(config_path)}}}})
     yield {"result": result, "instance": instance, "store": ExperienceStore(data["store"]), "work": work,

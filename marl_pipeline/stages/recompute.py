@@ -30,12 +30,13 @@ from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import with_stage_timing
 
 
-def recompute_stage(stage: str, config: ExperimentConfig, key: MicroBatchKey) -> tuple[Path, pa.Table, float]:
-    """Recompute and commit ``stage`` for ``key``; returns (partition path, table, seconds)."""
+def recompute_stage(stage: str, config: ExperimentConfig, store: ExperienceStore,
+                    key: MicroBatchKey) -> tuple[Path, pa.Table, float]:
+    """Recompute and commit ``stage`` for ``key`` in ``store`` (the run's store); returns (partition path,
+    table, seconds)."""
     if key.run != config.run:
         raise ValueError(f"partition of run {key.run!r}, but the experiment config is for run {config.run!r}")
     env = build_environment(config.environment.name, config.environment.options)
-    store = ExperienceStore(config.store)
     started = time.time()
     if stage == "rollouts":
         table = _rollouts(config, env, store, key)

@@ -1,0 +1,55 @@
+"""The CLI's progress follower on a real Dagster instance: totals from the op's launch plan, reads by cursor.
+
+No ``from __future__ import annotations``: Dagster checks the op's ``context`` annotation as an evaluated type.
+"""
+
+import threading
+from pathlib import Path
+
+import dagster as dg
+
+from assets.cli import _PolicyProgress
+from assets.partitions import agent_key, stage_partition
+from assets.train import plan_observations
+from marl_pipeline.run.launches import LaunchPlan
+
+# A resumed launch: it ends after step 4, the solver already holds version 3, the verifier version 2, so it
+# has 5 policy versions left (solver 4, 5; verifier 3, 4, 5), not steps x agents.
+PLAN = LaunchPlan(first_step=2, last_step=4, versions={"solver": 3, "verifier": 2}, resumed=True,
+                  committed={"rollouts": 2})
+
+
+def test_progress_total_comes_from_the_launch_plan_and_polls_read_only_new_records(tmp_path: Path) -> None:
+    halfway, go_on = threading.Event(), threading.Event()
+
+    @dg.op
+    def launch(context: dg.OpExecutionContext) -> None:
+        for observation in plan_observations("r", PLAN):  # what the train op logs when its launch starts
+            context.log_event(observation)
+        context.log_event(dg.AssetMaterialization("policies", partition=agent_key("r", "verifier")))
+        context.log_event(dg.AssetMaterialization("rollouts", partition=str(stage_partition("r", 2, 0))))
+        halfway.set()
+        assert go_on.wait(60)
+        for agent in ("solver", "verifier"):
+            context.log_event(dg.AssetMaterialization("policies", partition=agent_key("r", agent)))
+
+    @dg.job
+    def launch_job() -> None:
+        launch()
+
+    instance = dg.DagsterInstance.local_temp(str(tmp_path))  # sqlite event log, as the CLI's DAGSTER_HOME
+    run_id = "3f2c0a8e-0000-4000-8000-000000000001"
+    worker = threading.Thread(target=lambda: launch_job.execute_in_process(instance=instance, run_id=run_id))
+    worker.start()
+    try:
+        assert halfway.wait(60)
+        progress = _PolicyProgress(instance, run_id)
+        assert progress.poll() == 4  # 2 plan observations, 2 materializations (one of another asset)
+        assert (progress.total, progress.done) == (5, 1)
+        assert progress.poll() == 0  # nothing new since the cursor
+        assert (progress.total, progress.done) == (5, 1)
+    finally:
+        go_on.set()
+        worker.join()
+    assert progress.poll() == 2
+    assert (progress.total, progress.done) == (5, 3)
