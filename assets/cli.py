@@ -89,6 +89,7 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
 
     store = ExperienceStore(config.store)
     _print_reward_table(store, config.run)
+    _print_evaluation_table(store, config.run)
     console.print(f"run {run_id} finished in {time.perf_counter() - started:.0f} s; DAGSTER_HOME={home}")
 
 
@@ -160,6 +161,33 @@ def _print_reward_table(store, run: str) -> None:
     console.print(table)
 
 
+def _print_evaluation_table(store, run: str) -> None:
+    """Each agent's held-out headline metric and top-answer share per evaluated version (if any were)."""
+    from marl_pipeline.run.evaluations import evaluation_history
+    from marl_pipeline.stages.evaluation import headline_metric
+
+    history = evaluation_history(store, run)
+    if not history:
+        return
+    agents = sorted({agent for by_agent in history.values() for agent in by_agent})
+    table = Table(title=f"held-out evaluation per policy version, run {run} (greedy; top = share of the most "
+                        f"frequent answer)")
+    table.add_column("version", justify="right")
+    for agent in agents:
+        name = headline_metric(next(m[agent] for m in history.values() if agent in m))[0]
+        table.add_column(f"{agent} {name}", justify="right")
+        table.add_column(f"{agent} top", justify="right")
+    for version, by_agent in history.items():
+        cells = []
+        for agent in agents:
+            if (metrics := by_agent.get(agent)) is None:
+                cells += ["-", "-"]
+            else:
+                cells += [f"{headline_metric(metrics)[1]:.3f}", f"{metrics['top_answer_share']:.2f}"]
+        table.add_row(str(version), *cells)
+    console.print(table)
+
+
 @app.command()
 def inspect(store_uri: str = typer.Argument(..., help="Experience store: a directory or s3://bucket/prefix "
                                              "(endpoint and keys from the AWS_* variables).", metavar="STORE"),
@@ -198,6 +226,7 @@ def _print_run(store, run: str, step: int | None, agent: str | None, sample: int
                   f"policy versions {versions}")
     if step is None and agent is None:
         _print_reward_table(store, run)
+        _print_evaluation_table(store, run)
     table = Table(title="turns, tokens and reward per agent")
     for column in ("agent", "turns", "tokens", "reward mean", "std", "min", "p50", "max"):
         table.add_column(column, justify="left" if column == "agent" else "right")

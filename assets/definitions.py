@@ -8,6 +8,7 @@ from __future__ import annotations
 import dagster as dg
 
 from assets.checks import STAGE_CHECKS
+from assets.evaluations import evaluations, no_collapsed_agent
 from assets.policies import base_policies, policies
 from assets.stages import STAGE_ASSETS
 from assets.train import retrain_schedule, train_job
@@ -18,8 +19,8 @@ from resources import ExperienceStoreResource, ExperimentResource, RayCluster
 experiment = ExperimentResource.configure_at_launch()
 
 defs = dg.Definitions(
-    assets=[base_policies, policies, *STAGE_ASSETS],
-    asset_checks=STAGE_CHECKS,
+    assets=[base_policies, policies, *STAGE_ASSETS, evaluations],
+    asset_checks=[*STAGE_CHECKS, no_collapsed_agent],
     jobs=[train_job],
     schedules=[retrain_schedule],
     resources={

@@ -9,7 +9,7 @@ import warnings
 import dagster as dg
 
 from assets.partitions import STEPS
-from resources import ExperimentResource, RayCluster
+from resources import ExperienceStoreResource, ExperimentResource, RayCluster
 
 
 def parse_version_key(partition_key: str) -> tuple[str, int]:
@@ -39,33 +39,29 @@ def evaluation_metadata(metrics: dict[str, dict[str, float]], path, history=None
 
 @dg.asset(partitions_def=STEPS, group_name="evaluation", deps=["base_policies", "policies"],
           kinds={"vllm", "parquet"})
-def evaluations(context: dg.AssetExecutionContext, experiment: ExperimentResource,
+def evaluations(context: dg.AssetExecutionContext, experiment: ExperimentResource, store: ExperienceStoreResource,
                 ray: RayCluster) -> dg.MaterializeResult:
     """Each agent's greedy answers to its own held-out cases at the partition's policy version: solver
     accuracy, verifier balanced accuracy (the plugin's metrics), answer entropy and top-answer share."""
-    from marl_pipeline.environment import build_environment
     from marl_pipeline.run.evaluations import evaluation_history
-    from marl_pipeline.stages.evaluation import evaluation_metrics
+    from marl_pipeline.stages.evaluation import stored_metrics
     from marl_pipeline.stages.recompute import recompute_stage
     from marl_pipeline.store import MicroBatchKey
 
     config = experiment.load()
     run, version = parse_version_key(context.partition_key)
-    path, table, _ = recompute_stage("evaluations", config, MicroBatchKey(run, version, 0))
-    env = build_environment(config.environment.name, config.environment.options)
-    history = evaluation_history(env, experiment.store(), run)
-    return dg.MaterializeResult(metadata=evaluation_metadata(evaluation_metrics(env, table), path, history))
+    experience = store.open()
+    path, table, _ = recompute_stage("evaluations", config, experience, MicroBatchKey(run, version, 0))
+    history = evaluation_history(experience, run)
+    return dg.MaterializeResult(metadata=evaluation_metadata(stored_metrics(table), path, history))
 
 
-def _no_collapse(context: dg.AssetCheckExecutionContext, experiment: ExperimentResource) -> dg.AssetCheckResult:
-    from marl_pipeline.environment import build_environment
-    from marl_pipeline.stages.evaluation import COLLAPSE_SHARE, evaluation_metrics
+def _no_collapse(context: dg.AssetCheckExecutionContext, store: ExperienceStoreResource) -> dg.AssetCheckResult:
+    from marl_pipeline.stages.evaluation import COLLAPSE_SHARE, stored_metrics
     from marl_pipeline.store import MicroBatchKey
 
-    config = experiment.load()
     run, version = parse_version_key(context.partition_key)
-    env = build_environment(config.environment.name, config.environment.options)
-    metrics = evaluation_metrics(env, experiment.store().read("evaluations", MicroBatchKey(run, version, 0)))
+    metrics = stored_metrics(store.open().read("evaluations", MicroBatchKey(run, version, 0)))
     collapsed = {agent: figures["top_answer_share"] for agent, figures in metrics.items() if figures["collapsed"]}
     found = [f"{agent} gives one answer to {share:.0%} of its held-out cases" for agent, share in collapsed.items()]
     description = ("collapsed: " + "; ".join(found) if found

@@ -8,6 +8,7 @@ moment it lands, so the UI's partition grid fills in live.
 
 import dagster as dg
 
+from assets.evaluations import evaluation_metadata
 from assets.metadata import run_report, stage_metadata
 from assets.partitions import AGENTS, STEPS, agent_key, stage_partition, step_key
 from assets.policies import base_policy_metadata
@@ -18,6 +19,7 @@ from resources import ExperimentResource, RayCluster
        out=dg.Out(dict, description="Run-level pipeline figures of the launch."))
 def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResource, ray: RayCluster):
     from marl_pipeline.run.events import (
+        EvaluationCommitted,
         PolicyCommitted,
         RunFinished,
         RunStarted,
@@ -45,6 +47,8 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
                 metadata={"policy_version": event.version, "step": event.step,
                           "path": dg.MetadataValue.path(str(event.path)), "grad_norm": event.grad_norm,
                           "tokens": event.tokens}))
+        elif isinstance(event, EvaluationCommitted):
+            _log_evaluation(context, config, event)
         elif isinstance(event, StepFinished):
             rewards = ", ".join(f"{agent} {value:.3f}" for agent, value in event.mean_reward.items())
             context.log.info(f"step {event.step}: mean reward {mean_reward(event.mean_reward):.3f} ({rewards}), "
@@ -55,6 +59,22 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
             report, metadata = run_report(event, timeline.timeline())
             return dg.Output(report, metadata=metadata)
     raise RuntimeError("the training launch ended without finishing")  # unreachable: train() raises first
+
+
+def _log_evaluation(context: dg.OpExecutionContext, config, event) -> None:
+    """One ``evaluations`` materialization per evaluated version (its step key; the last version has no step of
+    its own, so its key is added here), with every agent's metrics and the plot across the run's versions."""
+    from marl_pipeline.run.evaluations import evaluation_history
+    from marl_pipeline.store import ExperienceStore
+
+    partition = step_key(config.run, event.version)
+    context.instance.add_dynamic_partitions(STEPS.name, [partition])
+    history = evaluation_history(ExperienceStore(config.store), config.run)
+    context.log_event(dg.AssetMaterialization(asset_key="evaluations", partition=partition,
+                                              metadata=evaluation_metadata(event.metrics, event.path, history)))
+    figures = "; ".join(f"{agent} " + ", ".join(f"{name} {value:.3f}" for name, value in metrics.items())
+                        for agent, metrics in event.metrics.items())
+    context.log.info(f"held-out evaluation of version {event.version}: {figures}")
 
 
 def _log_start(context: dg.OpExecutionContext, config, event) -> None:

@@ -148,8 +148,8 @@ def test_a_version_4_partition_is_re_scored_with_the_same_groups(small_config) -
                              "response_text": reply, "prompt_ids": [], "response_ids": [], "logprobs": [],
                              "finish_reason": "stop", "status": "ok", "error": None, "agent": role})
     store.commit("rollouts", key, pa.Table.from_pylist(rows, schema=with_agent(ROLLOUTS)))
-    recompute_stage("environment_results", small_config, key)
-    _, scored, _ = recompute_stage("rewards", small_config, key)
+    recompute_stage("environment_results", small_config, store, key)
+    _, scored, _ = recompute_stage("rewards", small_config, store, key)
     before = {row["sample_id"]: row for row in scored.to_pylist()}
     # Per prompt, the solver (and the verifier, who says yes) gets 1, 1, 0 and 0, 0, 1: +-1/sqrt(2) and -+sqrt(2).
     # One group of the micro-batch (or of the task) would give +-1.
@@ -161,8 +161,8 @@ def test_a_version_4_partition_is_re_scored_with_the_same_groups(small_config) -
     for stage in ("rollouts", "environment_results", "rewards"):
         as_version_4(store, stage, key)
     # Re-executed and re-scored from the old partitions: the same groups, so the same advantages, now stored.
-    recompute_stage("environment_results", small_config, key)
-    _, rescored, _ = recompute_stage("rewards", small_config, key)
+    recompute_stage("environment_results", small_config, store, key)
+    _, rescored, _ = recompute_stage("rewards", small_config, store, key)
     for row in rescored.to_pylist():
         assert (row["group_id"], row["reward"], row["advantage"]) == tuple(
             before[row["sample_id"]][name] for name in ("group_id", "reward", "advantage"))

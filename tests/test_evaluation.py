@@ -18,6 +18,7 @@ from marl_pipeline.stages.evaluation import (
     answer_statistics,
     evaluation_cases,
     evaluation_metrics,
+    stored_metrics,
 )
 from marl_pipeline.stages.recompute import recompute_stage
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
@@ -80,11 +81,11 @@ def test_train_job_evaluates_every_agent_and_a_recomputation_agrees(local_ray, d
         assert sorted(event.metrics) == ["solver", "verifier"]
         assert 0.0 <= event.metrics["solver"]["accuracy"] <= 1.0
         assert 0.0 <= event.metrics["verifier"]["balanced_accuracy"] <= 1.0
-        assert event.metrics == evaluation_metrics(ENV_OF(config), table)
+        assert event.metrics == evaluation_metrics(ENV_OF(config), table) == stored_metrics(table)
     # Greedy decoding: evaluating the stored version again from the store gives the same answers.
     stored = store.read("evaluations", MicroBatchKey(config.run, 2, 0)).sort_by([("agent", "ascending"),
                                                                                 ("case", "ascending")])
-    _, again, _ = recompute_stage("evaluations", config, MicroBatchKey(config.run, 2, 0))
+    _, again, _ = recompute_stage("evaluations", config, store, MicroBatchKey(config.run, 2, 0))
     again = again.sort_by([("agent", "ascending"), ("case", "ascending")])
     assert again.column("response_text").to_pylist() == stored.column("response_text").to_pylist()
 

@@ -15,7 +15,13 @@ import ray
 
 from marl_pipeline.environment import Environment
 from marl_pipeline.run.events import EvaluationCommitted
-from marl_pipeline.stages.evaluation import EvaluationSettings, evaluate_agent, evaluation_metrics, headline_metric
+from marl_pipeline.stages.evaluation import (
+    EvaluationSettings,
+    evaluate_agent,
+    headline_metric,
+    stored_metrics,
+    with_metrics,
+)
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 
 
@@ -47,15 +53,15 @@ class EvaluationRounds:
             if len(parts) < len(self.agents):
                 return None
             del self._parts[version]
-        combined = pa.concat_tables([parts[a] for a in self.agents])
+        combined, metrics = with_metrics(self.env, pa.concat_tables([parts[a] for a in self.agents]))
         path = self.store.commit("evaluations", MicroBatchKey(self.run, version, 0), combined)
-        return EvaluationCommitted(version, path, evaluation_metrics(self.env, combined))
+        return EvaluationCommitted(version, path, metrics)
 
 
-def evaluation_history(env: Environment, store: ExperienceStore, run: str) -> dict[int, dict[str, dict[str, float]]]:
-    """Every committed evaluation of a run: version -> agent -> metrics, versions in order."""
+def evaluation_history(store: ExperienceStore, run: str) -> dict[int, dict[str, dict[str, float]]]:
+    """Every committed evaluation of a run, from the metrics stored with it: version -> agent -> metrics."""
     keys = sorted(store.committed_keys(run, "evaluations"), key=lambda key: key.step)
-    return {key.step: evaluation_metrics(env, store.read("evaluations", key)) for key in keys}
+    return {key.step: stored_metrics(store.read("evaluations", key, columns=["agent", "metrics"])) for key in keys}
 
 
 def evaluation_plot_png(history: dict[int, dict[str, dict[str, float]]], title: str = "held-out evaluation") -> bytes:

@@ -70,7 +70,7 @@ def evaluate_agent(env: Environment, role: str, engine: ray.actor.ActorHandle,
         "transcript": json.dumps([asdict(turn) for turn in case.transcript]), "label": case.label,
         "prompt_text": prompt, "response_text": completion.text,
         "answer": env.answer_of(role, completion.text),  # type: ignore[attr-defined]
-        "status": "ok", "error": None, "agent": role,
+        "metrics": None, "status": "ok", "error": None, "agent": role,
     } for index, (case, prompt, completion) in enumerate(zip(cases, prompts, completions))]
     return pa.Table.from_pylist(rows, schema=with_agent(EVALUATIONS))
 
@@ -88,6 +88,21 @@ def evaluation_metrics(env: Environment, table: pa.Table) -> dict[str, dict[str,
         figures.update(answer_statistics([r["answer"] for r in rows], [r["label"] for r in rows]))
         metrics[agent] = figures
     return metrics
+
+
+def with_metrics(env: Environment, table: pa.Table) -> tuple[pa.Table, dict[str, dict[str, float]]]:
+    """The table with each agent's metrics stored on its rows (so the store answers "how good was v" without
+    the plugin: ``marl inspect``, DuckDB, the plots), and the metrics."""
+    metrics = evaluation_metrics(env, table)
+    column = pa.array([json.dumps(metrics[agent]) for agent in table.column("agent").to_pylist()], pa.string())
+    return table.set_column(table.column_names.index("metrics"), "metrics", column), metrics
+
+
+def stored_metrics(table: pa.Table) -> dict[str, dict[str, float]]:
+    """Per agent, the metrics stored with an evaluations partition."""
+    rows = table.select(["agent", "metrics"]).to_pylist()
+    return {row["agent"]: json.loads(row["metrics"]) for row in sorted(rows, key=lambda r: r["agent"])
+            if row["metrics"] is not None}
 
 
 def answer_statistics(answers: list[str], labels: list[str]) -> dict[str, float]:

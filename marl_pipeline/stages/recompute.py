@@ -21,7 +21,7 @@ from marl_pipeline.runtime.action_pool import shared_pool
 from marl_pipeline.runtime.reward_model import RewardModelServer, prepare_reward_model
 from marl_pipeline.runtime.trainer import PolicyTrainer
 from marl_pipeline.runtime.workers import trainer_options
-from marl_pipeline.stages.evaluation import EvaluationSettings, evaluate_agent, is_evaluated
+from marl_pipeline.stages.evaluation import EvaluationSettings, evaluate_agent, is_evaluated, with_metrics
 from marl_pipeline.stages.execution import action_pool_settings, execute_micro_batch
 from marl_pipeline.stages.reward import ModelReward, score_micro_batch
 from marl_pipeline.stages.rollout import RolloutSettings, rollout_micro_batch
@@ -114,7 +114,8 @@ def _evaluations(config: ExperimentConfig, env, store: ExperienceStore, version:
     engines = start_engines(config, store, {agent: version for agent in config.agents})
     try:
         settings = EvaluationSettings.from_config(config)
-        return pa.concat_tables([evaluate_agent(env, agent, engine, settings) for agent, engine in engines.items()])
+        table = pa.concat_tables([evaluate_agent(env, agent, engine, settings) for agent, engine in engines.items()])
+        return with_metrics(env, table)[0]
     finally:
         for engine in engines.values():
             ray.kill(engine)

@@ -199,6 +199,7 @@ EVALUATIONS = pa.schema(
         pa.field("prompt_text", pa.string()),
         pa.field("response_text", pa.string()),
         pa.field("answer", pa.string()),  # the plugin's normalised answer (answer_of)
+        pa.field("metrics", pa.string()),  # JSON: the agent's metrics at this version (the same on each of its rows)
         pa.field("status", pa.string()),
         pa.field("error", pa.string()),
     ]
