@@ -94,3 +94,64 @@ def ENV_OF(config):  # the run's own environment, as the train job builds it
     from marl_pipeline.environment import build_environment
 
     return build_environment(config.environment.name, config.environment.options)
+
+
+def _stored_evaluation(store: ExperienceStore, run: str, version: int, verifier_answers) -> None:
+    """An evaluations partition as the train job commits it, answers given by hand (a real engine cannot be made
+    to collapse on demand): a perfect solver, and a verifier answering ``verifier_answers(case)``."""
+    import json
+
+    import pyarrow as pa
+
+    from marl_pipeline.stages.evaluation import with_metrics
+    from marl_pipeline.store.schema import EVALUATIONS, with_agent
+
+    rows = []
+    for role in ("solver", "verifier"):
+        for index, case in enumerate(evaluation_cases(ENV, role, SETTINGS)):
+            response = case.label if role == "solver" else verifier_answers(case)
+            rows.append({"policy_version": version, "case": index, "task_id": case.task["id"],
+                         "task": json.dumps(case.task), "label": case.label, "prompt_text": "",
+                         "transcript": json.dumps([{"role": t.role, "text": t.text, "observation": None}
+                                                   for t in case.transcript]),
+                         "response_text": response, "answer": response, "metrics": None, "status": "ok",
+                         "error": None, "agent": role})
+    table, _ = with_metrics(ENV, pa.Table.from_pylist(rows, schema=with_agent(EVALUATIONS)))
+    store.commit("evaluations", MicroBatchKey(run, version, 0), table)
+
+
+def test_the_collapse_check_flags_an_agent_that_always_gives_one_answer(tmp_path: Path,
+                                                                        demo_config_data: dict) -> None:
+    import dagster as dg
+    import yaml
+
+    from assets.evaluations import evaluations, no_collapsed_agent
+    from assets.partitions import STEPS, step_key
+    from marl_pipeline.run.evaluations import evaluation_history
+    from resources import ExperienceStoreResource, ExperimentResource, RayCluster
+
+    store = ExperienceStore(tmp_path / "store")
+    _stored_evaluation(store, "demo", 0, lambda case: case.label)  # a verifier that tells right from wrong
+    _stored_evaluation(store, "demo", 5, lambda case: "yes")  # ... that has collapsed onto "yes"
+    history = evaluation_history(store, "demo")
+    assert history[0]["verifier"]["balanced_accuracy"] == 1.0 and history[5]["verifier"]["balanced_accuracy"] == 0.5
+    assert history[5]["solver"]["accuracy"] == 1.0  # the solver's skill is its own
+    config_path = tmp_path / "experiment.yaml"
+    config_path.write_text(yaml.safe_dump({**demo_config_data, "store": str(tmp_path / "store")}))
+    experiment = ExperimentResource(config_path=str(config_path))
+    resources = {"experiment": experiment, "store": ExperienceStoreResource(experiment=experiment),
+                 "ray": RayCluster(experiment=experiment)}
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions(STEPS.name, [step_key("demo", 0), step_key("demo", 5)])
+    verdicts = {}
+    for version in (0, 5):
+        only_the_check = dg.AssetSelection.checks(no_collapsed_agent)
+        result = dg.materialize([evaluations, no_collapsed_agent], selection=only_the_check, instance=instance,
+                                resources=resources,
+                                tags={"dagster/partition": step_key("demo", version)})
+        assert result.success and not result.get_asset_materialization_events()
+        (evaluation,) = result.get_asset_check_evaluations()
+        verdicts[version] = (evaluation.passed, evaluation.description)
+    assert verdicts[0][0] and not verdicts[5][0]
+    assert "verifier gives one answer to 100% of its held-out cases" in verdicts[5][1]
+    assert "solver" not in verdicts[5][1]
