@@ -48,3 +48,12 @@ def test_modules_stay_small() -> None:
     too_long = {str(path): n for path, n in lengths.items() if n > 400}
     assert not too_long, f"modules over 400 lines: {too_long}"
     assert statistics.median(lengths.values()) <= 150
+
+
+def test_the_architecture_page_names_every_module() -> None:
+    page = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    modules = [str(path.relative_to(ROOT / "marl_pipeline")) for path in (ROOT / "marl_pipeline").rglob("*.py")
+               if path.name != "__init__.py"]
+    assert [module for module in modules if f"`{module}`" not in page] == []
+    for layer in ("run/", "stages/", "runtime/", "store/"):  # the layer picture shows every subpackage
+        assert f"  {layer}" in page
