@@ -194,3 +194,29 @@ def test_trainer_options_carry_the_algorithm_and_precision(demo_config_data: dic
     assert (options["kl_coef"], options["entropy_coef"], options["loss_normalization"], options["tis_cap"],
             options["dtype"]) == (0.05, 0.001, "sequence", 2.0, "auto")
 
+
+def test_mismatch_columns_are_stored_summarised_and_optional_in_older_partitions(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from marl_pipeline.stages.training import updates_table
+    from marl_pipeline.store import ExperienceStore, MicroBatchKey
+    from marl_pipeline.store.summaries import stage_summary
+
+    store, key = ExperienceStore(tmp_path / "store"), MicroBatchKey("r", 0, 0)
+    stats = {"rows": 2, "tokens": 5, "loss_sum": 0.5, "policy_version": 0, "clip_fraction": 0.0, "mean_ratio": 1.0,
+             "mismatch_abs_logprob": 0.25, "mismatch_ratio_std": 0.125}
+    verifier = {**stats, "mismatch_abs_logprob": 0.5}
+    store.commit("policy_updates", key, updates_table({"solver": stats, "verifier": verifier}))
+    summary = stage_summary("policy_updates", store.read("policy_updates", key))
+    assert summary["mismatch_abs_logprob/solver"] == 0.25 and summary["mismatch_abs_logprob/verifier"] == 0.5
+    assert summary["mismatch_ratio_std/solver"] == 0.125
+    # a partition written before the columns existed: they read back null and the summary leaves them out
+    partition = Path(store.partition_path("policy_updates", key))
+    for name in store.manifest("policy_updates", key).files.values():
+        table = pq.read_table(partition / name)
+        pq.write_table(table.drop_columns(["mismatch_abs_logprob", "mismatch_ratio_std"]), partition / name)
+    older = store.read("policy_updates", key)
+    assert older.column("mismatch_abs_logprob").null_count == 2
+    assert not any(name.startswith("mismatch") for name in stage_summary("policy_updates", older))
+    # and a producer may leave them out of a commit
+    store.commit("policy_updates", key, older.drop_columns(["mismatch_abs_logprob", "mismatch_ratio_std"]))
