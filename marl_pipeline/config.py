@@ -64,6 +64,10 @@ class TrainerConfig(_Strict):
     """Ray CPUs reserved for the trainer actor."""
     num_gpus: float = Field(0.0, ge=0)
     """Ray GPUs reserved for the trainer actor."""
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """Trainer precision: ``bfloat16`` runs forward and backward under bf16 autocast with float32 master weights
+    and optimizer state; ``auto`` is bfloat16 where the hardware has it (CPU with AMX or AVX512-BF16, CUDA with
+    bf16 support), float32 elsewhere."""
 
 
 class WarmupConfig(_Strict):
@@ -178,6 +182,17 @@ class AlgorithmConfig(_Strict):
     """Longest completion per turn, in tokens."""
     advantage_eps: float = Field(1e-6, gt=0)
     """Added to the group's reward std before dividing."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the k3 KL penalty to the agent's base policy (version 0); > 0 keeps a frozen copy of it in the
+    trainer."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus (full-vocabulary entropy at each response token), subtracted from the loss."""
+    loss_normalization: Literal["token", "sequence"] = "token"
+    """``token``: the step's summed token loss over its response-token count; ``sequence``: each sequence's mean
+    token loss, averaged over the step's sequences."""
+    tis_cap: float | None = Field(None, ge=1)
+    """Truncated importance sampling: weight each token's policy-gradient term by min(trainer/engine ratio, cap)
+    to correct the engine-vs-trainer mismatch (None: off)."""
 
 
 class RewardModelConfig(_Strict):

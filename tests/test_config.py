@@ -31,6 +31,13 @@ def test_every_shipped_config_parses(path: Path) -> None:
         (lambda d: d["agents"]["solver"].setdefault("trainer", {}).update(lr=-1), "agents.solver.trainer.lr"),
         (lambda d: d["environment"]["options"].update(max_operand="many"), "environment.options.max_operand"),
         (lambda d: d["agents"].pop("verifier"), "agents"),
+        (lambda d: d.setdefault("algorithm", {}).update(kl_coef=-0.1), "algorithm.kl_coef"),
+        (lambda d: d.setdefault("algorithm", {}).update(entropy_coef=-1e-3), "algorithm.entropy_coef"),
+        (lambda d: d.setdefault("algorithm", {}).update(loss_normalization="batch"), "algorithm.loss_normalization"),
+        (lambda d: d.setdefault("algorithm", {}).update(tis_cap=0.5), "algorithm.tis_cap"),
+        (lambda d: d.setdefault("algorithm", {}).update(kl_penalty=0.1), "algorithm.kl_penalty"),
+        (lambda d: d["agents"]["solver"].setdefault("trainer", {}).update(dtype="float16"),
+         "agents.solver.trainer.dtype"),
     ],
 )
 def test_bad_config_names_the_field(demo_config_data: dict, change, field: str) -> None:

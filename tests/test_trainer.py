@@ -6,6 +6,7 @@ from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
@@ -26,19 +27,32 @@ def _split(batch: TrainBatch, bounds: list[int]) -> list[TrainBatch]:
     return parts
 
 
-def _trainer(model_dir: Path) -> PolicyTrainer:
+def _trainer(model_dir: Path, **options) -> PolicyTrainer:
     return PolicyTrainer(str(model_dir), 0, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, clip_eps=0.2, seed=0,
-                         num_threads=1)
+                         num_threads=1, **options)
 
 
-def test_gradient_accumulation_equals_full_batch_update(tiny_model_dir: Path) -> None:
+ALGORITHM_OPTIONS = {
+    "token": dict(loss_normalization="token"),
+    "sequence": dict(loss_normalization="sequence"),
+    "sequence+kl+entropy+tis": dict(loss_normalization="sequence", kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0),
+    "token+kl+entropy+tis": dict(loss_normalization="token", kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0),
+}
+
+
+@pytest.mark.parametrize("options", ALGORITHM_OPTIONS.values(), ids=ALGORITHM_OPTIONS)
+def test_gradient_accumulation_equals_full_batch_update(tiny_model_dir: Path, options: dict) -> None:
     vocab = 200
     batch = _random_batch(np.random.default_rng(0), rows=12, vocab=vocab)
-    full, accumulated = _trainer(tiny_model_dir), _trainer(tiny_model_dir)
+    if options.get("kl_coef"):
+        options = {**options, "reference_dir": str(tiny_model_dir)}
+    full, accumulated = _trainer(tiny_model_dir, **options), _trainer(tiny_model_dir, **options)
     # In float64: the claim is that the two updates are the same function of the data. In float32 they differ
     # by summation order (~1e-7), which AdamW's first steps (g / sqrt(g^2)) blow up for near-zero gradients.
     for trainer in (full, accumulated):
         trainer.model.double()  # in place: the optimizer keeps the same parameter objects
+        if trainer.reference is not None:
+            trainer.reference.double()
     for _ in range(2):  # two optimizer steps, so AdamW's moment estimates are compared too
         full.accumulate(batch)
         full_stats = full.apply_step()
@@ -46,7 +60,8 @@ def test_gradient_accumulation_equals_full_batch_update(tiny_model_dir: Path) ->
         for part in _split(batch, [0, 2, 7, 12]):
             accumulated.accumulate(part)
         accumulated_stats = accumulated.apply_step()
-        assert accumulated_stats.tokens == full_stats.tokens
+        assert (accumulated_stats.tokens, accumulated_stats.sequences) == (full_stats.tokens, full_stats.sequences)
+        assert full_stats.sequences == 12
     assert full.version == accumulated.version == 2
     worst = max((a - b).abs().max().item() for a, b in zip(full.model.parameters(), accumulated.model.parameters()))
     assert worst <= 1e-5

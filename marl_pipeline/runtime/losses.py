@@ -1,4 +1,8 @@
-"""Policy-gradient loss and the token log-probabilities it needs."""
+"""GRPO's loss terms per token, their normalisation, and the token log-probabilities they need.
+
+Every term is a [batch, length] tensor of per-token values; :func:`summed_loss` masks and sums them the
+way the step normalises them (by tokens or by sequences), so the trainer divides once per step.
+"""
 
 from __future__ import annotations
 
@@ -24,41 +28,156 @@ def pad_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]], pa
     return input_ids, attention_mask, response_mask
 
 
+def _log_softmax(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """log p(token t+1 | tokens <= t) for every position: shape [batch, length - 1]."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    return torch.gather(torch.log_softmax(logits, dim=-1), 2, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.gather(_log_softmax(model, input_ids, attention_mask), 2, input_ids[:, 1:, None]).squeeze(-1)
 
 
-def clipped_pg_loss_sum(
+def token_logprobs_and_entropy(model, input_ids: torch.Tensor,
+                               attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs` and the full-vocabulary entropy at every position, from the same log-softmax
+    (one forward pass; the [batch, length, vocab] probabilities are one more tensor of the logits' size)."""
+    log_probs = _log_softmax(model, input_ids, attention_mask)
+    taken = torch.gather(log_probs, 2, input_ids[:, 1:, None]).squeeze(-1)
+    return taken, entropy_from_log_probs(log_probs)
+
+
+def entropy_from_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
+    """H = -sum_v p_v log p_v over the last (vocabulary) dimension."""
+    return -(log_probs.exp() * log_probs).sum(dim=-1)
+
+
+def clipped_pg_token_loss(
     logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    engine_logprobs: torch.Tensor,
     advantages: torch.Tensor,
-    mask: torch.Tensor,
     clip_eps: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clipped policy-gradient loss, summed (not averaged) over the masked tokens.
+    tis_cap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO-clipped policy-gradient loss at each token: max(-A r, -A clip(r, 1 - eps, 1 + eps)).
 
-    Summing lets the trainer divide once by the whole step's token count, so accumulating micro-batches
-    gives exactly the full-batch gradient whatever their sizes.
+    Without ``tis_cap`` the PPO ratio is r = pi_theta / pi_engine, the trainer's probability of the token
+    over the rollout engine's (today's GRPO loss). With ``tis_cap`` (truncated importance sampling, Yao et
+    al. 2025) the engine-vs-trainer correction moves into a weight and the clip's ratio is the trainer's own:
+    r = pi_theta / sg(pi_theta) (``sg``: detached, the "old" policy recomputed by the trainer, as verl does),
+    which is exactly 1 at the point of the gradient, so the clip is never active in our single update per
+    batch; each token's term is then multiplied by w = min(sg(pi_theta) / pi_engine, cap), and the gradient
+    is -A w grad log pi_theta. (Keeping r = pi_theta / pi_engine and multiplying by w would count the
+    mismatch twice, r w ~ r^2.)
 
     Args:
-        logprobs: current policy's log-probabilities of the taken tokens, [batch, length].
-        old_logprobs: the rollout engine's log-probabilities of the same tokens, [batch, length].
+        logprobs: the trainer's log-probabilities of the taken tokens, [batch, length].
+        engine_logprobs: the rollout engine's log-probabilities of the same tokens, [batch, length].
         advantages: one advantage per sequence, [batch].
-        mask: 1 for response tokens, 0 elsewhere, [batch, length].
         clip_eps: ratios are clipped to [1 - clip_eps, 1 + clip_eps].
+        tis_cap: truncate the importance weight at this value (None: no weight, the clip uses the engine ratio).
 
     Returns:
-        The summed loss and statistics (clip fraction, mean ratio) over the masked tokens.
+        The per-token loss [batch, length] and the ratio the clip used.
     """
-    ratio = torch.exp(logprobs - old_logprobs)
+    if tis_cap is None:
+        ratio = torch.exp(logprobs - engine_logprobs)
+    else:
+        ratio = torch.exp(logprobs - logprobs.detach())
     adv = advantages[:, None]
     pg_loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps))
-    loss_sum = (pg_loss * mask).sum()
-    with torch.no_grad():
-        tokens = mask.sum().clamp(min=1)
-        clipped = ((ratio - 1).abs() > clip_eps).float()
-        stats = {"clip_fraction": float((clipped * mask).sum() / tokens),
-                 "mean_ratio": float((ratio * mask).sum() / tokens)}
-    return loss_sum, stats
+    if tis_cap is not None:
+        pg_loss = pg_loss * truncated_is_weights(logprobs, engine_logprobs, tis_cap)
+    return pg_loss, ratio
+
+
+def truncated_is_weights(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """min(exp(sg(logprobs) - engine_logprobs), cap) per token: a constant, no gradient flows through it."""
+    return torch.exp(logprobs.detach() - engine_logprobs).clamp(max=cap)
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref) per token: exp(ref - logp) - (ref - logp) - 1.
+
+    Non-negative, and zero where the two policies agree on the token.
+    """
+    log_ratio = ref_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def grpo_token_loss(
+    logprobs: torch.Tensor,
+    engine_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps: float,
+    *,
+    tis_cap: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's loss at each token: clipped policy gradient + kl_coef * k3 KL to the reference - entropy_coef * H.
+
+    Args:
+        logprobs, engine_logprobs, advantages, clip_eps, tis_cap: as in :func:`clipped_pg_token_loss`.
+        ref_logprobs: the frozen reference policy's log-probabilities of the taken tokens (None: no KL term).
+        kl_coef: weight of the KL term.
+        entropy: the policy's full-vocabulary entropy at each token (None: no entropy term).
+        entropy_coef: weight of the entropy bonus.
+
+    Returns:
+        The per-token loss [batch, length] and the ratio the clip used.
+    """
+    loss, ratio = clipped_pg_token_loss(logprobs, engine_logprobs, advantages, clip_eps, tis_cap)
+    if ref_logprobs is not None:
+        loss = loss + kl_coef * k3_kl(logprobs, ref_logprobs)
+    if entropy is not None:
+        loss = loss - entropy_coef * entropy
+    return loss, ratio
+
+
+def summed_loss(token_loss: torch.Tensor, mask: torch.Tensor, normalization: str) -> torch.Tensor:
+    """The per-token loss summed the way the step normalises it; the trainer divides by :func:`loss_units`.
+
+    ``token``: the sum over response tokens (divided by the step's token count, every token weighs the same).
+    ``sequence``: the sum of each sequence's mean token loss (divided by the step's sequence count, every
+    sequence weighs the same, whatever its length). Either way a sum, so accumulating micro-batches of any
+    size gives exactly the full-batch gradient.
+    """
+    masked = token_loss * mask
+    if normalization == "token":
+        return masked.sum()
+    if normalization == "sequence":
+        return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum()
+    raise ValueError(f"loss normalization {normalization!r}: expected 'token' or 'sequence'")
+
+
+def loss_units(mask: torch.Tensor, normalization: str) -> int:
+    """What :func:`summed_loss` counts: response tokens, or sequences with at least one response token."""
+    return int(mask.sum()) if normalization == "token" else int((mask.sum(dim=1) > 0).sum())
+
+
+@torch.no_grad()
+def mismatch_stats(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the trainer's logprobs are from the engine's, over the masked tokens.
+
+    ``mismatch_abs_logprob``: mean |logprobs - engine_logprobs|; ``mean_ratio`` and ``mismatch_ratio_std``: the
+    mean and the (population) standard deviation of the importance ratio exp(logprobs - engine_logprobs).
+    At staleness 0 this is the engine-vs-trainer numerical mismatch alone; with staleness > 0 it includes the
+    policy's drift since the rollout's version.
+    """
+    tokens = mask.sum().clamp(min=1)
+    diff = logprobs - engine_logprobs
+    ratio = torch.exp(diff)
+    mean_ratio = (ratio * mask).sum() / tokens
+    return {"mean_ratio": float(mean_ratio),
+            "mismatch_abs_logprob": float((diff.abs() * mask).sum() / tokens),
+            "mismatch_ratio_std": float(torch.sqrt(((ratio - mean_ratio) ** 2 * mask).sum() / tokens))}
+
+
+@torch.no_grad()
+def clip_fraction(ratio: torch.Tensor, mask: torch.Tensor, clip_eps: float) -> float:
+    """Share of the masked tokens whose ratio is outside [1 - clip_eps, 1 + clip_eps]."""
+    clipped = ((ratio - 1).abs() > clip_eps).float()
+    return float((clipped * mask).sum() / mask.sum().clamp(min=1))

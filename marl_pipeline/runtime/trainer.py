@@ -1,9 +1,9 @@
 """Policy trainer: one agent's torch model and AdamW optimizer; run in-process or as a Ray actor.
 
 One optimizer step = one RL step. Micro-batches arrive one at a time through :meth:`accumulate`
-(summed token loss, backward, gradients add up); :meth:`apply_step` divides the gradients by the
-step's total response-token count, clips and steps. This is exactly the full-batch update of the
-token-mean loss over the whole step, whatever the micro-batch sizes.
+(summed loss, backward, gradients add up); :meth:`apply_step` divides the gradients by the step's
+total response-token count (or sequence count, with sequence normalisation), clips and steps. This is
+exactly the full-batch update of the mean loss over the whole step, whatever the micro-batch sizes.
 """
 
 from __future__ import annotations
@@ -12,8 +12,18 @@ from dataclasses import dataclass
 
 import torch
 
-from marl_pipeline.runtime.losses import clipped_pg_loss_sum, pad_sequences, token_logprobs
+from marl_pipeline.runtime.losses import (
+    clip_fraction,
+    grpo_token_loss,
+    loss_units,
+    mismatch_stats,
+    pad_sequences,
+    summed_loss,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
 from marl_pipeline.runtime.models import load_policy, save_policy
+from marl_pipeline.runtime.precision import autocast, resolve_dtype
 
 
 @dataclass(frozen=True)
@@ -34,7 +44,9 @@ class StepResult:
     policy_version: int
     """The version the step produced."""
     tokens: int
-    """Response tokens the step's gradient was normalised by."""
+    """Response tokens of the step."""
+    sequences: int
+    """Sequences of the step with at least one response token."""
     grad_norm: float
     """Gradient norm before clipping."""
     lr: float
@@ -42,56 +54,91 @@ class StepResult:
 
 
 class PolicyTrainer:
-    """Holds one agent's policy in float32 and updates it with the clipped policy-gradient loss."""
+    """Holds one agent's policy (float32 weights) and updates it with GRPO's clipped policy-gradient loss, plus
+    optional KL-to-reference and entropy terms."""
 
     def __init__(self, model_dir: str, version: int, *, lr: float, weight_decay: float, max_grad_norm: float,
                  clip_eps: float, seed: int, num_threads: int | None = None, lr_decay_steps: int | None = None,
-                 min_lr_ratio: float = 0.1) -> None:
+                 min_lr_ratio: float = 0.1, kl_coef: float = 0.0, reference_dir: str | None = None,
+                 entropy_coef: float = 0.0, loss_normalization: str = "token", tis_cap: float | None = None,
+                 dtype: str = "float32") -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
         self.model, self.tokenizer = load_policy(model_dir)
         self.model.train()
+        self.device_type = next(self.model.parameters()).device.type
+        self.dtype = resolve_dtype(dtype, self.device_type)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.lr, self.lr_decay_steps, self.min_lr_ratio = lr, lr_decay_steps, min_lr_ratio
         self.max_grad_norm = max_grad_norm
-        self.clip_eps = clip_eps
+        self.clip_eps, self.tis_cap = clip_eps, tis_cap
+        self.kl_coef, self.entropy_coef = kl_coef, entropy_coef
+        if loss_normalization not in ("token", "sequence"):
+            raise ValueError(f"loss_normalization {loss_normalization!r}: expected 'token' or 'sequence'")
+        self.loss_normalization = loss_normalization
+        self.reference = None
+        if kl_coef > 0:
+            if reference_dir is None:
+                raise ValueError("kl_coef > 0 needs reference_dir (the agent's base policy)")
+            # A second, frozen copy of the weights: + 4 bytes per parameter, a quarter more than the policy's
+            # own float32 weights, gradients and AdamW moments (16 bytes per parameter); and one more forward
+            # pass (no backward) per micro-batch.
+            self.reference, _ = load_policy(reference_dir)
+            self.reference.eval().requires_grad_(False)
         self.version = version
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._step_tokens = 0
+        self._step_sequences = 0
 
     def accumulate(self, batch: TrainBatch) -> dict[str, float]:
-        """Add one micro-batch's gradient of the summed token loss; returns its statistics."""
+        """Add one micro-batch's gradient of the summed loss; returns its statistics."""
         if not batch.prompt_ids:
             return {"rows": 0, "tokens": 0, "loss_sum": 0.0, "clip_fraction": 0.0, "mean_ratio": 1.0,
-                    "policy_version": self.version}
+                    "mismatch_abs_logprob": 0.0, "mismatch_ratio_std": 0.0, "policy_version": self.version}
         input_ids, attention_mask, mask = pad_sequences(batch.prompt_ids, batch.response_ids, self.pad_id)
-        old = torch.zeros_like(mask)
+        engine = torch.zeros_like(mask)
         for row, (prompt, logprobs) in enumerate(zip(batch.prompt_ids, batch.old_logprobs)):
-            old[row, len(prompt) - 1 : len(prompt) - 1 + len(logprobs)] = torch.tensor(logprobs)
+            engine[row, len(prompt) - 1 : len(prompt) - 1 + len(logprobs)] = torch.tensor(logprobs)
         advantages = torch.tensor(batch.advantages, dtype=torch.float32)
-        logprobs = token_logprobs(self.model, input_ids, attention_mask)
-        loss_sum, stats = clipped_pg_loss_sum(logprobs, old, advantages, mask, self.clip_eps)
+        entropy = ref_logprobs = None
+        with autocast(self.dtype, self.device_type):
+            if self.entropy_coef > 0:
+                logprobs, entropy = token_logprobs_and_entropy(self.model, input_ids, attention_mask)
+            else:
+                logprobs = token_logprobs(self.model, input_ids, attention_mask)
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logprobs = token_logprobs(self.reference, input_ids, attention_mask)
+        token_loss, ratio = grpo_token_loss(logprobs, engine, advantages, self.clip_eps, tis_cap=self.tis_cap,
+                                            ref_logprobs=ref_logprobs, kl_coef=self.kl_coef, entropy=entropy,
+                                            entropy_coef=self.entropy_coef)
+        loss_sum = summed_loss(token_loss, mask, self.loss_normalization)
         loss_sum.backward()
         tokens = int(mask.sum())
         self._step_tokens += tokens
+        self._step_sequences += loss_units(mask, "sequence")
         return {"rows": len(batch.prompt_ids), "tokens": tokens, "loss_sum": float(loss_sum.detach()),
-                "policy_version": self.version, **stats}
+                "policy_version": self.version, "clip_fraction": clip_fraction(ratio, mask, self.clip_eps),
+                **mismatch_stats(logprobs.detach(), engine, mask)}
 
     def apply_step(self) -> StepResult:
         """Turn the accumulated gradients into one optimizer step; the policy version goes up by one."""
-        tokens = max(self._step_tokens, 1)
+        units = self._step_tokens if self.loss_normalization == "token" else self._step_sequences
+        units = max(units, 1)
         for param in self.model.parameters():
             if param.grad is not None:
-                param.grad.div_(tokens)
+                param.grad.div_(units)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(self.version)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._step_tokens = 0
+        result = StepResult(self.version + 1, self._step_tokens, self._step_sequences, float(grad_norm),
+                            self.learning_rate(self.version))
+        self._step_tokens = self._step_sequences = 0
         self.version += 1
-        return StepResult(self.version, tokens, float(grad_norm), self.learning_rate(self.version - 1))
+        return result
 
     def learning_rate(self, version: int) -> float:
         """The step's learning rate, a function of the policy version, so a resumed launch continues the schedule."""
@@ -102,7 +149,7 @@ class PolicyTrainer:
     def discard_gradients(self) -> None:
         """Drop accumulated gradients without stepping (a recomputed micro-batch, a failed step)."""
         self.optimizer.zero_grad(set_to_none=True)
-        self._step_tokens = 0
+        self._step_tokens = self._step_sequences = 0
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """Detached copies of the parameters in Hugging Face naming, ready for an engine's reload."""
@@ -117,7 +164,8 @@ class PolicyTrainer:
     def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         """The trainer's logprob of each response token given the prompt."""
         input_ids, attention_mask, mask = pad_sequences([prompt_ids], [response_ids], self.pad_id)
-        logprobs = token_logprobs(self.model, input_ids, attention_mask)
+        with autocast(self.dtype, self.device_type):
+            logprobs = token_logprobs(self.model, input_ids, attention_mask)
         return logprobs[0][mask[0].bool()].tolist()
 
     def policy_version(self) -> int:

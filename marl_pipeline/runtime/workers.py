@@ -55,14 +55,18 @@ def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: di
     return engines
 
 
-def trainer_options(config: ExperimentConfig, agent: str) -> dict:
+def trainer_options(config: ExperimentConfig, agent: str, store: ExperienceStore) -> dict:
     """``PolicyTrainer``'s keyword arguments for one agent, cut from its slice of the config (the one place:
-    the train job's actors and a recomputed partition's in-process trainer alike)."""
-    trainer = config.agents[agent].trainer
+    the train job's actors and a recomputed partition's in-process trainer alike). The KL penalty's reference
+    is the agent's base policy, version 0 in the store, passed only when the penalty is on."""
+    trainer, algorithm = config.agents[agent].trainer, config.algorithm
     index = list(config.agents).index(agent)
+    reference_dir = str(store.policy_dir(config.run, agent, 0)) if algorithm.kl_coef > 0 else None
     return dict(lr=trainer.lr, weight_decay=trainer.weight_decay, max_grad_norm=trainer.max_grad_norm,
-                clip_eps=config.algorithm.clip_eps, seed=config.seed + index, num_threads=1,
-                lr_decay_steps=trainer.lr_decay_steps, min_lr_ratio=trainer.min_lr_ratio)
+                clip_eps=algorithm.clip_eps, seed=config.seed + index, num_threads=1,
+                lr_decay_steps=trainer.lr_decay_steps, min_lr_ratio=trainer.min_lr_ratio,
+                kl_coef=algorithm.kl_coef, reference_dir=reference_dir, entropy_coef=algorithm.entropy_coef,
+                loss_normalization=algorithm.loss_normalization, tis_cap=algorithm.tis_cap, dtype=trainer.dtype)
 
 
 def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
@@ -72,7 +76,7 @@ def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: d
         resources = agent_config.trainer
         actor = ray.remote(PolicyTrainer).options(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus)
         trainers[agent] = actor.remote(str(store.policy_dir(config.run, agent, versions[agent])), versions[agent],
-                                       **trainer_options(config, agent))
+                                       **trainer_options(config, agent, store))
     return trainers
 
 

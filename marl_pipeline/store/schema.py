@@ -103,9 +103,11 @@ POLICY_UPDATES = pa.schema(
         pa.field("policy_version", pa.int32()),  # the version the gradient was taken at
         pa.field("rows", pa.int32()),
         pa.field("tokens", pa.int64()),
-        pa.field("loss_sum", pa.float64()),  # summed token loss; divide by the step's tokens
+        pa.field("loss_sum", pa.float64()),  # summed loss; divide by the step's tokens (or sequences)
         pa.field("clip_fraction", pa.float32()),
-        pa.field("mean_ratio", pa.float32()),
+        pa.field("mean_ratio", pa.float32()),  # mean of exp(trainer logprob - engine logprob) over response tokens
+        pa.field("mismatch_abs_logprob", pa.float32()),  # mean |trainer logprob - engine logprob|; null: older
+        pa.field("mismatch_ratio_std", pa.float32()),  # std of exp(trainer logprob - engine logprob); null: older
         pa.field("status", pa.string()),
         pa.field("error", pa.string()),
     ]
@@ -118,8 +120,10 @@ STAGE_TIMING = [pa.field(name, pa.timestamp("us", tz="UTC"))
                 for name in ("stage_enqueued", "stage_started", "stage_ended")]
 
 # Columns a stage's producer may leave out of a table it commits (they are stored null): the orchestrator
-# adds the stage timing, and plugins without ``observe`` or runs without a reward model have nothing to put.
-OPTIONAL_COLUMNS = frozenset([field.name for field in STAGE_TIMING] + ["observation", "model_score"])
+# adds the stage timing, and plugins without ``observe`` or runs without a reward model have nothing to put;
+# policy-update rows made before the mismatch statistics existed have none.
+OPTIONAL_COLUMNS = frozenset([field.name for field in STAGE_TIMING]
+                             + ["observation", "model_score", "mismatch_abs_logprob", "mismatch_ratio_std"])
 # Columns a commit refuses null values in: a reader takes a null group_id for a row written before it existed.
 NON_NULL_COLUMNS = frozenset(["group_id"])
 

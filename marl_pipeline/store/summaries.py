@@ -7,7 +7,8 @@ import pyarrow.compute as pc
 
 
 def stage_summary(stage: str, table: pa.Table) -> dict[str, float | int | str]:
-    """Rows, tokens, rewards per agent and policy versions of one committed stage partition."""
+    """Rows, tokens, rewards per agent, policy versions and (policy updates) the engine-vs-trainer mismatch per agent
+    of one committed stage partition."""
     summary: dict[str, float | int | str] = {"rows": table.num_rows}
     if "response_ids" in table.column_names:
         summary["tokens"] = int(pc.sum(pc.list_value_length(table.column("response_ids"))).as_py() or 0)
@@ -22,6 +23,11 @@ def stage_summary(stage: str, table: pa.Table) -> dict[str, float | int | str]:
         for agent, mean in _mean_by_agent(table.filter(pc.is_valid(table.column("model_score"))),
                                           "model_score").items():
             summary[f"mean_model_score/{agent}"] = round(mean, 4)
+    if stage == "policy_updates":
+        for column in ("mismatch_abs_logprob", "mismatch_ratio_std"):
+            if column in table.column_names and table.column(column).null_count < table.num_rows:
+                for agent, mean in _mean_by_agent(table.filter(pc.is_valid(table.column(column))), column).items():
+                    summary[f"{column}/{agent}"] = round(mean, 6)
     if "success" in table.column_names and table.num_rows:
         summary["success_rate"] = round(float(pc.mean(table.column("success").cast(pa.float64())).as_py()), 4)
     if "status" in table.column_names:

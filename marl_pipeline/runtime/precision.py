@@ -1,0 +1,45 @@
+"""Trainer precision: float32, or bfloat16 autocast over float32 master weights where the hardware has bf16.
+
+Measured (BENCHMARKS.md, "Trainer precision"): autocast keeps the parameters, gradients and AdamW state in
+float32, so a small update is never rounded away in a bf16 weight; pure-bf16 parameters save memory but
+lose updates smaller than 2^-8 of a weight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+_CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU computes bf16 natively (AMX or AVX512-BF16), rather than emulating it in float32."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:  # not Linux: ask torch (private helpers, absent in some builds)
+        return any(getattr(torch.cpu, name, lambda: False)()
+                   for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return any(flag in flags for flag in _CPU_BF16_FLAGS)
+
+
+def resolve_dtype(dtype: str, device_type: str) -> torch.dtype:
+    """``float32``, ``bfloat16`` or ``auto`` (bf16 where ``device_type`` has it) as a torch dtype."""
+    if dtype == "float32":
+        return torch.float32
+    if dtype == "bfloat16":
+        return torch.bfloat16
+    if dtype != "auto":
+        raise ValueError(f"dtype {dtype!r}: expected 'float32', 'bfloat16' or 'auto'")
+    has_bf16 = torch.cuda.is_bf16_supported() if device_type == "cuda" else cpu_has_bf16()
+    return torch.bfloat16 if has_bf16 else torch.float32
+
+
+def autocast(dtype: torch.dtype, device_type: str):
+    """The context a forward pass runs in: bf16 autocast, or nothing for float32 (today's exact numbers)."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
