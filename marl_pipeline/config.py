@@ -192,7 +192,8 @@ class AlgorithmConfig(_Strict):
     token loss, averaged over the step's sequences."""
     tis_cap: float | None = Field(None, ge=1)
     """Truncated importance sampling: weight each token's policy-gradient term by min(trainer/engine ratio, cap)
-    to correct the engine-vs-trainer mismatch (None: off)."""
+    to correct the engine-vs-trainer mismatch; the PPO clip then uses the trainer's own ratio pi/sg(pi)
+    (``runtime/losses.clipped_pg_token_loss``). None: off, the clip uses pi/pi_engine."""
 
 
 class RewardModelConfig(_Strict):
