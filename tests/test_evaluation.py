@@ -81,7 +81,7 @@ def test_train_job_evaluates_every_agent_and_a_recomputation_agrees(local_ray, d
         assert sorted(event.metrics) == ["solver", "verifier"]
         assert 0.0 <= event.metrics["solver"]["accuracy"] <= 1.0
         assert 0.0 <= event.metrics["verifier"]["balanced_accuracy"] <= 1.0
-        assert event.metrics == evaluation_metrics(ENV_OF(config), table) == stored_metrics(table)
+        assert event.metrics == evaluation_metrics(_environment_of(config), table) == stored_metrics(table)
     # Greedy decoding: evaluating the stored version again from the store gives the same answers.
     stored = store.read("evaluations", MicroBatchKey(config.run, 2, 0)).sort_by([("agent", "ascending"),
                                                                                 ("case", "ascending")])
@@ -90,7 +90,7 @@ def test_train_job_evaluates_every_agent_and_a_recomputation_agrees(local_ray, d
     assert again.column("response_text").to_pylist() == stored.column("response_text").to_pylist()
 
 
-def ENV_OF(config):  # the run's own environment, as the train job builds it
+def _environment_of(config):  # the run's own environment, as the train job builds it
     from marl_pipeline.environment import build_environment
 
     return build_environment(config.environment.name, config.environment.options)
