@@ -15,7 +15,9 @@ from marl_pipeline.config import PoolSettings
 from marl_pipeline.runtime.action_pool import ActionPool
 from marl_pipeline.runtime.action_worker import Job
 
-STALL = 3.0  # a stalled first copy sleeps this long; the checks below finish well before it
+# A stalled first copy sleeps this long; the checks below finish well before it. Generous: on a loaded 2-core
+# machine starting a hedge's worker and dispatching to it can take a second or more.
+STALL = 6.0
 
 
 def copy_of(directory: str, key: str, stall_s: float, sleep_s: float = 0.05, fail: bool = False) -> int:
@@ -105,12 +107,13 @@ def test_a_stalled_attempt_is_hedged_and_its_loser_killed(local_ray, tmp_path: P
 
 def test_a_raising_action_is_recorded_failed_once(local_ray, tmp_path: Path) -> None:
     pool = warm_pool(min_workers=2, max_workers=2, hedge_after_s=0.2, retries=2)
-    # Copy 0 raises after 1 s, copy 1 (the hedge) raises after 1.5 s: the first to raise decides, once.
-    outcome = pool.submit(Job(copy_of, (str(tmp_path), "a", 1.0, 1.5, True))).result(timeout=30)
+    # Copy 0 raises after 3 s; copy 1 (the hedge, from 0.2 s: nearly 3 s to get going even on a loaded machine)
+    # would raise 4 s after it started: the first to raise decides, once.
+    outcome = pool.submit(Job(copy_of, (str(tmp_path), "a", 3.0, 4.0, True))).result(timeout=30)
     assert outcome.status == "failed" and outcome.error == "RuntimeError: copy 0 failed"
     assert outcome.attempts == 1 and outcome.hedged  # raising is deterministic: no retry
     assert (tmp_path / "a.1").exists() and not (tmp_path / "a.2").exists()
-    time.sleep(1.0)
+    time.sleep(2.5)  # past the end of copy 1's 4 s, counted from its start after 0.2 s
     assert not (tmp_path / "a.1.done").exists()  # the losing copy was killed, it never got to raise
     # The dispatcher survived (a second result for the same future would have killed it) and serves on.
     assert pool._thread.is_alive()
