@@ -375,9 +375,10 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
             raise ConfigError(f"invalid config {source}:\n  reward_model.model: environment "
                               f"{config.environment.name!r} has no reward_examples to train builtin:tiny on; "
                               f"give a model directory")
-    if config.evaluation.every is not None and not hasattr(env_class, "evaluation_cases"):
+    hooks = ("evaluation_cases", "evaluate", "answer_of")  # stages.evaluation.is_evaluated's test, on the class
+    if config.evaluation.every is not None and not all(hasattr(env_class, hook) for hook in hooks):
         raise ConfigError(f"invalid config {source}:\n  evaluation.every: environment {config.environment.name!r} "
-                          f"has no evaluation_cases/evaluate to measure its agents on held-out cases")
+                          f"lacks evaluation_cases/evaluate/answer_of to measure its agents on held-out cases")
     try:
         env_class.Options.model_validate(config.environment.options)
     except ValidationError as error:
