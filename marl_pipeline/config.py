@@ -343,7 +343,7 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
     Raises:
         ConfigError: naming each offending field.
     """
-    from marl_pipeline.environment import get_environment_class, roles_of
+    from marl_pipeline.environment import EVALUATION_HOOKS, get_environment_class, roles_of
 
     if not isinstance(data, dict):
         raise ConfigError(f"invalid config {source}: expected a mapping at the top level")
@@ -375,8 +375,7 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
             raise ConfigError(f"invalid config {source}:\n  reward_model.model: environment "
                               f"{config.environment.name!r} has no reward_examples to train builtin:tiny on; "
                               f"give a model directory")
-    hooks = ("evaluation_cases", "evaluate", "answer_of")  # stages.evaluation.is_evaluated's test, on the class
-    if config.evaluation.every is not None and not all(hasattr(env_class, hook) for hook in hooks):
+    if config.evaluation.every is not None and not all(hasattr(env_class, hook) for hook in EVALUATION_HOOKS):
         raise ConfigError(f"invalid config {source}:\n  evaluation.every: environment {config.environment.name!r} "
                           f"lacks evaluation_cases/evaluate/answer_of to measure its agents on held-out cases")
     try:

@@ -121,6 +121,10 @@ class EvaluationCase:
     """What the plugin's ``evaluate`` compares the answer with (the expected sum, ``yes``/``no``...)."""
 
 
+EVALUATION_HOOKS = ("evaluation_cases", "evaluate", "answer_of")
+"""What a plugin defines to be evaluated (:class:`EvaluatedEnvironment`)."""
+
+
 class EvaluatedEnvironment(Environment, Protocol):
     """An environment that measures each agent on held-out cases (the ``evaluations`` of a run)."""
 

@@ -23,7 +23,7 @@ import pyarrow as pa
 import ray
 
 from marl_pipeline.config import ExperimentConfig
-from marl_pipeline.environment import Environment, EvaluationCase, Turn
+from marl_pipeline.environment import EVALUATION_HOOKS, Environment, EvaluationCase, Turn
 from marl_pipeline.store.schema import EVALUATIONS, with_agent
 
 EVALUATION_STREAM = 0x5EED_E7A1
@@ -50,7 +50,7 @@ class EvaluationSettings:
 
 def is_evaluated(env: Environment) -> bool:
     """Whether the plugin measures its agents on held-out cases (``evaluation_cases`` + ``evaluate``)."""
-    return all(hasattr(env, name) for name in ("evaluation_cases", "evaluate", "answer_of"))
+    return all(hasattr(env, name) for name in EVALUATION_HOOKS)
 
 
 def evaluation_cases(env: Environment, role: str, settings: EvaluationSettings) -> list[EvaluationCase]:
@@ -79,9 +79,11 @@ def evaluation_metrics(env: Environment, table: pa.Table) -> dict[str, dict[str,
     """Per agent: the plugin's metrics of the stored answers, plus ``answer_entropy`` (nats),
     ``top_answer_share`` and ``collapsed`` (1.0 when the top share passes ``COLLAPSE_SHARE`` although the
     right answers differ)."""
+    by_agent: dict[str, list[dict]] = {}
+    for row in sorted(table.to_pylist(), key=lambda r: r["case"]):  # one conversion for every agent
+        by_agent.setdefault(row["agent"], []).append(row)
     metrics = {}
-    for agent in sorted(set(table.column("agent").to_pylist())):
-        rows = sorted((r for r in table.to_pylist() if r["agent"] == agent), key=lambda r: r["case"])
+    for agent, rows in sorted(by_agent.items()):
         cases = [EvaluationCase(json.loads(r["task"]), [Turn(**t) for t in json.loads(r["transcript"])], r["label"])
                  for r in rows]
         figures = dict(env.evaluate(agent, cases, [r["response_text"] for r in rows]))  # type: ignore[attr-defined]

@@ -11,6 +11,7 @@ Not to be confused with a replay buffer: nothing is sampled from old experience 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -87,38 +88,37 @@ def _policy_versions_at(store: ExperienceStore, config: ExperimentConfig, step: 
     return versions
 
 
-def _rollouts(config: ExperimentConfig, env, store: ExperienceStore, key: MicroBatchKey) -> pa.Table:
+@contextmanager
+def _engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]):
+    """Engine actors serving ``versions`` for one recomputation, killed when it ends."""
     import ray
 
     from marl_pipeline.runtime.workers import start_engines
 
-    engines = start_engines(config, store, _policy_versions_at(store, config, key.step))
+    engines = start_engines(config, store, versions)
     try:
-        return rollout_micro_batch(env, engines, key, RolloutSettings.from_config(config))
+        yield engines
     finally:
         for engine in engines.values():
             ray.kill(engine)
 
 
+def _rollouts(config: ExperimentConfig, env, store: ExperienceStore, key: MicroBatchKey) -> pa.Table:
+    with _engines(config, store, _policy_versions_at(store, config, key.step)) as engines:
+        return rollout_micro_batch(env, engines, key, RolloutSettings.from_config(config))
+
+
 def _evaluations(config: ExperimentConfig, env, store: ExperienceStore, version: int) -> pa.Table:
     """Every agent's held-out evaluation at policy ``version`` (which every agent must have committed)."""
-    import ray
-
-    from marl_pipeline.runtime.workers import start_engines
-
     if not is_evaluated(env):
         raise ValueError(f"environment {config.environment.name!r} has no evaluation_cases/evaluate")
     missing = [agent for agent in config.agents if version not in store.policy_versions(config.run, agent)]
     if missing:
         raise ValueError(f"policy version {version} of run {config.run!r} is not stored for agents {missing}")
-    engines = start_engines(config, store, {agent: version for agent in config.agents})
-    try:
-        settings = EvaluationSettings.from_config(config)
+    settings = EvaluationSettings.from_config(config)
+    with _engines(config, store, {agent: version for agent in config.agents}) as engines:
         table = pa.concat_tables([evaluate_agent(env, agent, engine, settings) for agent, engine in engines.items()])
-        return with_metrics(env, table)[0]
-    finally:
-        for engine in engines.values():
-            ray.kill(engine)
+    return with_metrics(env, table)[0]
 
 
 def _policy_updates(config: ExperimentConfig, store: ExperienceStore, key: MicroBatchKey) -> pa.Table:
