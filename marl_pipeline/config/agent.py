@@ -1,0 +1,72 @@
+"""One agent's settings: its model, rollout engine, trainer and warm-up."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from marl_pipeline.config.base import BUILTIN_TINY, StrictModel
+
+
+class EngineConfig(StrictModel):
+    """Rollout engine (vLLM) settings for one agent."""
+
+    gpu_memory_utilization: float = Field(0.15, gt=0, le=1)
+    """Share of device memory for weights + KV cache; on CPU a share of NUMA node 0's memory."""
+    max_model_len: int = Field(256, ge=16)
+    """Longest prompt + completion the engine accepts, in tokens."""
+    dtype: str = "float32"
+    """Engine dtype; float32 keeps the engine's logprobs comparable with the trainer's."""
+    num_cpus: float = Field(0.5, ge=0)
+    """Ray CPUs reserved for the engine actor."""
+    num_gpus: float = Field(0.0, ge=0)
+    """Ray GPUs reserved for the engine actor (0 on CPU machines)."""
+
+
+class TrainerConfig(StrictModel):
+    """Torch trainer settings for one agent."""
+
+    lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate (peak, before decay)."""
+    lr_decay_steps: int | None = Field(None, ge=1)
+    """Linear decay of the learning rate over this many policy versions (None: constant)."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """The decayed learning rate never goes below ``lr * min_lr_ratio``."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping norm, applied once per optimizer step."""
+    num_cpus: float = Field(0.5, ge=0)
+    """Ray CPUs reserved for the trainer actor."""
+    num_gpus: float = Field(0.0, ge=0)
+    """Ray GPUs reserved for the trainer actor."""
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """Trainer precision: ``bfloat16`` runs forward and backward under bf16 autocast with float32 master weights
+    and optimizer state; ``auto`` is bfloat16 where the hardware has it (CPU with AMX or AVX512-BF16, CUDA with
+    bf16 support), float32 elsewhere."""
+
+
+class WarmupConfig(StrictModel):
+    """Supervised warm-up of the base policy (version 0), before any RL step."""
+
+    steps: int = Field(150, ge=0)
+    """Optimizer steps of warm-up; 0 uses the model as loaded."""
+    batch_size: int = Field(32, ge=1)
+    """Examples per warm-up step."""
+    lr: float = Field(3e-3, gt=0)
+    """Warm-up learning rate."""
+
+
+class AgentConfig(StrictModel):
+    """One role of the workflow, with its own policy."""
+
+    model: str = BUILTIN_TINY
+    """``builtin:tiny`` (built locally), a local Hugging Face model directory, a hub id, a ``.gguf`` file
+    (dequantized once into a cached directory), or a packaged model's short name (``smollm2-135m-instruct``,
+    the ``models`` extra); see ``runtime/model_sources.py``."""
+    engine: EngineConfig = EngineConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    warmup: WarmupConfig = WarmupConfig()
+
+

@@ -1,0 +1,115 @@
+"""The whole experiment file and its loading: typed, validated, cross-checked against the environment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BeforeValidator, Field, ValidationError, field_validator
+
+from marl_pipeline.config.agent import AgentConfig
+from marl_pipeline.config.base import BUILTIN_TINY, ConfigError, StrictModel
+from marl_pipeline.config.pipeline import AlgorithmConfig, EnvironmentConfig, PipelineConfig
+from marl_pipeline.config.services import (
+    EvaluationConfig,
+    RayConfig,
+    RewardModelConfig,
+    StoreConfig,
+    _store_from_uri,
+)
+
+
+class ExperimentConfig(StrictModel):
+    """A whole experiment: what the ``marl train`` command and the Dagster ``train`` job take."""
+
+    run: str = Field(pattern=r"^[A-Za-z0-9_.]+$")
+    """Run name: one training lineage in the store; letters, digits, ``_`` and ``.``."""
+    seed: int = 0
+    """Seeds task sampling, model building, warm-up and rollout sampling."""
+    store: Annotated[StoreConfig, BeforeValidator(_store_from_uri)] = StoreConfig()
+    """Experience store: a URI string (local directory or ``s3://...``) or a mapping of ``StoreConfig`` fields."""
+    environment: EnvironmentConfig
+    agents: dict[str, AgentConfig]
+    pipeline: PipelineConfig = PipelineConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    reward_model: RewardModelConfig | None = None
+    """A model-based reward mixed into the environment's (None: the environment's rule-based reward alone)."""
+    evaluation: EvaluationConfig = EvaluationConfig()
+    ray: RayConfig = RayConfig()
+
+    @field_validator("agents")
+    @classmethod
+    def validate_agents_not_empty(cls, agents: dict[str, AgentConfig]) -> dict[str, AgentConfig]:
+        if not agents:
+            raise ValueError("at least one agent is required")
+        return agents
+
+
+def _format_validation_error(error: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "<root>"
+        message = "unknown field" if item["type"] == "extra_forbidden" else item["msg"]
+        lines.append(f"  {field}: {message}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:
+    """Validate a config dict, including agents against the environment's roles.
+
+    Raises:
+        ConfigError: naming each offending field.
+    """
+    from marl_pipeline.environment import EVALUATION_HOOKS, get_environment_class, roles_of
+
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid config {source}: expected a mapping at the top level")
+    try:
+        config = ExperimentConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(error, source)) from None
+    try:
+        env_class = get_environment_class(config.environment.name)
+    except KeyError as error:
+        raise ConfigError(f"invalid config {source}:\n  environment.name: {error.args[0]}") from None
+    roles = roles_of(env_class)
+    unknown = [name for name in config.agents if name not in roles]
+    if unknown:
+        raise ConfigError(
+            f"invalid config {source}:\n  agents.{unknown[0]}: unknown agent; "
+            f"environment {config.environment.name!r} has roles {list(roles)}"
+        )
+    missing = [role for role in roles if role not in config.agents]
+    if missing:
+        raise ConfigError(f"invalid config {source}:\n  agents: missing agent(s) {missing} required by the environment")
+    reward_model = config.reward_model
+    if reward_model is not None:
+        unknown = [name for name in reward_model.agents or [] if name not in roles]
+        if unknown:
+            raise ConfigError(f"invalid config {source}:\n  reward_model.agents: unknown agent {unknown[0]!r}; "
+                              f"environment {config.environment.name!r} has roles {list(roles)}")
+        if reward_model.model == BUILTIN_TINY and not hasattr(env_class, "reward_examples"):
+            raise ConfigError(f"invalid config {source}:\n  reward_model.model: environment "
+                              f"{config.environment.name!r} has no reward_examples to train builtin:tiny on; "
+                              f"give a model directory")
+    if config.evaluation.every is not None and not all(hasattr(env_class, hook) for hook in EVALUATION_HOOKS):
+        raise ConfigError(f"invalid config {source}:\n  evaluation.every: environment {config.environment.name!r} "
+                          f"lacks evaluation_cases/evaluate/answer_of to measure its agents on held-out cases")
+    try:
+        env_class.Options.model_validate(config.environment.options)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(error, source).replace("\n  ", "\n  environment.options.")) from None
+    return config
+
+
+def load_config(path: str | Path) -> ExperimentConfig:
+    """Read and validate one YAML experiment file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"invalid YAML in {path}: {error}") from None
+    return parse_config(data, source=str(path))

@@ -1,0 +1,114 @@
+"""How a run is cut and trained: the environment and its action pool, micro-batches and steps, the algorithm."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from marl_pipeline.config.base import StrictModel
+
+
+class PoolSettings(StrictModel):
+    """The action pool's size, limits and retries (``environment.pool``, or a plugin's ``pool_settings``)."""
+
+    min_workers: int = Field(1, ge=1)
+    """Workers kept alive while the pool exists."""
+    max_workers: int = Field(4, ge=1)
+    """Most workers at once, reached when the queue is long."""
+    actions_per_worker: int = Field(4, ge=1)
+    """Queued or running actions per worker the pool aims for when it sizes itself."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Per-action wall-clock limit; the worker running it is killed when it passes."""
+    retries: int = Field(1, ge=0)
+    """Extra attempts for an action that timed out or whose worker died (not for one that raised)."""
+    memory_bytes: int = Field(2 * 2**30, gt=0)
+    """A worker above this resident memory after an action is recycled."""
+    num_cpus: float = Field(0.0, ge=0)
+    """Ray CPUs reserved per worker. 0 by default: the engines and trainers' defaults reserve every CPU of a
+    2-core machine, and a worker that cannot be placed would wait for ever (its work still uses real CPU)."""
+    max_abandoned: int = Field(2, ge=1)
+    """A worker holding this many abandoned (timed-out) action threads is recycled."""
+    kill_grace_s: float = Field(5.0, ge=0)
+    """A worker that has not answered ``timeout_s + kill_grace_s`` after an action started is killed."""
+    spare_workers: int = Field(0, ge=0)
+    """Idle workers kept ready beyond what the queue needs (up to ``max_workers``), so that an action arriving
+    while the others are busy does not wait for a worker to start."""
+    max_starting: int = Field(1, ge=1)
+    """Workers the pool starts at once when it grows (a start costs a CPU for a while; meanwhile the queue drains
+    to warm workers, which often makes the next start unnecessary)."""
+    idle_grace_s: float = Field(0.5, ge=0)
+    """A worker idle this long while the pool is above ``min_workers`` (and above what the queue needs) is retired."""
+    hedge_after_s: float | None = Field(None, gt=0)
+    """Start a duplicate copy of an attempt still running this long after its latest copy started (None: never).
+    Off by default: a hedge only pays off for attempt-level stalls, and it doubles the work of slow actions."""
+    max_hedges: int = Field(1, ge=1)
+    """Duplicate copies an attempt may get (each ``hedge_after_s`` after the previous copy started)."""
+
+
+class EnvironmentConfig(StrictModel):
+    """Which environment plugin runs the episodes, and its own options."""
+
+    name: str
+    """Registered environment name (see ``marl_pipeline.environment.available_environments``)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Passed to the environment's constructor; the plugin validates them."""
+    pool: PoolSettings | None = None
+    """The action pool that runs the actions of a plugin with ``actions`` + ``run_action`` (workers, timeout,
+    retries, memory); None: the plugin's own ``pool_settings``, else the defaults."""
+
+
+class PipelineConfig(StrictModel):
+    """How work is cut into micro-batches and steps."""
+
+    steps: int = Field(20, ge=1)
+    """RL steps (optimizer steps of every agent) per launch of the train job."""
+    prompts_per_micro_batch: int = Field(8, ge=1)
+    """Task prompts per micro-batch."""
+    samples_per_prompt: int = Field(8, ge=2)
+    """Episodes sampled per prompt (the GRPO group size)."""
+    micro_batches_per_step: int = Field(2, ge=1, le=16)
+    """Micro-batches whose gradients accumulate into one optimizer step."""
+    staleness: int = Field(0, ge=0)
+    """Rollout for step i may use policy version v only when i - v <= staleness."""
+    queue_size: int = Field(2, ge=1)
+    """Micro-batches a stage may hold ahead of the next one (backpressure)."""
+    mode: Literal["streaming", "synchronous"] = "streaming"
+    """``synchronous`` puts a barrier after each stage for the whole step (for comparison, and as a fallback)."""
+    environment_concurrency: int = Field(1, ge=1, le=64)
+    """Micro-batches the environment stage works on at once."""
+    reward_concurrency: int = Field(1, ge=1, le=64)
+    """Micro-batches the reward stage works on at once."""
+
+    @model_validator(mode="after")
+    def validate_synchronous_is_on_policy(self) -> PipelineConfig:
+        if self.mode == "synchronous" and self.staleness:
+            raise ValueError("mode 'synchronous' trains strictly on-policy: staleness must be 0")
+        return self
+
+
+class AlgorithmConfig(StrictModel):
+    """Policy-gradient settings shared by every agent."""
+
+    clip_eps: float = Field(0.2, gt=0)
+    """PPO-style ratio clipping range."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature at rollout."""
+    max_new_tokens: int = Field(8, ge=1)
+    """Longest completion per turn, in tokens."""
+    advantage_eps: float = Field(1e-6, gt=0)
+    """Added to the group's reward std before dividing."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the k3 KL penalty to the agent's base policy (version 0); > 0 keeps a frozen copy of it in the
+    trainer."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus (full-vocabulary entropy at each response token), subtracted from the loss."""
+    loss_normalization: Literal["token", "sequence"] = "token"
+    """``token``: the step's summed token loss over its response-token count; ``sequence``: each sequence's mean
+    token loss, averaged over the step's sequences."""
+    tis_cap: float | None = Field(None, ge=1)
+    """Truncated importance sampling: weight each token's policy-gradient term by min(trainer/engine ratio, cap)
+    to correct the engine-vs-trainer mismatch; the PPO clip then uses the trainer's own ratio pi/sg(pi)
+    (``runtime/losses.clipped_pg_token_loss``). None: off, the clip uses pi/pi_engine."""
+
+

@@ -1,0 +1,117 @@
+"""What a run uses besides its agents: a reward model, held-out evaluation, Ray and the store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from marl_pipeline.config.base import BUILTIN_TINY, StrictModel
+
+
+class RewardModelConfig(StrictModel):
+    """A model-based reward mixed into the environment's rule-based one, served by a pool of Ray actors."""
+
+    model: str = BUILTIN_TINY
+    """``builtin:tiny`` (a tiny classifier trained at launch on the environment's ``reward_examples``, for CPU
+    runs and tests) or a local Hugging Face model directory (sequence classification for ``classifier``, a
+    causal LM for ``judge``)."""
+    kind: Literal["classifier", "judge"] = "classifier"
+    """``classifier``: the score is sigmoid of a one-logit head (softmax of the last label with several);
+    ``judge``: a causal LM asked ``judge_template``, the score is P(judge_yes) / (P(judge_yes) + P(judge_no))."""
+    agents: list[str] | None = None
+    """Agents whose reward gets the model's score (None: every agent)."""
+    weight: float = Field(0.5, ge=0, le=1)
+    """An agent's reward is ``(1 - weight) * rule reward + weight * model score`` (1: the model's alone)."""
+    judge_template: str = "{prompt}{response}\nIs that right? Answer:"
+    """Judge prompt, with ``{prompt}`` and ``{response}`` of the scored turn."""
+    judge_yes: str = " yes"
+    """The judge's approving continuation (must be one token)."""
+    judge_no: str = " no"
+    """The judge's rejecting continuation (must be one token)."""
+    max_length: int = Field(256, ge=8)
+    """Tokens of one scored text; longer ones keep their end (the response)."""
+    batch_size: int = Field(64, ge=1)
+    """Texts per forward pass of a replica."""
+    min_replicas: int = Field(1, ge=1)
+    """Replicas (Ray actors, each holding the model) kept while the run lasts."""
+    max_replicas: int = Field(2, ge=1)
+    """Most replicas; the pool grows while more than ``batches_per_replica`` batches wait per replica."""
+    batches_per_replica: int = Field(4, ge=1)
+    """Pending batches per replica the pool aims for when it sizes itself."""
+    num_cpus: float = Field(0.0, ge=0)
+    """Ray CPUs reserved per replica. 0 by default: the engines and trainers' defaults reserve every CPU of a
+    2-core machine, and a replica that cannot be placed would wait for ever (its work still uses real CPU)."""
+    num_gpus: float = Field(0.0, ge=0)
+    """Ray GPUs reserved per replica."""
+    train_steps: int = Field(600, ge=1)
+    """Training steps of the built-in model (``builtin:tiny`` only)."""
+
+    @model_validator(mode="after")
+    def validate_model_and_replicas(self) -> RewardModelConfig:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        if self.model == BUILTIN_TINY and self.kind == "judge":
+            raise ValueError("builtin:tiny is a classifier; a judge needs a causal LM directory in 'model'")
+        if self.kind == "judge" and not ("{prompt}" in self.judge_template and "{response}" in self.judge_template):
+            raise ValueError("judge_template must contain {prompt} and {response}")
+        return self
+
+
+class EvaluationConfig(StrictModel):
+    """Held-out evaluation of every agent (the plugin's ``evaluation_cases`` + ``evaluate``), greedy decoding."""
+
+    every: int | None = Field(None, ge=1)
+    """The train job evaluates policy versions 0, every, 2*every, ... and the launch's last (None: never; the
+    ``evaluations`` asset still evaluates any stored version from the UI)."""
+    cases_per_agent: int = Field(64, ge=2)
+    """Held-out cases per agent, the same ones for every version."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Longest answer (None: ``algorithm.max_new_tokens``)."""
+
+
+class RayConfig(StrictModel):
+    """Where Ray runs."""
+
+    address: str | None = None
+    """None: an embedded local Ray; otherwise an existing cluster (``ray://host:10001`` or ``auto``)."""
+    num_cpus: int | None = None
+    """CPUs of the embedded local Ray (None: all of the machine's)."""
+
+
+class StoreConfig(StrictModel):
+    """Where the experience store lives; a plain string in the YAML file is taken as ``uri``."""
+
+    uri: str = ".marl/store"
+    """A local directory (relative to the working directory) or ``s3://bucket/prefix``."""
+    endpoint_url: str | None = None
+    """S3-compatible endpoint (MinIO, moto, ...); None: AWS_ENDPOINT_URL or AWS's own."""
+    region: str | None = None
+    """S3 region; None: AWS_REGION / AWS_DEFAULT_REGION."""
+    access_key_id: str | None = Field(None, repr=False)
+    """None: the standard AWS chain (AWS_ACCESS_KEY_ID, ~/.aws, instance role); prefer that to the YAML file."""
+    secret_access_key: str | None = Field(None, repr=False)
+    """None: the standard AWS chain (AWS_SECRET_ACCESS_KEY, ...)."""
+    policy_cache: str | None = None
+    """Local directory for policy checkpoints of an ``s3://`` store (vLLM loads from a local path);
+    None: ``.marl/cache/<bucket>/<prefix>``. Unused for a local store (checkpoints live in it)."""
+    compression: Literal["zstd", "snappy", "lz4", "gzip", "none"] = "zstd"
+    """Parquet compression of stage partitions."""
+
+    def __str__(self) -> str:
+        # Code written when ``store`` was a plain string (f"{config.store}", str(config.store)) keeps working.
+        return self.uri
+
+    @field_validator("uri")
+    @classmethod
+    def validate_uri_scheme(cls, uri: str) -> str:
+        scheme = uri.split("://", 1)[0] if "://" in uri else "file"
+        if scheme not in ("file", "s3"):
+            raise ValueError(f"store URI {uri!r}: scheme {scheme!r} is not supported (a local path or s3://)")
+        return uri
+
+
+def _store_from_uri(value: Any) -> Any:
+    return {"uri": str(value)} if isinstance(value, str | Path) else value
+
