@@ -103,6 +103,10 @@ class AlgorithmConfig(StrictModel):
     trainer."""
     entropy_coef: float = Field(0.0, ge=0)
     """Weight of the entropy bonus (full-vocabulary entropy at each response token), subtracted from the loss."""
+    drop_zero_advantage_groups: bool = False
+    """Dynamic sampling (DAPO's filter, without re-sampling): leave out of the step an agent's groups whose episodes
+    all earned it the same reward (zero advantage), so that they do not dilute the token- or sequence-normalised
+    gradient of the informative ones; counted in ``policy_updates.dropped_rows``."""
     loss_normalization: Literal["token", "sequence"] = "token"
     """``token``: the step's summed token loss over its response-token count; ``sequence``: each sequence's mean
     token loss, averaged over the step's sequences."""

@@ -200,7 +200,8 @@ class Orchestrator:
                     # A committed partition (resumed launch) is not re-committed, but agents still on this
                     # step rebuild its gradient: gradients are not checkpointed.
                     self._run_stage("policy_updates", key,
-                                    partial(train_micro_batch, self.store, trainers={a: trainers[a] for a in learners}),
+                                    partial(train_micro_batch, self.store, trainers={a: trainers[a] for a in learners},
+                                            drop_zero_advantage_groups=self.config.algorithm.drop_zero_advantage_groups),
                                     recompute_if_committed=bool(learners))
                 for agent in learners:
                     # Issued now, in actor order: the next step's accumulate calls queue behind them.

@@ -34,6 +34,8 @@ class TrainBatch:
     response_ids: list[list[int]]
     old_logprobs: list[list[float]]
     advantages: list[float]
+    dropped_rows: int = 0
+    """Rows the stage left out as uninformative (zero-advantage groups); reported, not trained on."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,8 @@ class PolicyTrainer:
         """Add one micro-batch's gradient of the summed loss; returns its statistics."""
         if not batch.prompt_ids:
             return {"rows": 0, "tokens": 0, "loss_sum": 0.0, "clip_fraction": 0.0, "mean_ratio": 1.0,
-                    "mismatch_abs_logprob": 0.0, "mismatch_ratio_std": 0.0, "policy_version": self.version}
+                    "mismatch_abs_logprob": 0.0, "mismatch_ratio_std": 0.0, "policy_version": self.version,
+                    "dropped_rows": batch.dropped_rows}
         input_ids, attention_mask, mask = pad_sequences(batch.prompt_ids, batch.response_ids, self.pad_id)
         engine = torch.zeros_like(mask)
         for row, (prompt, logprobs) in enumerate(zip(batch.prompt_ids, batch.old_logprobs)):
@@ -119,7 +122,8 @@ class PolicyTrainer:
         self._step_tokens += tokens
         self._step_sequences += loss_units(mask, "sequence")
         return {"rows": len(batch.prompt_ids), "tokens": tokens, "loss_sum": float(loss_sum.detach()),
-                "policy_version": self.version, "clip_fraction": clip_fraction(ratio, mask, self.clip_eps),
+                "policy_version": self.version, "dropped_rows": batch.dropped_rows,
+                "clip_fraction": clip_fraction(ratio, mask, self.clip_eps),
                 **mismatch_stats(logprobs.detach(), engine, mask)}
 
     def apply_step(self) -> StepResult:

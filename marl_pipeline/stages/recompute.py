@@ -127,6 +127,7 @@ def _policy_updates(config: ExperimentConfig, store: ExperienceStore, key: Micro
     for agent, version in _policy_versions_at(store, config, key.step).items():
         trainer = PolicyTrainer(str(store.policy_dir(config.run, agent, version)), version,
                                 **trainer_options(config, agent, store))
-        stats[agent] = trainer.accumulate(train_batch_for(store, key, agent))
+        stats[agent] = trainer.accumulate(train_batch_for(store, key, agent,
+                                                          config.algorithm.drop_zero_advantage_groups))
         trainer.discard_gradients()
     return updates_table(stats)

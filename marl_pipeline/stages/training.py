@@ -2,6 +2,12 @@
 
 A trainer receives only its agent's rows: the stage reads that agent's rollout and reward files
 (partition pruning by directory, column projection) and joins them on ``sample_id``.
+
+Dynamic sampling (``algorithm.drop_zero_advantage_groups``, DAPO's filter without its re-sampling): a group
+whose episodes all earned the agent the same reward has zero advantage everywhere, so its rows add nothing to
+the policy gradient but still count in the step's token (or sequence) total and dilute the others'. Dropped,
+the step's gradient is the informative groups' alone. The filter is per agent: a group can teach the solver
+and not the verifier.
 """
 
 from __future__ import annotations
@@ -15,29 +21,44 @@ from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import POLICY_UPDATES, with_agent
 
 
-def train_batch_for(store: ExperienceStore, key: MicroBatchKey, agent: str) -> TrainBatch:
+def train_batch_for(store: ExperienceStore, key: MicroBatchKey, agent: str,
+                    drop_zero_advantage_groups: bool = False) -> TrainBatch:
     """One agent's shard of a micro-batch, in ``sample_id`` order (so recomputations sum in the same order)."""
     rollouts = store.read("rollouts", key, agent=agent, columns=["sample_id", "prompt_ids", "response_ids", "logprobs"])
-    rewards = store.read("rewards", key, agent=agent, columns=["sample_id", "advantage", "status"])
+    rewards = store.read("rewards", key, agent=agent, columns=["sample_id", "group_id", "advantage", "status"])
     # Arrow joins do not carry list columns: align the reward rows to the rollout rows by index instead.
     position = pc.index_in(rollouts.column("sample_id"), value_set=rewards.column("sample_id"))
     if position.null_count:
         raise ValueError(f"{key} agent {agent}: {position.null_count} rollout turns have no reward row")
     joined = rollouts.append_column("advantage", rewards.column("advantage").take(position))
     joined = joined.append_column("status", rewards.column("status").take(position))
+    joined = joined.append_column("group_id", rewards.column("group_id").take(position))
     joined = joined.filter(pc.field("status") == "ok").sort_by("sample_id")
+    dropped = 0
+    if drop_zero_advantage_groups:
+        kept = joined.filter(pc.is_in(joined.column("group_id"), value_set=informative_groups(joined)))
+        dropped, joined = joined.num_rows - kept.num_rows, kept
     return TrainBatch(
         prompt_ids=joined.column("prompt_ids").to_pylist(),
         response_ids=joined.column("response_ids").to_pylist(),
         old_logprobs=joined.column("logprobs").to_pylist(),
         advantages=joined.column("advantage").to_pylist(),
+        dropped_rows=dropped,
     )
 
 
-def train_micro_batch(store: ExperienceStore, key: MicroBatchKey,
-                      trainers: dict[str, ray.actor.ActorHandle]) -> pa.Table:
+def informative_groups(rows: pa.Table) -> pa.Array:
+    """The ``group_id`` values of ``rows`` with at least one non-zero advantage."""
+    spread = rows.group_by("group_id").aggregate([("advantage", "min"), ("advantage", "max")])
+    nonzero = pc.or_(pc.not_equal(spread.column("advantage_min"), 0), pc.not_equal(spread.column("advantage_max"), 0))
+    return spread.column("group_id").filter(nonzero)
+
+
+def train_micro_batch(store: ExperienceStore, key: MicroBatchKey, trainers: dict[str, ray.actor.ActorHandle],
+                      drop_zero_advantage_groups: bool = False) -> pa.Table:
     """Accumulate every agent's gradient for one micro-batch (in parallel); one stats row per agent."""
-    refs = {agent: trainer.accumulate.remote(train_batch_for(store, key, agent)) for agent, trainer in trainers.items()}
+    refs = {agent: trainer.accumulate.remote(train_batch_for(store, key, agent, drop_zero_advantage_groups))
+            for agent, trainer in trainers.items()}
     return updates_table(dict(zip(refs, ray.get(list(refs.values())))))
 
 

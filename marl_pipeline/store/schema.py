@@ -108,6 +108,7 @@ POLICY_UPDATES = pa.schema(
         pa.field("mean_ratio", pa.float32()),  # mean of exp(trainer logprob - engine logprob) over response tokens
         pa.field("mismatch_abs_logprob", pa.float32()),  # mean |trainer logprob - engine logprob|; null: older
         pa.field("mismatch_ratio_std", pa.float32()),  # std of exp(trainer logprob - engine logprob); null: older
+        pa.field("dropped_rows", pa.int32()),  # rows of zero-advantage groups left out (dynamic sampling); null: older
         pa.field("status", pa.string()),
         pa.field("error", pa.string()),
     ]
@@ -121,9 +122,10 @@ STAGE_TIMING = [pa.field(name, pa.timestamp("us", tz="UTC"))
 
 # Columns a stage's producer may leave out of a table it commits (they are stored null): the orchestrator
 # adds the stage timing, and plugins without ``observe`` or runs without a reward model have nothing to put;
-# policy-update rows made before the mismatch statistics existed have none.
+# policy-update rows made before the mismatch statistics (or dynamic sampling) existed have none.
 OPTIONAL_COLUMNS = frozenset([field.name for field in STAGE_TIMING]
-                             + ["observation", "model_score", "mismatch_abs_logprob", "mismatch_ratio_std"])
+                             + ["observation", "model_score", "mismatch_abs_logprob", "mismatch_ratio_std",
+                                "dropped_rows"])
 # Columns a commit refuses null values in: a reader takes a null group_id for a row written before it existed.
 NON_NULL_COLUMNS = frozenset(["group_id"])
 

@@ -7,8 +7,8 @@ import pyarrow.compute as pc
 
 
 def stage_summary(stage: str, table: pa.Table) -> dict[str, float | int | str]:
-    """Rows, tokens, rewards per agent, policy versions and (policy updates) the engine-vs-trainer mismatch per agent
-    of one committed stage partition."""
+    """Rows, tokens, rewards per agent, policy versions and (policy updates) the engine-vs-trainer mismatch and the
+    rows dynamic sampling left out, per agent, of one committed stage partition."""
     summary: dict[str, float | int | str] = {"rows": table.num_rows}
     if "response_ids" in table.column_names:
         summary["tokens"] = int(pc.sum(pc.list_value_length(table.column("response_ids"))).as_py() or 0)
@@ -28,6 +28,10 @@ def stage_summary(stage: str, table: pa.Table) -> dict[str, float | int | str]:
             if column in table.column_names and table.column(column).null_count < table.num_rows:
                 for agent, mean in _mean_by_agent(table.filter(pc.is_valid(table.column(column))), column).items():
                     summary[f"{column}/{agent}"] = round(mean, 6)
+        if "dropped_rows" in table.column_names and table.column("dropped_rows").null_count < table.num_rows:
+            dropped = table.filter(pc.is_valid(table.column("dropped_rows")))
+            for agent, total in zip(dropped.column("agent").to_pylist(), dropped.column("dropped_rows").to_pylist()):
+                summary[f"dropped_rows/{agent}"] = int(total)  # one policy-update row per agent and micro-batch
     if "success" in table.column_names and table.num_rows:
         summary["success_rate"] = round(float(pc.mean(table.column("success").cast(pa.float64())).as_py()), 4)
     if "status" in table.column_names:
