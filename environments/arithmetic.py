@@ -7,6 +7,13 @@ the verifier's prompt contains the solver's turn, and each agent is scored on it
 Warm-up examples come from a noisy teacher (right with probability ``warmup_accuracy``, otherwise a
 uniformly random answer or verdict): the base policies learn the format and start near that accuracy,
 so the reward gain after warm-up comes from RL.
+
+Decoys keep the verifier honest. Judging only the solver's answers, a verifier sees ever fewer wrong ones
+as the solver learns, and "yes" to everything earns it the solver's accuracy while its skill (telling
+right from wrong) falls: that is what the first version of this demo trained. So on a share of the tasks
+(``decoy_share``, drawn with the task) the verifier is shown a wrong "decoy" answer instead of the
+solver's, and it keeps seeing both kinds whatever the solver does. The solver's reward is unchanged; the
+verifier is rewarded for a right verdict on what it was shown.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ class ArithmeticOptions(BaseModel):
     """Operands are drawn uniformly from 0..max_operand."""
     warmup_accuracy: float = Field(0.3, ge=0, le=1)
     """Share of warm-up examples the noisy teacher gets right."""
+    decoy_share: float = Field(0.5, ge=0, le=1)
+    """Share of tasks on which the verifier is shown a wrong decoy answer instead of the solver's (0: it always
+    judges the solver)."""
 
 
 class ArithmeticCheck:
@@ -39,15 +49,30 @@ class ArithmeticCheck:
     # -- episodes ---------------------------------------------------------------------------------
     def sample_tasks(self, rng: np.random.Generator, count: int) -> list[Task]:
         operands = rng.integers(0, self.options.max_operand + 1, size=(count, 2))
-        return [{"id": f"{a}+{b}", "a": int(a), "b": int(b)} for a, b in operands]
+        # Drawn after the operands, so the tasks' sums are the same whatever the decoy share.
+        decoyed = rng.random(count) < self.options.decoy_share
+        offsets = rng.integers(1, 2 * self.options.max_operand + 1, size=count)
+        tasks = []
+        for (a, b), decoy, offset in zip(operands, decoyed, offsets):
+            task = {"id": f"{a}+{b}", "a": int(a), "b": int(b)}
+            if decoy:  # a wrong sum in 0..2*max_operand: the right one shifted, wrapping round
+                task["decoy"] = int((a + b + offset) % (2 * self.options.max_operand + 1))
+                task["id"] += f"~{task['decoy']}"
+            tasks.append(task)
+        return tasks
 
     def render_prompt(self, role: str, task: Task, transcript: list[Turn]) -> str:
         question = f"{task['a']}+{task['b']}="
         if role == "solver":
             return question
         if role == "verifier":
-            return f"{question}{_first_line(transcript[0].text)}?"
+            return f"{question}{self._shown_answer(task, transcript)}?"
         raise ValueError(f"arithmetic_check has no role {role!r}")
+
+    @staticmethod
+    def _shown_answer(task: Task, transcript: list[Turn]) -> str:
+        """What the verifier judges: the task's decoy if it has one, else the solver's answer."""
+        return str(task["decoy"]) if "decoy" in task else _first_line(transcript[0].text)
 
     def execute(self, task: Task, transcript: list[Turn]) -> list[ActionResult]:
         expected = task["a"] + task["b"]
@@ -58,11 +83,13 @@ class ArithmeticCheck:
             solver = ActionResult("correct" if answer == expected else "wrong", answer == expected,
                                   info={"answer": answer, "expected": expected})
         verdict = _first_line(transcript[1].text)
+        shown = self._shown_answer(task, transcript)
+        info = {"verdict": verdict, "shown": shown, "decoy": "decoy" in task}
         if verdict not in ("yes", "no"):
-            verifier = ActionResult("unparsable", False, info={"verdict": verdict})
+            verifier = ActionResult("unparsable", False, info=info)
         else:
-            right = (verdict == "yes") == solver.success
-            verifier = ActionResult("right_verdict" if right else "wrong_verdict", right, info={"verdict": verdict})
+            right = (verdict == "yes") == (_parse_int(shown) == expected)
+            verifier = ActionResult("right_verdict" if right else "wrong_verdict", right, info=info)
         return [solver, verifier]
 
     def score(self, task: Task, transcript: list[Turn], results: list[ActionResult]) -> dict[str, float]:
@@ -113,7 +140,7 @@ class ArithmeticCheck:
             if role == "solver":
                 examples.append((self.render_prompt("solver", task, []), solver_turn.text))
                 continue
-            truth = "yes" if answer == expected else "no"
+            truth = "yes" if _parse_int(self._shown_answer(task, [solver_turn])) == expected else "no"
             verdict = truth if rng.random() < self.options.warmup_accuracy else str(rng.choice(["yes", "no"]))
             examples.append((self.render_prompt("verifier", task, [solver_turn]), verdict))
         return examples
