@@ -8,7 +8,7 @@ import warnings
 
 import dagster as dg
 
-from assets.partitions import STEP_X_MICRO_BATCH, parse_stage_partition
+from assets.partitions import STAGE_PARTITIONS, parse_stage_partition
 from assets.stages import environment_results, policy_updates, rewards, rollouts
 from resources import ExperienceStoreResource, ExperimentResource
 
@@ -33,7 +33,7 @@ def _partition_check(asset: dg.AssetsDefinition, name: str, description: str, ru
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dg.PreviewWarning)
         return dg.asset_check(asset=asset, name=name, description=description,
-                              partitions_def=STEP_X_MICRO_BATCH)(_check)
+                              partitions_def=STAGE_PARTITIONS)(_check)
 
 
 def _schema_version(store, stage, key, config):

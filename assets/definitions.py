@@ -10,6 +10,7 @@ import dagster as dg
 from assets.checks import STAGE_CHECKS
 from assets.evaluations import evaluations, no_collapsed_agent
 from assets.policies import base_policies, policies
+from assets.retrain import retrain_on_new_tasks
 from assets.stages import STAGE_ASSETS
 from assets.train import retrain_schedule, train_job
 from resources import ExperienceStoreResource, ExperimentResource, RayCluster
@@ -23,6 +24,7 @@ defs = dg.Definitions(
     asset_checks=[*STAGE_CHECKS, no_collapsed_agent],
     jobs=[train_job],
     schedules=[retrain_schedule],
+    sensors=[retrain_on_new_tasks],
     resources={
         "experiment": experiment,
         "store": ExperienceStoreResource(experiment=experiment),

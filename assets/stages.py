@@ -1,4 +1,4 @@
-"""The stage assets, partitioned step x micro-batch.
+"""The stage assets, one partition per planned micro-batch (`<run>-<step>-<micro_batch>`, assets/partitions.py).
 
 The streaming ``train`` job records every partition as it is committed; materializing one of these
 assets (from the UI or a backfill) recomputes that stage for that stored micro-batch from its stored
@@ -9,7 +9,7 @@ inputs, with the same stage function.
 import dagster as dg
 
 from assets.metadata import stage_metadata
-from assets.partitions import STEP_X_MICRO_BATCH, parse_stage_partition
+from assets.partitions import STAGE_PARTITIONS, parse_stage_partition
 from resources import ExperienceStoreResource, ExperimentResource, RayCluster
 
 _GROUP = "stages"
@@ -25,7 +25,7 @@ def _recompute(stage: str, context: dg.AssetExecutionContext, experiment: Experi
     return dg.MaterializeResult(metadata=stage_metadata(stage, path, seconds, table))
 
 
-@dg.asset(partitions_def=STEP_X_MICRO_BATCH, group_name=_GROUP, deps=["base_policies"], kinds={"vllm", "parquet"})
+@dg.asset(partitions_def=STAGE_PARTITIONS, group_name=_GROUP, deps=["base_policies"], kinds={"vllm", "parquet"})
 def rollouts(context: dg.AssetExecutionContext, experiment: ExperimentResource, store: ExperienceStoreResource,
              ray: RayCluster) -> dg.MaterializeResult:
     """Multi-turn episodes sampled from every agent's vLLM engine: one row per turn."""
@@ -34,14 +34,14 @@ def rollouts(context: dg.AssetExecutionContext, experiment: ExperimentResource, 
 
 # Ray is required, not only used: with Ray up the recomputation runs an action environment's actions on the
 # shared action pool (isolated worker processes, as in the train job) instead of in Dagster's step process.
-@dg.asset(partitions_def=STEP_X_MICRO_BATCH, group_name=_GROUP, deps=[rollouts], kinds={"parquet"})
+@dg.asset(partitions_def=STAGE_PARTITIONS, group_name=_GROUP, deps=[rollouts], kinds={"parquet"})
 def environment_results(context: dg.AssetExecutionContext, experiment: ExperimentResource,
                         store: ExperienceStoreResource, ray: RayCluster) -> dg.MaterializeResult:
     """The outcome of executing each turn's action."""
     return _recompute("environment_results", context, experiment, store)
 
 
-@dg.asset(partitions_def=STEP_X_MICRO_BATCH, group_name=_GROUP, deps=[rollouts, environment_results],
+@dg.asset(partitions_def=STAGE_PARTITIONS, group_name=_GROUP, deps=[rollouts, environment_results],
           kinds={"parquet"})
 def rewards(context: dg.AssetExecutionContext, experiment: ExperimentResource,
             store: ExperienceStoreResource) -> dg.MaterializeResult:
@@ -49,7 +49,7 @@ def rewards(context: dg.AssetExecutionContext, experiment: ExperimentResource,
     return _recompute("rewards", context, experiment, store)
 
 
-@dg.asset(partitions_def=STEP_X_MICRO_BATCH, group_name=_GROUP, deps=[rollouts, rewards], kinds={"torch", "parquet"})
+@dg.asset(partitions_def=STAGE_PARTITIONS, group_name=_GROUP, deps=[rollouts, rewards], kinds={"torch", "parquet"})
 def policy_updates(context: dg.AssetExecutionContext, experiment: ExperimentResource,
                    store: ExperienceStoreResource) -> dg.MaterializeResult:
     """Each agent's gradient accumulation for the micro-batch (loss, tokens, clip fraction)."""

@@ -10,7 +10,7 @@ import dagster as dg
 
 from assets.evaluations import evaluation_metadata
 from assets.metadata import run_report, stage_metadata
-from assets.partitions import AGENTS, STEPS, agent_key, stage_partition, step_key
+from assets.partitions import AGENTS, STEPS, add_planned_stage_partitions, agent_key, stage_partition, step_key
 from assets.policies import base_policy_metadata
 from resources import ExperimentResource, RayCluster
 
@@ -62,13 +62,12 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
 
 
 def _log_evaluation(context: dg.OpExecutionContext, config, event) -> None:
-    """One ``evaluations`` materialization per evaluated version (its step key; the last version has no step of
-    its own, so its key is added here), with every agent's metrics and the plot across the run's versions."""
+    """One ``evaluations`` materialization per evaluated version (key ``<run>-<version>``, registered when the
+    launch started), with every agent's metrics and the plot across the run's versions."""
     from marl_pipeline.run.evaluations import evaluation_history
     from marl_pipeline.store import ExperienceStore
 
     partition = step_key(config.run, event.version)
-    context.instance.add_dynamic_partitions(STEPS.name, [partition])
     history = evaluation_history(ExperienceStore(config.store), config.run)
     context.log_event(dg.AssetMaterialization(asset_key="evaluations", partition=partition,
                                               metadata=evaluation_metadata(event.metrics, event.path, history)))
@@ -79,8 +78,12 @@ def _log_evaluation(context: dg.OpExecutionContext, config, event) -> None:
 
 def _log_start(context: dg.OpExecutionContext, config, event) -> None:
     plan = event.plan
+    # The grid lists what the launch planned, registered before its first commit is logged: its micro-batches,
+    # and the policy versions it starts from or commits (the `evaluations` asset's keys, evaluable from the UI).
+    add_planned_stage_partitions(context.instance, config.run, plan.first_step, plan.last_step,
+                                 config.pipeline.micro_batches_per_step)
     context.instance.add_dynamic_partitions(
-        STEPS.name, [step_key(config.run, step) for step in range(plan.first_step, plan.last_step + 1)])
+        STEPS.name, [step_key(config.run, version) for version in range(plan.first_step, plan.last_step + 2)])
     for observation in plan_observations(config.run, plan):
         context.log_event(observation)
     if any(policy.created for policy in event.base_policies):

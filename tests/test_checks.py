@@ -10,7 +10,7 @@ import pyarrow as pa
 import yaml
 
 from assets.checks import STAGE_CHECKS
-from assets.partitions import STEPS, stage_partition, step_key
+from assets.partitions import add_planned_stage_partitions, stage_partition
 from assets.stages import STAGE_ASSETS
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.validation import check_finite, check_schema_version, check_staleness, check_token_ids
@@ -66,14 +66,13 @@ def test_checks_run_on_their_own_for_a_partition_in_dagster(tmp_path: Path, demo
     resources = {"experiment": experiment, "store": ExperienceStoreResource(experiment=experiment),
                  "ray": RayCluster(experiment=experiment)}
     instance = dg.DagsterInstance.ephemeral()
-    instance.add_dynamic_partitions(STEPS.name, [step_key("demo", 1)])
+    add_planned_stage_partitions(instance, "demo", 1, 1, micro_batches=2)  # as the train job plans them
     written = dg.AssetSelection.checks_for_assets(*STAGE_ASSETS[:3])  # the synthetic run has no policy_updates
     results = {}
     for micro_batch in (0, 1):
         partition = stage_partition("demo", 1, micro_batch)
         # The checks alone for one partition, as the UI's "Execute checks" runs them (partition given by run tags).
-        tags = {"dagster/partition": str(partition),
-                **{f"dagster/partition/{dim}": key for dim, key in partition.keys_by_dimension.items()}}
+        tags = {"dagster/partition": partition}
         result = dg.materialize([*STAGE_ASSETS, *STAGE_CHECKS], selection=written, instance=instance, tags=tags,
                                 resources=resources)
         assert result.success

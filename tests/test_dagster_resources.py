@@ -12,7 +12,7 @@ import ray
 import yaml
 
 from assets.definitions import defs
-from assets.partitions import STEPS, stage_partition, step_key
+from assets.partitions import add_planned_stage_partitions, stage_partition
 from assets.stages import environment_results
 from marl_pipeline.environment import register_environment
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
@@ -53,11 +53,11 @@ def test_recomputed_environment_partition_runs_its_actions_on_the_pool(tmp_path:
     config_path = _experiment(tmp_path, demo_config_data, run="where", environment={
         "name": WhereActionsRun.name, "pool": {"min_workers": 1, "max_workers": 1, "num_cpus": 0}}, ray={"num_cpus": 1})
     instance = dg.DagsterInstance.ephemeral()
-    instance.add_dynamic_partitions(STEPS.name, [step_key("where", 1)])
+    add_planned_stage_partitions(instance, "where", 1, 1, micro_batches=1)
     key = MicroBatchKey("where", 1, 0)
     stored = store.read("environment_results", key)
     # As the UI materializes one partition: the Definitions' resources, configured by run config only.
-    result = dg.materialize([environment_results], partition_key=str(stage_partition("where", 1, 0)),
+    result = dg.materialize([environment_results], partition_key=stage_partition("where", 1, 0),
                             instance=instance, resources=defs.resources,
                             run_config={"resources": {"experiment": {"config": {"config_path": str(config_path)}}}})
     assert result.success

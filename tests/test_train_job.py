@@ -17,7 +17,8 @@ import yaml
 
 from assets.checks import STAGE_CHECKS
 from assets.definitions import defs
-from assets.partitions import agent_key, stage_partition
+from assets.evaluations import evaluations
+from assets.partitions import agent_key, planned_stage_partitions, stage_partition, step_key
 from assets.stages import environment_results, policy_updates, rewards, rollouts
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import STAGES
@@ -27,20 +28,25 @@ from tests.conftest import ROOT, small_config_data
 STEPS, MICRO_BATCHES = 2, 2
 
 
+# The run is launched as from the launchpad: the YAML file says otherwise, the run config's overrides decide.
+OVERRIDES = {"run": "small", "pipeline": {"steps": STEPS, "micro_batches_per_step": MICRO_BATCHES}}
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, demo_config_data):
     work = tmp_path_factory.mktemp("train_job")
-    data = small_config_data(demo_config_data, work / "store", steps=STEPS, micro_batches_per_step=MICRO_BATCHES)
-    data["run"] = "small"
+    data = small_config_data(demo_config_data, work / "store", steps=STEPS + 1,
+                             micro_batches_per_step=MICRO_BATCHES + 1)
+    data["run"] = "from_the_file"
     config_path = work / "small.yaml"
     config_path.write_text(yaml.safe_dump(data))
     (work / "dagster_home").mkdir()
     instance = dg.DagsterInstance.local_temp(str(work / "dagster_home"))
-    experiment = ExperimentResource(config_path=str(config_path))
+    experiment = ExperimentResource(config_path=str(config_path), overrides=OVERRIDES)
     resources = {"experiment": experiment, "store": ExperienceStoreResource(experiment=experiment),
                  "ray": RayCluster(experiment=experiment, ray_init_options={"include_dashboard": False, "num_cpus": 2})}
-    result = defs.get_job_def("train").execute_in_process(
-        instance=instance, run_config={"resources": {"experiment": {"config": {"config_path": str(config_path)}}}})
+    result = defs.get_job_def("train").execute_in_process(instance=instance, run_config={
+        "resources": {"experiment": {"config": {"config_path": str(config_path), "overrides": OVERRIDES}}}})
     yield {"result": result, "instance": instance, "store": ExperienceStore(data["store"]), "work": work,
            "config_path": config_path, "resources": resources}
     instance.dispose()
@@ -54,7 +60,7 @@ def _materialized_partitions(instance: dg.DagsterInstance, asset: str) -> list[s
 def test_every_stage_partition_is_recorded_as_it_commits(trained) -> None:
     assert trained["result"].success
     instance = trained["instance"]
-    expected = sorted(str(stage_partition("small", s, m)) for s in range(STEPS) for m in range(MICRO_BATCHES))
+    expected = sorted(stage_partition("small", s, m) for s in range(STEPS) for m in range(MICRO_BATCHES))
     for stage in STAGES:
         assert sorted(_materialized_partitions(instance, stage)) == expected, stage
     record = instance.fetch_materializations(dg.AssetKey("rewards"), limit=1).records[0]
@@ -65,6 +71,31 @@ def test_every_stage_partition_is_recorded_as_it_commits(trained) -> None:
     rollout_metadata = instance.fetch_materializations(dg.AssetKey("rollouts"), limit=1).records[0]
     assert rollout_metadata.asset_materialization.metadata["tokens"].value > 0
     assert Path(metadata["path"].value).is_dir()
+
+
+def test_run_config_overrides_reach_the_run(trained) -> None:
+    store = trained["store"]
+    assert store.runs() == ["small"]  # the overridden run name, not the file's
+    rollouts_table = store.read_stage("small", "rollouts", columns=["step", "micro_batch"])
+    assert set(rollouts_table.column("step").to_pylist()) == set(range(STEPS))
+    assert set(rollouts_table.column("micro_batch").to_pylist()) == set(range(MICRO_BATCHES))
+
+
+def test_the_partition_grid_lists_exactly_what_the_run_planned(trained) -> None:
+    instance, result = trained["instance"], trained["result"]
+    # The launch's plan, as the op recorded it: the policy versions (from, to] each agent's launch commits.
+    observations = [event.asset_observation_data.asset_observation for event in result.get_asset_observation_events()]
+    plans = {(o.metadata["launch_from_version"].value, o.metadata["launch_to_version"].value)
+             for o in observations if o.asset_key == dg.AssetKey("policies")}
+    [(first_version, last_version)] = plans
+    planned = planned_stage_partitions("small", first_version, last_version - 1, MICRO_BATCHES)
+    assert len(planned) == STEPS * MICRO_BATCHES
+    for asset in (rollouts, environment_results, rewards, policy_updates):
+        assert asset.partitions_def.get_partition_keys(dynamic_partitions_store=instance) == planned, asset.key
+        assert sorted(_materialized_partitions(instance, asset.key.path[-1])) == planned  # and each one exists
+    # The evaluations' keys: the versions the launch started from or committed, each evaluable from the UI.
+    assert evaluations.partitions_def.get_partition_keys(dynamic_partitions_store=instance) == [
+        step_key("small", version) for version in range(first_version, last_version + 1)]
 
 
 def test_a_new_policy_version_per_step_and_agent(trained) -> None:
@@ -102,7 +133,7 @@ def test_rematerialized_stage_reproduces_its_stored_partition(trained, asset) ->
     store, key = trained["store"], MicroBatchKey("small", 1, 1)
     before = _sorted(store.read(stage, key))
     checks = [check for check in STAGE_CHECKS if next(iter(check.check_keys)).asset_key == asset.key]
-    result = dg.materialize([asset, *checks], partition_key=str(stage_partition("small", 1, 1)),
+    result = dg.materialize([asset, *checks], partition_key=stage_partition("small", 1, 1),
                             instance=trained["instance"], resources=trained["resources"])
     assert result.success
     # The stage's asset checks run with its materialization, on the replayed partition, and pass.
@@ -123,7 +154,7 @@ def test_rematerialized_rollout_resamples_the_stored_micro_batch(trained) -> Non
     store, key = trained["store"], MicroBatchKey("small", 1, 0)
     before = _sorted(store.read("rollouts", key))
     checks = [check for check in STAGE_CHECKS if next(iter(check.check_keys)).asset_key == rollouts.key]
-    result = dg.materialize([rollouts, *checks], partition_key=str(stage_partition("small", 1, 0)),
+    result = dg.materialize([rollouts, *checks], partition_key=stage_partition("small", 1, 0),
                             instance=trained["instance"], resources=trained["resources"])
     assert result.success
     evaluations = result.get_asset_check_evaluations()

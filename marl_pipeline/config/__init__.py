@@ -9,12 +9,19 @@ Modules: ``base`` (shared), ``agent`` (one agent's model, engine, trainer, warm-
 
 from marl_pipeline.config.agent import AgentConfig, EngineConfig, TrainerConfig, WarmupConfig
 from marl_pipeline.config.base import BUILTIN_TINY, ConfigError, StrictModel
-from marl_pipeline.config.experiment import ExperimentConfig, load_config, parse_config
+from marl_pipeline.config.experiment import (
+    ExperimentConfig,
+    apply_overrides,
+    load_config,
+    parse_config,
+    read_config_data,
+)
 from marl_pipeline.config.pipeline import AlgorithmConfig, EnvironmentConfig, PipelineConfig, PoolSettings
-from marl_pipeline.config.services import EvaluationConfig, RayConfig, RewardModelConfig, StoreConfig
+from marl_pipeline.config.services import EvaluationConfig, RayConfig, RetrainConfig, RewardModelConfig, StoreConfig
 
 __all__ = [
     "BUILTIN_TINY", "AgentConfig", "AlgorithmConfig", "ConfigError", "EngineConfig", "EnvironmentConfig",
-    "EvaluationConfig", "ExperimentConfig", "PipelineConfig", "PoolSettings", "RayConfig", "RewardModelConfig",
-    "StoreConfig", "StrictModel", "TrainerConfig", "WarmupConfig", "load_config", "parse_config",
+    "EvaluationConfig", "ExperimentConfig", "PipelineConfig", "PoolSettings", "RayConfig", "RetrainConfig",
+    "RewardModelConfig", "StoreConfig", "StrictModel", "TrainerConfig", "WarmupConfig", "apply_overrides",
+    "load_config", "parse_config", "read_config_data",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,6 +15,7 @@ from marl_pipeline.config.pipeline import AlgorithmConfig, EnvironmentConfig, Pi
 from marl_pipeline.config.services import (
     EvaluationConfig,
     RayConfig,
+    RetrainConfig,
     RewardModelConfig,
     StoreConfig,
     _store_from_uri,
@@ -37,6 +39,7 @@ class ExperimentConfig(StrictModel):
     """A model-based reward mixed into the environment's (None: the environment's rule-based reward alone)."""
     evaluation: EvaluationConfig = EvaluationConfig()
     ray: RayConfig = RayConfig()
+    retrain: RetrainConfig = RetrainConfig()
 
     @field_validator("agents")
     @classmethod
@@ -103,8 +106,8 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
     return config
 
 
-def load_config(path: str | Path) -> ExperimentConfig:
-    """Read and validate one YAML experiment file."""
+def read_config_data(path: str | Path) -> dict[str, Any]:
+    """The raw mapping of one YAML experiment file, not yet validated."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -112,4 +115,28 @@ def load_config(path: str | Path) -> ExperimentConfig:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
         raise ConfigError(f"invalid YAML in {path}: {error}") from None
-    return parse_config(data, source=str(path))
+    return data
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of experiment ``data`` with ``overrides`` (nested like the file) merged in: mappings merge key by
+    key, any other value replaces. A plain-string ``store`` is read as its ``uri`` first, so that overriding one
+    store setting keeps the file's URI."""
+    if isinstance(data.get("store"), str | Path) and isinstance(overrides.get("store"), Mapping):
+        data = {**data, "store": _store_from_uri(data["store"])}
+    return _merged(data, overrides)
+
+
+def _merged(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(data)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merged(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: str | Path) -> ExperimentConfig:
+    """Read and validate one YAML experiment file."""
+    return parse_config(read_config_data(path), source=str(path))

@@ -1,4 +1,4 @@
-"""What a run uses besides its agents: a reward model, held-out evaluation, Ray and the store."""
+"""What a run uses besides its agents: a reward model, held-out evaluation, Ray, the store, data-driven retraining."""
 
 from __future__ import annotations
 
@@ -78,6 +78,26 @@ class RayConfig(StrictModel):
     """None: an embedded local Ray; otherwise an existing cluster (``ray://host:10001`` or ``auto``)."""
     num_cpus: int | None = None
     """CPUs of the embedded local Ray (None: all of the machine's)."""
+
+
+class RetrainConfig(StrictModel):
+    """Data-driven retraining: Dagster's ``retrain_on_new_tasks`` sensor starts the train job when task files land."""
+
+    watch: str | None = None
+    """A directory or ``s3://bucket/prefix`` holding the environment's task files (an S3 prefix is read with the
+    store's endpoint and keys); None: the sensor starts nothing."""
+    pattern: str = "*"
+    """Which files under ``watch`` are task files: a glob matched against each file's name."""
+    settle_s: float = Field(30.0, ge=0)
+    """A batch counts once no task file has changed for this long, so a batch still being copied waits and starts
+    one run when complete, not one per sensor tick it straddles."""
+
+    @field_validator("watch")
+    @classmethod
+    def validate_watch_scheme(cls, watch: str | None) -> str | None:
+        if watch is not None and "://" in watch and not watch.startswith(("s3://", "file://")):
+            raise ValueError(f"retrain.watch {watch!r}: only a local directory or s3:// is supported")
+        return watch
 
 
 class StoreConfig(StrictModel):
