@@ -86,6 +86,7 @@ def run_report(finished, timeline) -> tuple[dict, dict[str, dg.MetadataValue]]:
         name: dg.MetadataValue.float(value) for name, value in report.items() if isinstance(value, float)}
     metadata["staleness_histogram"] = dg.MetadataValue.json(report["staleness_histogram"])
     metadata["resumed"] = dg.MetadataValue.bool(plan.resumed)
+    metadata["placement"] = dg.MetadataValue.json(finished.placement.summary())
     if spans:
         png = base64.b64encode(activity_plot_png(spans, finished.started)).decode()
         metadata["stage_activity"] = dg.MetadataValue.md(f"![stage activity](data:image/png;base64,{png})")

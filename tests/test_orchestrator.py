@@ -65,7 +65,20 @@ def test_staleness_1_never_trains_on_older_samples(local_ray, demo_config_data, 
     updates = store.read_stage("demo", "policy_updates", columns=["step", "policy_version", "agent"])
     # a trainer takes step i's gradient at version i: samples trained are at most 1 version older
     assert pc.all(pc.equal(updates.column("step"), updates.column("policy_version"))).as_py()
-    assert store.policy_versions("demo", "solver") == [0, 1, 2, 3, 4]
+    assert store.policy_versions("demo", "solver") == [0, 3, 4]  # store.retention's defaults: 0 and the last 2
+
+
+def test_two_launches_end_with_the_parameters_of_one_adamw_included(local_ray, demo_config_data, tmp_path) -> None:
+    def config(name: str, steps: int):
+        return parse_config(small_config_data(demo_config_data, tmp_path / name, steps=steps, micro_batches_per_step=2))
+
+    _run(config("one", 4))
+    for _ in range(2):  # the second launch continues from version 2, its AdamW state restored from the checkpoint
+        _run(config("two", 2))
+    one, two = ExperienceStore(config("one", 4).store), ExperienceStore(config("two", 2).store)
+    for agent in ("solver", "verifier"):
+        straight, resumed = _weights(one, "demo", agent, 4), _weights(two, "demo", agent, 4)
+        assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) <= PARAMETER_TOLERANCE, agent
 
 
 def _committed(store: ExperienceStore) -> int:
@@ -78,7 +91,8 @@ def _launch(config_path: Path, cwd: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def test_killed_three_times_and_resumed_commits_every_micro_batch_once(demo_config_data, tmp_path: Path) -> None:
+def test_killed_three_times_and_resumed_commits_every_micro_batch_once(local_ray, demo_config_data,
+                                                                       tmp_path: Path) -> None:
     steps, micro_batches = 4, 2
     data = small_config_data(demo_config_data, tmp_path / "store", steps=steps, micro_batches_per_step=micro_batches)
     config_path = tmp_path / "experiment.yaml"
@@ -107,9 +121,16 @@ def test_killed_three_times_and_resumed_commits_every_micro_batch_once(demo_conf
     sample_ids = rollouts.column("sample_id").to_pylist()
     assert len(sample_ids) == len(set(sample_ids)) == steps * micro_batches * 4 * 4 * 2
     for agent in ("solver", "verifier"):
-        assert store.policy_versions("demo", agent) == list(range(steps + 1))
+        assert store.policy_versions("demo", agent) == [0, steps - 1, steps]  # retention: 0 and the last 2
     record = json.loads((store.root / "run=demo" / "launch.json").read_text())
     assert record == {"last_step": steps - 1, "finished": True}
+    # and it ends where a launch never killed ends: the same parameters, AdamW's moments restored on each resume
+    reference = parse_config({**data, "store": str(tmp_path / "reference")})
+    _run(reference)
+    for agent in ("solver", "verifier"):
+        killed, straight = _weights(store, "demo", agent, steps), _weights(ExperienceStore(reference.store), "demo",
+                                                                            agent, steps)
+        assert max((straight[n] - killed[n]).abs().max().item() for n in straight) <= PARAMETER_TOLERANCE, agent
 
 
 def test_synchronous_mode_rejects_staleness(demo_config_data, tmp_path: Path) -> None:

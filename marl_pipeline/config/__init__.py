@@ -17,11 +17,18 @@ from marl_pipeline.config.experiment import (
     read_config_data,
 )
 from marl_pipeline.config.pipeline import AlgorithmConfig, EnvironmentConfig, PipelineConfig, PoolSettings
-from marl_pipeline.config.services import EvaluationConfig, RayConfig, RetrainConfig, RewardModelConfig, StoreConfig
+from marl_pipeline.config.services import (
+    EvaluationConfig,
+    RayConfig,
+    RetentionConfig,
+    RetrainConfig,
+    RewardModelConfig,
+    StoreConfig,
+)
 
 __all__ = [
     "BUILTIN_TINY", "AgentConfig", "AlgorithmConfig", "ConfigError", "EngineConfig", "EnvironmentConfig",
-    "EvaluationConfig", "ExperimentConfig", "PipelineConfig", "PoolSettings", "RayConfig", "RetrainConfig",
-    "RewardModelConfig", "StoreConfig", "StrictModel", "TrainerConfig", "WarmupConfig", "apply_overrides",
-    "load_config", "parse_config", "read_config_data",
+    "EvaluationConfig", "ExperimentConfig", "PipelineConfig", "PoolSettings", "RayConfig", "RetentionConfig",
+    "RetrainConfig", "RewardModelConfig", "StoreConfig", "StrictModel", "TrainerConfig", "WarmupConfig",
+    "apply_overrides", "load_config", "parse_config", "read_config_data",
 ]

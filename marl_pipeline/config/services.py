@@ -100,6 +100,22 @@ class RetrainConfig(StrictModel):
         return watch
 
 
+class RetentionConfig(StrictModel):
+    """Which policy versions the store keeps once newer ones are committed (``store.retention``).
+
+    Version 0 (the base policy, the KL reference and every evaluation's starting point) is always kept, and so
+    is each agent's newest version (a resumed launch starts from it, optimizer state included). Pruning runs as
+    each new version is committed. A pruned version is gone with its optimizer state: recomputing a partition or
+    evaluating a version that needs it fails with an error naming the version."""
+
+    keep_last: int = Field(2, ge=1)
+    """The newest versions kept per agent."""
+    keep_every: int | None = Field(25, ge=1)
+    """Also keep every version divisible by this (None: no such milestones)."""
+    keep_all: bool = False
+    """Keep every version (no pruning), as before retention existed."""
+
+
 class StoreConfig(StrictModel):
     """Where the experience store lives; a plain string in the YAML file is taken as ``uri``."""
 
@@ -118,6 +134,8 @@ class StoreConfig(StrictModel):
     None: ``.marl/cache/<bucket>/<prefix>``. Unused for a local store (checkpoints live in it)."""
     compression: Literal["zstd", "snappy", "lz4", "gzip", "none"] = "zstd"
     """Parquet compression of stage partitions."""
+    retention: RetentionConfig = RetentionConfig()
+    """Which policy versions (weights and optimizer state) are kept."""
 
     def __str__(self) -> str:
         # Code written when ``store`` was a plain string (f"{config.store}", str(config.store)) keeps working.

@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from marl_pipeline.run.launches import LaunchPlan
+from marl_pipeline.runtime.placement import PlacementPlan
 from marl_pipeline.runtime.policies import BasePolicy
 from marl_pipeline.store import MicroBatchKey
 
@@ -76,6 +77,7 @@ class RunStarted:
     plan: LaunchPlan
     base_policies: list[BasePolicy]
     setup_seconds: float
+    placement: PlacementPlan
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class RunFinished:
     plan: LaunchPlan
     started: float
     ended: float
+    placement: PlacementPlan
 
 
 @dataclass(frozen=True)

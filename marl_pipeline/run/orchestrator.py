@@ -226,6 +226,9 @@ class Orchestrator:
             (pending.staging / "timing.json").write_text(
                 json.dumps({"step": pending.step, **asdict(timing), **asdict(result)}))
             path = self.store.commit_policy(pending.staging, self.config.run, agent, result.policy_version)
+            # The newest version is always kept (a resumed launch starts from it); the engine holds this one in
+            # memory, so an evaluation below does not need its files.
+            self.store.prune_policies(self.config.run, agent, self.config.store.retention)
             self._events.put(PolicyCommitted(agent, result.policy_version, pending.step, path, result.grad_norm,
                                              result.tokens, timing))
             self._evaluate_if_due(agent, result.policy_version)  # before rollout can ask this engine for more

@@ -8,11 +8,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import ray
+
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import build_environment
 from marl_pipeline.run.events import LaunchEvent, RunFinished, RunStarted
 from marl_pipeline.run.launches import finish_launch, plan_launch
 from marl_pipeline.run.orchestrator import Orchestrator
+from marl_pipeline.runtime.placement import plan_placement
 from marl_pipeline.runtime.policies import prepare_base_policies
 from marl_pipeline.runtime.reward_model import prepare_reward_model
 from marl_pipeline.runtime.workers import start_workers
@@ -23,6 +26,9 @@ from marl_pipeline.store import ExperienceStore
 def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
     """Run one launch: resume an unfinished one, or add ``pipeline.steps`` steps after the newest policies."""
     started = time.perf_counter()
+    # Before any work (a warm-up takes minutes): a run the cluster cannot hold fails now, with the arithmetic.
+    placement = plan_placement(config, [node["Resources"] for node in ray.nodes() if node["Alive"]])
+    config = placement.fitted(config)
     env = build_environment(config.environment.name, config.environment.options)
     store = ExperienceStore(config.store)
     base_policies = prepare_base_policies(config, env, store)
@@ -31,10 +37,10 @@ def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
     workers = start_workers(config, store, plan.versions, reward_model,
                             action_pool_settings(env, config.environment.pool))
     try:
-        yield RunStarted(config.run, plan, base_policies, time.perf_counter() - started)
+        yield RunStarted(config.run, plan, base_policies, time.perf_counter() - started, placement)
         streaming_started = time.time()
         yield from Orchestrator(config, env, store, workers, plan).run()
         finish_launch(store, config.run, plan.last_step)
-        yield RunFinished(config.run, plan, streaming_started, time.time())
+        yield RunFinished(config.run, plan, streaming_started, time.time(), placement)
     finally:
         workers.shutdown()

@@ -9,6 +9,7 @@ exactly the full-batch update of the mean loss over the whole step, whatever the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -24,6 +25,11 @@ from marl_pipeline.runtime.losses import (
 )
 from marl_pipeline.runtime.models import load_policy, save_policy
 from marl_pipeline.runtime.precision import autocast, resolve_dtype
+
+TRAINER_STATE = "trainer_state.pt"
+"""Saved beside a policy version's weights: what a resumed launch needs to continue exactly (AdamW's moments and
+step counts, torch's RNG state, the version it belongs to). The learning-rate schedule is a function of the
+version, so the version restores it."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class PolicyTrainer:
         self.device_type = next(self.model.parameters()).device.type
         self.dtype = resolve_dtype(dtype, self.device_type)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.resumed_optimizer = self._load_state(Path(model_dir) / TRAINER_STATE, version)
         self.lr, self.lr_decay_steps, self.min_lr_ratio = lr, lr_decay_steps, min_lr_ratio
         self.max_grad_norm = max_grad_norm
         self.clip_eps, self.tis_cap = clip_eps, tis_cap
@@ -160,9 +167,22 @@ class PolicyTrainer:
         return [(name, tensor.detach().clone()) for name, tensor in self.model.state_dict().items()]
 
     def save(self, directory: str) -> None:
-        from pathlib import Path
-
+        """The policy (Hugging Face format, what engines load) and the trainer state a resumed launch needs."""
         save_policy(self.model, self.tokenizer, Path(directory))
+        torch.save({"version": self.version, "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()},
+                   Path(directory) / TRAINER_STATE)
+
+    def _load_state(self, path: Path, version: int) -> bool:
+        """Restore AdamW and the RNG saved with ``version``; False when there is none (a base policy, or a version
+        saved before complete checkpoints), and AdamW starts fresh."""
+        if not path.exists():
+            return False
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state["version"] != version:
+            raise ValueError(f"{path} holds the trainer state of version {state['version']}, not {version}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        return True
 
     @torch.no_grad()
     def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:

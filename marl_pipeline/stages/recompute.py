@@ -77,14 +77,21 @@ def _model_reward(config: ExperimentConfig, env, store: ExperienceStore):
     return ModelReward.from_settings(config.reward_model, server.score)
 
 
-def _policy_versions_at(store: ExperienceStore, config: ExperimentConfig, step: int) -> dict[str, int]:
-    """The version each agent's trainer held when ``step`` started: the newest committed one <= step."""
-    versions = {}
-    for agent in config.agents:
-        candidates = [v for v in store.policy_versions(config.run, agent) if v <= step]
-        if not candidates:
-            raise ValueError(f"agent {agent!r} of run {config.run!r} has no committed policy version <= {step}")
-        versions[agent] = max(candidates)
+def _policy_versions_at(store: ExperienceStore, config: ExperimentConfig, key: MicroBatchKey,
+                        stage: str) -> dict[str, int]:
+    """The version each agent's policy had for ``stage`` of ``key``, which must still be stored.
+
+    A trainer takes step ``s``'s gradient at version ``s`` (one optimizer step per step, numbered from 0). A stored
+    rollout names the versions that sampled it (older than the step under a staleness bound): a recomputation
+    samples from the same ones, the newest of an agent's turns if an update landed mid-micro-batch.
+    """
+    versions = {agent: key.step for agent in config.agents}
+    if stage == "rollouts" and store.is_committed("rollouts", key):
+        stored = store.read("rollouts", key, columns=["agent", "policy_version"])
+        newest = stored.group_by("agent").aggregate([("policy_version", "max")])
+        versions.update(zip(newest.column("agent").to_pylist(), newest.column("policy_version_max").to_pylist()))
+    for agent, version in versions.items():
+        store.require_policy(config.run, agent, version)
     return versions
 
 
@@ -104,7 +111,7 @@ def _engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[st
 
 
 def _rollouts(config: ExperimentConfig, env, store: ExperienceStore, key: MicroBatchKey) -> pa.Table:
-    with _engines(config, store, _policy_versions_at(store, config, key.step)) as engines:
+    with _engines(config, store, _policy_versions_at(store, config, key, "rollouts")) as engines:
         return rollout_micro_batch(env, engines, key, RolloutSettings.from_config(config))
 
 
@@ -112,9 +119,8 @@ def _evaluations(config: ExperimentConfig, env, store: ExperienceStore, version:
     """Every agent's held-out evaluation at policy ``version`` (which every agent must have committed)."""
     if not is_evaluated(env):
         raise ValueError(f"environment {config.environment.name!r} has no evaluation_cases/evaluate")
-    missing = [agent for agent in config.agents if version not in store.policy_versions(config.run, agent)]
-    if missing:
-        raise ValueError(f"policy version {version} of run {config.run!r} is not stored for agents {missing}")
+    for agent in config.agents:
+        store.require_policy(config.run, agent, version)
     settings = EvaluationSettings.from_config(config)
     with _engines(config, store, {agent: version for agent in config.agents}) as engines:
         table = pa.concat_tables([evaluate_agent(env, agent, engine, settings) for agent, engine in engines.items()])
@@ -124,7 +130,7 @@ def _evaluations(config: ExperimentConfig, env, store: ExperienceStore, version:
 def _policy_updates(config: ExperimentConfig, store: ExperienceStore, key: MicroBatchKey) -> pa.Table:
     """The micro-batch's gradient statistics at the step's starting policy; no optimizer step is taken."""
     stats = {}
-    for agent, version in _policy_versions_at(store, config, key.step).items():
+    for agent, version in _policy_versions_at(store, config, key, "policy_updates").items():
         trainer = PolicyTrainer(str(store.policy_dir(config.run, agent, version)), version,
                                 **trainer_options(config, agent, store))
         stats[agent] = trainer.accumulate(train_batch_for(store, key, agent,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +26,9 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from marl_pipeline.config import StoreConfig
+from marl_pipeline.config import RetentionConfig, StoreConfig
 from marl_pipeline.store import commits
+from marl_pipeline.store import retention as retention_rules
 from marl_pipeline.store.commits import Manifest
 from marl_pipeline.store.schema import (
     DATASET_SCHEMAS,
@@ -324,6 +326,21 @@ class ExperienceStore:
         target = self.policy_dir(run, agent, version)
         commits.swap_in(Path(staging), target)
         return target
+
+    def prune_policies(self, run: str, agent: str, retention: RetentionConfig, protected: Iterable[int] = ()
+                       ) -> list[int]:
+        """Delete ``agent``'s policy versions that ``retention`` does not keep (``store/retention.py``)."""
+        versions = {v: self.policy_dir(run, agent, v) for v in self.policy_versions(run, agent)}
+        return retention_rules.prune(versions, retention, protected)
+
+    def require_policy(self, run: str, agent: str, version: int) -> Path:
+        """The directory of a stored policy version; a clear error when it was never committed or was pruned."""
+        directory = self.policy_dir(run, agent, version)
+        if not directory.is_dir():
+            kept = self.policy_versions(run, agent)
+            raise StoreError(f"policy version {version} of agent {agent!r} in run {run!r} is not stored: it was "
+                             f"pruned by store.retention or never committed (kept versions: {kept})")
+        return directory
 
 
 def _check_name(kind: str, value: object) -> None:

@@ -1,0 +1,110 @@
+"""Placement: a run the cluster cannot hold fails at once with the arithmetic; defaults are fitted to the machine."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from marl_pipeline.config import parse_config
+from marl_pipeline.environment import ActionResult, Task, Turn, register_environment
+from marl_pipeline.runtime.placement import PlacementError, plan_placement
+from tests.docs_plugin import RelayGame
+
+
+@register_environment
+class RelayOfThree(RelayGame):
+    """docs_relay with a middle agent: sender -> relay -> receiver (the three-agent case that used to hang)."""
+
+    name = "relay_of_three"
+    turn_order = ("sender", "relay", "receiver")
+
+    def render_prompt(self, role: str, task: Task, transcript: list[Turn]) -> str:
+        if role == "sender":
+            return f"say {task['colour']}:"
+        return f"heard {transcript[-1].text.strip()[:20]}:"
+
+    def execute(self, task, transcript):
+        hit = transcript[2].text.strip() == task["colour"]
+        return [ActionResult("sent", True), ActionResult("passed", True), ActionResult("match" if hit else "miss", hit)]
+
+    def score(self, task, transcript, results):
+        right = float(transcript[2].text.strip() == task["colour"])
+        return {"sender": right, "relay": right, "receiver": right}
+
+    def warmup_examples(self, role, rng, count):
+        tasks = self.sample_tasks(rng, count)
+        if role == "sender":
+            return [(self.render_prompt("sender", t, []), t["colour"]) for t in tasks]
+        return [(f"heard {t['colour']}:", t["colour"]) for t in tasks]
+
+
+def _config(tmp_path: Path, overrides: dict[str, dict] | None = None, **agent_overrides) -> object:
+    """The trio's config: ``agent_overrides`` for every agent, ``overrides`` per agent (what is set is explicit)."""
+    agents = {role: {"warmup": {"steps": 20}, **agent_overrides, **(overrides or {}).get(role, {})}
+              for role in RelayOfThree.turn_order}
+    return parse_config({
+        "run": "trio", "store": str(tmp_path / "store"), "environment": {"name": "relay_of_three"}, "agents": agents,
+        "pipeline": {"steps": 1, "prompts_per_micro_batch": 2, "samples_per_prompt": 2, "micro_batches_per_step": 1},
+    })
+
+
+TWO_CPUS = [{"CPU": 2.0}]
+
+
+def test_explicit_requests_that_do_not_fit_fail_with_the_arithmetic(tmp_path: Path) -> None:
+    config = _config(tmp_path, engine={"num_cpus": 0.5}, trainer={"num_cpus": 0.5})
+    with pytest.raises(PlacementError) as error:
+        plan_placement(config, TWO_CPUS)
+    message = str(error.value)
+    assert "3 agents need 3 CPUs" in message and "the cluster has 2" in message
+    assert "relay: engine 0.5 + trainer 0.5" in message
+    with pytest.raises(PlacementError, match="need 1 GPUs"):
+        plan_placement(_config(tmp_path, engine={"num_gpus": 1.0 / 3, "num_cpus": 0.1}), [{"CPU": 8.0}])
+
+
+def test_defaults_are_fitted_to_the_machine(tmp_path: Path) -> None:
+    plan = plan_placement(_config(tmp_path), TWO_CPUS)
+    assert all(actor.fitted and actor.cpus == pytest.approx(1 / 3, abs=1e-4) for actor in plan.actors)
+    assert sum(actor.cpus for actor in plan.actors) <= 2.0
+    fitted = plan.fitted(_config(tmp_path))
+    assert fitted.agents["relay"].engine.num_cpus == plan.request("relay/engine").cpus
+    assert plan.summary()["total"].startswith("1.9998 of 2 CPU")
+    # where the defaults fit, they are kept as they are
+    roomy = plan_placement(_config(tmp_path), [{"CPU": 8.0}])
+    assert all(not actor.fitted and actor.cpus == 0.5 for actor in roomy.actors)
+
+
+def test_explicit_requests_are_kept_and_the_defaults_share_what_is_left(tmp_path: Path) -> None:
+    config = _config(tmp_path, {"sender": {"engine": {"num_cpus": 1.0}}})
+    plan = plan_placement(config, TWO_CPUS)
+    assert plan.request("sender/engine").cpus == 1.0 and not plan.request("sender/engine").fitted
+    assert all(actor.cpus == pytest.approx(0.2, abs=1e-4) for actor in plan.actors if actor.fitted)
+
+
+def test_every_actor_must_fit_on_one_node(tmp_path: Path) -> None:
+    config = _config(tmp_path, trainer={"num_cpus": 1.5}, engine={"num_cpus": 0.1})
+    plan_placement(config, [{"CPU": 6.0}])  # fits the one big node
+    with pytest.raises(PlacementError, match=r"needs 1.5 CPU and 0 GPU on one node"):
+        plan_placement(config, [{"CPU": 1.0}] * 6)  # 6 CPUs in all, but no node can hold a trainer
+
+
+def test_a_run_that_cannot_be_placed_fails_before_touching_the_store(local_ray, tmp_path: Path) -> None:
+    from marl_pipeline.run.recipe import train
+
+    config = _config(tmp_path, engine={"num_cpus": 0.5}, trainer={"num_cpus": 0.5})
+    started = time.monotonic()
+    with pytest.raises(PlacementError, match="3 agents need 3 CPUs"):
+        next(train(config))
+    assert time.monotonic() - started < 60  # no warm-up, no actor started: it did not wait for anything
+    assert not (tmp_path / "store").exists()
+
+
+def test_three_agents_train_on_two_cpus_with_the_defaults(local_ray, tmp_path: Path) -> None:
+    from marl_pipeline.run.events import RunFinished
+    from marl_pipeline.run.recipe import train
+
+    events = list(train(_config(tmp_path)))
+    assert isinstance(events[-1], RunFinished)
+    assert all(actor.fitted for actor in events[-1].placement.actors)
