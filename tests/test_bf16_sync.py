@@ -54,11 +54,12 @@ def test_bf16_weight_sync_serves_the_trainers_policy(local_ray, smollm2_dir: Pat
         assert local_ray.get(engine.load_weights.remote(local_ray.put(trainer.named_weights()), 1)) == 1
 
         after = local_ray.get(engine.completion_logprobs.remote(sample.prompt_ids, sample.response_ids))
-        # The engine serves the new version: it moved well beyond the tolerance, the way the advantage asked,
-        # and it is nearer the trainer's new logprobs than its own old ones.
+        # The engine serves the new version: it moved well beyond the tolerance, and it is nearer the trainer's
+        # new logprobs than its own old ones. (Not "the sum went up": this large step overshoots on one token,
+        # measured -0.72 -> ~0 on three tokens and -0.03 -> -7.76 on the fourth, in the engine.)
         assert local_ray.get(engine.policy_version.remote()) == 1
         moved = _distance(after, before)[0]
-        assert moved > 4 * BF16_TOLERANCE and sum(after) > sum(before)
+        assert moved > 4 * BF16_TOLERANCE
         worst, mean = _distance(after, trainer.completion_logprobs(sample.prompt_ids, sample.response_ids))
         assert worst < moved / 4
         if worst > BF16_TOLERANCE or mean > MEAN_TOLERANCE:
