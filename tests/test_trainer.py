@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
+from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch, length_chunks
 
 
 def _random_batch(rng: np.random.Generator, rows: int, vocab: int) -> TrainBatch:
@@ -79,3 +79,46 @@ def test_positive_advantage_raises_the_sampled_tokens_probability(tiny_model_dir
     after = trainer.completion_logprobs(prompt, response)
     assert sum(after) > sum(before)
     assert torch.get_num_threads() >= 1
+
+
+def test_length_chunks_sort_rows_and_keep_each_pass_within_the_budget() -> None:
+    lengths = [9, 3, 30, 4, 9, 5, 3]
+    chunks = length_chunks(lengths, budget=12)
+    assert sorted(row for chunk in chunks for row in chunk) == list(range(len(lengths)))  # every row, once
+    order = [row for chunk in chunks for row in chunk]
+    assert [lengths[row] for row in order] == sorted(lengths)
+    assert order[:2] == [1, 6]  # equal lengths keep their order
+    assert chunks[-1] == [2]  # longer than the budget: a pass of its own
+    assert all(len(chunk) * max(lengths[row] for row in chunk) <= 12 for chunk in chunks[:-1])
+    assert chunks == [[1, 6, 3], [5], [0], [4], [2]]
+
+
+@pytest.mark.parametrize("options", [ALGORITHM_OPTIONS["token"], ALGORITHM_OPTIONS["sequence+kl+entropy+tis"]],
+                         ids=["token", "sequence+kl+entropy+tis"])
+def test_passes_under_a_token_budget_give_the_one_pass_update(tiny_model_dir: Path, options: dict) -> None:
+    batch = _random_batch(np.random.default_rng(1), rows=12, vocab=200)
+    if options.get("kl_coef"):
+        options = {**options, "reference_dir": str(tiny_model_dir)}
+    one_pass = _trainer(tiny_model_dir, chunk_tokens=10_000, **options)
+    chunked = _trainer(tiny_model_dir, chunk_tokens=12, **options)
+    lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    assert len(length_chunks(lengths, 12)) >= 4  # the budget does cut the micro-batch
+    for trainer in (one_pass, chunked):  # float64, as above: the claim is about the function, not rounding
+        trainer.model.double()
+        if trainer.reference is not None:
+            trainer.reference.double()
+    for _ in range(2):
+        one_stats, chunked_stats = one_pass.accumulate(batch), chunked.accumulate(batch)
+        assert chunked_stats == pytest.approx(one_stats, rel=1e-6, abs=1e-9)  # the statistics of the whole batch
+        one_pass.apply_step()
+        chunked.apply_step()
+    worst = max((a - b).abs().max().item() for a, b in zip(one_pass.model.parameters(), chunked.model.parameters()))
+    assert worst <= 1e-5
+    moved = max((a - b).abs().max().item() for a, b in
+                zip(one_pass.model.parameters(), _trainer(tiny_model_dir).model.parameters()))
+    assert moved > 1e-3
+
+
+def test_a_token_budget_below_one_is_refused(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="chunk_tokens 0: expected a positive token budget"):
+        _trainer(tiny_model_dir, chunk_tokens=0)

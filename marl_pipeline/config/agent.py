@@ -22,6 +22,10 @@ class EngineConfig(StrictModel):
     """Ray CPUs reserved for the engine actor."""
     num_gpus: float = Field(0.0, ge=0)
     """Ray GPUs reserved for the engine actor (0 on CPU machines)."""
+    threads: int | None = Field(None, ge=1)
+    """CPU threads of the engine's forward passes. None: the cluster's CPUs shared among the run's engines and
+    trainers in proportion to their ``num_cpus``, at least 1 and at most one node's CPUs (``runtime/workers.py``).
+    Set it because Ray would give an actor with fractional ``num_cpus`` a single thread."""
 
 
 class TrainerConfig(StrictModel):
@@ -41,6 +45,13 @@ class TrainerConfig(StrictModel):
     """Ray CPUs reserved for the trainer actor."""
     num_gpus: float = Field(0.0, ge=0)
     """Ray GPUs reserved for the trainer actor."""
+    threads: int | None = Field(None, ge=1)
+    """CPU threads of the trainer's forward and backward passes; None as for ``EngineConfig.threads`` (for the
+    trainer actor; a trainer built in-process, as a recomputation's, keeps its process's threads)."""
+    chunk_tokens: int = Field(2048, ge=1)
+    """Padded tokens (rows x longest row) per forward/backward pass: a micro-batch's rows are sorted by length and
+    cut into passes under this budget, so little padding is computed and the logits stay small (a row longer than
+    the budget gets a pass of its own). The gradients add up to the same update whatever the budget."""
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     """Trainer precision: ``bfloat16`` runs forward and backward under bf16 autocast with float32 master weights
     and optimizer state; ``auto`` is bfloat16 where the hardware has it (CPU with AMX or AVX512-BF16, CUDA with

@@ -16,6 +16,19 @@ ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND"
               "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
+def set_engine_threads(threads: int) -> None:
+    """The CPU threads of this process's vLLM engine; call before the engine is built. vLLM's CPU worker with
+    ``nobind`` keeps the process's torch thread count and then makes ``torch.set_num_threads`` a no-op, and a
+    Ray actor with fractional ``num_cpus`` starts with ``OMP_NUM_THREADS=1``: without this the engine decodes on
+    one core. ``OMP_NUM_THREADS`` is set too, because vLLM reads it for its own thread settings."""
+    import torch
+
+    if threads < 1:
+        raise ValueError(f"engine threads {threads}: expected at least 1")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
 @dataclass(frozen=True)
 class Completion:
     """One sampled completion, produced by the engine and consumed by the rollout stage."""
@@ -31,8 +44,10 @@ class RolloutEngine:
     """A vLLM engine serving one agent's policy; construct inside a Ray actor (or a ``__main__`` script)."""
 
     def __init__(self, model_dir: str, version: int, *, gpu_memory_utilization: float, max_model_len: int,
-                 dtype: str, seed: int) -> None:
+                 dtype: str, seed: int, threads: int | None = None) -> None:
         os.environ.update(ENGINE_ENV)
+        if threads is not None:
+            set_engine_threads(threads)
         from vllm import LLM, SamplingParams
 
         self._sampling_params = SamplingParams

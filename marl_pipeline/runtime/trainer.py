@@ -4,6 +4,11 @@ One optimizer step = one RL step. Micro-batches arrive one at a time through :me
 (summed loss, backward, gradients add up); :meth:`apply_step` divides the gradients by the step's
 total response-token count (or sequence count, with sequence normalisation), clips and steps. This is
 exactly the full-batch update of the mean loss over the whole step, whatever the micro-batch sizes.
+
+Inside a micro-batch, rows are sorted by length and cut into passes of at most ``chunk_tokens`` padded tokens
+(:func:`length_chunks`): a pass pads every row to its longest one, so a micro-batch padded as one tensor computed
+mostly padding when lengths varied (BENCHMARKS.md, "Trainer throughput"). The loss is a sum, so the passes'
+gradients add up to the micro-batch's.
 """
 
 from __future__ import annotations
@@ -61,6 +66,18 @@ class StepResult:
     """Learning rate of the step."""
 
 
+def length_chunks(lengths: list[int], budget: int) -> list[list[int]]:
+    """Row indices sorted by length and cut so that each chunk's rows x longest row stays within ``budget``
+    (a row longer than the budget is a chunk of its own). Equal lengths keep their order."""
+    chunks: list[list[int]] = []
+    for row in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if chunks and (len(chunks[-1]) + 1) * lengths[row] <= budget:
+            chunks[-1].append(row)
+        else:
+            chunks.append([row])
+    return chunks
+
+
 class PolicyTrainer:
     """Holds one agent's policy (float32 weights) and updates it with GRPO's clipped policy-gradient loss, plus
     optional KL-to-reference and entropy terms."""
@@ -69,7 +86,10 @@ class PolicyTrainer:
                  clip_eps: float, seed: int, num_threads: int | None = None, lr_decay_steps: int | None = None,
                  min_lr_ratio: float = 0.1, kl_coef: float = 0.0, reference_dir: str | None = None,
                  entropy_coef: float = 0.0, loss_normalization: str = "token", tis_cap: float | None = None,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", chunk_tokens: int = 2048) -> None:
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens {chunk_tokens}: expected a positive token budget per pass")
+        self.chunk_tokens = chunk_tokens
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
@@ -101,16 +121,37 @@ class PolicyTrainer:
         self._step_sequences = 0
 
     def accumulate(self, batch: TrainBatch) -> dict[str, float]:
-        """Add one micro-batch's gradient of the summed loss; returns its statistics."""
+        """Add one micro-batch's gradient of the summed loss, in passes of at most ``chunk_tokens`` padded
+        tokens; returns its statistics."""
         if not batch.prompt_ids:
             return {"rows": 0, "tokens": 0, "loss_sum": 0.0, "clip_fraction": 0.0, "mean_ratio": 1.0,
                     "mismatch_abs_logprob": 0.0, "mismatch_ratio_std": 0.0, "policy_version": self.version,
                     "dropped_rows": batch.dropped_rows}
-        input_ids, attention_mask, mask = pad_sequences(batch.prompt_ids, batch.response_ids, self.pad_id)
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        passes = [self._accumulate_rows(batch, rows) for rows in length_chunks(lengths, self.chunk_tokens)]
+        # Statistics over the response tokens of every pass, as if the micro-batch had been one tensor.
+        logprobs, engine, ratio = (torch.cat([p[i] for p in passes])[None] for i in range(3))
+        every = torch.ones_like(logprobs)
+        tokens = sum(p[3] for p in passes)
+        self._step_tokens += tokens
+        self._step_sequences += sum(p[4] for p in passes)
+        return {"rows": len(batch.prompt_ids), "tokens": tokens, "loss_sum": sum(p[5] for p in passes),
+                "policy_version": self.version, "dropped_rows": batch.dropped_rows,
+                "clip_fraction": clip_fraction(ratio, every, self.clip_eps),
+                **mismatch_stats(logprobs, engine, every)}
+
+    def _accumulate_rows(self, batch: TrainBatch, rows: list[int]):
+        """One forward/backward pass over some rows of a micro-batch, padded to the longest of them. Returns the
+        response tokens' trainer logprobs, engine logprobs and clip ratios (flat), the token and sequence counts,
+        and the summed loss."""
+        prompts = [batch.prompt_ids[row] for row in rows]
+        input_ids, attention_mask, mask = pad_sequences(prompts, [batch.response_ids[row] for row in rows],
+                                                         self.pad_id)
         engine = torch.zeros_like(mask)
-        for row, (prompt, logprobs) in enumerate(zip(batch.prompt_ids, batch.old_logprobs)):
-            engine[row, len(prompt) - 1 : len(prompt) - 1 + len(logprobs)] = torch.tensor(logprobs)
-        advantages = torch.tensor(batch.advantages, dtype=torch.float32)
+        for position, (prompt, row) in enumerate(zip(prompts, rows)):
+            logprobs = batch.old_logprobs[row]
+            engine[position, len(prompt) - 1 : len(prompt) - 1 + len(logprobs)] = torch.tensor(logprobs)
+        advantages = torch.tensor([batch.advantages[row] for row in rows], dtype=torch.float32)
         entropy = ref_logprobs = None
         with autocast(self.dtype, self.device_type):
             if self.entropy_coef > 0:
@@ -125,13 +166,9 @@ class PolicyTrainer:
                                             entropy_coef=self.entropy_coef)
         loss_sum = summed_loss(token_loss, mask, self.loss_normalization)
         loss_sum.backward()
-        tokens = int(mask.sum())
-        self._step_tokens += tokens
-        self._step_sequences += loss_units(mask, "sequence")
-        return {"rows": len(batch.prompt_ids), "tokens": tokens, "loss_sum": float(loss_sum.detach()),
-                "policy_version": self.version, "dropped_rows": batch.dropped_rows,
-                "clip_fraction": clip_fraction(ratio, mask, self.clip_eps),
-                **mismatch_stats(logprobs.detach(), engine, mask)}
+        taken = mask.bool()
+        return (logprobs.detach()[taken], engine[taken], ratio.detach()[taken], int(mask.sum()),
+                loss_units(mask, "sequence"), float(loss_sum.detach()))
 
     def apply_step(self) -> StepResult:
         """Turn the accumulated gradients into one optimizer step; the policy version goes up by one."""

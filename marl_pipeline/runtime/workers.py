@@ -11,7 +11,7 @@ from pathlib import Path
 
 import ray
 
-from marl_pipeline.config import ExperimentConfig, PoolSettings
+from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, TrainerConfig
 from marl_pipeline.runtime.action_pool import ActionPool
 from marl_pipeline.runtime.engine import ENGINE_ENV, RolloutEngine
 from marl_pipeline.runtime.reward_model import RewardModelPool
@@ -38,19 +38,48 @@ class Workers:
                 pool.shutdown()
 
 
+def shared_threads(num_cpus: float, reserved: list[float], cluster_cpus: float, node_cpus: float) -> int:
+    """Threads for an actor reserving ``num_cpus`` when the run's engines and trainers reserve ``reserved``:
+    its share of the cluster's CPUs in proportion to its reservation (equal shares when nothing is reserved),
+    rounded down, at least 1 and at most one node's CPUs.
+
+    Why not Ray's own rule: Ray gives an actor with fractional ``num_cpus`` one OpenMP thread, so a 0.5-CPU
+    trainer on an idle 2-core machine computed on one core (BENCHMARKS.md, "Trainer throughput").
+    """
+    total = sum(reserved)
+    share = num_cpus / total if total > 0 else 1 / max(len(reserved), 1)
+    return int(max(1, min(node_cpus, cluster_cpus * share)))
+
+
+def actor_threads(config: ExperimentConfig, settings: EngineConfig | TrainerConfig) -> int:
+    """``settings.threads`` when the config sets it, else :func:`shared_threads` over the running Ray cluster."""
+    if settings.threads is not None:
+        return settings.threads
+    reserved = [part.num_cpus for agent in config.agents.values() for part in (agent.engine, agent.trainer)]
+    node_cpus = max((node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"]), default=1.0)
+    return shared_threads(settings.num_cpus, reserved, ray.cluster_resources().get("CPU", 1.0), node_cpus)
+
+
+def engine_actor(engine: EngineConfig):
+    """The Ray actor class of a rollout engine, with the engine's resources and environment."""
+    return ray.remote(RolloutEngine).options(name=None, num_cpus=engine.num_cpus, num_gpus=engine.num_gpus,
+                                             runtime_env={"env_vars": ENGINE_ENV})
+
+
+def trainer_actor(trainer: TrainerConfig):
+    """The Ray actor class of a policy trainer, with the trainer's resources."""
+    return ray.remote(PolicyTrainer).options(num_cpus=trainer.num_cpus, num_gpus=trainer.num_gpus)
+
+
 def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
     """One vLLM engine actor per agent, serving the given policy version from the store."""
     engines = {}
     for index, (agent, agent_config) in enumerate(config.agents.items()):
         engine = agent_config.engine
-        actor = ray.remote(RolloutEngine).options(
-            name=None, num_cpus=engine.num_cpus, num_gpus=engine.num_gpus,
-            runtime_env={"env_vars": ENGINE_ENV},
-        )
-        engines[agent] = actor.remote(
+        engines[agent] = engine_actor(engine).remote(
             str(store.policy_dir(config.run, agent, versions[agent])), versions[agent],
             gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
-            dtype=engine.dtype, seed=config.seed + index,
+            dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine),
         )
     return engines
 
@@ -58,25 +87,26 @@ def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: di
 def trainer_options(config: ExperimentConfig, agent: str, store: ExperienceStore) -> dict:
     """``PolicyTrainer``'s keyword arguments for one agent, cut from its slice of the config (the one place:
     the train job's actors and a recomputed partition's in-process trainer alike). The KL penalty's reference
-    is the agent's base policy, version 0 in the store, passed only when the penalty is on."""
+    is the agent's base policy, version 0 in the store, passed only when the penalty is on. ``num_threads`` is
+    the config's ``threads`` (None: the process's own; :func:`start_trainers` fills in the actor's share)."""
     trainer, algorithm = config.agents[agent].trainer, config.algorithm
     index = list(config.agents).index(agent)
     reference_dir = str(store.policy_dir(config.run, agent, 0)) if algorithm.kl_coef > 0 else None
     return dict(lr=trainer.lr, weight_decay=trainer.weight_decay, max_grad_norm=trainer.max_grad_norm,
-                clip_eps=algorithm.clip_eps, seed=config.seed + index, num_threads=1,
+                clip_eps=algorithm.clip_eps, seed=config.seed + index, num_threads=trainer.threads,
                 lr_decay_steps=trainer.lr_decay_steps, min_lr_ratio=trainer.min_lr_ratio,
                 kl_coef=algorithm.kl_coef, reference_dir=reference_dir, entropy_coef=algorithm.entropy_coef,
-                loss_normalization=algorithm.loss_normalization, tis_cap=algorithm.tis_cap, dtype=trainer.dtype)
+                loss_normalization=algorithm.loss_normalization, tis_cap=algorithm.tis_cap, dtype=trainer.dtype,
+                chunk_tokens=trainer.chunk_tokens)
 
 
 def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
     """One torch trainer actor per agent, starting from the given policy version in the store."""
     trainers = {}
     for agent, agent_config in config.agents.items():
-        resources = agent_config.trainer
-        actor = ray.remote(PolicyTrainer).options(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus)
-        trainers[agent] = actor.remote(str(store.policy_dir(config.run, agent, versions[agent])), versions[agent],
-                                       **trainer_options(config, agent, store))
+        options = {**trainer_options(config, agent, store), "num_threads": actor_threads(config, agent_config.trainer)}
+        trainers[agent] = trainer_actor(agent_config.trainer).remote(
+            str(store.policy_dir(config.run, agent, versions[agent])), versions[agent], **options)
     return trainers
 
 
