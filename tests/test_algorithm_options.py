@@ -220,3 +220,13 @@ def test_mismatch_columns_are_stored_summarised_and_optional_in_older_partitions
     assert not any(name.startswith("mismatch") for name in stage_summary("policy_updates", older))
     # and a producer may leave them out of a commit
     store.commit("policy_updates", key, older.drop_columns(["mismatch_abs_logprob", "mismatch_ratio_std"]))
+
+
+def test_the_engines_auto_dtype_asks_the_trainers_hardware_check(monkeypatch) -> None:
+    from marl_pipeline.runtime.engine import engine_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for has_bf16, expected in ((False, "float32"), (True, "bfloat16")):
+        monkeypatch.setattr(precision, "cpu_has_bf16", lambda has_bf16=has_bf16: has_bf16)
+        assert engine_dtype("auto") == expected
+    assert engine_dtype("float32") == "float32" and engine_dtype("bfloat16") == "bfloat16"

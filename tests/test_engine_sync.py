@@ -56,3 +56,12 @@ def test_weight_sync_updates_the_running_engine(local_ray, engine, tiny_model_di
     assert max(abs(a - b) for a, b in zip(after, before)) > 1e-2  # the engine serves the new policy
     assert sum(after) > sum(before)  # and it is the update the advantage asked for
     assert local_ray.get(engine.policy_version.remote()) == 1
+
+
+def test_a_seeded_batch_past_vllms_default_token_budget_samples(local_ray, engine) -> None:
+    # 120 prompts of ~60 tokens: 7,000+ prompt tokens, past vLLM's default 4,096 a step, where its CPU sampler used to
+    # fail on seeded requests whose prompts were prefilled in chunks ("CPU Generator does not use offset").
+    prompts = [" ".join(f"{(i + j) % 7}+{j % 4}=" for j in range(20)) for i in range(120)]
+    _, completions = local_ray.get(engine.generate.remote(prompts, list(range(120)), 4, 1.0))
+    assert sum(len(c.prompt_ids) for c in completions) > 4096
+    assert all(c.response_ids for c in completions)

@@ -29,6 +29,24 @@ def set_engine_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+MAX_NUM_SEQS = 256
+"""Requests an engine runs at once (vLLM's default); more queue inside the engine."""
+
+
+def engine_dtype(dtype: str) -> str:
+    """The engine's dtype for vLLM: ``auto`` is resolved here, by the same hardware check as the trainer's, because
+    vLLM's own ``auto`` picks bf16 for a float32 checkpoint on any x86 CPU, emulated and slow where the CPU lacks
+    AMX/AVX512-BF16, and then the engine and the trainer would disagree."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    from marl_pipeline.runtime.precision import resolve_dtype
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "bfloat16" if resolve_dtype("auto", device) == torch.bfloat16 else "float32"
+
+
 @dataclass(frozen=True)
 class Completion:
     """One sampled completion, produced by the engine and consumed by the rollout stage."""
@@ -51,8 +69,13 @@ class RolloutEngine:
         from vllm import LLM, SamplingParams
 
         self._sampling_params = SamplingParams
-        self.llm = LLM(model=model_dir, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                       max_model_len=max_model_len, enforce_eager=True, seed=seed)
+        self.llm = LLM(model=model_dir, dtype=engine_dtype(dtype), gpu_memory_utilization=gpu_memory_utilization,
+                       max_model_len=max_model_len, enforce_eager=True, seed=seed, max_num_seqs=MAX_NUM_SEQS,
+                       # vLLM 0.32's CPU sampler fails ("CPU Generator does not use offset") when a seeded
+                       # request's prompt is prefilled in chunks, which happens once a batch's prompt tokens pass
+                       # max_num_batched_tokens (4096 by default): with room for every sequence at full length,
+                       # no prompt is ever chunked (reproduced with 200 requests of 60 tokens: fails, then passes).
+                       max_num_batched_tokens=MAX_NUM_SEQS * max_model_len)
         self.version = version
         # The first calls pay one-off set-up costs for each batch shape and sampling path (4 s on CPU for a
         # first 128-request batch, measured by bench/pipeline.py): pay them now, not in step 0.
