@@ -4,6 +4,7 @@ ids (prompt + reply as sampled) instead of re-tokenizing the conversation's text
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -20,11 +21,11 @@ IM_END = 2  # SmolLM2's <|im_end|>: its chat template's end-of-turn token and it
 
 
 class ChatTwice:
-    """Tests-only plugin: the solver answers a sum in chat, the environment replies, the solver answers again
-    (its second prompt repeats the first conversation, its reply and the reply to it)."""
+    """Tests-only plugin: the solver answers a sum in chat, the environment replies, and so on for three turns
+    (each later prompt repeats the conversation so far, the solver's replies and the replies to them)."""
 
     name = "chat_twice"
-    turn_order = ("solver", "solver")
+    turn_order = ("solver", "solver", "solver")
 
     class Options(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -169,7 +170,7 @@ def chat_run(local_ray, smollm2_dir, tmp_path_factory):  # noqa: F811 (the fixtu
         "agents": {"solver": {"model": str(smollm2_dir), "warmup": {"steps": 0},
                               "engine": {"max_model_len": 512}}},
         "pipeline": {"steps": 1, "prompts_per_micro_batch": 2, "samples_per_prompt": 2, "micro_batches_per_step": 1},
-        "algorithm": {"max_new_tokens": 12},
+        "algorithm": {"max_new_tokens": 64},
         "evaluation": {"cases_per_agent": 4},
     })
     store = ExperienceStore(config.store)
@@ -192,24 +193,25 @@ def test_engine_stored_and_trainer_ids_are_the_templates_and_a_recomputation_rep
     env = ChatTwice(None)
     _, rollouts, _ = recompute_stage("rollouts", config, store, key)
     rows = sorted(rollouts.to_pylist(), key=lambda r: (r["episode"], r["turn"]))
-    assert len(rows) == 2 * 2 * 2 and {r["status"] for r in rows} == {"ok"}
-    for first, second in zip(rows[::2], rows[1::2]):
-        assert (first["episode"], first["turn"], second["episode"], second["turn"]) == (first["episode"], 0,
-                                                                                        first["episode"], 1)
-        messages = env.render_prompt("solver", json.loads(first["task"]), [])
+    assert len(rows) == 2 * 2 * 3 and {r["status"] for r in rows} == {"ok"}
+    for row in rows[::3]:
         # Turn 0: the engine sampled from (and stored) exactly the ids the template gives; no BOS added by vLLM.
-        assert first["prompt_ids"] == tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                                    return_dict=True)["input_ids"]
-        # Turn 1: the first turn's ids as sampled, then <|im_end|> only if the reply lacks it (cut off by
+        messages = env.render_prompt("solver", json.loads(row["task"]), [])
+        assert row["turn"] == 0 and row["prompt_ids"] == tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    later = [(first, second) for first, second in itertools.pairwise(rows) if second["turn"] == first["turn"] + 1]
+    for first, second in later:
+        # A later turn: the earlier turn's ids as sampled, then <|im_end|> only if the reply lacks it (cut off by
         # max_tokens), then ChatML's glue, the environment's reply and the generation prompt.
-        earlier = first["prompt_ids"] + first["response_ids"]
         assert (first["response_ids"][-1] == IM_END) == (first["finish_reason"] == "stop")
         closing = [] if first["finish_reason"] == "stop" else [IM_END]
         glue = tokenizer(f"\n<|im_start|>user\n{first['observation']}<|im_end|>\n<|im_start|>assistant\n",
                          add_special_tokens=False)["input_ids"]
-        assert second["prompt_ids"] == earlier + closing + glue
+        assert second["prompt_ids"] == first["prompt_ids"] + first["response_ids"] + closing + glue
         assert second["prompt_text"] == tokenizer.decode(second["prompt_ids"])  # display text: the ids decoded
-    assert {r["finish_reason"] for r in rows} <= {"stop", "length"}
+    # Both ends of a turn were extended (seeded sampling, so this holds run to run): a reply that stopped on
+    # <|im_end|> and one that max_new_tokens cut off.
+    assert {first["finish_reason"] for first, _ in later} == {"stop", "length"}
 
     # The trainer is given exactly the stored ids, and its logprobs of the sampled tokens agree with the engine's
     # (they would not if either had seen other ids, e.g. an extra BOS or a re-tokenized history).
@@ -226,7 +228,7 @@ def test_engine_stored_and_trainer_ids_are_the_templates_and_a_recomputation_rep
     trainer = PolicyTrainer(str(store.policy_dir("chat", "solver", 0)), 0, **trainer_options(config, "solver", store))
     for r in by_order:
         trained = trainer.completion_logprobs(r["prompt_ids"], r["response_ids"])
-        assert np.abs(np.asarray(trained) - np.asarray(r["logprobs"])).max() < 0.05
+        assert np.abs(np.asarray(trained) - np.asarray(r["logprobs"])).max() < 1e-3  # measured: under 6e-5
 
     # A recomputed rollout (fresh engine, same seeds and version) gives the same ids.
     _, again, _ = recompute_stage("rollouts", config, store, key)
