@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol, TypedDict
 
 import numpy as np
 from pydantic import BaseModel
@@ -31,6 +31,22 @@ ENTRY_POINT_GROUP = "marl_pipeline.environments"
 
 Task = dict[str, Any]
 """One task prompt: JSON-serialisable, with a unique ``"id"``; the plugin owns the other keys."""
+
+
+class ChatMessage(TypedDict):
+    """One message of a chat prompt, as the agent's chat template reads it."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+ChatMessages = list[ChatMessage]
+"""A chat prompt: the conversation the agent is shown, oldest message first, ending with a system or user
+message for it to answer (docs/environments.md, "Chat prompts")."""
+
+Prompt = str | ChatMessages
+"""What ``render_prompt`` returns: plain text (the engine tokenizes it as is) or chat messages (the agent's
+own tokenizer applies its chat template, once; later turns of the agent extend those ids)."""
 
 
 @dataclass(frozen=True)
@@ -90,8 +106,17 @@ class Environment(Protocol):
     def sample_tasks(self, rng: np.random.Generator, count: int) -> list[Task]:
         """Draw ``count`` task prompts."""
 
-    def render_prompt(self, role: str, task: Task, transcript: list[Turn]) -> str:
-        """The prompt ``role`` sees for its next turn: this decides who sees what."""
+    def render_prompt(self, role: str, task: Task, transcript: list[Turn]) -> Prompt:
+        """The prompt ``role`` sees for its next turn: this decides who sees what.
+
+        Either a ``str`` (the engine tokenizes it as it is, no template) or :data:`ChatMessages`. With messages,
+        the agent's tokenizer applies its chat template once and those ids are what the engine samples from
+        and the trainer trains on. When the same role speaks again in the episode, its messages must start with
+        the messages it was shown last time plus ``{"role": "assistant", "content": <its reply's text>}``;
+        only the messages after those are tokenized, appended to the ids of its previous prompt and reply, so
+        nothing the agent saw or said is ever re-tokenized from text. A role's turns in one episode are all
+        strings or all messages; messages need a tokenizer with a chat template (the built-in tiny model has
+        none)."""
 
     def execute(self, task: Task, transcript: list[Turn]) -> list[ActionResult]:
         """Execute each turn's action of a finished episode; one result per turn."""

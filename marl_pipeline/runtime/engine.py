@@ -77,20 +77,25 @@ class RolloutEngine:
                        # no prompt is ever chunked (reproduced with 200 requests of 60 tokens: fails, then passes).
                        max_num_batched_tokens=MAX_NUM_SEQS * max_model_len)
         self.version = version
+        self.model_dir = model_dir
         # The first calls pay one-off set-up costs for each batch shape and sampling path (4 s on CPU for a
         # first 128-request batch, measured by bench/pipeline.py): pay them now, not in step 0.
         for batch in (1, 16, 256):
             self.generate(["warm-up"] * batch, list(range(batch)), max_tokens=8, temperature=1.0)
 
-    def generate(self, prompts: list[str], seeds: list[int], max_tokens: int,
+    def generate(self, prompts: list[str | list[int]], seeds: list[int], max_tokens: int,
                  temperature: float) -> tuple[int, list[Completion]]:
         """Sample one completion per prompt; each request has its own seed, so sampling is reproducible.
 
+        A prompt is text (vLLM tokenizes it with the model's tokenizer) or token ids, sent as they are
+        (``prompt_token_ids``: a chat prompt tokenized by the driver, runtime/chat.py); either way
+        ``Completion.prompt_ids`` are the ids the engine sampled from.
         Returns the policy version that produced the completions, and the completions.
         """
         params = [self._sampling_params(max_tokens=max_tokens, temperature=temperature, seed=seed, logprobs=0)
                   for seed in seeds]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate([_engine_prompt(i, prompt) for i, prompt in enumerate(prompts)], params,
+                                    use_tqdm=False)
         completions = []
         for output in outputs:
             sample = output.outputs[0]
@@ -107,6 +112,11 @@ class RolloutEngine:
         output = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
         return [output.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt_ids), len(ids))]
 
+    def model_directory(self) -> str:
+        """The directory the engine loaded (the agent's policy at its first version): the driver reads the agent's
+        tokenizer from it, which no policy version changes."""
+        return self.model_dir
+
     def load_weights(self, named_tensors: list[tuple[str, object]], version: int) -> int:
         """Replace the served parameters in place with a new policy version's."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
@@ -116,3 +126,13 @@ class RolloutEngine:
 
     def policy_version(self) -> int:
         return self.version
+
+
+def _engine_prompt(index: int, prompt: str | list[int]) -> str | dict[str, list[int]]:
+    """One prompt as vLLM takes it; token ids must be a non-empty list of ints (checked here, where the
+    request is still known by its index, rather than deep inside vLLM)."""
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list) or not prompt or not all(type(token) is int for token in prompt):
+        raise TypeError(f"prompt {index}: expected a str or a non-empty list of int token ids, got {prompt!r:.80}")
+    return {"prompt_token_ids": prompt}

@@ -8,7 +8,9 @@ its answers and the share of its most frequent one, which expose a collapsed pol
 
 Cases are drawn from a seed stream training never draws from (training's tasks come from
 ``[seed, step, micro_batch]``), the same cases for every policy version so versions compare; decoding is
-greedy, so an evaluation is a function of the weights alone.
+greedy, so an evaluation is a function of the weights alone. A case rendered as chat messages is tokenized
+the way the rollout stage tokenizes an agent's first turn (its transcript is the plugin's, not the engine's, so
+there are no earlier ids to extend).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import ray
 
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import EVALUATION_HOOKS, Environment, EvaluationCase, Turn
+from marl_pipeline.stages.rollout import engine_chat_session
 from marl_pipeline.store.schema import EVALUATIONS, with_agent
 
 EVALUATION_STREAM = 0x5EED_E7A1
@@ -63,15 +66,18 @@ def evaluate_agent(env: Environment, role: str, engine: ray.actor.ActorHandle,
                    settings: EvaluationSettings) -> pa.Table:
     """Greedy answers of the policy ``engine`` serves to ``role``'s held-out cases; one row per case."""
     cases = evaluation_cases(env, role, settings)
-    prompts = [env.render_prompt(role, case.task, case.transcript) for case in cases]
-    version, completions = ray.get(engine.generate.remote(prompts, [0] * len(prompts), settings.max_new_tokens, 0.0))
+    chats = engine_chat_session(env, {role: engine})
+    requests = [chats.request(index, role, len(case.transcript), env.render_prompt(role, case.task, case.transcript))
+                for index, case in enumerate(cases)]
+    version, completions = ray.get(engine.generate.remote(requests, [0] * len(requests), settings.max_new_tokens,
+                                                          0.0))
     rows = [{
         "policy_version": version, "case": index, "task_id": str(case.task["id"]), "task": json.dumps(case.task),
         "transcript": json.dumps([asdict(turn) for turn in case.transcript]), "label": case.label,
-        "prompt_text": prompt, "response_text": completion.text,
+        "prompt_text": chats.prompt_text(role, request), "response_text": completion.text,
         "answer": env.answer_of(role, completion.text),  # type: ignore[attr-defined]
         "metrics": None, "status": "ok", "error": None, "agent": role,
-    } for index, (case, prompt, completion) in enumerate(zip(cases, prompts, completions))]
+    } for index, (case, request, completion) in enumerate(zip(cases, requests, completions))]
     return pa.Table.from_pylist(rows, schema=with_agent(EVALUATIONS))
 
 

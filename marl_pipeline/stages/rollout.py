@@ -10,6 +10,11 @@ A reply that raises marks that turn ``observe_failed`` (the error stored) and th
 environment stage then records the whole episode as failed. Each request carries its own seed derived
 from (run seed, step, micro-batch, turn, episode), so a micro-batch's rollout is reproducible for the
 same policy weights.
+
+A plugin may render a turn as chat messages instead of a string: the agent's tokenizer (read in the driver from
+the directory its engine loaded) applies its chat template once, those ids are sent to the engine, stored and
+trained on, and the agent's later turns in the episode extend them (runtime/chat.py). Stored ``prompt_text`` is
+then the ids decoded, for display only.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import ray
 
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import Environment, Task, Turn
+from marl_pipeline.runtime.chat import ChatSession, load_chat_tokenizer
 from marl_pipeline.runtime.engine import Completion
 from marl_pipeline.store import MicroBatchKey
 from marl_pipeline.store.schema import ROLLOUTS, with_agent
@@ -60,19 +66,29 @@ def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHand
     episodes = [(p, t) for p in range(len(tasks)) for t in range(n)]
     transcripts: list[list[Turn]] = [[] for _ in episodes]
     columns: dict[str, list] = {name: [] for name in ROLLOUTS.names + ["agent"]}
+    chats = engine_chat_session(env, engines)
     for turn, role in enumerate(env.turn_order):
-        prompts = [env.render_prompt(role, tasks[p], transcripts[e]) for e, (p, _) in enumerate(episodes)]
+        requests = [chats.request(e, role, turn, env.render_prompt(role, tasks[p], transcripts[e]))
+                    for e, (p, _) in enumerate(episodes)]
         seeds = np.random.SeedSequence([settings.seed, key.step, key.micro_batch, turn]).generate_state(len(episodes))
         start = datetime.now(UTC)
         version, completions = ray.get(
-            engines[role].generate.remote(prompts, [int(s) for s in seeds], settings.max_new_tokens,
+            engines[role].generate.remote(requests, [int(s) for s in seeds], settings.max_new_tokens,
                                           settings.temperature))
-        for e, ((p, trajectory), prompt, completion) in enumerate(zip(episodes, prompts, completions)):
+        for e, ((p, trajectory), request, completion) in enumerate(zip(episodes, requests, completions)):
+            chats.record(e, role, completion.text, completion.response_ids)
             observation, error = _observe(env, role, tasks[p], [*transcripts[e], Turn(role, completion.text)])
             transcripts[e].append(Turn(role, completion.text, observation))
-            _append_turn(columns, key, tasks[p], p, trajectory, e, turn, role, prompt, completion, version, start,
-                         datetime.now(UTC), observation, error)
+            _append_turn(columns, key, tasks[p], p, trajectory, e, turn, role, chats.prompt_text(role, request),
+                         completion, version, start, datetime.now(UTC), observation, error)
     return pa.table(columns, schema=with_agent(ROLLOUTS))
+
+
+def engine_chat_session(env: Environment, engines: dict[str, ray.actor.ActorHandle]) -> ChatSession:
+    """A chat session whose tokenizers are read from the directories the agents' engines loaded (asked for only
+    when an agent is first given chat messages)."""
+    return ChatSession(getattr(env, "name", type(env).__name__),
+                       lambda role: load_chat_tokenizer(ray.get(engines[role].model_directory.remote())))
 
 
 def _observe(env: Environment, role: str, task: Task, transcript: list[Turn]) -> tuple[str | None, str | None]:
