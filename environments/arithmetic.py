@@ -10,16 +10,18 @@ so the reward gain after warm-up comes from RL.
 
 Decoys keep the verifier honest. Judging only the solver's answers, a verifier sees ever fewer wrong ones
 as the solver learns, and "yes" to everything earns it the solver's accuracy while its skill (telling
-right from wrong) falls: that is what the first version of this demo trained. So on a share of the tasks
-(``decoy_share``, drawn with the task) the verifier is shown a wrong "decoy" answer instead of the
-solver's, and it keeps seeing both kinds whatever the solver does. The solver's reward is unchanged; the
-verifier is rewarded for a right verdict on what it was shown.
+right from wrong) falls: that is what the first version of this demo trained. Decoys alone tip it the other
+way: while the solver is weak, a verifier shown decoys and the solver's (mostly wrong) answers earns 0.9 by
+always saying "no" (measured). So on a share of the tasks, drawn with the task, the verifier is shown a
+wrong "decoy" answer (``decoy_share``) or the right sum (``right_share``) instead of the solver's, and the
+kinds it sees stay balanced whatever the solver does. The solver's reward is unchanged; the verifier is
+rewarded for a right verdict on what it was shown.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from marl_pipeline.environment import ActionResult, EvaluationCase, Task, Turn
 
@@ -31,9 +33,17 @@ class ArithmeticOptions(BaseModel):
     """Operands are drawn uniformly from 0..max_operand."""
     warmup_accuracy: float = Field(0.3, ge=0, le=1)
     """Share of warm-up examples the noisy teacher gets right."""
-    decoy_share: float = Field(0.5, ge=0, le=1)
-    """Share of tasks on which the verifier is shown a wrong decoy answer instead of the solver's (0: it always
-    judges the solver)."""
+    decoy_share: float = Field(1 / 3, ge=0, le=1)
+    """Share of tasks on which the verifier is shown a wrong decoy answer instead of the solver's."""
+    right_share: float = Field(1 / 3, ge=0, le=1)
+    """Share of tasks on which the verifier is shown the right sum instead of the solver's answer (with
+    ``decoy_share`` 0 too, it always judges the solver)."""
+
+    @model_validator(mode="after")
+    def validate_shares(self) -> ArithmeticOptions:
+        if self.decoy_share + self.right_share > 1:
+            raise ValueError(f"decoy_share + right_share = {self.decoy_share + self.right_share:g} > 1")
+        return self
 
 
 class ArithmeticCheck:
@@ -49,15 +59,18 @@ class ArithmeticCheck:
     # -- episodes ---------------------------------------------------------------------------------
     def sample_tasks(self, rng: np.random.Generator, count: int) -> list[Task]:
         operands = rng.integers(0, self.options.max_operand + 1, size=(count, 2))
-        # Drawn after the operands, so the tasks' sums are the same whatever the decoy share.
-        decoyed = rng.random(count) < self.options.decoy_share
+        # Drawn after the operands, so the tasks' sums are the same whatever the shares.
+        draws = rng.random(count)
         offsets = rng.integers(1, 2 * self.options.max_operand + 1, size=count)
         tasks = []
-        for (a, b), decoy, offset in zip(operands, decoyed, offsets):
+        for (a, b), draw, offset in zip(operands, draws, offsets):
             task = {"id": f"{a}+{b}", "a": int(a), "b": int(b)}
-            if decoy:  # a wrong sum in 0..2*max_operand: the right one shifted, wrapping round
-                task["decoy"] = int((a + b + offset) % (2 * self.options.max_operand + 1))
-                task["id"] += f"~{task['decoy']}"
+            if draw < self.options.decoy_share:  # a wrong sum in 0..2*max_operand: the right one shifted, wrapping
+                task["shown"] = int((a + b + offset) % (2 * self.options.max_operand + 1))
+            elif draw < self.options.decoy_share + self.options.right_share:
+                task["shown"] = int(a + b)
+            if "shown" in task:
+                task["id"] += f"~{task['shown']}"
             tasks.append(task)
         return tasks
 
@@ -71,8 +84,8 @@ class ArithmeticCheck:
 
     @staticmethod
     def _shown_answer(task: Task, transcript: list[Turn]) -> str:
-        """What the verifier judges: the task's decoy if it has one, else the solver's answer."""
-        return str(task["decoy"]) if "decoy" in task else _first_line(transcript[0].text)
+        """What the verifier judges: the answer the task shows it (a decoy or the right sum), else the solver's."""
+        return str(task["shown"]) if "shown" in task else _first_line(transcript[0].text)
 
     def execute(self, task: Task, transcript: list[Turn]) -> list[ActionResult]:
         expected = task["a"] + task["b"]
@@ -84,7 +97,7 @@ class ArithmeticCheck:
                                   info={"answer": answer, "expected": expected})
         verdict = _first_line(transcript[1].text)
         shown = self._shown_answer(task, transcript)
-        info = {"verdict": verdict, "shown": shown, "decoy": "decoy" in task}
+        info = {"verdict": verdict, "shown": shown, "substituted": "shown" in task}
         if verdict not in ("yes", "no"):
             verifier = ActionResult("unparsable", False, info=info)
         else:

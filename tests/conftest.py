@@ -27,6 +27,7 @@ def small_config_data(base: dict, store: Path, **pipeline) -> dict:
                              "micro_batches_per_step": 2, **pipeline})
     for agent in data["agents"].values():
         agent["warmup"] = {"steps": 30}
+    data.pop("evaluation", None)  # the tests that evaluate turn it on themselves
     return data
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
 from marl_pipeline.environment import Turn, available_environments, build_environment
@@ -50,35 +51,39 @@ def test_tasks_are_reproducible_and_in_range() -> None:
                for t in first)
 
 
-def test_decoys_are_wrong_answers_shown_to_the_verifier_on_their_share_of_tasks() -> None:
-    env = ArithmeticCheck(ArithmeticOptions(max_operand=3, decoy_share=0.5))
-    tasks = env.sample_tasks(np.random.default_rng(3), 400)
-    decoyed = [t for t in tasks if "decoy" in t]
-    assert 0.4 < len(decoyed) / len(tasks) < 0.6
-    assert all(t["decoy"] != t["a"] + t["b"] and 0 <= t["decoy"] <= 6 for t in decoyed)
-    # the sums are those of a run without decoys: the decoys are drawn after the operands
-    plain = ArithmeticCheck(ArithmeticOptions(max_operand=3, decoy_share=0.0))
-    plain = plain.sample_tasks(np.random.default_rng(3), 400)
+def test_the_verifier_is_shown_decoys_and_right_sums_on_their_shares_of_tasks() -> None:
+    env = ArithmeticCheck(ArithmeticOptions(max_operand=3, decoy_share=0.3, right_share=0.2))
+    tasks = env.sample_tasks(np.random.default_rng(3), 1000)
+    decoys = [t for t in tasks if "shown" in t and t["shown"] != t["a"] + t["b"]]
+    rights = [t for t in tasks if "shown" in t and t["shown"] == t["a"] + t["b"]]
+    assert 0.25 < len(decoys) / len(tasks) < 0.35 and 0.15 < len(rights) / len(tasks) < 0.25
+    assert all(0 <= t["shown"] <= 6 for t in decoys)
+    # the sums are those of a run without substitutions: the shown answers are drawn after the operands
+    plain = ArithmeticCheck(ArithmeticOptions(max_operand=3, decoy_share=0.0, right_share=0.0))
+    plain = plain.sample_tasks(np.random.default_rng(3), 1000)
     assert [(t["a"], t["b"]) for t in tasks] == [(t["a"], t["b"]) for t in plain]
-    assert not any("decoy" in t for t in plain)
+    assert not any("shown" in t for t in plain)
+    with pytest.raises(ValueError, match=r"decoy_share \+ right_share = 1.2 > 1"):
+        ArithmeticOptions(decoy_share=0.6, right_share=0.6)
 
 
-def test_the_verifier_judges_the_decoy_and_the_solver_is_still_scored_on_its_own_answer() -> None:
+def test_the_verifier_judges_what_it_is_shown_and_the_solver_is_still_scored_on_its_own_answer() -> None:
     env = _env()
-    task = {"id": "2+3~6", "a": 2, "b": 3, "decoy": 6}
-    assert env.render_prompt("verifier", task, [Turn("solver", "5")]) == "2+3=6?"
-    cases = [(("5", "no"), {"solver": 1.0, "verifier": 1.0}),   # the shown 6 is wrong: "no" is right
-             (("5", "yes"), {"solver": 1.0, "verifier": 0.0}),
-             (("4", "no"), {"solver": 0.0, "verifier": 1.0})]
-    for (answer, verdict), rewards in cases:
+    decoy, right = {"id": "2+3~6", "a": 2, "b": 3, "shown": 6}, {"id": "2+3~5", "a": 2, "b": 3, "shown": 5}
+    assert env.render_prompt("verifier", decoy, [Turn("solver", "5")]) == "2+3=6?"
+    cases = [(decoy, ("5", "no"), {"solver": 1.0, "verifier": 1.0}),   # the shown 6 is wrong: "no" is right
+             (decoy, ("5", "yes"), {"solver": 1.0, "verifier": 0.0}),
+             (decoy, ("4", "no"), {"solver": 0.0, "verifier": 1.0}),
+             (right, ("4", "yes"), {"solver": 0.0, "verifier": 1.0})]  # the shown 5 is right, whatever the solver said
+    for task, (answer, verdict), rewards in cases:
         transcript = [Turn("solver", answer), Turn("verifier", verdict)]
         results = env.execute(task, transcript)
         assert env.score(task, transcript, results) == rewards
-        assert results[1].info["shown"] == "6" and results[1].info["decoy"] is True
+        assert results[1].info["shown"] == str(task["shown"]) and results[1].info["substituted"] is True
 
 
-def test_warm_up_verdicts_see_wrong_answers_about_half_the_time() -> None:
-    env = ArithmeticCheck(ArithmeticOptions(max_operand=3, warmup_accuracy=1.0, decoy_share=0.5))
-    examples = env.warmup_examples("verifier", np.random.default_rng(0), 1000)
+def test_warm_up_verdicts_are_balanced_whatever_the_teacher_solver_says() -> None:
+    env = ArithmeticCheck(ArithmeticOptions(max_operand=3, warmup_accuracy=1.0))
+    examples = env.warmup_examples("verifier", np.random.default_rng(0), 1500)
     noes = sum(verdict == "no" for _, verdict in examples) / len(examples)
-    assert 0.4 < noes < 0.6  # a perfect teacher: "no" exactly on the decoys, about half
+    assert 0.28 < noes < 0.38  # a perfect teacher: "no" exactly on the decoys, a third
