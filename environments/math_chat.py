@@ -58,6 +58,10 @@ class MathChatOptions(BaseModel):
     or one of the two for every task (``score_answer`` needs a reasoning-gym dataset)."""
     decoy_share: float = Field(0.5, ge=0, le=1)
     """Share of tasks whose verifier is shown a wrong decoy answer instead of the solver's."""
+    right_share: float = Field(0.0, ge=0, le=1)
+    """Share of tasks whose verifier is shown the right answer instead of the solver's. With a weak solver,
+    decoys alone make "no" right on nearly every task: shown right answers keep the verdicts balanced
+    (configs/smollm2_arithmetic.yaml shows a third of each)."""
     heldout_share: float = Field(0.2, gt=0, lt=1)
     """Share of questions kept for held-out evaluation and never trained on (by a hash of the question)."""
     prompt_format: Literal["chat", "text"] = "chat"
@@ -69,6 +73,8 @@ class MathChatOptions(BaseModel):
 
     @model_validator(mode="after")
     def validate_source(self) -> MathChatOptions:
+        if self.decoy_share + self.right_share > 1:
+            raise ValueError(f"decoy_share + right_share = {self.decoy_share + self.right_share:g} > 1")
         for name, (low, high) in (("a_range", self.a_range), ("b_range", self.b_range)):
             if not 0 <= low <= high:
                 raise ValueError(f"{name} {[low, high]}: expected 0 <= smallest <= largest")
@@ -111,8 +117,10 @@ class MathChat:
         """Training questions; each carries its checker and its decoy (None: the verifier sees the solver's answer)."""
         tasks = []
         for task in self.source.draw(rng, count, heldout=False):
-            decoy = self.source.other_answer(task, rng) if rng.random() < self.options.decoy_share else None
-            tasks.append({**task, "checker": self._checker_of(task), "decoy": decoy})
+            draw = rng.random()
+            decoy = self.source.other_answer(task, rng) if draw < self.options.decoy_share else None
+            shows_answer = self.options.decoy_share <= draw < self.options.decoy_share + self.options.right_share
+            tasks.append({**task, "checker": self._checker_of(task), "decoy": decoy, "shows_answer": shows_answer})
         return tasks
 
     def render_prompt(self, role: str, task: Task, transcript: list[Turn]) -> list[Message] | str:
@@ -120,7 +128,9 @@ class MathChat:
         return messages if self.options.prompt_format == "chat" else _as_text(messages)
 
     def shown_answer(self, task: Task, transcript: list[Turn]) -> str:
-        """What the verifier is shown: the task's decoy, else the solver's answer (its first line)."""
+        """What the verifier is shown: the task's decoy or its right answer, else the solver's answer (first line)."""
+        if task.get("shows_answer"):
+            return task["answer"]
         return task.get("decoy") or answer_text(transcript[0].text) or "(no answer)"
 
     # -- actions: grading on the action pool (its timeout bounds a slow checker) ------------------------------------

@@ -137,6 +137,16 @@ def test_decoys_are_wrong_decided_per_task_and_reproducible() -> None:
     assert all(t["decoy"] is not None for t in _env(decoy_share=1).sample_tasks(np.random.default_rng(0), 200))
 
 
+def test_the_verifier_can_be_shown_the_right_answer_on_a_share_of_tasks() -> None:
+    env = _env(decoy_share=0.3, right_share=0.3)
+    tasks = env.sample_tasks(np.random.default_rng(4), 2000)
+    shown_right = [task for task in tasks if task["shows_answer"]]
+    assert 0.25 < len(shown_right) / len(tasks) < 0.35 and not any(task["decoy"] for task in shown_right)
+    assert all(env.shown_answer(task, [Turn("solver", "1")]) == task["answer"] for task in shown_right)
+    with pytest.raises(ValueError, match="decoy_share \\+ right_share"):
+        _env(decoy_share=0.7, right_share=0.7)
+
+
 def test_held_out_questions_are_never_trained_on() -> None:
     env = _env()
     trained = {task["question"] for task in env.sample_tasks(np.random.default_rng(0), 5000)}
