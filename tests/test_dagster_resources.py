@@ -50,7 +50,8 @@ def test_recomputed_environment_partition_runs_its_actions_on_the_pool(tmp_path:
     register_environment(WhereActionsRun)
     store = ExperienceStore(tmp_path / "store")
     write_run(store, run="where")
-    config_path = _experiment(tmp_path, demo_config_data, run="where", environment={
+    without_evaluation = {name: value for name, value in demo_config_data.items() if name != "evaluation"}
+    config_path = _experiment(tmp_path, without_evaluation, run="where", environment={
         "name": WhereActionsRun.name, "pool": {"min_workers": 1, "max_workers": 1, "num_cpus": 0}}, ray={"num_cpus": 1})
     instance = dg.DagsterInstance.ephemeral()
     add_planned_stage_partitions(instance, "where", 1, 1, micro_batches=1)
