@@ -113,7 +113,7 @@ class ArithmeticCheck:
         """The solver gets additions; the verifier gets additions with a right answer in half the cases and a
         wrong one in the other half, so that its balanced accuracy is measured whatever the solver says."""
         cases = []
-        for index, task in enumerate(self.sample_tasks(rng, count)):
+        for index, task in enumerate(map(_unsubstituted, self.sample_tasks(rng, count))):
             expected = task["a"] + task["b"]
             if role == "solver":
                 cases.append(EvaluationCase(task, [], str(expected)))
@@ -163,7 +163,7 @@ class ArithmeticCheck:
         """(prompt, response, label) for the built-in reward model: half right answers and verdicts, half wrong."""
         top = 2 * self.options.max_operand
         examples = []
-        for task in self.sample_tasks(rng, count):
+        for task in map(_unsubstituted, self.sample_tasks(rng, count)):
             expected = task["a"] + task["b"]
             answer = expected if rng.random() < 0.5 else int(rng.choice([n for n in range(top + 1) if n != expected]))
             examples.append((self.render_prompt("solver", task, []), str(answer), float(answer == expected)))
@@ -171,6 +171,11 @@ class ArithmeticCheck:
             prompt = self.render_prompt("verifier", task, [Turn("solver", str(answer))])
             examples.append((prompt, verdict, float((verdict == "yes") == (answer == expected))))
         return examples
+
+
+def _unsubstituted(task: Task) -> Task:
+    """``task`` without a shown answer, for examples whose label is about the answer they pass in themselves."""
+    return {"id": f"{task['a']}+{task['b']}", "a": task["a"], "b": task["b"]}
 
 
 def _first_line(text: str) -> str:

@@ -87,3 +87,16 @@ def test_warm_up_verdicts_are_balanced_whatever_the_teacher_solver_says() -> Non
     examples = env.warmup_examples("verifier", np.random.default_rng(0), 1500)
     noes = sum(verdict == "no" for _, verdict in examples) / len(examples)
     assert 0.28 < noes < 0.38  # a perfect teacher: "no" exactly on the decoys, a third
+
+
+def test_held_out_and_reward_model_examples_show_the_answer_their_label_is_about() -> None:
+    env = ArithmeticCheck(ArithmeticOptions(max_operand=3))  # a third decoys, a third right sums
+    for case in env.evaluation_cases("verifier", np.random.default_rng(2), 200):
+        shown = case.transcript[0].text
+        assert env.render_prompt("verifier", case.task, case.transcript).endswith(f"={shown}?")
+        assert case.label == ("yes" if int(shown) == case.task["a"] + case.task["b"] else "no")
+    for prompt, response, label in env.reward_examples(np.random.default_rng(2), 200):
+        if prompt.endswith("?"):  # a verifier example: right when the verdict matches the shown sum
+            a, rest = prompt[:-1].split("+")
+            b, shown = rest.split("=")
+            assert label == float((response == "yes") == (int(a) + int(b) == int(shown)))
