@@ -35,6 +35,9 @@ RUN_TIMEOUT_S = 1500  # a 2-step run with warm-up and evaluation: ~3 minutes alo
 
 try:
     from playwright.sync_api import Page, expect, sync_playwright
+
+    # A busy 2-core machine: the UI's first GraphQL answers can take longer than expect's default 5 s.
+    expect.set_options(timeout=60_000)
 except ImportError:  # pragma: no cover - the dev extra installs it
     sync_playwright = None
 
@@ -144,7 +147,7 @@ def browser():
 def _new_page(browser):
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     page = context.new_page()
-    page.set_default_timeout(60_000)  # a busy 2-core machine: the UI's first GraphQL answers take seconds
+    page.set_default_timeout(60_000)  # as expect's, for actions (clicks, navigation)
     # A fresh instance greets its first visitor with a "Join the Dagster community" dialog over the page.
     page.add_locator_handler(page.get_by_role("button", name="Skip"), lambda skip: skip.click())
     return context, page
