@@ -96,6 +96,19 @@ def load_chat_tokenizer(model_dir: str) -> ChatTokenizer:
     return ChatTokenizer(AutoTokenizer.from_pretrained(model_dir), model_dir)
 
 
+_FETCHED: dict[str, ChatTokenizer] = {}
+_FETCHED_LOCK = threading.Lock()
+
+
+def fetched_chat_tokenizer(source: str, fetch: Callable[[], object]) -> ChatTokenizer:
+    """The chat tokenizer of the policy directory ``source`` on another process's node, built from ``fetch()`` (a
+    Hugging Face tokenizer) the first time in this process: the directory may not exist on this node."""
+    with _FETCHED_LOCK:
+        if source not in _FETCHED:
+            _FETCHED[source] = ChatTokenizer(fetch(), source)
+        return _FETCHED[source]
+
+
 def checked_messages(prompt: object, where: str) -> list[ChatMessage]:
     """``prompt`` as a list of ``{"role", "content"}`` messages ending with one to answer; else a clear error."""
     if not isinstance(prompt, list) or not prompt:
