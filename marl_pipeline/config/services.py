@@ -78,6 +78,11 @@ class RayConfig(StrictModel):
     """None: an embedded local Ray; otherwise an existing cluster (``ray://host:10001`` or ``auto``)."""
     num_cpus: int | None = None
     """CPUs of the embedded local Ray (None: all of the machine's)."""
+    resident_trainers: int | None = Field(None, ge=1)
+    """Trainer budget: at most this many trainers hold their state in memory at once. Fewer than the agents: that
+    many trainer worker actors serve every agent, each agent's parameters and optimizer state swapped in for its
+    calls and out to the Ray object store between them (``runtime/swap.py``). None: every trainer resident where
+    the plan fits the cluster, else the most workers that fit (``runtime/placement.py``)."""
 
 
 class RetrainConfig(StrictModel):

@@ -1,4 +1,6 @@
-"""Spawning the Ray actors of a run: one rollout engine and one trainer per agent, and the stage pools.
+"""Spawning the Ray actors of a run: one rollout engine per agent, one trainer per agent (or, with a trainer budget
+below the number of agents, that many trainer workers swapping the agents' states: ``runtime/swap.py``), and the
+stage pools.
 
 ``ray.remote`` is applied here, where actors are spawned, with resources from the config; the engine
 and trainer classes stay plain Python and run in-process in a script or a test just as well.
@@ -14,7 +16,9 @@ import ray
 from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, TrainerConfig
 from marl_pipeline.runtime.action_pool import ActionPool
 from marl_pipeline.runtime.engine import ENGINE_ENV, RolloutEngine
+from marl_pipeline.runtime.placement import assign_workers
 from marl_pipeline.runtime.reward_model import RewardModelPool
+from marl_pipeline.runtime.swap import AgentSpec, SwappedTrainer, TrainerWorker, actor_handles
 from marl_pipeline.runtime.trainer import PolicyTrainer
 from marl_pipeline.store import ExperienceStore
 
@@ -24,14 +28,15 @@ class Workers:
     """Actor handles of a run, by agent."""
 
     engines: dict[str, ray.actor.ActorHandle]
-    trainers: dict[str, ray.actor.ActorHandle]
+    trainers: dict[str, ray.actor.ActorHandle | SwappedTrainer]
+    """Each agent's trainer actor, or its handle on the trainer worker that swaps it in (same calls)."""
     reward_pool: RewardModelPool | None = None
     """Replicas of the run's reward model (None: rule-based reward only)."""
     action_pool: ActionPool | None = None
     """The environment stage's action workers (None: the plugin runs no actions)."""
 
     def shutdown(self) -> None:
-        for handle in [*self.engines.values(), *self.trainers.values()]:
+        for handle in [*self.engines.values(), *actor_handles(self.trainers)]:
             ray.kill(handle)
         for pool in (self.reward_pool, self.action_pool):
             if pool is not None:
@@ -55,9 +60,19 @@ def actor_threads(config: ExperimentConfig, settings: EngineConfig | TrainerConf
     """``settings.threads`` when the config sets it, else :func:`shared_threads` over the running Ray cluster."""
     if settings.threads is not None:
         return settings.threads
-    reserved = [part.num_cpus for agent in config.agents.values() for part in (agent.engine, agent.trainer)]
+    reserved = [agent.engine.num_cpus for agent in config.agents.values()]
+    if swapping(config):  # one reservation per worker, not per agent
+        reserved += [max(agent.trainer.num_cpus for agent in config.agents.values())] * config.ray.resident_trainers
+    else:
+        reserved += [agent.trainer.num_cpus for agent in config.agents.values()]
     node_cpus = max((node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"]), default=1.0)
     return shared_threads(settings.num_cpus, reserved, ray.cluster_resources().get("CPU", 1.0), node_cpus)
+
+
+def swapping(config: ExperimentConfig) -> bool:
+    """Whether the trainer budget (``ray.resident_trainers``) is below the number of agents."""
+    budget = config.ray.resident_trainers
+    return budget is not None and budget < len(config.agents)
 
 
 def engine_actor(engine: EngineConfig):
@@ -101,13 +116,33 @@ def trainer_options(config: ExperimentConfig, agent: str, store: ExperienceStore
 
 
 def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
-    """One torch trainer actor per agent, starting from the given policy version in the store."""
+    """One torch trainer actor per agent, starting from the given policy version in the store; with a trainer
+    budget below the number of agents, that many trainer workers, each serving its agents by swapping."""
+    if swapping(config):
+        return start_swapped_trainers(config, store, versions)
     trainers = {}
     for agent, agent_config in config.agents.items():
         options = {**trainer_options(config, agent, store), "num_threads": actor_threads(config, agent_config.trainer)}
         trainers[agent] = trainer_actor(agent_config.trainer).remote(
             str(store.policy_dir(config.run, agent, versions[agent])), versions[agent], **options)
     return trainers
+
+
+def start_swapped_trainers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
+    """``ray.resident_trainers`` trainer workers, each reserving the largest agent's trainer request (a worker
+    must hold any of its agents), agent i served by worker i mod N."""
+    served = assign_workers(list(config.agents), config.ray.resident_trainers)
+    settings = max((agent.trainer for agent in config.agents.values()), key=lambda t: (t.num_gpus, t.num_cpus))
+    threads = actor_threads(config, settings)
+    trainers = {}
+    for worker in range(config.ray.resident_trainers):
+        agents = {agent: AgentSpec(str(store.policy_dir(config.run, agent, versions[agent])), versions[agent],
+                                   {**trainer_options(config, agent, store), "num_threads": threads})
+                  for agent, k in served.items() if k == worker}
+        handle = ray.remote(TrainerWorker).options(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus).remote(
+            agents)
+        trainers |= {agent: SwappedTrainer(handle, agent) for agent in agents}
+    return {agent: trainers[agent] for agent in config.agents}
 
 
 START_TIMEOUT_S = 600.0
