@@ -4,6 +4,7 @@ trainer does (parameters, AdamW moments and step counts, bit for bit)."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from marl_pipeline.runtime.swap import AgentSpec, SwappedTrainer, TrainerWorker
+from marl_pipeline.runtime.swap import AgentSpec, SwappedTrainer, TrainerWorker, actor_handles
 from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
 
 OPTIONS = {  # agents that differ, so a state landing in the wrong shell would show
@@ -101,7 +102,7 @@ def test_an_agent_the_worker_does_not_serve_is_named(local_ray, tiny_model_dir: 
 def test_swapped_trainer_actors_match_resident_ones(local_ray, tmp_path: Path, tiny_model_dir: Path) -> None:
     """Through Ray as a run spawns them (``start_trainers``, budget 1 for 3 agents) against resident actors."""
     from marl_pipeline.config import parse_config
-    from marl_pipeline.runtime.workers import start_trainers
+    from marl_pipeline.runtime.workers import Workers, start_trainers
     from marl_pipeline.store import ExperienceStore
     from tests.test_placement import RelayOfThree  # noqa: F401  (registers relay_of_three)
 
@@ -136,6 +137,19 @@ def test_swapped_trainer_actors_match_resident_ones(local_ray, tmp_path: Path, t
             assert ray.get(swapped[agent].policy_version.remote()) == 2
         stats = ray.get(swapped["sender"].worker.swap_stats.remote())
         assert stats.swaps_out >= 2 * 2 * 3
+        # a checkpoint from a swapped trainer is the resident one's: a resumed launch continues from either
+        ray.get([resident["relay"].save.remote(str(tmp_path / "resident")),
+                 swapped["relay"].save.remote(str(tmp_path / "swapped"))])
+        reloaded = {name: PolicyTrainer(str(tmp_path / name), 2, **_options("a", tiny_model_dir))
+                    for name in ("resident", "swapped")}
+        _assert_same_state(reloaded["resident"], reloaded["swapped"])
     finally:
-        for handle in [*resident.values(), swapped["sender"].worker]:
+        for handle in resident.values():
             ray.kill(handle)
+        Workers(engines={}, trainers=swapped).shutdown()  # the one worker behind the three handles
+    assert len(actor_handles(swapped)) == 1
+    deadline = time.monotonic() + 30  # ray.kill takes effect asynchronously
+    with pytest.raises(ray.exceptions.RayActorError):
+        while time.monotonic() < deadline:
+            ray.get(swapped["sender"].policy_version.remote())
+            time.sleep(0.5)
