@@ -153,3 +153,21 @@ def test_swapped_trainer_actors_match_resident_ones(local_ray, tmp_path: Path, t
         while time.monotonic() < deadline:
             ray.get(swapped["sender"].policy_version.remote())
             time.sleep(0.5)
+
+
+def test_the_train_stage_alternates_its_order_so_a_worker_swaps_half_as_often(local_ray, tiny_model_dir: Path) -> None:
+    from marl_pipeline.stages.training import issue_order
+
+    rng = np.random.default_rng(2)
+    batches = [{agent: _batch(rng) for agent in ("a", "b")} for _ in range(4)]
+    swaps = {}
+    for alternate in (False, True):
+        worker = TrainerWorker({agent: AgentSpec(str(tiny_model_dir), 0, _options(agent, tiny_model_dir))
+                                for agent in ("a", "b")})
+        for index, batch in enumerate(batches):
+            for agent in issue_order(["a", "b"], index) if alternate else ["a", "b"]:
+                worker.call(agent, "accumulate", batch[agent])
+        swaps[alternate] = worker.swap_stats().swaps_out
+    # one order: a b | a b | a b | a b swaps at every change but the first; alternating: a b | b a | a b | b a
+    assert swaps == {False: 7, True: 4}
+    assert issue_order(["a", "b", "c"], 0) == ["a", "b", "c"] and issue_order(["a", "b", "c"], 3) == ["c", "b", "a"]

@@ -15,8 +15,10 @@ itself when the store fills, so disk is the fallback, not the cost of every swap
 the GB/s against a plain memory copy.
 
 An agent is swapped out when its worker must serve another agent (on demand, not after every call): the
-optimizer step, weight export and checkpoint the orchestrator issues together run on the loaded state. With more
-agents than workers, every agent's state leaves the worker between its optimizer steps.
+optimizer step, weight export and checkpoint the orchestrator issues together run on the loaded state, and the
+train stage alternates the order of its calls from one micro-batch to the next (``stages.training.issue_order``)
+so that the agent a worker ends a micro-batch with starts the next one. With more agents than workers, every
+agent's state leaves the worker between its optimizer steps.
 """
 
 from __future__ import annotations
