@@ -1,12 +1,13 @@
 """Benchmark: trainer swapping and token-budget micro-batches (issue 12), side by side in one run.
 
 1. **Swapping.** ``agents`` agents train the same steps (``micro_batches`` accumulate calls per agent, issued for
-   every agent at once as the train stage does, then the optimizer step and the weight export the orchestrator
-   issues) with every trainer resident (one actor each) and with a trainer budget of ``budget`` (that many trainer
-   workers swapping the agents' states through the Ray object store), both spawned by ``runtime/workers.py``'s
-   ``start_trainers``, step by step in turn on the same batches. Reported: each layout's median step time, their
-   ratio, the swaps' bytes, seconds and GB/s against a plain memory copy of the same size, and whether the two
-   layouts end with bit-identical parameters.
+   every agent at once in the train stage's order, ``stages.training.issue_order``, then the optimizer step and
+   the weight export the orchestrator issues) with every trainer resident (one actor each), with a trainer budget
+   of ``budget`` (that many trainer workers swapping the agents' states through the Ray object store), and with
+   that budget but the calls always in one order (as the train stage issued them before), all spawned by
+   ``runtime/workers.py``'s ``start_trainers``, step by step in turn on the same batches. Reported: each
+   layout's median step time and its ratio to the resident one, the swaps' counts, bytes, seconds and GB/s
+   against a plain memory copy of the same size, and whether the layouts end with bit-identical parameters.
 2. **Swap round trip** of one trainer state alone (parameters, gradients, AdamW moments): the built-in tiny
    model's and, with ``--smollm2``, SmolLM2-135M's.
 3. **Token budget.** One step over rows whose response lengths vary 10x: its peak memory above the trainer's
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
+from marl_pipeline.stages.training import issue_order
 
 OPTIONS = dict(lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, seed=0)
 
@@ -107,19 +109,21 @@ def bench_swapping(args, model_dir: Path, work: Path) -> None:
     from marl_pipeline.store import ExperienceStore
 
     agents = [f"agent{i}" for i in range(args.agents)]
-    # Both layouts alive at once (reservations small enough for both), 1 thread per actor: what the shared-thread
+    # All layouts alive at once (reservations small enough for all), 1 thread per actor: what the shared-thread
     # rule gives each of them on this 2-core machine.
     data = {"run": "bench", "store": str(work / "store"), "environment": {"name": "arithmetic"},
             "agents": {agent: {"trainer": {"num_cpus": 0.2, "threads": args.threads, "lr": OPTIONS["lr"]}}
                        for agent in agents}}
-    layouts = {"resident": ExperimentConfig.model_validate(data),
-               f"budget {args.budget}": ExperimentConfig.model_validate({**data, "ray": {"resident_trainers":
-                                                                                          args.budget}})}
-    store = ExperienceStore(layouts["resident"].store)
+    budget = {**data, "ray": {"resident_trainers": args.budget}}
+    # (config, whether the micro-batches' calls alternate their order as the train stage issues them)
+    layouts = {"resident": (ExperimentConfig.model_validate(data), True),
+               f"budget {args.budget}": (ExperimentConfig.model_validate(budget), True),
+               f"budget {args.budget}, one order": (ExperimentConfig.model_validate(budget), False)}
+    store = ExperienceStore(layouts["resident"][0].store)
     for agent in agents:
         shutil.copytree(model_dir, store.policy_dir("bench", agent, 0))
     versions = dict.fromkeys(agents, 0)
-    trainers = {name: start_trainers(config, store, versions) for name, config in layouts.items()}
+    trainers = {name: start_trainers(config, store, versions) for name, (config, _) in layouts.items()}
     ray.get([t.policy_version.remote() for handles in trainers.values() for t in handles.values()])
     vocab = model_vocab(model_dir)
     rng = np.random.default_rng(0)
@@ -129,35 +133,37 @@ def bench_swapping(args, model_dir: Path, work: Path) -> None:
         batches = [{agent: make_batch(rng, args.rows, vocab, (8, 32), (4, 64)) for agent in agents}
                    for _ in range(args.micro_batches)]
         for name, handles in trainers.items():
+            alternate = layouts[name][1]
             started = time.perf_counter()
-            for batch in batches:
-                ray.get([handles[agent].accumulate.remote(batch[agent]) for agent in agents])
+            for index, batch in enumerate(batches):
+                order = issue_order(agents, index) if alternate else agents
+                ray.get([handles[agent].accumulate.remote(batch[agent]) for agent in order])
             applied = [handles[agent].apply_step.remote() for agent in agents]
             exported = [handles[agent].named_weights.remote() for agent in agents]
             ray.get(applied)
             weights[name] = ray.get(exported)
             if step:
                 seconds[name].append(time.perf_counter() - started)
-    resident, swapped = seconds
     medians = {name: statistics.median(times) for name, times in seconds.items()}
-    identical = all(torch.equal(a, b) for per_agent in zip(*weights.values())
-                    for (_, a), (_, b) in zip(*per_agent, strict=True))
-    workers = {id(h.worker): h.worker for h in trainers[swapped].values()}
-    stats = ray.get([worker.swap_stats.remote() for worker in workers.values()])
-    out_bytes, in_bytes = sum(s.bytes_out for s in stats), sum(s.bytes_in for s in stats)
-    out_s, in_s = sum(s.seconds_out for s in stats), sum(s.seconds_in for s in stats)
-    swaps = sum(s.swaps_out for s in stats)
+    identical = all(torch.equal(a, b) for name in list(layouts)[1:]
+                    for mine, theirs in zip(weights["resident"], weights[name], strict=True)
+                    for (_, a), (_, b) in zip(mine, theirs, strict=True))
     print(f"\n1. swapping: {args.agents} agents, {args.micro_batches} micro-batches x {args.rows} rows per agent per "
           f"step, {args.threads} thread per actor, {args.steps} steps after a warm-up")
     for name, times in seconds.items():
-        print(f"  {name:>10}: median step {medians[name]:.2f} s  {[round(t, 2) for t in times]}")
-    print(f"  ratio {swapped} / {resident}: {medians[swapped] / medians[resident]:.2f}; parameters bit-identical: "
-          f"{identical}")
-    size = out_bytes // max(swaps, 1)
-    print(f"  swaps: {swaps} out, {sum(s.swaps_in for s in stats)} in (all steps), {size / 1e6:.1f} MB each on "
-          f"average; out {out_bytes / out_s / 1e9:.2f} GB/s, in {in_bytes / in_s / 1e9:.2f} GB/s; "
-          f"{copy_figures(size)}; swap time {(out_s + in_s) / (args.steps + 1):.3f} s per step "
-          f"across workers")
+        print(f"  {name:>20}: median step {medians[name]:.2f} s  {[round(t, 2) for t in times]}"
+              + (f"; / resident {medians[name] / medians['resident']:.2f}" if name != "resident" else ""))
+    print(f"  parameters bit-identical across the layouts: {identical}")
+    for name in list(layouts)[1:]:
+        workers = {id(h.worker): h.worker for h in trainers[name].values()}
+        stats = ray.get([worker.swap_stats.remote() for worker in workers.values()])
+        out_bytes, in_bytes = sum(s.bytes_out for s in stats), sum(s.bytes_in for s in stats)
+        out_s, in_s = sum(s.seconds_out for s in stats), sum(s.seconds_in for s in stats)
+        swaps = sum(s.swaps_out for s in stats)
+        size = out_bytes // max(swaps, 1)
+        print(f"  {name}: swaps {swaps} out, {sum(s.swaps_in for s in stats)} in (all steps), {size / 1e6:.1f} MB "
+              f"each on average; out {out_bytes / out_s / 1e9:.2f} GB/s, in {in_bytes / in_s / 1e9:.2f} GB/s; "
+              f"{copy_figures(size)}; swap time {(out_s + in_s) / (args.steps + 1):.3f} s per step across workers")
     for handles in trainers.values():
         for handle in {id(h): getattr(h, "worker", h) for h in handles.values()}.values():
             ray.kill(handle)
