@@ -132,7 +132,12 @@ def start_swapped_trainers(config: ExperimentConfig, store: ExperienceStore, ver
     """``ray.resident_trainers`` trainer workers, each reserving the largest agent's trainer request (a worker
     must hold any of its agents), agent i served by worker i mod N."""
     served = assign_workers(list(config.agents), config.ray.resident_trainers)
-    settings = max((agent.trainer for agent in config.agents.values()), key=lambda t: (t.num_gpus, t.num_cpus))
+    requests = [agent.trainer for agent in config.agents.values()]
+    # as the placement plan reserves it: the largest CPU and the largest GPU request, the most threads asked for
+    explicit = [t.threads for t in requests if t.threads is not None]
+    settings = requests[0].model_copy(update={"num_cpus": max(t.num_cpus for t in requests),
+                                              "num_gpus": max(t.num_gpus for t in requests),
+                                              "threads": max(explicit) if explicit else None})
     threads = actor_threads(config, settings)
     trainers = {}
     for worker in range(config.ray.resident_trainers):
@@ -153,8 +158,13 @@ def _wait_ready(config: ExperimentConfig, handles: list) -> None:
     try:
         ray.get([h.policy_version.remote() for h in handles], timeout=START_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
-        asked = {"CPU": sum(a.engine.num_cpus + a.trainer.num_cpus for a in config.agents.values()),
-                 "GPU": sum(a.engine.num_gpus + a.trainer.num_gpus for a in config.agents.values())}
+        asked = {}
+        for resource in ("CPU", "GPU"):
+            engines = [getattr(a.engine, f"num_{resource.lower()}s") for a in config.agents.values()]
+            trainers = [getattr(a.trainer, f"num_{resource.lower()}s") for a in config.agents.values()]
+            if swapping(config):  # the workers, each reserving the largest trainer request
+                trainers = [max(trainers)] * config.ray.resident_trainers
+            asked[resource] = sum(engines) + sum(trainers)
         raise TimeoutError(
             f"engines and trainers not ready after {START_TIMEOUT_S:.0f} s: they ask for {asked} in all "
             f"(agents.*.engine/trainer.num_cpus, num_gpus); the Ray cluster has {ray.cluster_resources()} and "
