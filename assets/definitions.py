@@ -12,7 +12,7 @@ from assets.evaluations import evaluations, no_collapsed_agent
 from assets.policies import base_policies, policies
 from assets.retrain import retrain_on_new_tasks
 from assets.stages import STAGE_ASSETS
-from assets.train import retrain_schedule, train_job
+from assets.train import retrain_schedule, train_job, training_runs
 from resources import ExperienceStoreResource, ExperimentResource, RayCluster
 
 # Configured at launch and nested in the other two: run config given for `experiment` (the CLI's, the UI
@@ -20,7 +20,7 @@ from resources import ExperienceStoreResource, ExperimentResource, RayCluster
 experiment = ExperimentResource.configure_at_launch()
 
 defs = dg.Definitions(
-    assets=[base_policies, policies, *STAGE_ASSETS, evaluations],
+    assets=[base_policies, policies, *STAGE_ASSETS, evaluations, training_runs],
     asset_checks=[*STAGE_CHECKS, no_collapsed_agent],
     jobs=[train_job],
     schedules=[retrain_schedule],

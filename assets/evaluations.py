@@ -23,17 +23,15 @@ def parse_version_key(partition_key: str) -> tuple[str, int]:
 def evaluation_metadata(metrics: dict[str, dict[str, float]], path, history=None) -> dict[str, dg.MetadataValue]:
     """Every agent's metrics as numbers, the partition's path and, given the run's history, a plot across
     versions."""
-    import base64
-
     metadata: dict[str, dg.MetadataValue] = {"path": dg.MetadataValue.path(str(path))}
     for agent, figures in metrics.items():
         for name, value in figures.items():
             metadata[f"{agent}/{name}"] = dg.MetadataValue.float(round(float(value), 4))
     if history:
+        from assets.plots import images_markdown
         from marl_pipeline.run.evaluations import evaluation_plot_png
 
-        png = base64.b64encode(evaluation_plot_png(history)).decode()
-        metadata["history"] = dg.MetadataValue.md(f"![held-out evaluation](data:image/png;base64,{png})")
+        metadata["history"] = images_markdown({"held-out evaluation": evaluation_plot_png(history)})
     return metadata
 
 

@@ -8,6 +8,7 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from assets.previews import episodes_markdown
 from marl_pipeline.store.summaries import stage_summary
 
 _SAMPLE_TURNS = 3
@@ -16,9 +17,11 @@ _SAMPLE_COLUMNS = ("sample_id", "agent", "turn", "policy_version", "response_tex
 """Columns shown in a partition's sample-turns table, where the stage has them."""
 
 
-def stage_metadata(stage: str, path: Path | str, seconds: float, table: pa.Table) -> dict[str, dg.MetadataValue]:
+def stage_metadata(stage: str, path: Path | str, seconds: float, table: pa.Table,
+                   rollouts: pa.Table | None = None) -> dict[str, dg.MetadataValue]:
     """Rows, tokens, mean reward per agent, policy version, stage latency, storage path, column schema,
-    a few sample turns as a table and, for rewards, a reward histogram."""
+    a few sample turns as a table, for rewards a reward histogram, and the first episodes as a conversation: for
+    rollouts from the table itself, for rewards (with each turn's reward) given the micro-batch's ``rollouts``."""
     from marl_pipeline.store.schema import SCHEMA_VERSION
 
     metadata: dict[str, dg.MetadataValue] = {
@@ -35,6 +38,10 @@ def stage_metadata(stage: str, path: Path | str, seconds: float, table: pa.Table
     metadata["sample_turns"] = _sample_turns(table)
     if "reward" in table.column_names and table.num_rows:
         metadata["reward_histogram"] = dg.MetadataValue.md(_reward_histogram_md(table))
+    if stage == "rollouts":
+        metadata["episodes"] = dg.MetadataValue.md(episodes_markdown(table))
+    elif stage == "rewards" and rollouts is not None:
+        metadata["episodes"] = dg.MetadataValue.md(episodes_markdown(rollouts, scores=table))
     return metadata
 
 
@@ -73,10 +80,8 @@ def _reward_histogram_md(table: pa.Table) -> str:
 
 
 def run_report(finished, timeline) -> tuple[dict, dict[str, dg.MetadataValue]]:
-    """Run-level figures of a launch (throughput, busy fractions, efficiency, staleness) and their plot."""
-    import base64
-
-    from marl_pipeline.run.pipeline_metrics import activity_plot_png, pipeline_report
+    """Run-level figures of a launch (throughput, busy fractions, efficiency, staleness), as values and metadata."""
+    from marl_pipeline.run.pipeline_metrics import pipeline_report
 
     spans, plan = timeline.spans, finished.plan
     report = pipeline_report(spans, steps=plan.last_step - plan.first_step + 1, episodes=timeline.episodes,
@@ -87,7 +92,35 @@ def run_report(finished, timeline) -> tuple[dict, dict[str, dg.MetadataValue]]:
     metadata["staleness_histogram"] = dg.MetadataValue.json(report["staleness_histogram"])
     metadata["resumed"] = dg.MetadataValue.bool(plan.resumed)
     metadata["placement"] = dg.MetadataValue.json(finished.placement.summary())
-    if spans:
-        png = base64.b64encode(activity_plot_png(spans, finished.started)).decode()
-        metadata["stage_activity"] = dg.MetadataValue.md(f"![stage activity](data:image/png;base64,{png})")
     return report, metadata
+
+
+def run_plots(store, run: str, finished=None, timeline=None) -> dict[str, bytes]:
+    """The run's plots (alt text -> PNG): reward per agent per step and staleness per step over the run's whole
+    lineage (read from the store, so a continued run shows its earlier launches too), held-out evaluation per
+    policy version when the run was evaluated, and the stage activity of the launch that just finished (its live
+    timeline)."""
+    from assets.plots import reward_per_step_png, staleness_png
+    from marl_pipeline.run.evaluations import evaluation_history, evaluation_plot_png
+    from marl_pipeline.run.pipeline_metrics import activity_plot_png
+    from marl_pipeline.store.summaries import reward_table
+
+    plots: dict[str, bytes] = {}
+    if by_step := reward_table(store.read_stage(run, "rewards", columns=["step", "agent", "reward"])):
+        plots["reward per step"] = reward_per_step_png(by_step, f"mean reward per agent per step, run {run}")
+    rollouts = store.read_stage(run, "rollouts", columns=["step", "policy_version"])
+    if rollouts.num_rows:
+        staleness = pc.subtract(rollouts.column("step").cast("int64"), rollouts.column("policy_version").cast("int64"))
+        counts = pa.table({"step": rollouts.column("step"), "staleness": staleness}).group_by(
+            ["step", "staleness"]).aggregate([("step", "count")])
+        by_staleness: dict[int, dict[int, int]] = {}
+        for step, stale, count in zip(*(counts.column(c).to_pylist() for c in ("step", "staleness", "step_count"))):
+            by_staleness.setdefault(step, {})[stale] = count
+        plots["staleness per step"] = staleness_png(
+            by_staleness, f"turns per step by staleness (step - policy version), run {run}")
+    if history := evaluation_history(store, run):
+        plots["held-out evaluation"] = evaluation_plot_png(history, f"held-out evaluation, run {run}")
+    if timeline is not None and timeline.spans:
+        plots["stage activity"] = activity_plot_png(timeline.spans, finished.started,
+                                                    f"stage activity of the last launch, run {run}")
+    return plots

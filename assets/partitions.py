@@ -17,6 +17,7 @@ import dagster as dg
 # the stage partitions' own definition and is kept so that existing instances keep their keys.
 STEPS = dg.DynamicPartitionsDefinition(name="marl_steps")
 AGENTS = dg.DynamicPartitionsDefinition(name="marl_agents")
+RUNS = dg.DynamicPartitionsDefinition(name="marl_runs")  # keyed by run name: the `training_runs` asset
 STAGE_PARTITIONS = dg.DynamicPartitionsDefinition(name="marl_stage_partitions")
 
 

@@ -10,6 +10,7 @@ import dagster as dg
 
 from assets.metadata import stage_metadata
 from assets.partitions import STAGE_PARTITIONS, parse_stage_partition
+from assets.previews import PREVIEW_COLUMNS
 from resources import ExperienceStoreResource, ExperimentResource, RayCluster
 
 _GROUP = "stages"
@@ -21,8 +22,10 @@ def _recompute(stage: str, context: dg.AssetExecutionContext, experiment: Experi
     from marl_pipeline.store import MicroBatchKey
 
     key = MicroBatchKey(*parse_stage_partition(context.partition_key))
-    path, table, seconds = recompute_stage(stage, experiment.load(), store.open(), key)
-    return dg.MaterializeResult(metadata=stage_metadata(stage, path, seconds, table))
+    experience = store.open()
+    path, table, seconds = recompute_stage(stage, experiment.load(), experience, key)
+    rollouts = experience.read("rollouts", key, columns=PREVIEW_COLUMNS) if stage == "rewards" else None
+    return dg.MaterializeResult(metadata=stage_metadata(stage, path, seconds, table, rollouts))
 
 
 @dg.asset(partitions_def=STAGE_PARTITIONS, group_name=_GROUP, deps=["base_policies"], kinds={"vllm", "parquet"})

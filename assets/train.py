@@ -9,9 +9,19 @@ moment it lands, so the UI's partition grid fills in live.
 import dagster as dg
 
 from assets.evaluations import evaluation_metadata
-from assets.metadata import run_report, stage_metadata
-from assets.partitions import AGENTS, STEPS, add_planned_stage_partitions, agent_key, stage_partition, step_key
+from assets.metadata import run_plots, run_report, stage_metadata
+from assets.partitions import (
+    AGENTS,
+    RUNS,
+    STEPS,
+    add_planned_stage_partitions,
+    agent_key,
+    stage_partition,
+    step_key,
+)
+from assets.plots import images_markdown
 from assets.policies import base_policy_metadata
+from assets.previews import PREVIEW_COLUMNS
 from resources import ExperimentResource, RayCluster
 
 
@@ -29,18 +39,24 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
     )
     from marl_pipeline.run.pipeline_metrics import TimelineRecorder
     from marl_pipeline.run.recipe import train
+    from marl_pipeline.store import ExperienceStore
 
     config = experiment.load()
+    store = ExperienceStore(config.store)  # read-only here: the previews' rollouts and the run's plots
     instance = context.instance
     instance.add_dynamic_partitions(AGENTS.name, [agent_key(config.run, agent) for agent in config.agents])
+    instance.add_dynamic_partitions(RUNS.name, [config.run])
     timeline = TimelineRecorder()  # what the run report needs of each event; the events themselves are dropped
     for event in train(config):
         timeline.add(event)
         if isinstance(event, StageCommitted):
             key = event.key
+            # A rewards partition's episode preview shows the conversation with its rewards: the micro-batch's
+            # rollouts are committed by then (one small read, text columns only).
+            rollouts = store.read("rollouts", key, columns=PREVIEW_COLUMNS) if event.stage == "rewards" else None
             context.log_event(dg.AssetMaterialization(
                 asset_key=event.stage, partition=stage_partition(key.run, key.step, key.micro_batch),
-                metadata=stage_metadata(event.stage, event.path, event.seconds, event.table)))
+                metadata=stage_metadata(event.stage, event.path, event.seconds, event.table, rollouts)))
         elif isinstance(event, PolicyCommitted):
             context.log_event(dg.AssetMaterialization(
                 asset_key="policies", partition=agent_key(config.run, event.agent),
@@ -56,7 +72,11 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
         elif isinstance(event, RunStarted):
             _log_start(context, config, event)
         elif isinstance(event, RunFinished):
-            report, metadata = run_report(event, timeline.timeline())
+            launch = timeline.timeline()
+            report, metadata = run_report(event, launch)
+            plots = images_markdown(run_plots(store, config.run, event, launch))
+            context.log_event(dg.AssetMaterialization(asset_key="training_runs", partition=config.run,
+                                                      metadata={"plots": plots, **metadata}))
             return dg.Output(report, metadata=metadata)
     raise RuntimeError("the training launch ended without finishing")  # unreachable: train() raises first
 
@@ -109,6 +129,19 @@ def plan_observations(run: str, plan) -> list[dg.AssetObservation]:
                                 metadata={"launch_from_version": version, "launch_to_version": plan.last_step + 1,
                                           "launch_resumed": plan.resumed})
             for agent, version in plan.versions.items()]
+
+
+# Recorded by the train job when a launch finishes (one materialization per launch, keyed by run name), so a
+# run's plots have a page in the UI: its partition's metadata. Not materialized on its own.
+training_runs = dg.AssetSpec(
+    "training_runs",
+    partitions_def=RUNS,
+    group_name="runs",
+    deps=["policies", "rewards"],
+    description="Each run's figures and plots, recorded when a launch of it finishes: mean reward per agent per "
+                "step, turns per step by staleness, held-out evaluation per policy version (when evaluated), the "
+                "launch's stage activity, throughput and busy fractions.",
+)
 
 
 @dg.job(name="train", description="Train every agent for `pipeline.steps` RL steps, continuing from the latest "

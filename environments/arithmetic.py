@@ -4,9 +4,14 @@ Small enough that a 2-layer model learns it on a CPU within minutes, yet a real 
 the verifier's prompt contains the solver's turn, and each agent is scored on its own action
 (the solver for a correct sum, the verifier for a correct verdict).
 
-Warm-up examples come from a noisy teacher (right with probability ``warmup_accuracy``, otherwise a
-uniformly random answer or verdict): the base policies learn the format and start near that accuracy,
-so the reward gain after warm-up comes from RL.
+Warm-up examples come from a teacher that knows a fixed share of the questions (``warmup_known_share``,
+chosen by a hash of the question, the same in every run) and guesses uniformly on the others; on those it
+knows it is right with probability ``warmup_accuracy``. The base policies learn the format and the known
+part of the table, and stay unsure on the rest: RL then finds the answers there by sampling, which a
+held-out greedy evaluation sees. A teacher that is merely noisy everywhere (the first design) left
+version 0 either already right on every question, with nothing for RL to improve in a greedy evaluation,
+or, with a faster warm-up, not yet adding at all (0.14 held-out accuracy): which one depended on the
+warm-up's data order.
 
 Decoys keep the verifier honest. Judging only the solver's answers, a verifier sees ever fewer wrong ones
 as the solver learns, and "yes" to everything earns it the solver's accuracy while its skill (telling
@@ -20,6 +25,8 @@ rewarded for a right verdict on what it was shown.
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -32,7 +39,10 @@ class ArithmeticOptions(BaseModel):
     max_operand: int = Field(3, ge=1, le=99)
     """Operands are drawn uniformly from 0..max_operand."""
     warmup_accuracy: float = Field(0.3, ge=0, le=1)
-    """Share of warm-up examples the noisy teacher gets right."""
+    """Share of warm-up examples the noisy teacher gets right, on the questions it knows."""
+    warmup_known_share: float = Field(1.0, ge=0, le=1)
+    """Share of questions the warm-up teacher knows (a fixed set, by a hash of the question); on the others
+    it answers at random, so version 0 is unsure there and RL has something to find."""
     decoy_share: float = Field(1 / 3, ge=0, le=1)
     """Share of tasks on which the verifier is shown a wrong decoy answer instead of the solver's."""
     right_share: float = Field(1 / 3, ge=0, le=1)
@@ -148,16 +158,22 @@ class ArithmeticCheck:
         examples = []
         for task in self.sample_tasks(rng, count):
             expected = task["a"] + task["b"]
-            answer = expected if rng.random() < self.options.warmup_accuracy else int(rng.integers(0, top + 1))
+            right = rng.random() < self.options.warmup_accuracy and self._teacher_knows(f"{task['a']}+{task['b']}")
+            answer = expected if right else int(rng.integers(0, top + 1))
             solver_turn = Turn("solver", str(answer))
             if role == "solver":
                 examples.append((self.render_prompt("solver", task, []), solver_turn.text))
                 continue
-            truth = "yes" if _parse_int(self._shown_answer(task, [solver_turn])) == expected else "no"
-            verdict = truth if rng.random() < self.options.warmup_accuracy else str(rng.choice(["yes", "no"]))
+            shown = self._shown_answer(task, [solver_turn])
+            truth = "yes" if _parse_int(shown) == expected else "no"
+            question = f"{task['a']}+{task['b']}={shown}"
+            right = rng.random() < self.options.warmup_accuracy and self._teacher_knows(question)
+            verdict = truth if right else str(rng.choice(["yes", "no"]))
             examples.append((self.render_prompt("verifier", task, [solver_turn]), verdict))
         return examples
 
+    def _teacher_knows(self, question: str) -> bool:
+        return zlib.crc32(question.encode()) / 2**32 < self.options.warmup_known_share
 
     def reward_examples(self, rng: np.random.Generator, count: int) -> list[tuple[str, str, float]]:
         """(prompt, response, label) for the built-in reward model: half right answers and verdicts, half wrong."""

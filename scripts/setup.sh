@@ -16,8 +16,29 @@
 # for upstream vllm (exclude-dependencies in pyproject.toml), locks both engines in one file, and
 # installs in parallel. uv does not read pip's configuration: torch 2.13.0+cpu comes from /opt/wheels
 # through [tool.uv.index] in pyproject.toml.
+#
+# The browser test (tests/test_ui_browser.py) drives Debian's chromium through playwright (dev extra), which
+# must not download a browser of its own. Where chromium is missing, this installs it with apt-get when it can
+# (root, apt-get present; non-interactive, as in CI); otherwise it says what to install, and that test skips.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# $1: fresh (a new set-up: say what to install when we cannot) or kept (quiet unless installing).
+install_chromium() {
+  command -v chromium > /dev/null && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+    echo "installing Debian's chromium for the browser test (apt-get install chromium)" >&2
+    local log
+    log=$(mktemp)
+    if ! { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } > "$log" 2>&1; then
+      tail -5 "$log" >&2
+      echo "apt-get install chromium failed; the browser test will skip" >&2
+    fi
+    rm -f "$log"
+  elif [ "$1" = fresh ]; then
+    echo "no chromium: the browser test will skip (install it with: sudo apt-get install chromium)" >&2
+  fi
+}
 
 uv_version=0.13.9
 python="${PYTHON:-$(command -v python3.11 || command -v python3)}"
@@ -43,11 +64,16 @@ stamp=.venv/.marl-installed
 want="$engine $(cat uv.lock pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  install_chromium kept  # a machine that kept .venv may still lack the browser (instant when it is there)
   exit 0
 fi
-echo "setting up .venv ($engine engine); this takes about two minutes the first time" >&2
+install_chromium fresh
+echo "setting up .venv ($engine engine); this takes a few minutes the first time" >&2
 bootstrap_uv
-"$uv" sync -q --locked --python "$python" --extra "$engine" --extra dev --extra models || {
+# --compile-bytecode: every Ray worker, CLI and Dagster process imports torch, vLLM, transformers and Ray. Without
+# .pyc files (PYTHONDONTWRITEBYTECODE=1 on this machine and CI's) each one compiles them again: importing those
+# four took 26-52 s per process against 10 s with bytecode, measured side by side under load.
+"$uv" sync -q --locked --compile-bytecode --python "$python" --extra "$engine" --extra dev --extra models || {
   echo "set-up failed; if uv.lock is out of date with pyproject.toml, refresh it with: make lock" >&2
   exit 1
 }

@@ -100,3 +100,32 @@ def test_held_out_and_reward_model_examples_show_the_answer_their_label_is_about
             a, rest = prompt[:-1].split("+")
             b, shown = rest.split("=")
             assert label == float((response == "yes") == (int(a) + int(b) == int(shown)))
+
+
+def test_the_warm_up_teacher_knows_a_fixed_share_of_questions_and_guesses_on_the_rest() -> None:
+    env = ArithmeticCheck(ArithmeticOptions(max_operand=3, warmup_accuracy=1.0, warmup_known_share=0.5))
+    answers: dict[str, list[int]] = {}
+    for prompt, answer in env.warmup_examples("solver", np.random.default_rng(0), 4000):
+        answers.setdefault(prompt, []).append(int(answer))
+    known = {prompt for prompt, given in answers.items() if len(set(given)) == 1}
+    assert len(answers) == 16 and 4 <= len(known) <= 12  # half the 16 questions, by a hash
+    for prompt in known:
+        a, b = prompt[:-1].split("+")
+        assert answers[prompt][0] == int(a) + int(b)
+    for prompt in set(answers) - known:  # a uniform guess over 0..6: the right sum about 1 time in 7
+        a, b = prompt[:-1].split("+")
+        right = np.mean([answer == int(a) + int(b) for answer in answers[prompt]])
+        assert right < 0.35 and len(set(answers[prompt])) == 7
+    # The same questions, whatever the seed: version 0 is unsure on the same half in every run.
+    again = env.warmup_examples("solver", np.random.default_rng(1), 4000)
+    assert {prompt for prompt, answer in again if not _sums_to(prompt, answer)} <= set(answers) - known
+    verdicts: dict[str, set[str]] = {}
+    for prompt, verdict in env.warmup_examples("verifier", np.random.default_rng(0), 4000):
+        verdicts.setdefault(prompt, set()).add(verdict)
+    unsure = sum(len(given) == 2 for given in verdicts.values()) / len(verdicts)
+    assert 0.3 < unsure < 0.7  # the verifier's teacher knows about half the (question, shown answer) pairs
+
+
+def _sums_to(prompt: str, answer: str) -> bool:
+    a, b = prompt[:-1].split("+")
+    return int(a) + int(b) == int(answer)

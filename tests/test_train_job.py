@@ -6,6 +6,7 @@ partitions it records, the policy versions, the CLI's view of it, and per-partit
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -184,3 +185,16 @@ def test_workspace_loads_without_warnings(tmp_path: Path) -> None:
     log_lines = [line for line in (result.stdout + result.stderr).splitlines()
                  if "WARNING" in line or "Warning:" in line]
     assert [line for line in log_lines if "SupersessionWarning" not in line] == []
+
+
+def test_the_run_and_its_partitions_show_plots_and_conversations(trained) -> None:
+    instance = trained["instance"]
+    [record] = instance.fetch_materializations(dg.AssetKey("training_runs"), limit=10).records
+    run = record.asset_materialization
+    assert run.partition == "small" and run.metadata["episodes_per_s"].value > 0
+    # No evaluation section in this run: the plots of the store's reward and staleness, and the launch's activity.
+    assert re.findall(r"!\[([^\]]*)\]\(data:image/png;base64,", run.metadata["plots"].value) == [
+        "reward per step", "staleness per step", "stage activity"]
+    rewards = instance.fetch_materializations(dg.AssetKey("rewards"), limit=1).records[0].asset_materialization
+    assert re.search(r"\*\*solver\*\* \(turn 0, policy v\d, reward -?\d\.\d{3}, advantage [+-]\d\.\d{3}\)",
+                     rewards.metadata["episodes"].value)

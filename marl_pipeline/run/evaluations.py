@@ -69,6 +69,7 @@ def evaluation_plot_png(history: dict[int, dict[str, dict[str, float]]], title: 
     import io
 
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")  # no display: rendered to bytes for Dagster metadata and the README
     import matplotlib.pyplot as plt
@@ -85,6 +86,7 @@ def evaluation_plot_png(history: dict[int, dict[str, dict[str, float]]], title: 
         axis.plot([v for v, _ in points], [m["top_answer_share"] for _, m in points], ":", color=color,
                   label=f"{agent} top-answer share")
     axis.set_xlabel("policy version")
+    axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # versions are whole numbers
     axis.set_ylim(0, 1.02)
     axis.set_title(title)
     axis.legend(fontsize=7, loc="lower right")

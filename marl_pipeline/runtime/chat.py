@@ -20,7 +20,6 @@ reply, so the trainer never scores a token the engine did not sample.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,12 +87,24 @@ class ChatTokenizer:
             return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
-@functools.lru_cache(maxsize=16)
+_LOADED: dict[str, ChatTokenizer] = {}
+_LOADED_LOCK = threading.Lock()
+
+
+def fetched_chat_tokenizer(source: str, fetch: Callable[[], object]) -> ChatTokenizer:
+    """The chat tokenizer of the policy directory ``source``, built from ``fetch()`` (a Hugging Face tokenizer) the
+    first time in this process (no policy version changes it); ``fetch`` may ask another node, where ``source`` is."""
+    with _LOADED_LOCK:
+        if source not in _LOADED:
+            _LOADED[source] = ChatTokenizer(fetch(), source)
+        return _LOADED[source]
+
+
 def load_chat_tokenizer(model_dir: str) -> ChatTokenizer:
-    """The chat tokenizer of a policy directory, loaded once per process (no policy version changes it)."""
+    """The chat tokenizer of a policy directory on this node, loaded once per process."""
     from transformers import AutoTokenizer
 
-    return ChatTokenizer(AutoTokenizer.from_pretrained(model_dir), model_dir)
+    return fetched_chat_tokenizer(model_dir, lambda: AutoTokenizer.from_pretrained(model_dir))
 
 
 def checked_messages(prompt: object, where: str) -> list[ChatMessage]:

@@ -113,9 +113,15 @@ class RolloutEngine:
         return [output.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt_ids), len(ids))]
 
     def model_directory(self) -> str:
-        """The directory the engine loaded (the agent's policy at its first version): the driver reads the agent's
-        tokenizer from it, which no policy version changes."""
+        """The directory the engine loaded (the agent's policy at its first version), on the engine's node."""
         return self.model_dir
+
+    def tokenizer(self):
+        """The agent's Hugging Face tokenizer (no policy version changes it), for a driver that may run on another
+        node than the directory it is read from."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_dir)
 
     def load_weights(self, named_tensors: list[tuple[str, object]], version: int) -> int:
         """Replace the served parameters in place with a new policy version's."""

@@ -29,7 +29,7 @@ import ray
 
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import Environment, Task, Turn
-from marl_pipeline.runtime.chat import ChatSession, load_chat_tokenizer
+from marl_pipeline.runtime.chat import ChatSession, ChatTokenizer, fetched_chat_tokenizer
 from marl_pipeline.runtime.engine import Completion
 from marl_pipeline.store import MicroBatchKey
 from marl_pipeline.store.schema import ROLLOUTS, with_agent
@@ -85,10 +85,15 @@ def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHand
 
 
 def engine_chat_session(env: Environment, engines: dict[str, ray.actor.ActorHandle]) -> ChatSession:
-    """A chat session whose tokenizers are read from the directories the agents' engines loaded (asked for only
-    when an agent is first given chat messages)."""
-    return ChatSession(getattr(env, "name", type(env).__name__),
-                       lambda role: load_chat_tokenizer(ray.get(engines[role].model_directory.remote())))
+    """A chat session with the tokenizers of the agents' engines (asked for only when an agent is first given chat
+    messages). They come from the engines through Ray, once per policy directory: an engine's directory is on its
+    own node (a cache of an S3 store), maybe not on the driver's."""
+    def tokenizer(role: str) -> ChatTokenizer:
+        engine = engines[role]
+        return fetched_chat_tokenizer(ray.get(engine.model_directory.remote()),
+                                      lambda: ray.get(engine.tokenizer.remote()))
+
+    return ChatSession(getattr(env, "name", type(env).__name__), tokenizer)
 
 
 def _observe(env: Environment, role: str, task: Task, transcript: list[Turn]) -> tuple[str | None, str | None]:
