@@ -67,6 +67,25 @@ def test_staleness_1_never_trains_on_older_samples(local_ray, demo_config_data, 
     assert store.policy_versions("demo", "solver") == [0, 3, 4]  # store.retention's defaults: 0 and the last 2
 
 
+def test_a_dead_trainer_stops_the_launch_before_anything_is_sampled_past_the_staleness_gate(
+        local_ray, demo_config_data, tmp_path: Path) -> None:
+    """A trainer process killed (as the OOM killer would) after step 0 stops the launch with Ray's error. Rollout,
+    waiting at the gate for version 2, is released by the stop and must not sample step 2 with version 1 on its
+    way out: it did, and a relaunch then resumed from rollouts older than the staleness bound allows."""
+    import ray
+
+    config = parse_config(small_config_data(demo_config_data, tmp_path / "store", steps=4, micro_batches_per_step=2))
+    with pytest.raises(ray.exceptions.RayActorError):
+        for event in train(config):
+            if isinstance(event, StepFinished) and event.step == 0:
+                trainers = [actor["Pid"] for actor in ray._private.state.actors(actor_state_name="ALIVE").values()
+                            if actor["ActorClassName"].endswith("Trainer")]
+                os.kill(trainers[0], signal.SIGKILL)
+    rollouts = ExperienceStore(config.store).read_stage("demo", "rollouts", columns=["step", "policy_version"])
+    served = set(zip(rollouts.column("step").to_pylist(), rollouts.column("policy_version").to_pylist()))
+    assert served <= {(0, 0), (1, 1)}, served  # step 2 needs version 2, which the dead trainer never made
+
+
 def test_two_launches_end_with_the_parameters_of_one_adamw_included(local_ray, demo_config_data, tmp_path) -> None:
     def config(name: str, steps: int):
         return parse_config(small_config_data(demo_config_data, tmp_path / name, steps=steps, micro_batches_per_step=2))
