@@ -14,7 +14,9 @@ machine: 3 x (engine 0.5 + trainer 0.5 CPU) is more than 2 CPUs). So:
   request. Left unset, every trainer is resident when that fits, else the most workers that fit.
 
 Each actor must also fit on one node, not only in the cluster's total: checked by first-fit decreasing over the
-nodes' resources, the way Ray's scheduler would have to place them.
+nodes' resources, the way Ray's scheduler would have to place them. Custom resources (``ray.engine_resources``,
+``ray.trainer_resources``) pin engines and trainers (trainer workers too) to the nodes that offer them; they are
+checked the same way, and a resource no node offers is named at once (Ray would queue the actor for ever).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class ActorRequest:
     gpus: float
     fitted: bool = False
     """Whether the CPU request was a default scaled down to fit the machine."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources (``ray.engine_resources`` / ``trainer_resources``): the nodes it may run on."""
 
 
 def assign_workers(agents: list[str], workers: int) -> dict[str, int]:
@@ -87,6 +91,7 @@ class PlacementPlan:
     def summary(self) -> dict[str, str]:
         """One line per actor and the totals, for Dagster metadata and the CLI."""
         lines = {actor.name: f"{actor.cpus:g} CPU, {actor.gpus:g} GPU" + (" (fitted)" if actor.fitted else "")
+                 + "".join(f", {amount:g} {name}" for name, amount in sorted(actor.resources.items()))
                  for actor in self.actors}
         used = {r: sum(getattr(a, f"{r.lower()}s") for a in self.actors) for r in RESOURCES}
         lines["total"] = ", ".join(f"{used[r]:g} of {self.cluster.get(r, 0):g} {r}" for r in RESOURCES)
@@ -128,27 +133,30 @@ def _plan(config: ExperimentConfig, nodes: list[dict[str, float]], workers: int)
     """The plan with ``workers`` trainer actors (one per agent: every trainer resident)."""
     cluster = {r: sum(node.get(r, 0.0) for node in nodes) for r in RESOURCES}
     resident = workers >= len(config.agents)
+    custom = {"engine": dict(config.ray.engine_resources), "trainer": dict(config.ray.trainer_resources)}
     requests = []  # (request, explicit)
     for agent, agent_config in config.agents.items():
         parts = (("engine", agent_config.engine), ("trainer", agent_config.trainer)) if resident else (
             ("engine", agent_config.engine),)
         for role, settings in parts:
-            requests.append((ActorRequest(f"{agent}/{role}", settings.num_cpus, settings.num_gpus),
-                             "num_cpus" in settings.model_fields_set))
+            requests.append((ActorRequest(f"{agent}/{role}", settings.num_cpus, settings.num_gpus,
+                                          resources=custom[role]), "num_cpus" in settings.model_fields_set))
     if not resident:  # a worker may serve any agent: it reserves the largest trainer request
         trainers = [agent_config.trainer for agent_config in config.agents.values()]
         explicit = any("num_cpus" in trainer.model_fields_set for trainer in trainers)
         cpus, gpus = max(t.num_cpus for t in trainers), max(t.num_gpus for t in trainers)
-        requests += [(ActorRequest(WORKER.format(k), cpus, gpus), explicit) for k in range(workers)]
+        requests += [(ActorRequest(WORKER.format(k), cpus, gpus, resources=custom["trainer"]), explicit)
+                     for k in range(workers)]
     fixed_cpus = sum(request.cpus for request, explicit in requests if explicit)
     default_cpus = sum(request.cpus for request, explicit in requests if not explicit)
     spare = cluster["CPU"] - fixed_cpus
     if default_cpus > spare > 0:
         scale = spare / default_cpus
-        requests = [(r if explicit else ActorRequest(r.name, _round_down(r.cpus * scale), r.gpus, fitted=True),
-                     explicit) for r, explicit in requests]
+        requests = [(r if explicit else ActorRequest(r.name, _round_down(r.cpus * scale), r.gpus, fitted=True,
+                                                     resources=r.resources), explicit) for r, explicit in requests]
     actors = [request for request, _ in requests]
     _check_totals(config, actors, cluster, workers)
+    _check_custom(actors, nodes)
     _check_nodes(actors, nodes)
     trainers = [f"{agent}/trainer" for agent in config.agents]
     if resident:
@@ -186,17 +194,48 @@ def _amount(actors: list[ActorRequest], name: str, resource: str) -> float:
     return getattr(next(a for a in actors if a.name == name), f"{resource.lower()}s")
 
 
+def _check_custom(actors: list[ActorRequest], nodes: list[dict[str, float]]) -> None:
+    """Every custom resource asked for is offered by some node, and in the amount all actors together ask."""
+    asked: dict[str, float] = {}
+    for actor in actors:
+        for name, amount in actor.resources.items():
+            asked[name] = asked.get(name, 0.0) + amount
+    for name, amount in sorted(asked.items()):
+        role = "engine" if any(name in a.resources for a in actors if a.name.endswith("/engine")) else "trainer"
+        offered = sum(node.get(name, 0.0) for node in nodes)
+        users = ", ".join(a.name for a in actors if name in a.resources)
+        if offered == 0:
+            raise PlacementError(
+                f"ray.{role}_resources asks for custom resource {name!r} ({users}), but no alive Ray node offers it "
+                f"({len(nodes)} nodes, offering {_custom_names(nodes) or 'no custom resources'}). Start a node with "
+                f"`ray start --resources '{{\"{name}\": N}}'`, or remove it from ray.{role}_resources.")
+        if amount > offered + 1e-9:
+            raise PlacementError(f"{users} ask for {amount:g} {name!r} in all; the cluster's nodes offer {offered:g}. "
+                                 f"Lower ray.{role}_resources.{name} or start nodes with more.")
+
+
+def _custom_names(nodes: list[dict[str, float]]) -> str:
+    names = sorted({name for node in nodes for name in node
+                    if name not in (*RESOURCES, "memory", "object_store_memory") and not name.startswith("node:")})
+    return ", ".join(names)
+
+
 def _check_nodes(actors: list[ActorRequest], nodes: list[dict[str, float]]) -> None:
-    """First-fit decreasing: every actor on a node with room for it."""
-    free = [{r: node.get(r, 0.0) for r in RESOURCES} for node in nodes]
+    """First-fit decreasing: every actor on a node with room for it (CPUs, GPUs and its custom resources)."""
+    free = [dict(node) for node in nodes]
     for actor in sorted(actors, key=lambda a: (a.gpus, a.cpus), reverse=True):
+        wanted = {"CPU": actor.cpus, "GPU": actor.gpus, **actor.resources}
         for node in free:
-            if node["CPU"] + 1e-9 >= actor.cpus and node["GPU"] + 1e-9 >= actor.gpus:
-                node["CPU"] -= actor.cpus
-                node["GPU"] -= actor.gpus
+            if all(node.get(name, 0.0) + 1e-9 >= amount for name, amount in wanted.items() if amount > 0):
+                for name, amount in wanted.items():
+                    node[name] = node.get(name, 0.0) - amount
                 break
         else:
-            largest = max(free, key=lambda n: (n["GPU"], n["CPU"]), default={"CPU": 0.0, "GPU": 0.0})
+            candidates = [n for n in free if all(n.get(r, 0.0) > 0 for r in actor.resources)]
+            largest = max(candidates, key=lambda n: (n.get("GPU", 0.0), n.get("CPU", 0.0)),
+                          default={"CPU": 0.0, "GPU": 0.0})
+            pinned = f" among the {len(candidates)} nodes with {sorted(actor.resources)}" if actor.resources else ""
             raise PlacementError(
                 f"{actor.name} needs {actor.cpus:g} CPU and {actor.gpus:g} GPU on one node; after the larger actors "
-                f"the roomiest node has {largest['CPU']:g} CPU and {largest['GPU']:g} GPU free ({len(nodes)} nodes)")
+                f"the roomiest node{pinned} has {largest.get('CPU', 0.0):g} CPU and {largest.get('GPU', 0.0):g} GPU "
+                f"free ({len(nodes)} nodes)")

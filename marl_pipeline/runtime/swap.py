@@ -24,6 +24,7 @@ agent's state leaves the worker between its optimizer steps.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,8 +116,12 @@ class SwapStats:
 class TrainerWorker:
     """One trainer worker: serves the calls of several agents' trainers, one agent's state loaded at a time."""
 
-    def __init__(self, agents: dict[str, AgentSpec]) -> None:
+    def __init__(self, agents: dict[str, AgentSpec],
+                 build: Callable[[str, AgentSpec], PolicyTrainer] | None = None) -> None:
         self.specs = agents
+        # How an agent's trainer is built on first use: from ``model_dir`` by default; a run's workers build the
+        # store's trainer, which fetches its version on this node and uploads new ones (runtime/workers.py).
+        self.build = build or (lambda agent, spec: PolicyTrainer(spec.model_dir, spec.version, **spec.options))
         self.trainers: dict[str, PolicyTrainer] = {}
         self.swapped: dict[str, ray.ObjectRef] = {}
         self.loaded: str | None = None
@@ -139,7 +144,7 @@ class TrainerWorker:
             self._swap_in(agent)
         else:  # first call: built from the store like a resident trainer (the constructor seeds the global RNG)
             spec = self.specs[agent]
-            self.trainers[agent] = PolicyTrainer(spec.model_dir, spec.version, **spec.options)
+            self.trainers[agent] = self.build(agent, spec)
         self.loaded = agent
         return self.trainers[agent]
 

@@ -2,18 +2,26 @@
 below the number of agents, that many trainer workers swapping the agents' states: ``runtime/swap.py``), and the
 stage pools.
 
-``ray.remote`` is applied here, where actors are spawned, with resources from the config; the engine
-and trainer classes stay plain Python and run in-process in a script or a test just as well.
+``ray.remote`` is applied here, where actors are spawned, with resources from the config (``ray.engine_resources``
+/ ``ray.trainer_resources`` pin them to the nodes that offer those custom resources); the engine and trainer
+classes stay plain Python and run in-process in a script or a test just as well.
+
+An actor may run on another node than the driver, so it is handed the store's settings, not a path: it fetches
+the policy version it starts from into its own node's cache (:class:`StoreEngine`, :class:`StoreTrainer`), and a
+trainer uploads each new version to the store itself. Weights for an engine's reload go through Ray's object
+store (the orchestrator passes the trainer's ``named_weights`` reference to the engine), which Ray moves between
+nodes; the store is the durable copy, written once per version, read by whoever starts from it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import ray
 
-from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, TrainerConfig
+from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, StoreConfig, TrainerConfig
 from marl_pipeline.runtime.action_pool import ActionPool
 from marl_pipeline.runtime.engine import ENGINE_ENV, RolloutEngine
 from marl_pipeline.runtime.placement import assign_workers
@@ -21,6 +29,7 @@ from marl_pipeline.runtime.reward_model import RewardModelPool
 from marl_pipeline.runtime.swap import AgentSpec, SwappedTrainer, TrainerWorker, actor_handles
 from marl_pipeline.runtime.trainer import PolicyTrainer
 from marl_pipeline.store import ExperienceStore
+from marl_pipeline.store.checkpoints import PolicyUpload
 
 
 @dataclass
@@ -75,15 +84,45 @@ def swapping(config: ExperimentConfig) -> bool:
     return budget is not None and budget < len(config.agents)
 
 
-def engine_actor(engine: EngineConfig):
-    """The Ray actor class of a rollout engine, with the engine's resources and environment."""
-    return ray.remote(RolloutEngine).options(name=None, num_cpus=engine.num_cpus, num_gpus=engine.num_gpus,
-                                             runtime_env={"env_vars": ENGINE_ENV})
+class StoreEngine(RolloutEngine):
+    """A rollout engine that starts from a policy version in the store, fetched on the node it runs on."""
+
+    def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
+        super().__init__(str(ExperienceStore(store).require_policy(run, agent, version)), version, **options)
 
 
-def trainer_actor(trainer: TrainerConfig):
-    """The Ray actor class of a policy trainer, with the trainer's resources."""
-    return ray.remote(PolicyTrainer).options(num_cpus=trainer.num_cpus, num_gpus=trainer.num_gpus)
+class StoreTrainer(PolicyTrainer):
+    """A policy trainer that starts from a version in the store (and its KL reference, version 0), fetched on the
+    node it runs on, and uploads each new version to the store from there (:meth:`save_version`)."""
+
+    def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
+        self.store, self.run, self.agent = ExperienceStore(store), run, agent
+        if options.get("reference_dir") is not None:
+            options["reference_dir"] = str(self.store.require_policy(run, agent, 0))
+        super().__init__(str(self.store.require_policy(run, agent, version)), version, **options)
+
+    def save_version(self, version: int) -> PolicyUpload:
+        """Save the version just stepped to and upload it; the driver publishes it once the engine serves it."""
+        if version != self.version:
+            raise ValueError(f"{self.agent}: asked to save version {version}, the trainer holds {self.version}")
+        staging = self.store.staging_policy_dir(self.run, self.agent, version)
+        self.save(str(staging))
+        return self.store.upload_policy(staging, self.run, self.agent, version)
+
+
+def engine_actor(engine: EngineConfig, resources: dict[str, float] | None = None,
+                 actor_class: type = RolloutEngine):
+    """The Ray actor class of a rollout engine, with the engine's resources (custom ones pin it to the nodes that
+    have them) and environment; :class:`StoreEngine` for a run's engines, plain ``RolloutEngine`` from a path."""
+    return ray.remote(actor_class).options(name=None, num_cpus=engine.num_cpus, num_gpus=engine.num_gpus,
+                                           resources=dict(resources or {}), runtime_env={"env_vars": ENGINE_ENV})
+
+
+def trainer_actor(trainer: TrainerConfig, resources: dict[str, float] | None = None,
+                  actor_class: type = PolicyTrainer):
+    """The Ray actor class of a policy trainer, with the trainer's resources (as :func:`engine_actor`)."""
+    return ray.remote(actor_class).options(num_cpus=trainer.num_cpus, num_gpus=trainer.num_gpus,
+                                           resources=dict(resources or {}))
 
 
 def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
@@ -91,8 +130,8 @@ def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: di
     engines = {}
     for index, (agent, agent_config) in enumerate(config.agents.items()):
         engine = agent_config.engine
-        engines[agent] = engine_actor(engine).remote(
-            str(store.policy_dir(config.run, agent, versions[agent])), versions[agent],
+        engines[agent] = engine_actor(engine, config.ray.engine_resources, StoreEngine).remote(
+            store.config, config.run, agent, versions[agent],
             gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
             dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine),
         )
@@ -123,8 +162,8 @@ def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: d
     trainers = {}
     for agent, agent_config in config.agents.items():
         options = {**trainer_options(config, agent, store), "num_threads": actor_threads(config, agent_config.trainer)}
-        trainers[agent] = trainer_actor(agent_config.trainer).remote(
-            str(store.policy_dir(config.run, agent, versions[agent])), versions[agent], **options)
+        trainers[agent] = trainer_actor(agent_config.trainer, config.ray.trainer_resources, StoreTrainer).remote(
+            store.config, config.run, agent, versions[agent], **options)
     return trainers
 
 
@@ -144,10 +183,16 @@ def start_swapped_trainers(config: ExperimentConfig, store: ExperienceStore, ver
         agents = {agent: AgentSpec(str(store.policy_dir(config.run, agent, versions[agent])), versions[agent],
                                    {**trainer_options(config, agent, store), "num_threads": threads})
                   for agent, k in served.items() if k == worker}
-        handle = ray.remote(TrainerWorker).options(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus).remote(
-            agents)
+        handle = ray.remote(TrainerWorker).options(
+            num_cpus=settings.num_cpus, num_gpus=settings.num_gpus, resources=dict(config.ray.trainer_resources),
+        ).remote(agents, partial(_store_trainer, store.config, config.run))
         trainers |= {agent: SwappedTrainer(handle, agent) for agent in agents}
     return {agent: trainers[agent] for agent in config.agents}
+
+
+def _store_trainer(store: StoreConfig, run: str, agent: str, spec: AgentSpec) -> StoreTrainer:
+    """How a trainer worker builds a swapped agent's trainer: as a resident one is built, from the store."""
+    return StoreTrainer(store, run, agent, spec.version, **spec.options)
 
 
 START_TIMEOUT_S = 600.0
