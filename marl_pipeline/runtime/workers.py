@@ -14,6 +14,7 @@ import ray
 from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, TrainerConfig
 from marl_pipeline.runtime.action_pool import ActionPool
 from marl_pipeline.runtime.engine import ENGINE_ENV, RolloutEngine
+from marl_pipeline.runtime.lora import is_adapter_checkpoint
 from marl_pipeline.runtime.reward_model import RewardModelPool
 from marl_pipeline.runtime.trainer import PolicyTrainer
 from marl_pipeline.store import ExperienceStore
@@ -76,28 +77,43 @@ def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: di
     engines = {}
     for index, (agent, agent_config) in enumerate(config.agents.items()):
         engine = agent_config.engine
+        model_dir, adapter_dir = engine_dirs(store, config.run, agent, versions[agent])
         engines[agent] = engine_actor(engine).remote(
-            str(store.policy_dir(config.run, agent, versions[agent])), versions[agent],
-            gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
-            dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine),
+            model_dir, versions[agent], gpu_memory_utilization=engine.gpu_memory_utilization,
+            max_model_len=engine.max_model_len, dtype=engine.dtype, seed=config.seed + index,
+            threads=actor_threads(config, engine), adapter_dir=adapter_dir,
         )
     return engines
+
+
+def engine_dirs(store: ExperienceStore, run: str, agent: str, version: int) -> tuple[str, str | None]:
+    """What an engine loads for a stored version: its directory, or for LoRA adapters (runtime/lora.py) the
+    agent's base (version 0, which retention keeps) and the adapters' directory. Told by the checkpoint's
+    contents, so an engine serves whatever the version is."""
+    directory = store.policy_dir(run, agent, version)
+    if is_adapter_checkpoint(directory):
+        return str(store.policy_dir(run, agent, 0)), str(directory)
+    return str(directory), None
 
 
 def trainer_options(config: ExperimentConfig, agent: str, store: ExperienceStore) -> dict:
     """``PolicyTrainer``'s keyword arguments for one agent, cut from its slice of the config (the one place:
     the train job's actors and a recomputed partition's in-process trainer alike). The KL penalty's reference
-    is the agent's base policy, version 0 in the store, passed only when the penalty is on. ``num_threads`` is
+    is the agent's base policy, version 0 in the store, passed only when the penalty is on; so is a LoRA agent's
+    ``base_dir``, what its adapters are added to (runtime/lora.py). ``num_threads`` is
     the config's ``threads`` (None: the process's own; :func:`start_trainers` fills in the actor's share)."""
     trainer, algorithm = config.agents[agent].trainer, config.algorithm
     index = list(config.agents).index(agent)
-    reference_dir = str(store.policy_dir(config.run, agent, 0)) if algorithm.kl_coef > 0 else None
+    base_dir = str(store.policy_dir(config.run, agent, 0))
+    reference_dir = base_dir if algorithm.kl_coef > 0 else None
+    lora = config.agents[agent].lora
     return dict(lr=trainer.lr, weight_decay=trainer.weight_decay, max_grad_norm=trainer.max_grad_norm,
                 clip_eps=algorithm.clip_eps, seed=config.seed + index, num_threads=trainer.threads,
                 lr_decay_steps=trainer.lr_decay_steps, min_lr_ratio=trainer.min_lr_ratio,
                 kl_coef=algorithm.kl_coef, reference_dir=reference_dir, entropy_coef=algorithm.entropy_coef,
                 loss_normalization=algorithm.loss_normalization, tis_cap=algorithm.tis_cap, dtype=trainer.dtype,
-                chunk_tokens=trainer.chunk_tokens)
+                chunk_tokens=trainer.chunk_tokens, lora=None if lora is None else lora.model_dump(),
+                base_dir=None if lora is None else base_dir)
 
 
 def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
