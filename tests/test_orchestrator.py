@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -68,6 +67,25 @@ def test_staleness_1_never_trains_on_older_samples(local_ray, demo_config_data, 
     assert store.policy_versions("demo", "solver") == [0, 3, 4]  # store.retention's defaults: 0 and the last 2
 
 
+def test_a_dead_trainer_stops_the_launch_before_anything_is_sampled_past_the_staleness_gate(
+        local_ray, demo_config_data, tmp_path: Path) -> None:
+    """A trainer process killed (as the OOM killer would) after step 0 stops the launch with Ray's error. Rollout,
+    waiting at the gate for version 2, is released by the stop and must not sample step 2 with version 1 on its
+    way out: it did, and a relaunch then resumed from rollouts older than the staleness bound allows."""
+    import ray
+
+    config = parse_config(small_config_data(demo_config_data, tmp_path / "store", steps=4, micro_batches_per_step=2))
+    with pytest.raises(ray.exceptions.RayActorError):
+        for event in train(config):
+            if isinstance(event, StepFinished) and event.step == 0:
+                trainers = [actor["Pid"] for actor in ray._private.state.actors(actor_state_name="ALIVE").values()
+                            if actor["ActorClassName"].endswith("Trainer")]
+                os.kill(trainers[0], signal.SIGKILL)
+    rollouts = ExperienceStore(config.store).read_stage("demo", "rollouts", columns=["step", "policy_version"])
+    served = set(zip(rollouts.column("step").to_pylist(), rollouts.column("policy_version").to_pylist()))
+    assert served <= {(0, 0), (1, 1)}, served  # step 2 needs version 2, which the dead trainer never made
+
+
 def test_two_launches_end_with_the_parameters_of_one_adamw_included(local_ray, demo_config_data, tmp_path) -> None:
     def config(name: str, steps: int):
         return parse_config(small_config_data(demo_config_data, tmp_path / name, steps=steps, micro_batches_per_step=2))
@@ -79,6 +97,19 @@ def test_two_launches_end_with_the_parameters_of_one_adamw_included(local_ray, d
     for agent in ("solver", "verifier"):
         straight, resumed = _weights(one, "demo", agent, 4), _weights(two, "demo", agent, 4)
         assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) <= PARAMETER_TOLERANCE, agent
+
+
+def assert_every_micro_batch_once(store: ExperienceStore, steps: int, micro_batches: int) -> None:
+    """A resumed run of the small demo holds exactly an uninterrupted one's partitions, versions and record."""
+    expected = [MicroBatchKey("demo", s, m) for s in range(steps) for m in range(micro_batches)]
+    for stage in STAGES:
+        assert store.committed_keys("demo", stage) == expected, stage
+    rollouts = store.read_stage("demo", "rollouts", columns=["sample_id", "step", "micro_batch"])
+    sample_ids = rollouts.column("sample_id").to_pylist()
+    assert len(sample_ids) == len(set(sample_ids)) == steps * micro_batches * 4 * 4 * 2
+    for agent in ("solver", "verifier"):
+        assert store.policy_versions("demo", agent) == [0, steps - 1, steps]  # retention: 0 and the last 2
+    assert store.read_record("demo", "launch.json") == {"last_step": steps - 1, "finished": True}
 
 
 def _committed(store: ExperienceStore) -> int:
@@ -114,16 +145,7 @@ def test_killed_three_times_and_resumed_commits_every_micro_batch_once(local_ray
     assert process.returncode == 0, output
     assert "mean reward per step" in output
 
-    expected = [MicroBatchKey("demo", s, m) for s in range(steps) for m in range(micro_batches)]
-    for stage in STAGES:
-        assert store.committed_keys("demo", stage) == expected, stage
-    rollouts = store.read_stage("demo", "rollouts", columns=["sample_id", "step", "micro_batch"])
-    sample_ids = rollouts.column("sample_id").to_pylist()
-    assert len(sample_ids) == len(set(sample_ids)) == steps * micro_batches * 4 * 4 * 2
-    for agent in ("solver", "verifier"):
-        assert store.policy_versions("demo", agent) == [0, steps - 1, steps]  # retention: 0 and the last 2
-    record = json.loads((store.root / "run=demo" / "launch.json").read_text())
-    assert record == {"last_step": steps - 1, "finished": True}
+    assert_every_micro_batch_once(store, steps, micro_batches)
     # and it ends where a launch never killed ends: the same parameters, AdamW's moments restored on each resume
     reference = parse_config({**data, "store": str(tmp_path / "reference")})
     _run(reference)

@@ -40,13 +40,15 @@ class RelayOfThree(RelayGame):
         return [(f"heard {t['colour']}:", t["colour"]) for t in tasks]
 
 
-def _config(tmp_path: Path, overrides: dict[str, dict] | None = None, **agent_overrides) -> object:
+def _config(tmp_path: Path, overrides: dict[str, dict] | None = None, ray: dict | None = None,
+            **agent_overrides) -> object:
     """The trio's config: ``agent_overrides`` for every agent, ``overrides`` per agent (what is set is explicit)."""
     agents = {role: {"warmup": {"steps": 20}, **agent_overrides, **(overrides or {}).get(role, {})}
               for role in RelayOfThree.turn_order}
     return parse_config({
         "run": "trio", "store": str(tmp_path / "store"), "environment": {"name": "relay_of_three"}, "agents": agents,
         "pipeline": {"steps": 1, "prompts_per_micro_batch": 2, "samples_per_prompt": 2, "micro_batches_per_step": 1},
+        "ray": ray or {},
     })
 
 
@@ -88,6 +90,41 @@ def test_every_actor_must_fit_on_one_node(tmp_path: Path) -> None:
     plan_placement(config, [{"CPU": 6.0}])  # fits the one big node
     with pytest.raises(PlacementError, match=r"needs 1.5 CPU and 0 GPU on one node"):
         plan_placement(config, [{"CPU": 1.0}] * 6)  # 6 CPUs in all, but no node can hold a trainer
+
+
+PINNED = {"engine_resources": {"engines": 1}, "trainer_resources": {"trainers": 1}}
+ENGINE_NODE, TRAINER_NODE = {"CPU": 2.0, "engines": 4.0}, {"CPU": 2.0, "trainers": 4.0}
+
+
+def test_custom_resources_pin_engines_and_trainers_to_their_nodes(tmp_path: Path) -> None:
+    plan = plan_placement(_config(tmp_path, ray=PINNED), [ENGINE_NODE, TRAINER_NODE])
+    assert plan.request("relay/engine").resources == {"engines": 1}
+    assert plan.request("relay/trainer").resources == {"trainers": 1}
+    assert plan.summary()["relay/engine"].endswith(", 1 engines")
+    # 3 engines of 0.6 CPU fit the engine node's 2 CPUs; of 0.7 they do not, though the cluster has 4 CPUs
+    plan_placement(_config(tmp_path, ray=PINNED, engine={"num_cpus": 0.6}), [ENGINE_NODE, TRAINER_NODE])
+    with pytest.raises(PlacementError, match=r"receiver/engine needs 0.7 CPU .* among the 1 nodes with \['engines'\]"):
+        plan_placement(_config(tmp_path, ray=PINNED, engine={"num_cpus": 0.7}, trainer={"num_cpus": 0.1}),
+                       [ENGINE_NODE, TRAINER_NODE])
+
+
+def test_a_custom_resource_no_node_offers_is_named(tmp_path: Path) -> None:
+    with pytest.raises(PlacementError) as error:
+        plan_placement(_config(tmp_path, ray=PINNED), [ENGINE_NODE, {"CPU": 2.0, "gpu_box": 1.0}])
+    message = str(error.value)
+    assert "ray.trainer_resources asks for custom resource 'trainers'" in message
+    assert "offering engines, gpu_box" in message and "ray start --resources" in message
+    with pytest.raises(PlacementError, match=r"ask for 3 'engines' in all; the cluster's nodes offer 2"):
+        plan_placement(_config(tmp_path, ray=PINNED), [{**ENGINE_NODE, "engines": 2.0}, TRAINER_NODE])
+
+
+def test_ray_resources_reject_ray_own_and_empty_amounts(tmp_path: Path) -> None:
+    from marl_pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="'CPU' is Ray's own resource"):
+        _config(tmp_path, ray={"engine_resources": {"CPU": 1}})
+    with pytest.raises(ConfigError, match="resource 'trainers': amount 0 must be > 0"):
+        _config(tmp_path, ray={"trainer_resources": {"trainers": 0}})
 
 
 def test_a_run_that_cannot_be_placed_fails_before_touching_the_store(local_ray, tmp_path: Path) -> None:

@@ -28,7 +28,6 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
-from pathlib import Path
 
 import pyarrow as pa
 import ray
@@ -64,14 +63,12 @@ class PendingStep:
     """One agent's optimizer step, issued by the train thread and finished by that agent's publisher."""
 
     step: int
-    staging: Path
-    """Where the trainer saves the new version before the store commits it."""
     applied: ray.ObjectRef
     """-> ``StepResult`` of the optimizer step."""
     weights: ray.ObjectRef
-    """-> the new parameters, for the engine's reload."""
+    """-> the new parameters, for the engine's reload (through Ray's object store, from node to node)."""
     saved: ray.ObjectRef
-    """-> None once the checkpoint is written to ``staging``."""
+    """-> the ``PolicyUpload`` of the new version: saved and uploaded to the store by the trainer, on its node."""
     enqueued: float
 
 
@@ -157,11 +154,13 @@ class Orchestrator:
         """Rollout: each step's micro-batches once the staleness gate opens for the step."""
         barrier = _StepBarrier(self.micro_batches, self.synchronous)
         for step in self.steps():
-            self._wait_until_served(step - self.staleness)
+            if not self._wait_until_served(step - self.staleness):
+                return  # the run stopped: the gate never opened, so this step must not be sampled
             self._step_started.setdefault(step, time.time())
             for key in self.keys(step):
                 self._ready_at[(stage.name, key)] = time.time()
-                self._run_stage(stage.name, key, stage.compute)
+                if not self._run_stage(stage.name, key, stage.compute):
+                    return
                 for ready in barrier.add(key):
                     self._put(outbox, ready, self.stages[1].name)
 
@@ -179,7 +178,8 @@ class Orchestrator:
     def _map_loop(self, stage: Stage, inbox: queue.Queue, outbox: queue.Queue, next_stage: str,
                   barrier: _StepBarrier) -> None:
         while (key := self._get(inbox)) is not None:
-            self._run_stage(stage.name, key, stage.compute)
+            if not self._run_stage(stage.name, key, stage.compute):
+                return
             for ready in barrier.add(key):
                 self._put(outbox, ready, next_stage)
 
@@ -199,17 +199,17 @@ class Orchestrator:
                     arrived.discard(key)
                     # A committed partition (resumed launch) is not re-committed, but agents still on this
                     # step rebuild its gradient: gradients are not checkpointed.
-                    self._run_stage("policy_updates", key,
-                                    partial(train_micro_batch, self.store, trainers={a: trainers[a] for a in learners},
-                                            drop_zero_advantage_groups=self.config.algorithm.drop_zero_advantage_groups),
-                                    recompute_if_committed=bool(learners))
+                    if not self._run_stage(
+                            "policy_updates", key,
+                            partial(train_micro_batch, self.store, trainers={a: trainers[a] for a in learners},
+                                    drop_zero_advantage_groups=self.config.algorithm.drop_zero_advantage_groups),
+                            recompute_if_committed=bool(learners)):
+                        return  # no optimizer step on a partly accumulated gradient
                 for agent in learners:
                     # Issued now, in actor order: the next step's accumulate calls queue behind them.
-                    staging = self.store.staging_policy_dir(self.config.run, agent, step + 1)
                     trainer = trainers[agent]
-                    publish[agent].put(PendingStep(step, staging, trainer.apply_step.remote(),
-                                                   trainer.named_weights.remote(), trainer.save.remote(str(staging)),
-                                                   time.time()))
+                    publish[agent].put(PendingStep(step, trainer.apply_step.remote(), trainer.named_weights.remote(),
+                                                   trainer.save_version.remote(step + 1), time.time()))
                     version[agent] = step + 1
         finally:
             for box in publish.values():
@@ -221,11 +221,10 @@ class Orchestrator:
         while (pending := self._get(inbox)) is not None:
             started = time.time()
             result = ray.get(pending.applied)
-            ray.get([engine.load_weights.remote(pending.weights, result.policy_version), pending.saved])
+            _, upload = ray.get([engine.load_weights.remote(pending.weights, result.policy_version), pending.saved])
             timing = StageTiming(pending.enqueued, started, time.time())
-            (pending.staging / "timing.json").write_text(
-                json.dumps({"step": pending.step, **asdict(timing), **asdict(result)}))
-            path = self.store.commit_policy(pending.staging, self.config.run, agent, result.policy_version)
+            record = json.dumps({"step": pending.step, **asdict(timing), **asdict(result)}).encode()
+            path = self.store.publish_policy(upload, {"timing.json": record})
             # The newest version is always kept (a resumed launch starts from it); the engine holds this one in
             # memory, so an evaluation below does not need its files.
             self.store.prune_policies(self.config.run, agent, self.config.store.retention)
@@ -254,12 +253,18 @@ class Orchestrator:
 
     # -- plumbing ---------------------------------------------------------------------------------
     def _run_stage(self, stage: str, key: MicroBatchKey, compute: Callable[[MicroBatchKey], pa.Table],
-                   recompute_if_committed: bool = False) -> None:
-        """Compute and commit one stage partition, unless it is already committed (a resumed launch)."""
+                   recompute_if_committed: bool = False) -> bool:
+        """Compute and commit one stage partition, unless it is already committed (a resumed launch).
+
+        False, doing nothing, once the run has stopped: an error elsewhere stops the run, and its threads must not
+        start new work while they wind down (rollout released from a staleness gate would sample with the old
+        policy and commit it, breaking the bound for the relaunch that resumes from the store)."""
+        if self._stop.is_set():
+            return False
         if self.store.is_committed(stage, key):
             if recompute_if_committed:
                 compute(key)
-            return
+            return True
         enqueued = self._ready_at.pop((stage, key), time.time())
         started = time.time()
         table = compute(key)
@@ -267,6 +272,7 @@ class Orchestrator:
         table = with_stage_timing(table, timing.enqueued, timing.started, timing.ended)
         path = self.store.commit(stage, key, table)
         self._events.put(StageCommitted(stage, key, path, timing, table))
+        return True
 
     def _spawn(self, name: str, workers: int, target: Callable[[], None], outbox: queue.Queue | None = None,
                consumers: int = 0) -> list[threading.Thread]:
@@ -314,10 +320,12 @@ class Orchestrator:
                 continue
         return None
 
-    def _wait_until_served(self, needed: int) -> None:
+    def _wait_until_served(self, needed: int) -> bool:
+        """Wait until every engine serves version ``needed`` or newer: True, or False when the run stopped."""
         with self._served_changed:
             while min(self._served.values()) < needed and not self._stop.is_set():
                 self._served_changed.wait(timeout=0.5)
+            return not self._stop.is_set()
 
 
 class _StepBarrier:

@@ -1,7 +1,14 @@
 """Spawning the Ray actors of a run: one rollout engine and one trainer per agent, and the stage pools.
 
-``ray.remote`` is applied here, where actors are spawned, with resources from the config; the engine
-and trainer classes stay plain Python and run in-process in a script or a test just as well.
+``ray.remote`` is applied here, where actors are spawned, with resources from the config (``ray.engine_resources``
+/ ``ray.trainer_resources`` pin them to the nodes that offer those custom resources); the engine and trainer
+classes stay plain Python and run in-process in a script or a test just as well.
+
+An actor may run on another node than the driver, so it is handed the store's settings, not a path: it fetches
+the policy version it starts from into its own node's cache (:class:`StoreEngine`, :class:`StoreTrainer`), and a
+trainer uploads each new version to the store itself. Weights for an engine's reload go through Ray's object
+store (the orchestrator passes the trainer's ``named_weights`` reference to the engine), which Ray moves between
+nodes; the store is the durable copy, written once per version, read by whoever starts from it.
 """
 
 from __future__ import annotations
@@ -11,13 +18,14 @@ from pathlib import Path
 
 import ray
 
-from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, TrainerConfig
+from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, StoreConfig, TrainerConfig
 from marl_pipeline.runtime.action_pool import ActionPool
 from marl_pipeline.runtime.engine import ENGINE_ENV, RolloutEngine
 from marl_pipeline.runtime.lora import is_adapter_checkpoint
 from marl_pipeline.runtime.reward_model import RewardModelPool
 from marl_pipeline.runtime.trainer import PolicyTrainer
 from marl_pipeline.store import ExperienceStore
+from marl_pipeline.store.checkpoints import PolicyUpload
 
 
 @dataclass
@@ -61,15 +69,45 @@ def actor_threads(config: ExperimentConfig, settings: EngineConfig | TrainerConf
     return shared_threads(settings.num_cpus, reserved, ray.cluster_resources().get("CPU", 1.0), node_cpus)
 
 
-def engine_actor(engine: EngineConfig):
-    """The Ray actor class of a rollout engine, with the engine's resources and environment."""
-    return ray.remote(RolloutEngine).options(name=None, num_cpus=engine.num_cpus, num_gpus=engine.num_gpus,
-                                             runtime_env={"env_vars": ENGINE_ENV})
+class StoreEngine(RolloutEngine):
+    """A rollout engine that starts from a policy version in the store, fetched on the node it runs on."""
+
+    def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
+        model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
+        super().__init__(model_dir, version, adapter_dir=adapter_dir, **options)
 
 
-def trainer_actor(trainer: TrainerConfig):
-    """The Ray actor class of a policy trainer, with the trainer's resources."""
-    return ray.remote(PolicyTrainer).options(num_cpus=trainer.num_cpus, num_gpus=trainer.num_gpus)
+class StoreTrainer(PolicyTrainer):
+    """A policy trainer that starts from a version in the store (and its KL reference, version 0), fetched on the
+    node it runs on, and uploads each new version to the store from there (:meth:`save_version`)."""
+
+    def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
+        self.store, self.run, self.agent = ExperienceStore(store), run, agent
+        super().__init__(str(self.store.require_policy(run, agent, version)), version,
+                         **with_local_base(self.store, run, agent, options))
+
+    def save_version(self, version: int) -> PolicyUpload:
+        """Save the version just stepped to and upload it; the driver publishes it once the engine serves it."""
+        if version != self.version:
+            raise ValueError(f"{self.agent}: asked to save version {version}, the trainer holds {self.version}")
+        staging = self.store.staging_policy_dir(self.run, self.agent, version)
+        self.save(str(staging))
+        return self.store.upload_policy(staging, self.run, self.agent, version)
+
+
+def engine_actor(engine: EngineConfig, resources: dict[str, float] | None = None,
+                 actor_class: type = RolloutEngine):
+    """The Ray actor class of a rollout engine, with the engine's resources (custom ones pin it to the nodes that
+    have them) and environment; :class:`StoreEngine` for a run's engines, plain ``RolloutEngine`` from a path."""
+    return ray.remote(actor_class).options(name=None, num_cpus=engine.num_cpus, num_gpus=engine.num_gpus,
+                                           resources=dict(resources or {}), runtime_env={"env_vars": ENGINE_ENV})
+
+
+def trainer_actor(trainer: TrainerConfig, resources: dict[str, float] | None = None,
+                  actor_class: type = PolicyTrainer):
+    """The Ray actor class of a policy trainer, with the trainer's resources (as :func:`engine_actor`)."""
+    return ray.remote(actor_class).options(num_cpus=trainer.num_cpus, num_gpus=trainer.num_gpus,
+                                           resources=dict(resources or {}))
 
 
 def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
@@ -77,22 +115,28 @@ def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: di
     engines = {}
     for index, (agent, agent_config) in enumerate(config.agents.items()):
         engine = agent_config.engine
-        model_dir, adapter_dir = engine_dirs(store, config.run, agent, versions[agent])
-        engines[agent] = engine_actor(engine).remote(
-            model_dir, versions[agent], gpu_memory_utilization=engine.gpu_memory_utilization,
-            max_model_len=engine.max_model_len, dtype=engine.dtype, seed=config.seed + index,
-            threads=actor_threads(config, engine), adapter_dir=adapter_dir,
+        engines[agent] = engine_actor(engine, config.ray.engine_resources, StoreEngine).remote(
+            store.config, config.run, agent, versions[agent],
+            gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
+            dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine),
         )
     return engines
+
+
+def with_local_base(store: ExperienceStore, run: str, agent: str, options: dict) -> dict:
+    """``trainer_options`` with the base version it names (the KL reference, a LoRA agent's base: version 0) fetched
+    into this node's cache, for a trainer built here (an actor on its node, a recomputation in the driver)."""
+    return {**options, **{name: str(store.require_policy(run, agent, 0))
+                          for name in ("reference_dir", "base_dir") if options.get(name) is not None}}
 
 
 def engine_dirs(store: ExperienceStore, run: str, agent: str, version: int) -> tuple[str, str | None]:
     """What an engine loads for a stored version: its directory, or for LoRA adapters (runtime/lora.py) the
     agent's base (version 0, which retention keeps) and the adapters' directory. Told by the checkpoint's
     contents, so an engine serves whatever the version is."""
-    directory = store.policy_dir(run, agent, version)
+    directory = store.require_policy(run, agent, version)  # fetched into this node's cache from an S3 store
     if is_adapter_checkpoint(directory):
-        return str(store.policy_dir(run, agent, 0)), str(directory)
+        return str(store.require_policy(run, agent, 0)), str(directory)
     return str(directory), None
 
 
@@ -121,8 +165,8 @@ def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: d
     trainers = {}
     for agent, agent_config in config.agents.items():
         options = {**trainer_options(config, agent, store), "num_threads": actor_threads(config, agent_config.trainer)}
-        trainers[agent] = trainer_actor(agent_config.trainer).remote(
-            str(store.policy_dir(config.run, agent, versions[agent])), versions[agent], **options)
+        trainers[agent] = trainer_actor(agent_config.trainer, config.ray.trainer_resources, StoreTrainer).remote(
+            store.config, config.run, agent, versions[agent], **options)
     return trainers
 
 
