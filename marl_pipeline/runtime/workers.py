@@ -24,6 +24,7 @@ import ray
 from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, StoreConfig, TrainerConfig
 from marl_pipeline.runtime.action_pool import ActionPool
 from marl_pipeline.runtime.engine import ENGINE_ENV, RolloutEngine
+from marl_pipeline.runtime.lora import is_adapter_checkpoint
 from marl_pipeline.runtime.placement import assign_workers
 from marl_pipeline.runtime.reward_model import RewardModelPool
 from marl_pipeline.runtime.swap import AgentSpec, SwappedTrainer, TrainerWorker, actor_handles
@@ -88,7 +89,8 @@ class StoreEngine(RolloutEngine):
     """A rollout engine that starts from a policy version in the store, fetched on the node it runs on."""
 
     def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
-        super().__init__(str(ExperienceStore(store).require_policy(run, agent, version)), version, **options)
+        model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
+        super().__init__(model_dir, version, adapter_dir=adapter_dir, **options)
 
 
 class StoreTrainer(PolicyTrainer):
@@ -97,9 +99,8 @@ class StoreTrainer(PolicyTrainer):
 
     def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
         self.store, self.run, self.agent = ExperienceStore(store), run, agent
-        if options.get("reference_dir") is not None:
-            options["reference_dir"] = str(self.store.require_policy(run, agent, 0))
-        super().__init__(str(self.store.require_policy(run, agent, version)), version, **options)
+        super().__init__(str(self.store.require_policy(run, agent, version)), version,
+                         **with_local_base(self.store, run, agent, options))
 
     def save_version(self, version: int) -> PolicyUpload:
         """Save the version just stepped to and upload it; the driver publishes it once the engine serves it."""
@@ -138,20 +139,41 @@ def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: di
     return engines
 
 
+def with_local_base(store: ExperienceStore, run: str, agent: str, options: dict) -> dict:
+    """``trainer_options`` with the base version it names (the KL reference, a LoRA agent's base: version 0) fetched
+    into this node's cache, for a trainer built here (an actor on its node, a recomputation in the driver)."""
+    return {**options, **{name: str(store.require_policy(run, agent, 0))
+                          for name in ("reference_dir", "base_dir") if options.get(name) is not None}}
+
+
+def engine_dirs(store: ExperienceStore, run: str, agent: str, version: int) -> tuple[str, str | None]:
+    """What an engine loads for a stored version: its directory, or for LoRA adapters (runtime/lora.py) the
+    agent's base (version 0, which retention keeps) and the adapters' directory. Told by the checkpoint's
+    contents, so an engine serves whatever the version is."""
+    directory = store.require_policy(run, agent, version)  # fetched into this node's cache from an S3 store
+    if is_adapter_checkpoint(directory):
+        return str(store.require_policy(run, agent, 0)), str(directory)
+    return str(directory), None
+
+
 def trainer_options(config: ExperimentConfig, agent: str, store: ExperienceStore) -> dict:
     """``PolicyTrainer``'s keyword arguments for one agent, cut from its slice of the config (the one place:
     the train job's actors and a recomputed partition's in-process trainer alike). The KL penalty's reference
-    is the agent's base policy, version 0 in the store, passed only when the penalty is on. ``num_threads`` is
+    is the agent's base policy, version 0 in the store, passed only when the penalty is on; so is a LoRA agent's
+    ``base_dir``, what its adapters are added to (runtime/lora.py). ``num_threads`` is
     the config's ``threads`` (None: the process's own; :func:`start_trainers` fills in the actor's share)."""
     trainer, algorithm = config.agents[agent].trainer, config.algorithm
     index = list(config.agents).index(agent)
-    reference_dir = str(store.policy_dir(config.run, agent, 0)) if algorithm.kl_coef > 0 else None
+    base_dir = str(store.policy_dir(config.run, agent, 0))
+    reference_dir = base_dir if algorithm.kl_coef > 0 else None
+    lora = config.agents[agent].lora
     return dict(lr=trainer.lr, weight_decay=trainer.weight_decay, max_grad_norm=trainer.max_grad_norm,
                 clip_eps=algorithm.clip_eps, seed=config.seed + index, num_threads=trainer.threads,
                 lr_decay_steps=trainer.lr_decay_steps, min_lr_ratio=trainer.min_lr_ratio,
                 kl_coef=algorithm.kl_coef, reference_dir=reference_dir, entropy_coef=algorithm.entropy_coef,
                 loss_normalization=algorithm.loss_normalization, tis_cap=algorithm.tis_cap, dtype=trainer.dtype,
-                chunk_tokens=trainer.chunk_tokens)
+                chunk_tokens=trainer.chunk_tokens, lora=None if lora is None else lora.model_dump(),
+                base_dir=None if lora is None else base_dir)
 
 
 def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
