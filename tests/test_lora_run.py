@@ -28,32 +28,32 @@ def _config(demo_config_data: dict, store: Path, steps: int):
 
 def test_a_lora_agent_beside_a_full_one_resumes_to_the_uninterrupted_parameters(local_ray, demo_config_data,
                                                                                 tmp_path: Path) -> None:
-    one = _config(demo_config_data, tmp_path / "one", 4)
+    one = _config(demo_config_data, tmp_path / "one", 3)
     list(train(one))
-    two = _config(demo_config_data, tmp_path / "two", 2)
-    for _ in range(2):  # the second launch starts its engines and trainers from version 2: base + stored adapters
-        list(train(two))
+    for steps in (2, 1):  # the second launch starts its engines and trainers from version 2: base + stored adapters
+        list(train(_config(demo_config_data, tmp_path / "two", steps)))
+    two = _config(demo_config_data, tmp_path / "two", 1)
     stores = ExperienceStore(one.store), ExperienceStore(two.store)
     for store in stores:
-        assert store.policy_versions("demo", "solver") == [0, 3, 4]  # retention's defaults keep the base, 0
-        solver = {p.name for p in store.policy_dir("demo", "solver", 4).iterdir()}
+        assert store.policy_versions("demo", "solver") == [0, 2, 3]  # retention's defaults keep the base, 0
+        solver = {p.name for p in store.policy_dir("demo", "solver", 3).iterdir()}
         assert ADAPTERS in solver and FULL not in solver
         assert FULL in {p.name for p in store.policy_dir("demo", "solver", 0).iterdir()}
-        assert FULL in {p.name for p in store.policy_dir("demo", "verifier", 4).iterdir()}
+        assert FULL in {p.name for p in store.policy_dir("demo", "verifier", 3).iterdir()}
     for agent, file in (("solver", ADAPTERS), ("verifier", FULL)):
-        straight, resumed = (load_file(store.policy_dir("demo", agent, 4) / file) for store in stores)
+        straight, resumed = (load_file(store.policy_dir("demo", agent, 3) / file) for store in stores)
         assert straight.keys() == resumed.keys()
         assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) <= PARAMETER_TOLERANCE, agent
-    adapters = load_file(stores[0].policy_dir("demo", "solver", 4) / ADAPTERS)
+    adapters = load_file(stores[0].policy_dir("demo", "solver", 3) / ADAPTERS)
     assert max(t.abs().max().item() for n, t in adapters.items() if "lora_B" in n) > 0
 
     with pytest.raises(StoreError, match=r"policy version 1 of agent 'solver' in run 'demo' is not stored"):
         recompute_stage("policy_updates", one, stores[0], MicroBatchKey("demo", 1, 0))
     # a kept version's gradient is recomputed on the stored adapters, and equals the stored statistics
-    key = MicroBatchKey("demo", 3, 0)
+    key = MicroBatchKey("demo", 2, 0)
     stored = stores[0].read("policy_updates", key).sort_by("agent").to_pylist()
     recompute_stage("policy_updates", one, stores[0], key)
     again = stores[0].read("policy_updates", key).sort_by("agent").to_pylist()
     for before, after in zip(stored, again, strict=True):
-        assert after["agent"] == before["agent"] and after["policy_version"] == before["policy_version"] == 3
+        assert after["agent"] == before["agent"] and after["policy_version"] == before["policy_version"] == 2
         assert after["loss_sum"] == pytest.approx(before["loss_sum"], rel=1e-6, abs=1e-6)  # as tests/test_train_job.py
