@@ -7,7 +7,7 @@ Modules: ``base`` (shared), ``agent`` (one agent's model, engine, trainer, warm-
 ``experiment`` (the whole file, its loading and cross-checks).
 """
 
-from marl_pipeline.config.agent import AgentConfig, EngineConfig, TrainerConfig, WarmupConfig
+from marl_pipeline.config.agent import AgentConfig, EngineConfig, LoraAdapterConfig, TrainerConfig, WarmupConfig
 from marl_pipeline.config.base import BUILTIN_TINY, ConfigError, StrictModel
 from marl_pipeline.config.experiment import (
     ExperimentConfig,
@@ -28,7 +28,7 @@ from marl_pipeline.config.services import (
 
 __all__ = [
     "BUILTIN_TINY", "AgentConfig", "AlgorithmConfig", "ConfigError", "EngineConfig", "EnvironmentConfig",
-    "EvaluationConfig", "ExperimentConfig", "PipelineConfig", "PoolSettings", "RayConfig", "RetentionConfig",
-    "RetrainConfig", "RewardModelConfig", "StoreConfig", "StrictModel", "TrainerConfig", "WarmupConfig",
-    "apply_overrides", "load_config", "parse_config", "read_config_data",
+    "EvaluationConfig", "ExperimentConfig", "LoraAdapterConfig", "PipelineConfig", "PoolSettings", "RayConfig",
+    "RetentionConfig", "RetrainConfig", "RewardModelConfig", "StoreConfig", "StrictModel", "TrainerConfig",
+    "WarmupConfig", "apply_overrides", "load_config", "parse_config", "read_config_data",
 ]

@@ -82,6 +82,11 @@ class RayConfig(StrictModel):
     """None: an embedded local Ray; otherwise an existing cluster (``ray://host:10001``, ``host:6379`` or ``auto``)."""
     num_cpus: int | None = None
     """CPUs of the embedded local Ray (None: all of the machine's)."""
+    resident_trainers: int | None = Field(None, ge=1)
+    """Trainer budget: at most this many trainers hold their state in memory at once. Fewer than the agents: that
+    many trainer worker actors serve every agent, each agent's parameters and optimizer state swapped in for its
+    calls and out to the Ray object store between them (``runtime/swap.py``). None: every trainer resident where
+    the plan fits the cluster, else the most workers that fit (``runtime/placement.py``)."""
     engine_resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each agent's engine asks for besides its CPUs and GPUs, e.g. ``{engines: 1}``: it then
     runs only on nodes started with them (``ray start --resources '{"engines": 4}'``). Empty: any node."""
