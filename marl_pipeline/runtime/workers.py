@@ -70,11 +70,7 @@ def actor_threads(config: ExperimentConfig, settings: EngineConfig | TrainerConf
     """``settings.threads`` when the config sets it, else :func:`shared_threads` over the running Ray cluster."""
     if settings.threads is not None:
         return settings.threads
-    reserved = [agent.engine.num_cpus for agent in config.agents.values()]
-    if swapping(config):  # one reservation per worker, not per agent
-        reserved += [max(agent.trainer.num_cpus for agent in config.agents.values())] * config.ray.resident_trainers
-    else:
-        reserved += [agent.trainer.num_cpus for agent in config.agents.values()]
+    reserved = [agent.engine.num_cpus for agent in config.agents.values()] + trainer_reservations(config, "cpus")
     node_cpus = max((node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"]), default=1.0)
     return shared_threads(settings.num_cpus, reserved, ray.cluster_resources().get("CPU", 1.0), node_cpus)
 
@@ -83,6 +79,13 @@ def swapping(config: ExperimentConfig) -> bool:
     """Whether the trainer budget (``ray.resident_trainers``) is below the number of agents."""
     budget = config.ray.resident_trainers
     return budget is not None and budget < len(config.agents)
+
+
+def trainer_reservations(config: ExperimentConfig, resource: str) -> list[float]:
+    """What the trainer actors reserve of ``resource`` (``cpus`` or ``gpus``), as the placement plan reserves it:
+    one per agent, or with swapping one per trainer worker, each the largest agent's request."""
+    asked = [getattr(agent.trainer, f"num_{resource}") for agent in config.agents.values()]
+    return [max(asked)] * config.ray.resident_trainers if swapping(config) else asked
 
 
 class StoreEngine(RolloutEngine):
@@ -196,8 +199,8 @@ def start_swapped_trainers(config: ExperimentConfig, store: ExperienceStore, ver
     requests = [agent.trainer for agent in config.agents.values()]
     # as the placement plan reserves it: the largest CPU and the largest GPU request, the most threads asked for
     explicit = [t.threads for t in requests if t.threads is not None]
-    settings = requests[0].model_copy(update={"num_cpus": max(t.num_cpus for t in requests),
-                                              "num_gpus": max(t.num_gpus for t in requests),
+    settings = requests[0].model_copy(update={"num_cpus": trainer_reservations(config, "cpus")[0],
+                                              "num_gpus": trainer_reservations(config, "gpus")[0],
                                               "threads": max(explicit) if explicit else None})
     threads = actor_threads(config, settings)
     trainers = {}
@@ -225,13 +228,8 @@ def _wait_ready(config: ExperimentConfig, handles: list) -> None:
     try:
         ray.get([h.policy_version.remote() for h in handles], timeout=START_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
-        asked = {}
-        for resource in ("CPU", "GPU"):
-            engines = [getattr(a.engine, f"num_{resource.lower()}s") for a in config.agents.values()]
-            trainers = [getattr(a.trainer, f"num_{resource.lower()}s") for a in config.agents.values()]
-            if swapping(config):  # the workers, each reserving the largest trainer request
-                trainers = [max(trainers)] * config.ray.resident_trainers
-            asked[resource] = sum(engines) + sum(trainers)
+        asked = {resource: sum(getattr(a.engine, f"num_{resource.lower()}s") for a in config.agents.values())
+                 + sum(trainer_reservations(config, f"{resource.lower()}s")) for resource in ("CPU", "GPU")}
         raise TimeoutError(
             f"engines and trainers not ready after {START_TIMEOUT_S:.0f} s: they ask for {asked} in all "
             f"(agents.*.engine/trainer.num_cpus, num_gpus); the Ray cluster has {ray.cluster_resources()} and "
