@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from marl_pipeline.store.storage import Location
+from marl_pipeline.store.storage import Location, replace_file
 
 MANIFEST = "_manifest.json"
 MANIFEST_FORMAT = 1
@@ -100,13 +100,7 @@ def _legacy_manifest(partition: str) -> Manifest:
 
 def write_manifest(location: Location, partition: str, manifest: Manifest) -> None:
     """Replace the partition's manifest at once: the commit point on S3 (one PUT)."""
-    path = f"{partition}/{MANIFEST}"
-    if location.local:
-        temporary = f"{partition}/.{MANIFEST}.{manifest.attempt}"
-        Path(temporary).write_bytes(manifest.to_bytes())
-        os.replace(temporary, path)
-    else:
-        location.fs.pipe_file(path, manifest.to_bytes())
+    replace_file(location, f"{partition}/{MANIFEST}", manifest.to_bytes())
 
 
 # -- local directories ------------------------------------------------------------------------------

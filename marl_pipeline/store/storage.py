@@ -84,8 +84,13 @@ def read_json(location: Location, path: str) -> dict | None:
 
 
 def write_json(location: Location, path: str, record: dict) -> None:
-    """Replace a JSON record at once: a temporary file renamed over it (local), or one PUT (S3, atomic)."""
-    data = json.dumps(record).encode()
+    """Replace a JSON record at once (:func:`replace_file`)."""
+    replace_file(location, path, json.dumps(record).encode())
+
+
+def replace_file(location: Location, path: str, data: bytes) -> None:
+    """Replace the file at ``path`` at once, so a reader sees the old bytes or the new, never a part: a temporary
+    file renamed over it (local), or one PUT (S3, atomic per object)."""
     if not location.local:
         location.fs.pipe_file(path, data)
         return
