@@ -7,8 +7,11 @@ setup:
 train: setup
 	.venv/bin/marl train configs/demo.yaml
 
+# Two pytest workers, a test file each (its module-scoped Ray and engines stay in one process): the suite mostly
+# waits (engine and Ray start-up, Dagster runs, sensor ticks), so two overlap on 2 cores (BENCHMARKS.md, suite time).
+TEST_WORKERS ?= 2
 test: setup
-	.venv/bin/pytest
+	.venv/bin/pytest -n $(TEST_WORKERS) --dist loadfile
 
 ui: setup
 	mkdir -p .dagster_home && touch .dagster_home/dagster.yaml

@@ -16,7 +16,7 @@ LOGPROB_TOLERANCE = 1e-4
 @pytest.fixture(scope="module")
 def engine(local_ray, tiny_model_dir: Path):
     actor = local_ray.remote(RolloutEngine).options(num_cpus=0.5, runtime_env={"env_vars": ENGINE_ENV})
-    handle = actor.remote(str(tiny_model_dir), 0, gpu_memory_utilization=0.15, max_model_len=128, dtype="float32",
+    handle = actor.remote(str(tiny_model_dir), 0, gpu_memory_utilization=0.08, max_model_len=128, dtype="float32",
                           seed=0)
     yield handle
     local_ray.kill(handle)
