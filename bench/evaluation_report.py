@@ -1,0 +1,64 @@
+"""The held-out evaluation of stored runs as a table against training time, and its plot.
+
+    PYTHONPATH=$PWD .venv/bin/python bench/evaluation_report.py STORE RUN [--plot FILE.png] [--label NAME]
+
+For the real-model benchmark (BENCHMARKS.md, "SmolLM2 solver and verifier"): each evaluated policy version with
+its minutes of training, counted from the first rollout of step 0 (engines and trainers already started) to the
+moment the version's weights were ready (the trainer's ``timing.json``), and each agent's headline metrics.
+Reads the store only; the run may still be going.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pyarrow.compute as pc
+
+from marl_pipeline.config import StoreConfig
+from marl_pipeline.run.evaluations import evaluation_history, evaluation_plot_png
+from marl_pipeline.store import ExperienceStore, MicroBatchKey
+
+COLUMNS = {"solver": ["accuracy", "top_answer_share"],
+           "verifier": ["balanced_accuracy", "true_positive_rate", "true_negative_rate"]}
+
+
+def training_minutes(store: ExperienceStore, run: str) -> dict[int, float]:
+    """Minutes from step 0's first rollout to each version's weights (the latest agent's), by policy version."""
+    first = store.read("rollouts", MicroBatchKey(run, 0, 0), columns=["stage_started"])
+    started = pc.min(first.column("stage_started")).as_py().timestamp()
+    ready: dict[int, float] = {}
+    for agent_dir in sorted(Path(store.config.uri, f"run={run}", "policies").glob("agent=*")):
+        for timing in agent_dir.glob("version=*/timing.json"):
+            record = json.loads(timing.read_text())
+            version = record["policy_version"]
+            ready[version] = max(ready.get(version, 0.0), (record["ended"] - started) / 60)
+    return ready
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("store", help="a local store directory")
+    parser.add_argument("run")
+    parser.add_argument("--plot", type=Path, help="write the evaluation plot here (PNG)")
+    parser.add_argument("--label", default=None, help="the plot's title (default: the run)")
+    args = parser.parse_args()
+    store = ExperienceStore(StoreConfig(uri=args.store))
+    history = evaluation_history(store, args.run)
+    minutes = training_minutes(store, args.run)
+    agents = sorted({agent for metrics in history.values() for agent in metrics})
+    header = ["version", "training minutes"] + [f"{a} {m}" for a in agents for m in COLUMNS.get(a, [])]
+    print("| " + " | ".join(header) + " |")
+    print("| " + " | ".join(["---"] + ["---:"] * (len(header) - 1)) + " |")
+    for version, metrics in sorted(history.items()):
+        cells = [str(version), f"{minutes[version]:.1f}" if version in minutes else "0"]
+        cells += [f"{metrics.get(a, {}).get(m, float('nan')):.3f}" for a in agents for m in COLUMNS.get(a, [])]
+        print("| " + " | ".join(cells) + " |")
+    if args.plot:
+        args.plot.write_bytes(evaluation_plot_png(history, title=args.label or args.run))
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
