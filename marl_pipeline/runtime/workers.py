@@ -13,6 +13,7 @@ import ray
 
 from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, TrainerConfig
 from marl_pipeline.runtime.action_pool import ActionPool
+from marl_pipeline.runtime.async_engine import AsyncRolloutEngine
 from marl_pipeline.runtime.engine import ENGINE_ENV, RolloutEngine
 from marl_pipeline.runtime.reward_model import RewardModelPool
 from marl_pipeline.runtime.trainer import PolicyTrainer
@@ -60,10 +61,12 @@ def actor_threads(config: ExperimentConfig, settings: EngineConfig | TrainerConf
     return shared_threads(settings.num_cpus, reserved, ray.cluster_resources().get("CPU", 1.0), node_cpus)
 
 
-def engine_actor(engine: EngineConfig):
-    """The Ray actor class of a rollout engine, with the engine's resources and environment."""
-    return ray.remote(RolloutEngine).options(name=None, num_cpus=engine.num_cpus, num_gpus=engine.num_gpus,
-                                             runtime_env={"env_vars": ENGINE_ENV})
+def engine_actor(engine: EngineConfig, asynchronous: bool = False):
+    """The Ray actor class of a rollout engine, with the engine's resources and environment: the asynchronous one
+    (requests one at a time, for trajectory-level rollout) or the batched one."""
+    engine_class = AsyncRolloutEngine if asynchronous else RolloutEngine
+    return ray.remote(engine_class).options(name=None, num_cpus=engine.num_cpus, num_gpus=engine.num_gpus,
+                                            runtime_env={"env_vars": ENGINE_ENV})
 
 
 def trainer_actor(trainer: TrainerConfig):
