@@ -42,8 +42,8 @@ from marl_pipeline.runtime.workers import Workers
 from marl_pipeline.stages.evaluation import EvaluationSettings, is_evaluated
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.reward import ModelReward, score_micro_batch
-from marl_pipeline.stages.rollout import RolloutSettings, rollout_micro_batch
 from marl_pipeline.stages.training import train_micro_batch
+from marl_pipeline.stages.trajectories import sample_micro_batch
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import with_stage_timing
 
@@ -88,7 +88,6 @@ class Orchestrator:
         self.micro_batches = pipeline.micro_batches_per_step
         self.synchronous = pipeline.mode == "synchronous"
         self.staleness = 0 if self.synchronous else pipeline.staleness
-        self.rollout_settings = RolloutSettings.from_config(config)
         pool, settings = workers.reward_pool, config.reward_model
         self._model_reward = (ModelReward.from_settings(settings, pool.score)
                               if pool is not None and settings is not None else None)
@@ -168,7 +167,7 @@ class Orchestrator:
                     self._put(outbox, ready, self.stages[1].name)
 
     def _rollout(self, key: MicroBatchKey) -> pa.Table:
-        return rollout_micro_batch(self.env, self.workers.engines, key, self.rollout_settings)
+        return sample_micro_batch(self.env, self.workers.engines, key, self.config, self.workers.action_pool)
 
     def _environment(self, key: MicroBatchKey) -> pa.Table:
         return execute_micro_batch(self.env, self.store.read("rollouts", key), pool=self.workers.action_pool)

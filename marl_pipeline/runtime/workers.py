@@ -77,9 +77,10 @@ def trainer_actor(trainer: TrainerConfig):
 def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
     """One vLLM engine actor per agent, serving the given policy version from the store."""
     engines = {}
+    asynchronous = config.pipeline.rollout.mode == "trajectory"
     for index, (agent, agent_config) in enumerate(config.agents.items()):
         engine = agent_config.engine
-        engines[agent] = engine_actor(engine).remote(
+        engines[agent] = engine_actor(engine, asynchronous).remote(
             str(store.policy_dir(config.run, agent, versions[agent])), versions[agent],
             gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
             dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine),
