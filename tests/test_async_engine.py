@@ -20,7 +20,8 @@ PROMPT = [17, 11, 18, 29]
 @pytest.fixture(scope="module")
 def engine(local_ray, tiny_model_dir: Path):
     handle = engine_actor(EngineConfig(), asynchronous=True).remote(
-        str(tiny_model_dir), 0, gpu_memory_utilization=0.15, max_model_len=128, dtype="float32", seed=0, threads=1)
+        # Two threads: the engine thread must compute with the count the engine was built with (one is the default).
+        str(tiny_model_dir), 0, gpu_memory_utilization=0.15, max_model_len=128, dtype="float32", seed=0, threads=2)
     local_ray.get(handle.policy_version.remote())
     yield handle
     local_ray.kill(handle)

@@ -65,13 +65,6 @@ class AsyncRolloutEngine:
     """One agent's vLLM engine behind per-request coroutines; construct as an async Ray actor (``workers.py``)."""
 
     def __init__(self, model_dir: str, version: int, **engine_options) -> None:
-        # The engine is built (and warmed up) exactly as the batched RolloutEngine builds it.
-        self._engine = RolloutEngine(model_dir, version, **engine_options)
-        self._core = self._engine.llm.llm_engine
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        self._params, self._final_only = SamplingParams, RequestOutputKind.FINAL_ONLY
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._running: dict[str, _Request] = {}  # engine thread only
@@ -79,8 +72,20 @@ class AsyncRolloutEngine:
         self._ids = itertools.count()
         self._failure: BaseException | None = None
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
+        # The engine is built (and warmed up, as the batched RolloutEngine builds it) on the thread that steps it:
+        # OpenMP's thread count is per thread, and vLLM's CPU attention fails a step computed with another count
+        # than the one it was set up with ("Check failed: input->metadata->thread_num == thread_num (1 vs. 2)").
+        built = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(model_dir, version, engine_options, built),
+                                        name="vllm-engine", daemon=True)
         self._thread.start()
+        built.wait()
+        if self._failure is not None:
+            raise RuntimeError(f"the engine could not be built: {self._failure!r}") from self._failure
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._params, self._final_only = SamplingParams, RequestOutputKind.FINAL_ONLY
 
     # -- requests ---------------------------------------------------------------------------------
     async def generate_one(self, request_id: str, prompt: str | list[int], seed: int, max_tokens: int,
@@ -176,7 +181,15 @@ class AsyncRolloutEngine:
         return result
 
     # -- the engine thread ------------------------------------------------------------------------
-    def _loop(self) -> None:
+    def _loop(self, model_dir: str, version: int, engine_options: dict, built: threading.Event) -> None:
+        try:
+            self._engine = RolloutEngine(model_dir, version, **engine_options)
+            self._core = self._engine.llm.llm_engine
+        except BaseException as error:
+            self._failure = error
+            raise
+        finally:
+            built.set()
         try:
             while not self._closed:
                 if not self._busy():
