@@ -135,3 +135,10 @@ def test_observe_on_the_action_pool_needs_a_pool(engines) -> None:
     with pytest.raises(ValueError, match="observe_on is 'action_pool' but the run has no action pool"):
         rollout_trajectories(SlowReplies(), engines, MicroBatchKey("x", 0, 0), SETTINGS,
                              RolloutConfig(observe_on="action_pool"))
+
+
+def test_a_time_limit_or_pool_replies_need_trajectory_mode() -> None:
+    with pytest.raises(ValueError, match="episode_timeout_s and observe_on apply to mode 'trajectory' only"):
+        RolloutConfig(mode="turn_batched", episode_timeout_s=5.0)
+    with pytest.raises(ValueError, match="greater than 0"):
+        RolloutConfig(episode_timeout_s=0)
