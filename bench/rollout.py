@@ -67,7 +67,7 @@ def overhead_ours(ray, model_dir: str, args) -> tuple[list[float], int]:
     from marl_pipeline.runtime.workers import engine_actor
 
     requests = overhead_requests(args)
-    actor = engine_actor(EngineConfig(threads=args.threads), asynchronous=True).remote(
+    actor = engine_actor(EngineConfig(threads=args.threads), actor_class=AsyncRolloutEngine).remote(
         model_dir, 0, gpu_memory_utilization=GPU_MEMORY_UTILIZATION, max_model_len=args.max_model_len,
         dtype=args.dtype, seed=SEED, threads=args.threads)
     ray.get(actor.policy_version.remote())

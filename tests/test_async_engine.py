@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from marl_pipeline.config import EngineConfig
-from marl_pipeline.runtime.async_engine import RequestAborted
+from marl_pipeline.runtime.async_engine import AsyncRolloutEngine, RequestAborted
 from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
 from marl_pipeline.runtime.workers import engine_actor
 
@@ -19,7 +19,7 @@ PROMPT = [17, 11, 18, 29]
 
 @pytest.fixture(scope="module")
 def engine(local_ray, tiny_model_dir: Path):
-    handle = engine_actor(EngineConfig(), asynchronous=True).remote(
+    handle = engine_actor(EngineConfig(), actor_class=AsyncRolloutEngine).remote(
         # Two threads: the engine thread must compute with the count the engine was built with (one is the default).
         str(tiny_model_dir), 0, gpu_memory_utilization=0.15, max_model_len=128, dtype="float32", seed=0, threads=2)
     local_ray.get(handle.policy_version.remote())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -100,6 +99,19 @@ def test_two_launches_end_with_the_parameters_of_one_adamw_included(local_ray, d
         assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) <= PARAMETER_TOLERANCE, agent
 
 
+def assert_every_micro_batch_once(store: ExperienceStore, steps: int, micro_batches: int) -> None:
+    """A resumed run of the small demo holds exactly an uninterrupted one's partitions, versions and record."""
+    expected = [MicroBatchKey("demo", s, m) for s in range(steps) for m in range(micro_batches)]
+    for stage in STAGES:
+        assert store.committed_keys("demo", stage) == expected, stage
+    rollouts = store.read_stage("demo", "rollouts", columns=["sample_id", "step", "micro_batch"])
+    sample_ids = rollouts.column("sample_id").to_pylist()
+    assert len(sample_ids) == len(set(sample_ids)) == steps * micro_batches * 4 * 4 * 2
+    for agent in ("solver", "verifier"):
+        assert store.policy_versions("demo", agent) == [0, steps - 1, steps]  # retention: 0 and the last 2
+    assert store.read_record("demo", "launch.json") == {"last_step": steps - 1, "finished": True}
+
+
 def _committed(store: ExperienceStore) -> int:
     return sum(len(store.committed_keys("demo", stage)) for stage in STAGES)
 
@@ -133,16 +145,7 @@ def test_killed_three_times_and_resumed_commits_every_micro_batch_once(local_ray
     assert process.returncode == 0, output
     assert "mean reward per step" in output
 
-    expected = [MicroBatchKey("demo", s, m) for s in range(steps) for m in range(micro_batches)]
-    for stage in STAGES:
-        assert store.committed_keys("demo", stage) == expected, stage
-    rollouts = store.read_stage("demo", "rollouts", columns=["sample_id", "step", "micro_batch"])
-    sample_ids = rollouts.column("sample_id").to_pylist()
-    assert len(sample_ids) == len(set(sample_ids)) == steps * micro_batches * 4 * 4 * 2
-    for agent in ("solver", "verifier"):
-        assert store.policy_versions("demo", agent) == [0, steps - 1, steps]  # retention: 0 and the last 2
-    record = json.loads((store.root / "run=demo" / "launch.json").read_text())
-    assert record == {"last_step": steps - 1, "finished": True}
+    assert_every_micro_batch_once(store, steps, micro_batches)
     # and it ends where a launch never killed ends: the same parameters, AdamW's moments restored on each resume
     reference = parse_config({**data, "store": str(tmp_path / "reference")})
     _run(reference)

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from marl_pipeline.config import EngineConfig, RolloutConfig
 from marl_pipeline.environment import ActionResult, Turn
+from marl_pipeline.runtime.async_engine import AsyncRolloutEngine
 from marl_pipeline.runtime.workers import engine_actor
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.reward import score_micro_batch
@@ -59,7 +60,7 @@ SETTINGS = RolloutSettings(seed=3, prompts_per_micro_batch=4, samples_per_prompt
 @pytest.fixture(scope="module")
 def engines(local_ray, tiny_model_dir: Path):
     # One engine serves both roles: never more than one vLLM engine at a time on the test machine.
-    handle = engine_actor(EngineConfig(), asynchronous=True).remote(
+    handle = engine_actor(EngineConfig(), actor_class=AsyncRolloutEngine).remote(
         str(tiny_model_dir), 0, gpu_memory_utilization=0.15, max_model_len=128, dtype="float32", seed=0, threads=1)
     local_ray.get(handle.policy_version.remote())
     yield {"writer": handle, "checker": handle}

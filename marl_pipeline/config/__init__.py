@@ -7,7 +7,7 @@ Modules: ``base`` (shared), ``agent`` (one agent's model, engine, trainer, warm-
 ``experiment`` (the whole file, its loading and cross-checks).
 """
 
-from marl_pipeline.config.agent import AgentConfig, EngineConfig, TrainerConfig, WarmupConfig
+from marl_pipeline.config.agent import AgentConfig, EngineConfig, LoraAdapterConfig, TrainerConfig, WarmupConfig
 from marl_pipeline.config.base import BUILTIN_TINY, ConfigError, StrictModel
 from marl_pipeline.config.experiment import (
     ExperimentConfig,
@@ -41,6 +41,7 @@ __all__ = [
     "EnvironmentConfig",
     "EvaluationConfig",
     "ExperimentConfig",
+    "LoraAdapterConfig",
     "PipelineConfig",
     "PoolSettings",
     "RayConfig",

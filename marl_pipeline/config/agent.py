@@ -1,10 +1,10 @@
-"""One agent's settings: its model, rollout engine, trainer and warm-up."""
+"""One agent's settings: its model, rollout engine, trainer, warm-up and LoRA."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from marl_pipeline.config.base import BUILTIN_TINY, StrictModel
 
@@ -69,6 +69,29 @@ class WarmupConfig(StrictModel):
     """Warm-up learning rate."""
 
 
+class LoraAdapterConfig(StrictModel):
+    """Train LoRA adapters (peft) on top of the agent's base policy (version 0) instead of every weight.
+
+    The base stays frozen; versions after 0 store only the adapters and their AdamW state, and engines serve the
+    base with the adapters merged in (``runtime/lora.py``). No dropout: the trainer's logprobs must be the
+    engine's, and dropout would make them differ on every training pass."""
+
+    rank: int = Field(8, ge=1)
+    """Rank r of each adapter (A is r x in, B is out x r)."""
+    alpha: float = Field(16.0, gt=0)
+    """Scale of the adapters' update: B A is multiplied by alpha / rank."""
+    target_modules: str | list[str] = "all-linear"
+    """Modules that get adapters: peft's ``all-linear`` (every linear layer but the output head), or module names
+    (``[q_proj, v_proj]``) as peft matches them."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value: str | list[str]) -> str | list[str]:
+        if not value or (isinstance(value, list) and not all(value)):
+            raise ValueError("expected 'all-linear' or a non-empty list of module names")
+        return value
+
+
 class AgentConfig(StrictModel):
     """One role of the workflow, with its own policy."""
 
@@ -79,5 +102,8 @@ class AgentConfig(StrictModel):
     engine: EngineConfig = EngineConfig()
     trainer: TrainerConfig = TrainerConfig()
     warmup: WarmupConfig = WarmupConfig()
+    lora: LoraAdapterConfig | None = None
+    """LoRA adapters trained in place of the full weights (None: full fine-tuning). The warm-up, when there is
+    one, still trains every weight: it makes version 0, the base the adapters are added to."""
 
 

@@ -71,13 +71,38 @@ class EvaluationConfig(StrictModel):
     """Longest answer (None: ``algorithm.max_new_tokens``)."""
 
 
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+"""Resources Ray defines itself: requested through ``num_cpus`` / ``num_gpus``, never as custom resources."""
+
+
 class RayConfig(StrictModel):
-    """Where Ray runs."""
+    """Where Ray runs, and on which nodes the engines and trainers go."""
 
     address: str | None = None
-    """None: an embedded local Ray; otherwise an existing cluster (``ray://host:10001`` or ``auto``)."""
+    """None: an embedded local Ray; otherwise an existing cluster (``ray://host:10001``, ``host:6379`` or ``auto``)."""
     num_cpus: int | None = None
     """CPUs of the embedded local Ray (None: all of the machine's)."""
+    resident_trainers: int | None = Field(None, ge=1)
+    """Trainer budget: at most this many trainers hold their state in memory at once. Fewer than the agents: that
+    many trainer worker actors serve every agent, each agent's parameters and optimizer state swapped in for its
+    calls and out to the Ray object store between them (``runtime/swap.py``). None: every trainer resident where
+    the plan fits the cluster, else the most workers that fit (``runtime/placement.py``)."""
+    engine_resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each agent's engine asks for besides its CPUs and GPUs, e.g. ``{engines: 1}``: it then
+    runs only on nodes started with them (``ray start --resources '{"engines": 4}'``). Empty: any node."""
+    trainer_resources: dict[str, float] = Field(default_factory=dict)
+    """The same for each agent's trainer, e.g. ``{trainers: 1}``."""
+
+    @field_validator("engine_resources", "trainer_resources")
+    @classmethod
+    def validate_custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if name in RAY_BUILTIN_RESOURCES or name.startswith("node:"):
+                raise ValueError(f"{name!r} is Ray's own resource: set agents.<name>.engine/trainer.num_cpus or "
+                                 f"num_gpus instead (custom resources name node groups, e.g. engines: 1)")
+            if not amount > 0:
+                raise ValueError(f"resource {name!r}: amount {amount:g} must be > 0")
+        return resources
 
 
 class RetrainConfig(StrictModel):

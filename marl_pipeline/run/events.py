@@ -54,7 +54,8 @@ class PolicyCommitted:
     agent: str
     version: int
     step: int
-    path: Path
+    path: Path | str
+    """The version's directory (a URI in an S3 store)."""
     grad_norm: float
     tokens: int
     timing: StageTiming

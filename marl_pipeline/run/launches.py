@@ -8,9 +8,6 @@ launch that adds ``pipeline.steps`` steps after the newest policies (periodic re
 
 from __future__ import annotations
 
-import json
-import os
-import uuid
 from dataclasses import dataclass
 
 from marl_pipeline.config import ExperimentConfig
@@ -34,31 +31,22 @@ class LaunchPlan:
     """Stage partitions already committed within [first_step, last_step] (skipped, never redone)."""
 
 
-def _record_path(store: ExperienceStore, run: str):
-    return store.root / f"run={run}" / "launch.json"
+RECORD = "launch.json"
+"""In the store (the bucket of an S3 store), so a launch resumed from any machine finds it."""
 
 
 def plan_launch(store: ExperienceStore, config: ExperimentConfig) -> LaunchPlan:
     """Decide the launch's steps from the store, and record the target before any work starts."""
     versions = latest_versions(store, config.run, list(config.agents))
     first_step = min(versions.values())
-    path = _record_path(store, config.run)
-    record = json.loads(path.read_text()) if path.exists() else None
+    record = store.read_record(config.run, RECORD)
     resumed = bool(record) and not record["finished"] and first_step <= record["last_step"]
     last_step = record["last_step"] if resumed else first_step + config.pipeline.steps - 1
-    _write_record(path, {"last_step": last_step, "finished": False})
+    store.write_record(config.run, RECORD, {"last_step": last_step, "finished": False})
     committed = {stage: sum(1 for key in store.committed_keys(config.run, stage) if first_step <= key.step <= last_step)
                  for stage in STAGES}
     return LaunchPlan(first_step, last_step, versions, resumed, committed)
 
 
 def finish_launch(store: ExperienceStore, run: str, last_step: int) -> None:
-    _write_record(_record_path(store, run), {"last_step": last_step, "finished": True})
-
-
-def _write_record(path, record: dict) -> None:
-    # Written to a temporary name and renamed: a launch killed mid-write leaves the old record whole.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    temporary.write_text(json.dumps(record))
-    os.replace(temporary, path)
+    store.write_record(run, RECORD, {"last_step": last_step, "finished": True})

@@ -28,7 +28,6 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
-from pathlib import Path
 
 import pyarrow as pa
 import ray
@@ -64,14 +63,12 @@ class PendingStep:
     """One agent's optimizer step, issued by the train thread and finished by that agent's publisher."""
 
     step: int
-    staging: Path
-    """Where the trainer saves the new version before the store commits it."""
     applied: ray.ObjectRef
     """-> ``StepResult`` of the optimizer step."""
     weights: ray.ObjectRef
-    """-> the new parameters, for the engine's reload."""
+    """-> the new parameters, for the engine's reload (through Ray's object store, from node to node)."""
     saved: ray.ObjectRef
-    """-> None once the checkpoint is written to ``staging``."""
+    """-> the ``PolicyUpload`` of the new version: saved and uploaded to the store by the trainer, on its node."""
     enqueued: float
 
 
@@ -209,11 +206,9 @@ class Orchestrator:
                         return  # no optimizer step on a partly accumulated gradient
                 for agent in learners:
                     # Issued now, in actor order: the next step's accumulate calls queue behind them.
-                    staging = self.store.staging_policy_dir(self.config.run, agent, step + 1)
                     trainer = trainers[agent]
-                    publish[agent].put(PendingStep(step, staging, trainer.apply_step.remote(),
-                                                   trainer.named_weights.remote(), trainer.save.remote(str(staging)),
-                                                   time.time()))
+                    publish[agent].put(PendingStep(step, trainer.apply_step.remote(), trainer.named_weights.remote(),
+                                                   trainer.save_version.remote(step + 1), time.time()))
                     version[agent] = step + 1
         finally:
             for box in publish.values():
@@ -225,11 +220,10 @@ class Orchestrator:
         while (pending := self._get(inbox)) is not None:
             started = time.time()
             result = ray.get(pending.applied)
-            ray.get([engine.load_weights.remote(pending.weights, result.policy_version), pending.saved])
+            _, upload = ray.get([engine.load_weights.remote(pending.weights, result.policy_version), pending.saved])
             timing = StageTiming(pending.enqueued, started, time.time())
-            (pending.staging / "timing.json").write_text(
-                json.dumps({"step": pending.step, **asdict(timing), **asdict(result)}))
-            path = self.store.commit_policy(pending.staging, self.config.run, agent, result.policy_version)
+            record = json.dumps({"step": pending.step, **asdict(timing), **asdict(result)}).encode()
+            path = self.store.publish_policy(upload, {"timing.json": record})
             # The newest version is always kept (a resumed launch starts from it); the engine holds this one in
             # memory, so an evaluation below does not need its files.
             self.store.prune_policies(self.config.run, agent, self.config.store.retention)

@@ -207,8 +207,16 @@ def spans_from_store(store, run: str) -> list[Span]:
         for row in table.group_by(columns).aggregate([]).to_pylist():
             spans.append(Span(stage, row["step"], row["micro_batch"], row["stage_enqueued"].timestamp(),
                               row["stage_started"].timestamp(), row["stage_ended"].timestamp()))
-    for timing in sorted(store.root.glob(f"run={run}/policies/agent=*/version=*/timing.json")):
-        record = json.loads(timing.read_text())
+    for agent, version in _policy_versions(store, run):
+        if (data := store.policy_file(run, agent, version, "timing.json")) is None:
+            continue  # a base policy, or a version saved before timings were recorded
+        record = json.loads(data)
         spans.append(Span("optimizer_step", record["step"], -1, record["enqueued"], record["started"],
                           record["ended"]))
     return spans
+
+
+def _policy_versions(store, run: str) -> list[tuple[str, int]]:
+    """(agent, version) of every committed policy version of the run, in the store (the bucket for S3)."""
+    agents = {row["agent"] for row in store.read_stage(run, "policy_updates", columns=["agent"]).to_pylist()}
+    return [(agent, version) for agent in sorted(agents) for version in store.policy_versions(run, agent)]

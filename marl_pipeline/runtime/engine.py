@@ -62,7 +62,9 @@ class RolloutEngine:
     """A vLLM engine serving one agent's policy; construct inside a Ray actor (or a ``__main__`` script)."""
 
     def __init__(self, model_dir: str, version: int, *, gpu_memory_utilization: float, max_model_len: int,
-                 dtype: str, seed: int, threads: int | None = None) -> None:
+                 dtype: str, seed: int, threads: int | None = None, adapter_dir: str | None = None) -> None:
+        """``model_dir`` is a full model; with ``adapter_dir`` (a LoRA agent's version after 0, runtime/lora.py)
+        ``model_dir`` is that agent's base and the engine serves the base with the adapters merged in."""
         os.environ.update(ENGINE_ENV)
         if threads is not None:
             set_engine_threads(threads)
@@ -78,6 +80,10 @@ class RolloutEngine:
                        max_num_batched_tokens=MAX_NUM_SEQS * max_model_len)
         self.version = version
         self.model_dir = model_dir
+        if adapter_dir is not None:
+            from marl_pipeline.runtime.lora import merged_checkpoint
+
+            self.load_weights(merged_checkpoint(model_dir, adapter_dir), version)
         # The first calls pay one-off set-up costs for each batch shape and sampling path (4 s on CPU for a
         # first 128-request batch, measured by bench/pipeline.py): pay them now, not in step 0.
         for batch in (1, 16, 256):
@@ -113,7 +119,8 @@ class RolloutEngine:
         return [output.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt_ids), len(ids))]
 
     def model_directory(self) -> str:
-        """The directory the engine loaded (the agent's policy at its first version), on the engine's node."""
+        """The directory the engine loaded (the agent's policy at its first version, or a LoRA agent's base), on the
+        engine's node."""
         return self.model_dir
 
     def tokenizer(self):

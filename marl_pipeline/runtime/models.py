@@ -60,6 +60,11 @@ def load_policy(model: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if (Path(model) / "adapter_config.json").is_file() and not (Path(model) / "config.json").is_file():
+        # A LoRA version (runtime/lora.py): transformers would fail on the missing config.json with no word of why.
+        raise ValueError(f"{model} holds LoRA adapters, not a full model: load it over its base policy (the agent's "
+                         f"version 0) with the agent's `lora` config")
+
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model)
     return policy, tokenizer

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from marl_pipeline.runtime.lora import lora_policy, merged_weights
 from marl_pipeline.runtime.losses import (
     clip_fraction,
     grpo_token_loss,
@@ -86,18 +87,24 @@ class PolicyTrainer:
                  clip_eps: float, seed: int, num_threads: int | None = None, lr_decay_steps: int | None = None,
                  min_lr_ratio: float = 0.1, kl_coef: float = 0.0, reference_dir: str | None = None,
                  entropy_coef: float = 0.0, loss_normalization: str = "token", tis_cap: float | None = None,
-                 dtype: str = "float32", chunk_tokens: int = 2048) -> None:
+                 dtype: str = "float32", chunk_tokens: int = 2048, lora: dict | None = None,
+                 base_dir: str | None = None) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens {chunk_tokens}: expected a positive token budget per pass")
         self.chunk_tokens = chunk_tokens
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
-        self.model, self.tokenizer = load_policy(model_dir)
+        # LoRA (runtime/lora.py): ``lora`` is the agent's LoraAdapterConfig as a dict; ``base_dir`` its version 0.
+        self.lora = lora is not None
+        self.model, self.tokenizer = (lora_policy(model_dir, version, base_dir, **lora) if self.lora
+                                      else load_policy(model_dir))
         self.model.train()
         self.device_type = next(self.model.parameters()).device.type
         self.dtype = resolve_dtype(dtype, self.device_type)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        # Only the trainable parameters (all of them, or a LoRA agent's adapters): AdamW keeps moments for these.
+        trainable = [param for param in self.model.parameters() if param.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
         self.resumed_optimizer = self._load_state(Path(model_dir) / TRAINER_STATE, version)
         self.lr, self.lr_decay_steps, self.min_lr_ratio = lr, lr_decay_steps, min_lr_ratio
         self.max_grad_norm = max_grad_norm
@@ -200,12 +207,19 @@ class PolicyTrainer:
         self._step_tokens = self._step_sequences = 0
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """Detached copies of the parameters in Hugging Face naming, ready for an engine's reload."""
+        """Detached copies of the parameters in Hugging Face naming, ready for an engine's reload (a LoRA agent's
+        with its adapters merged in)."""
+        if self.lora:
+            return merged_weights(self.model)
         return [(name, tensor.detach().clone()) for name, tensor in self.model.state_dict().items()]
 
     def save(self, directory: str) -> None:
-        """The policy (Hugging Face format, what engines load) and the trainer state a resumed launch needs."""
-        save_policy(self.model, self.tokenizer, Path(directory))
+        """The policy (Hugging Face format, what engines load; a LoRA agent's adapters only) and the trainer state
+        a resumed launch needs."""
+        if self.lora:
+            self.model.save_pretrained(directory)  # a PeftModel saves its adapters, not the frozen base
+        else:
+            save_policy(self.model, self.tokenizer, Path(directory))
         torch.save({"version": self.version, "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()},
                    Path(directory) / TRAINER_STATE)
 

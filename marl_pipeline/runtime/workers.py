@@ -1,23 +1,37 @@
-"""Spawning the Ray actors of a run: one rollout engine and one trainer per agent, and the stage pools.
+"""Spawning the Ray actors of a run: one rollout engine per agent, one trainer per agent (or, with a trainer budget
+below the number of agents, that many trainer workers swapping the agents' states: ``runtime/swap.py``), and the
+stage pools.
 
-``ray.remote`` is applied here, where actors are spawned, with resources from the config; the engine
-and trainer classes stay plain Python and run in-process in a script or a test just as well.
+``ray.remote`` is applied here, where actors are spawned, with resources from the config (``ray.engine_resources``
+/ ``ray.trainer_resources`` pin them to the nodes that offer those custom resources); the engine and trainer
+classes stay plain Python and run in-process in a script or a test just as well.
+
+An actor may run on another node than the driver, so it is handed the store's settings, not a path: it fetches
+the policy version it starts from into its own node's cache (:class:`StoreEngine`, :class:`StoreTrainer`), and a
+trainer uploads each new version to the store itself. Weights for an engine's reload go through Ray's object
+store (the orchestrator passes the trainer's ``named_weights`` reference to the engine), which Ray moves between
+nodes; the store is the durable copy, written once per version, read by whoever starts from it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import ray
 
-from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, TrainerConfig
+from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, StoreConfig, TrainerConfig
 from marl_pipeline.runtime.action_pool import ActionPool
 from marl_pipeline.runtime.async_engine import AsyncRolloutEngine
 from marl_pipeline.runtime.engine import ENGINE_ENV, RolloutEngine
+from marl_pipeline.runtime.lora import is_adapter_checkpoint
+from marl_pipeline.runtime.placement import assign_workers
 from marl_pipeline.runtime.reward_model import RewardModelPool
+from marl_pipeline.runtime.swap import AgentSpec, SwappedTrainer, TrainerWorker, actor_handles
 from marl_pipeline.runtime.trainer import PolicyTrainer
 from marl_pipeline.store import ExperienceStore
+from marl_pipeline.store.checkpoints import PolicyUpload
 
 
 @dataclass
@@ -25,14 +39,15 @@ class Workers:
     """Actor handles of a run, by agent."""
 
     engines: dict[str, ray.actor.ActorHandle]
-    trainers: dict[str, ray.actor.ActorHandle]
+    trainers: dict[str, ray.actor.ActorHandle | SwappedTrainer]
+    """Each agent's trainer actor, or its handle on the trainer worker that swaps it in (same calls)."""
     reward_pool: RewardModelPool | None = None
     """Replicas of the run's reward model (None: rule-based reward only)."""
     action_pool: ActionPool | None = None
     """The environment stage's action workers (None: the plugin runs no actions)."""
 
     def shutdown(self) -> None:
-        for handle in [*self.engines.values(), *self.trainers.values()]:
+        for handle in [*self.engines.values(), *actor_handles(self.trainers)]:
             ray.kill(handle)
         for pool in (self.reward_pool, self.action_pool):
             if pool is not None:
@@ -56,22 +71,69 @@ def actor_threads(config: ExperimentConfig, settings: EngineConfig | TrainerConf
     """``settings.threads`` when the config sets it, else :func:`shared_threads` over the running Ray cluster."""
     if settings.threads is not None:
         return settings.threads
-    reserved = [part.num_cpus for agent in config.agents.values() for part in (agent.engine, agent.trainer)]
+    reserved = [agent.engine.num_cpus for agent in config.agents.values()]
+    if swapping(config):  # one reservation per worker, not per agent
+        reserved += [max(agent.trainer.num_cpus for agent in config.agents.values())] * config.ray.resident_trainers
+    else:
+        reserved += [agent.trainer.num_cpus for agent in config.agents.values()]
     node_cpus = max((node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"]), default=1.0)
     return shared_threads(settings.num_cpus, reserved, ray.cluster_resources().get("CPU", 1.0), node_cpus)
 
 
-def engine_actor(engine: EngineConfig, asynchronous: bool = False):
-    """The Ray actor class of a rollout engine, with the engine's resources and environment: the asynchronous one
-    (requests one at a time, for trajectory-level rollout) or the batched one."""
-    engine_class = AsyncRolloutEngine if asynchronous else RolloutEngine
-    return ray.remote(engine_class).options(name=None, num_cpus=engine.num_cpus, num_gpus=engine.num_gpus,
-                                            runtime_env={"env_vars": ENGINE_ENV})
+def swapping(config: ExperimentConfig) -> bool:
+    """Whether the trainer budget (``ray.resident_trainers``) is below the number of agents."""
+    budget = config.ray.resident_trainers
+    return budget is not None and budget < len(config.agents)
 
 
-def trainer_actor(trainer: TrainerConfig):
-    """The Ray actor class of a policy trainer, with the trainer's resources."""
-    return ray.remote(PolicyTrainer).options(num_cpus=trainer.num_cpus, num_gpus=trainer.num_gpus)
+class StoreEngine(RolloutEngine):
+    """A rollout engine that starts from a policy version in the store, fetched on the node it runs on."""
+
+    def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
+        model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
+        super().__init__(model_dir, version, adapter_dir=adapter_dir, **options)
+
+
+class StoreAsyncEngine(AsyncRolloutEngine):
+    """The asynchronous engine (trajectory-level rollout), started from the store as :class:`StoreEngine` is."""
+
+    def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
+        model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
+        super().__init__(model_dir, version, adapter_dir=adapter_dir, **options)
+
+
+class StoreTrainer(PolicyTrainer):
+    """A policy trainer that starts from a version in the store (and its KL reference, version 0), fetched on the
+    node it runs on, and uploads each new version to the store from there (:meth:`save_version`)."""
+
+    def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
+        self.store, self.run, self.agent = ExperienceStore(store), run, agent
+        super().__init__(str(self.store.require_policy(run, agent, version)), version,
+                         **with_local_base(self.store, run, agent, options))
+
+    def save_version(self, version: int) -> PolicyUpload:
+        """Save the version just stepped to and upload it; the driver publishes it once the engine serves it."""
+        if version != self.version:
+            raise ValueError(f"{self.agent}: asked to save version {version}, the trainer holds {self.version}")
+        staging = self.store.staging_policy_dir(self.run, self.agent, version)
+        self.save(str(staging))
+        return self.store.upload_policy(staging, self.run, self.agent, version)
+
+
+def engine_actor(engine: EngineConfig, resources: dict[str, float] | None = None,
+                 actor_class: type = RolloutEngine):
+    """The Ray actor class of a rollout engine, with the engine's resources (custom ones pin it to the nodes that
+    have them) and environment; :class:`StoreEngine` (or :class:`StoreAsyncEngine`, requests one at a time for
+    trajectory-level rollout) for a run's engines, plain ``RolloutEngine`` from a path."""
+    return ray.remote(actor_class).options(name=None, num_cpus=engine.num_cpus, num_gpus=engine.num_gpus,
+                                           resources=dict(resources or {}), runtime_env={"env_vars": ENGINE_ENV})
+
+
+def trainer_actor(trainer: TrainerConfig, resources: dict[str, float] | None = None,
+                  actor_class: type = PolicyTrainer):
+    """The Ray actor class of a policy trainer, with the trainer's resources (as :func:`engine_actor`)."""
+    return ray.remote(actor_class).options(num_cpus=trainer.num_cpus, num_gpus=trainer.num_gpus,
+                                           resources=dict(resources or {}))
 
 
 def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
@@ -80,38 +142,91 @@ def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: di
     asynchronous = config.pipeline.rollout.mode == "trajectory"
     for index, (agent, agent_config) in enumerate(config.agents.items()):
         engine = agent_config.engine
-        engines[agent] = engine_actor(engine, asynchronous).remote(
-            str(store.policy_dir(config.run, agent, versions[agent])), versions[agent],
+        engine_class = StoreAsyncEngine if asynchronous else StoreEngine
+        engines[agent] = engine_actor(engine, config.ray.engine_resources, engine_class).remote(
+            store.config, config.run, agent, versions[agent],
             gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
             dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine),
         )
     return engines
 
 
+def with_local_base(store: ExperienceStore, run: str, agent: str, options: dict) -> dict:
+    """``trainer_options`` with the base version it names (the KL reference, a LoRA agent's base: version 0) fetched
+    into this node's cache, for a trainer built here (an actor on its node, a recomputation in the driver)."""
+    return {**options, **{name: str(store.require_policy(run, agent, 0))
+                          for name in ("reference_dir", "base_dir") if options.get(name) is not None}}
+
+
+def engine_dirs(store: ExperienceStore, run: str, agent: str, version: int) -> tuple[str, str | None]:
+    """What an engine loads for a stored version: its directory, or for LoRA adapters (runtime/lora.py) the
+    agent's base (version 0, which retention keeps) and the adapters' directory. Told by the checkpoint's
+    contents, so an engine serves whatever the version is."""
+    directory = store.require_policy(run, agent, version)  # fetched into this node's cache from an S3 store
+    if is_adapter_checkpoint(directory):
+        return str(store.require_policy(run, agent, 0)), str(directory)
+    return str(directory), None
+
+
 def trainer_options(config: ExperimentConfig, agent: str, store: ExperienceStore) -> dict:
     """``PolicyTrainer``'s keyword arguments for one agent, cut from its slice of the config (the one place:
     the train job's actors and a recomputed partition's in-process trainer alike). The KL penalty's reference
-    is the agent's base policy, version 0 in the store, passed only when the penalty is on. ``num_threads`` is
+    is the agent's base policy, version 0 in the store, passed only when the penalty is on; so is a LoRA agent's
+    ``base_dir``, what its adapters are added to (runtime/lora.py). ``num_threads`` is
     the config's ``threads`` (None: the process's own; :func:`start_trainers` fills in the actor's share)."""
     trainer, algorithm = config.agents[agent].trainer, config.algorithm
     index = list(config.agents).index(agent)
-    reference_dir = str(store.policy_dir(config.run, agent, 0)) if algorithm.kl_coef > 0 else None
+    base_dir = str(store.policy_dir(config.run, agent, 0))
+    reference_dir = base_dir if algorithm.kl_coef > 0 else None
+    lora = config.agents[agent].lora
     return dict(lr=trainer.lr, weight_decay=trainer.weight_decay, max_grad_norm=trainer.max_grad_norm,
                 clip_eps=algorithm.clip_eps, seed=config.seed + index, num_threads=trainer.threads,
                 lr_decay_steps=trainer.lr_decay_steps, min_lr_ratio=trainer.min_lr_ratio,
                 kl_coef=algorithm.kl_coef, reference_dir=reference_dir, entropy_coef=algorithm.entropy_coef,
                 loss_normalization=algorithm.loss_normalization, tis_cap=algorithm.tis_cap, dtype=trainer.dtype,
-                chunk_tokens=trainer.chunk_tokens)
+                chunk_tokens=trainer.chunk_tokens, lora=None if lora is None else lora.model_dump(),
+                base_dir=None if lora is None else base_dir)
 
 
 def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
-    """One torch trainer actor per agent, starting from the given policy version in the store."""
+    """One torch trainer actor per agent, starting from the given policy version in the store; with a trainer
+    budget below the number of agents, that many trainer workers, each serving its agents by swapping."""
+    if swapping(config):
+        return start_swapped_trainers(config, store, versions)
     trainers = {}
     for agent, agent_config in config.agents.items():
         options = {**trainer_options(config, agent, store), "num_threads": actor_threads(config, agent_config.trainer)}
-        trainers[agent] = trainer_actor(agent_config.trainer).remote(
-            str(store.policy_dir(config.run, agent, versions[agent])), versions[agent], **options)
+        trainers[agent] = trainer_actor(agent_config.trainer, config.ray.trainer_resources, StoreTrainer).remote(
+            store.config, config.run, agent, versions[agent], **options)
     return trainers
+
+
+def start_swapped_trainers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
+    """``ray.resident_trainers`` trainer workers, each reserving the largest agent's trainer request (a worker
+    must hold any of its agents), agent i served by worker i mod N."""
+    served = assign_workers(list(config.agents), config.ray.resident_trainers)
+    requests = [agent.trainer for agent in config.agents.values()]
+    # as the placement plan reserves it: the largest CPU and the largest GPU request, the most threads asked for
+    explicit = [t.threads for t in requests if t.threads is not None]
+    settings = requests[0].model_copy(update={"num_cpus": max(t.num_cpus for t in requests),
+                                              "num_gpus": max(t.num_gpus for t in requests),
+                                              "threads": max(explicit) if explicit else None})
+    threads = actor_threads(config, settings)
+    trainers = {}
+    for worker in range(config.ray.resident_trainers):
+        agents = {agent: AgentSpec(str(store.policy_dir(config.run, agent, versions[agent])), versions[agent],
+                                   {**trainer_options(config, agent, store), "num_threads": threads})
+                  for agent, k in served.items() if k == worker}
+        handle = ray.remote(TrainerWorker).options(
+            num_cpus=settings.num_cpus, num_gpus=settings.num_gpus, resources=dict(config.ray.trainer_resources),
+        ).remote(agents, partial(_store_trainer, store.config, config.run))
+        trainers |= {agent: SwappedTrainer(handle, agent) for agent in agents}
+    return {agent: trainers[agent] for agent in config.agents}
+
+
+def _store_trainer(store: StoreConfig, run: str, agent: str, spec: AgentSpec) -> StoreTrainer:
+    """How a trainer worker builds a swapped agent's trainer: as a resident one is built, from the store."""
+    return StoreTrainer(store, run, agent, spec.version, **spec.options)
 
 
 START_TIMEOUT_S = 600.0
@@ -122,8 +237,13 @@ def _wait_ready(config: ExperimentConfig, handles: list) -> None:
     try:
         ray.get([h.policy_version.remote() for h in handles], timeout=START_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
-        asked = {"CPU": sum(a.engine.num_cpus + a.trainer.num_cpus for a in config.agents.values()),
-                 "GPU": sum(a.engine.num_gpus + a.trainer.num_gpus for a in config.agents.values())}
+        asked = {}
+        for resource in ("CPU", "GPU"):
+            engines = [getattr(a.engine, f"num_{resource.lower()}s") for a in config.agents.values()]
+            trainers = [getattr(a.trainer, f"num_{resource.lower()}s") for a in config.agents.values()]
+            if swapping(config):  # the workers, each reserving the largest trainer request
+                trainers = [max(trainers)] * config.ray.resident_trainers
+            asked[resource] = sum(engines) + sum(trainers)
         raise TimeoutError(
             f"engines and trainers not ready after {START_TIMEOUT_S:.0f} s: they ask for {asked} in all "
             f"(agents.*.engine/trainer.num_cpus, num_gpus); the Ray cluster has {ray.cluster_resources()} and "

@@ -21,7 +21,7 @@ from marl_pipeline.environment import build_environment
 from marl_pipeline.runtime.action_pool import shared_pool
 from marl_pipeline.runtime.reward_model import RewardModelServer, prepare_reward_model
 from marl_pipeline.runtime.trainer import PolicyTrainer
-from marl_pipeline.runtime.workers import trainer_options
+from marl_pipeline.runtime.workers import trainer_options, with_local_base
 from marl_pipeline.stages.evaluation import EvaluationSettings, evaluate_agent, is_evaluated, with_metrics
 from marl_pipeline.stages.execution import action_pool_settings, execute_micro_batch
 from marl_pipeline.stages.reward import ModelReward, score_micro_batch
@@ -131,8 +131,8 @@ def _policy_updates(config: ExperimentConfig, store: ExperienceStore, key: Micro
     """The micro-batch's gradient statistics at the step's starting policy; no optimizer step is taken."""
     stats = {}
     for agent, version in _policy_versions_at(store, config, key, "policy_updates").items():
-        trainer = PolicyTrainer(str(store.policy_dir(config.run, agent, version)), version,
-                                **trainer_options(config, agent, store))
+        trainer = PolicyTrainer(str(store.require_policy(config.run, agent, version)), version,
+                                **with_local_base(store, config.run, agent, trainer_options(config, agent, store)))
         stats[agent] = trainer.accumulate(train_batch_for(store, key, agent,
                                                           config.algorithm.drop_zero_advantage_groups))
         trainer.discard_gradients()

@@ -54,12 +54,23 @@ def informative_groups(rows: pa.Table) -> pa.Array:
     return spread.column("group_id").filter(nonzero)
 
 
+def issue_order(agents: list[str], micro_batch: int) -> list[str]:
+    """The order a micro-batch's accumulate calls are issued in: reversed on odd micro-batches.
+
+    For resident trainers the order does not matter (they run in parallel). A trainer worker serving several
+    swapped agents (``runtime/swap.py``) runs their calls in the order issued and swaps on each change of agent;
+    in alternating order the agent it ends one micro-batch with starts the next, one swap less per worker and
+    micro-batch (half of them with two agents per worker)."""
+    return list(reversed(agents)) if micro_batch % 2 else list(agents)
+
+
 def train_micro_batch(store: ExperienceStore, key: MicroBatchKey, trainers: dict[str, ray.actor.ActorHandle],
                       drop_zero_advantage_groups: bool = False) -> pa.Table:
     """Accumulate every agent's gradient for one micro-batch (in parallel); one stats row per agent."""
-    refs = {agent: trainer.accumulate.remote(train_batch_for(store, key, agent, drop_zero_advantage_groups))
-            for agent, trainer in trainers.items()}
-    return updates_table(dict(zip(refs, ray.get(list(refs.values())))))
+    refs = {agent: trainers[agent].accumulate.remote(train_batch_for(store, key, agent, drop_zero_advantage_groups))
+            for agent in issue_order(list(trainers), key.micro_batch)}
+    stats = dict(zip(refs, ray.get(list(refs.values()))))
+    return updates_table({agent: stats[agent] for agent in trainers})  # rows in the agents' order, as before
 
 
 def updates_table(stats_by_agent: dict[str, dict]) -> pa.Table:

@@ -41,6 +41,12 @@ def new_attempt() -> str:
     return f"{time.time_ns():016x}-{uuid.uuid4().hex[:8]}"
 
 
+def attempt_in(name: str) -> str | None:
+    """The attempt named inside ``name`` (a staging directory's, a part file's); None if it holds none."""
+    match = _ATTEMPT.search(name)
+    return None if match is None else match.group(0)
+
+
 def attempt_age(name: str) -> float | None:
     """Seconds since the attempt named inside ``name`` started; None if ``name`` holds no attempt."""
     match = _ATTEMPT.search(name)
@@ -156,8 +162,9 @@ def partition_garbage(location: Location, partition: str, manifest: Manifest | N
     return [p for p in paths if p.endswith(".parquet") and p not in keep and _is_old(p.rsplit("/", 1)[1], older_than)]
 
 
-def collect_garbage(location: Location, policy_root: Path, older_than: float) -> list[str]:
-    """Delete every leftover older than ``older_than`` seconds in the store; returns what was deleted."""
+def collect_garbage(location: Location, older_than: float) -> list[str]:
+    """Delete every stage-partition leftover older than ``older_than`` seconds; returns what was deleted (policy
+    checkpoints' leftovers are ``PolicyCheckpoints.garbage``'s)."""
     garbage: list[str] = []
     if location.local:
         for pattern in ("run=*/stage=*/step=*/_staging-*", "run=*/stage=*/step=*/_replaced-*"):
@@ -167,10 +174,7 @@ def collect_garbage(location: Location, policy_root: Path, older_than: float) ->
         for partition in sorted({path.rsplit("/", 2)[0] for path in files}):
             garbage += partition_garbage(location, partition, read_manifest(location, partition), older_than)
     remove(location, garbage)
-    policy_staging = [p for p in policy_root.glob("run=*/policies/agent=*/_staging-*") if _is_old(p.name, older_than)]
-    for path in policy_staging:
-        shutil.rmtree(path, ignore_errors=True)
-    return garbage + [str(p) for p in policy_staging]
+    return garbage
 
 
 def remove(location: Location, paths: list[str]) -> None:

@@ -6,11 +6,12 @@ Layout under the store root (a local directory or ``s3://bucket/prefix``; docs/s
     run=R/stage=S/step=I/micro_batch=K/agent=A/part-<attempt>.parquet   committed stage outputs
     run=R/stage=S/step=I/_staging-micro_batch=K-<attempt>/...            a local commit in progress (invisible)
     run=R/policies/agent=A/version=V/                                    policy checkpoints (HF format)
+    run=R/launch.json                                                    the launch record (run/launches.py)
 
 A micro-batch's stage output becomes visible all at once through its manifest (marl_pipeline.store.commits).
 Readers resolve manifests and open exactly the files they name, with column projection, so reading one
-agent of one micro-batch opens one file. Policy checkpoints are local directories (vLLM and transformers
-load from a local path): in the store for a local store, in ``StoreConfig.policy_cache`` for S3.
+agent of one micro-batch opens one file. Policy checkpoints live in the store (the bucket for S3) and are
+read from a local directory, a copy in ``StoreConfig.policy_cache`` for S3 (marl_pipeline.store.checkpoints).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import pyarrow.parquet as pq
 
 from marl_pipeline.config import RetentionConfig, StoreConfig
 from marl_pipeline.store import commits
-from marl_pipeline.store import retention as retention_rules
+from marl_pipeline.store.checkpoints import CheckpointError, PolicyCheckpoints, PolicyUpload
 from marl_pipeline.store.commits import Manifest
 from marl_pipeline.store.schema import (
     DATASET_SCHEMAS,
@@ -41,7 +42,7 @@ from marl_pipeline.store.schema import (
     upgraded,
     with_version,
 )
-from marl_pipeline.store.storage import open_location, policy_root
+from marl_pipeline.store.storage import open_location, policy_root, read_json, write_json
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _READ_ATTEMPTS = 5
@@ -79,7 +80,8 @@ class ExperienceStore:
             raise StoreError(str(error)) from None
         self.uri = self.location.uri
         self.root = policy_root(self.config, self.location)
-        """Local directory: the store itself, or the policy cache of an S3 store."""
+        """Local directory: the store itself, or this node's policy cache of an S3 store."""
+        self.checkpoints = PolicyCheckpoints(self.location, self.root)
         self._format = ds.ParquetFileFormat()
 
     def __repr__(self) -> str:
@@ -96,9 +98,6 @@ class ExperienceStore:
         if key.step < 0 or key.micro_batch < 0:
             raise StoreError(f"{stage} {key}: step and micro_batch must be >= 0")
         return f"{self.stage_path(key.run, stage)}/step={key.step}/micro_batch={key.micro_batch}"
-
-    def policy_dir(self, run: str, agent: str, version: int) -> Path:
-        return self.root / f"run={run}" / "policies" / f"agent={agent}" / f"version={version}"
 
     # -- commits ----------------------------------------------------------------------------------
     def commit(self, stage: str, key: MicroBatchKey, table: pa.Table) -> Path | str:
@@ -175,7 +174,7 @@ class ExperienceStore:
 
     def vacuum(self, older_than: float = commits.GRACE_SECONDS) -> list[str]:
         """Delete leftovers of dead writers older than ``older_than`` seconds; returns the deleted paths."""
-        return commits.collect_garbage(self.location, self.root, older_than)
+        return commits.collect_garbage(self.location, older_than) + self.checkpoints.garbage(older_than)
 
     # -- reads ------------------------------------------------------------------------------------
     def manifest(self, stage: str, key: MicroBatchKey) -> Manifest | None:
@@ -310,37 +309,60 @@ class ExperienceStore:
                                   f"(partition {partition}): {file_error}")
         return StoreError(f"{what}: unreadable data: {error}")
 
-    # -- policies ---------------------------------------------------------------------------------
+    # -- policies (store/checkpoints.py) -----------------------------------------------------------
+    def policy_dir(self, run: str, agent: str, version: int) -> Path:
+        """Where ``version`` is on this node (local store) or cached (S3); it may not exist: see
+        :meth:`require_policy`."""
+        return self.checkpoints.local_dir(run, agent, version)
+
     def policy_versions(self, run: str, agent: str) -> list[int]:
-        base = self.root / f"run={run}" / "policies" / f"agent={agent}"
-        return sorted(int(p.name[8:]) for p in base.glob("version=*") if p.is_dir())
+        """The committed versions of ``agent`` (in the bucket for an S3 store)."""
+        return self.checkpoints.versions(run, agent)
 
     def staging_policy_dir(self, run: str, agent: str, version: int) -> Path:
-        """A fresh directory to save a policy into before :meth:`commit_policy` publishes it."""
-        target = self.policy_dir(run, agent, version)
-        staging = target.parent / f"_staging-{target.name}-{commits.new_attempt()}"
-        staging.mkdir(parents=True)
-        return staging
+        """A fresh local directory to save a policy into before :meth:`commit_policy` (or ``upload_policy``)."""
+        return self.checkpoints.staging(run, agent, version)
 
-    def commit_policy(self, staging: Path, run: str, agent: str, version: int) -> Path:
-        target = self.policy_dir(run, agent, version)
-        commits.swap_in(Path(staging), target)
-        return target
+    def commit_policy(self, staging: Path, run: str, agent: str, version: int) -> Path | str:
+        """Upload and publish a version saved by this process; returns its directory (a URI on S3)."""
+        return self.checkpoints.commit(staging, run, agent, version)
+
+    def upload_policy(self, staging: Path, run: str, agent: str, version: int) -> PolicyUpload:
+        """Ship a saved version to the store, not yet visible (a trainer, on its own node)."""
+        return self.checkpoints.upload(staging, run, agent, version)
+
+    def publish_policy(self, upload: PolicyUpload, extra: dict[str, bytes] | None = None) -> Path | str:
+        """Make an uploaded version visible, with ``extra`` files added (the driver, after the engine loaded it)."""
+        return self.checkpoints.publish(upload, extra)
+
+    def policy_file(self, run: str, agent: str, version: int, name: str) -> bytes | None:
+        """One file of a committed version, without fetching the checkpoint; None when absent."""
+        return self.checkpoints.read_file(run, agent, version, name)
 
     def prune_policies(self, run: str, agent: str, retention: RetentionConfig, protected: Iterable[int] = ()
                        ) -> list[int]:
         """Delete ``agent``'s policy versions that ``retention`` does not keep (``store/retention.py``)."""
-        versions = {v: self.policy_dir(run, agent, v) for v in self.policy_versions(run, agent)}
-        return retention_rules.prune(versions, retention, protected)
+        return self.checkpoints.prune(run, agent, retention, protected)
 
     def require_policy(self, run: str, agent: str, version: int) -> Path:
-        """The directory of a stored policy version; a clear error when it was never committed or was pruned."""
-        directory = self.policy_dir(run, agent, version)
-        if not directory.is_dir():
-            kept = self.policy_versions(run, agent)
-            raise StoreError(f"policy version {version} of agent {agent!r} in run {run!r} is not stored: it was "
-                             f"pruned by store.retention or never committed (kept versions: {kept})")
-        return directory
+        """A local directory holding a stored policy version (downloaded into this node's cache from an S3 store);
+        a clear error when it was never committed or was pruned."""
+        try:
+            return self.checkpoints.fetch(run, agent, version)
+        except CheckpointError as error:
+            raise StoreError(str(error)) from None
+
+    # -- run records ------------------------------------------------------------------------------
+    def read_record(self, run: str, name: str) -> dict | None:
+        """A small JSON record of a run (``launch.json``), in the store (the bucket for S3); None when absent."""
+        _check_name("run", run)
+        return read_json(self.location, self.location.path(f"run={run}", name))
+
+    def write_record(self, run: str, name: str, record: dict) -> None:
+        """Replace a run's record at once (a rename locally, one PUT on S3): a writer killed midway leaves the old
+        record whole."""
+        _check_name("run", run)
+        write_json(self.location, self.location.path(f"run={run}", name), record)
 
 
 def _check_name(kind: str, value: object) -> None:

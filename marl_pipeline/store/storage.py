@@ -6,7 +6,9 @@ one code path; only the commit point differs (docs/store.md).
 
 from __future__ import annotations
 
+import json
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +62,9 @@ def open_location(config: StoreConfig) -> Location:
 
 
 def policy_root(config: StoreConfig, location: Location) -> Path:
-    """Local directory for policy checkpoints: the store itself, or the cache of a remote store.
+    """Local directory for policy checkpoints: the store itself, or this node's cache of a remote store (a
+    relative ``policy_cache`` and the default are taken from the working directory of the process that opens
+    the store, so each Ray node keeps its own).
 
     Checkpoints are Hugging Face directories that vLLM and transformers load from a local path.
     """
@@ -69,3 +73,24 @@ def policy_root(config: StoreConfig, location: Location) -> Path:
     if config.policy_cache:
         return Path(config.policy_cache).absolute()
     return (Path(".marl") / "cache" / location.base).absolute()
+
+
+def read_json(location: Location, path: str) -> dict | None:
+    """A JSON record at ``path`` in the store; None when there is none."""
+    try:
+        return json.loads(location.fs.cat_file(path))
+    except FileNotFoundError:
+        return None
+
+
+def write_json(location: Location, path: str, record: dict) -> None:
+    """Replace a JSON record at once: a temporary file renamed over it (local), or one PUT (S3, atomic)."""
+    data = json.dumps(record).encode()
+    if not location.local:
+        location.fs.pipe_file(path, data)
+        return
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
+    temporary.write_bytes(data)
+    os.replace(temporary, target)

@@ -94,7 +94,8 @@ def check_token_ids(store: ExperienceStore, key: MicroBatchKey) -> CheckOutcome:
 
 def vocab_size(store: ExperienceStore, run: str, agent: str) -> int:
     """The agent's vocabulary size, from its base policy's Hugging Face config."""
-    path = store.policy_dir(run, agent, 0) / "config.json"
-    if not path.is_file():
-        raise StoreError(f"{agent}: no policy checkpoint at {path} to read the vocabulary size from")
-    return int(json.loads(path.read_text())["vocab_size"])
+    data = store.policy_file(run, agent, 0, "config.json")
+    if data is None:
+        raise StoreError(f"{agent}: no policy checkpoint at {store.policy_dir(run, agent, 0)} (store {store.uri}) "
+                         f"to read the vocabulary size from")
+    return int(json.loads(data)["vocab_size"])

@@ -1,0 +1,94 @@
+"""LoRA through peft: an agent's trainable adapters over its frozen base policy (version 0), and the merged weights
+engines serve.
+
+Where each part lives. Version 0 of a LoRA agent is a full Hugging Face directory (the base, warmed up or not),
+which ``store.retention`` never prunes; every later version holds only the adapters (peft's
+``adapter_config.json`` and ``adapter_model.safetensors``) and the trainer state (AdamW's moments of the adapter
+parameters, the RNG). An engine needs full weights, so it loads the base and merges a version's adapters on load
+(:func:`merged_checkpoint`), and during a run it gets merged weights from the trainer (:func:`merged_weights`) by
+the same ``reload_weights`` path as a fully fine-tuned agent. Why not vLLM's own LoRA (``enable_lora``), which
+vLLM 0.32 does run on CPU: each version would have to reach the engine as a file before it could serve it, every
+request would carry a ``LoRARequest``, and each token pays the adapters' extra matmuls (BENCHMARKS.md, "LoRA");
+merged weights cost nothing at serving time and keep one sync path for both kinds of agent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ADAPTER_CONFIG = "adapter_config.json"
+"""peft's file in a directory that holds adapters: how a LoRA checkpoint is told from a full one."""
+
+
+class LoraCheckpointError(ValueError):
+    """A policy directory does not hold what the agent's config needs (adapters or full weights)."""
+
+
+def is_adapter_checkpoint(directory: str | Path) -> bool:
+    return (Path(directory) / ADAPTER_CONFIG).is_file()
+
+
+def lora_policy(model_dir: str, version: int, base_dir: str | None, *, rank: int, alpha: float,
+                target_modules: str | list[str]):
+    """(peft model with trainable adapters, tokenizer) for a LoRA agent at ``version``.
+
+    Version 0 is the base itself (``model_dir``): fresh adapters are added to it, B = 0 so the policy starts
+    equal to the base. A later version's ``model_dir`` holds adapters, loaded over ``base_dir`` (version 0)."""
+    import peft
+
+    from marl_pipeline.runtime.models import load_policy
+
+    if version == 0 and not is_adapter_checkpoint(model_dir):
+        model, tokenizer = load_policy(model_dir)
+        settings = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0)
+        return peft.get_peft_model(model, settings), tokenizer
+    if not is_adapter_checkpoint(model_dir):
+        raise LoraCheckpointError(
+            f"{model_dir}: version {version} is a full fine-tuning checkpoint (no {ADAPTER_CONFIG}), but the agent "
+            f"has `lora`: a LoRA agent's versions after 0 are adapters over version 0. Train it without `lora`, or "
+            f"start a new run.")
+    base = _require_base(base_dir, model_dir)
+    saved = peft.PeftConfig.from_pretrained(model_dir)
+    if (saved.r, float(saved.lora_alpha)) != (rank, float(alpha)):
+        raise LoraCheckpointError(
+            f"{model_dir}: adapters of rank {saved.r}, alpha {saved.lora_alpha}, but the agent's `lora` asks for rank "
+            f"{rank}, alpha {alpha}; a lineage keeps its adapters' shape (start a new run to change it)")
+    model, tokenizer = load_policy(base)
+    return peft.PeftModel.from_pretrained(model, model_dir, is_trainable=True), tokenizer
+
+
+def merged_weights(model) -> list[tuple[str, object]]:
+    """A peft model's weights as the plain model's (Hugging Face names), each adapted layer's weight W + s B A:
+    what an engine loads. Computed beside the trainer's weights, which stay unmerged: merging in place and
+    unmerging after would leave rounding in the frozen base every step."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    with torch.no_grad():
+        merged = {f"{name}.weight": module.base_layer.weight + module.get_delta_weight(module.active_adapters[0])
+                  for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+        weights = []
+        for name, tensor in base.state_dict().items():
+            if ".lora_" in name:
+                continue
+            plain = name.replace(".base_layer.", ".")
+            weights.append((plain, merged[plain] if plain in merged else tensor.detach().clone()))
+    return weights
+
+
+def merged_checkpoint(base_dir: str, adapter_dir: str) -> list[tuple[str, object]]:
+    """The merged weights of a stored adapter version over its base, for an engine that starts at that version."""
+    import peft
+
+    from marl_pipeline.runtime.models import load_policy
+
+    model, _ = load_policy(_require_base(base_dir, adapter_dir))
+    return merged_weights(peft.PeftModel.from_pretrained(model, adapter_dir))
+
+
+def _require_base(base_dir: str | None, adapter_dir: str) -> str:
+    if base_dir is None or not (Path(base_dir) / "config.json").is_file():
+        raise LoraCheckpointError(f"{adapter_dir} holds LoRA adapters, whose base policy (the agent's version 0) is "
+                                  f"not at {base_dir}")
+    return base_dir
