@@ -86,6 +86,12 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
     missing = [role for role in roles if role not in config.agents]
     if missing:
         raise ConfigError(f"invalid config {source}:\n  agents: missing agent(s) {missing} required by the environment")
+    replicated = [name for name, agent in config.agents.items() if agent.engine.replicas > 1]
+    if replicated and config.pipeline.rollout.mode != "trajectory":
+        raise ConfigError(f"invalid config {source}:\n  agents.{replicated[0]}.engine.replicas: "
+                          f"{config.agents[replicated[0]].engine.replicas} replicas need pipeline.rollout.mode "
+                          f"'trajectory' (requests routed one at a time); mode "
+                          f"{config.pipeline.rollout.mode!r} sends each turn as one batch to one engine")
     reward_model = config.reward_model
     if reward_model is not None:
         unknown = [name for name in reward_model.agents or [] if name not in roles]

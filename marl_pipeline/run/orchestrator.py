@@ -216,11 +216,13 @@ class Orchestrator:
 
     def _publish_loop(self, inbox: queue.Queue, agent: str) -> None:
         """One agent's step end: optimizer step result, weight sync into its engine, policy commit."""
-        engine = self.workers.engines[agent]
+        replicas = self.workers.engines[agent]
         while (pending := self._get(inbox)) is not None:
             started = time.time()
             result = ray.get(pending.applied)
-            _, upload = ray.get([engine.load_weights.remote(pending.weights, result.policy_version), pending.saved])
+            # One replica at a time (the others keep serving); the upload runs meanwhile.
+            replicas.load_weights(pending.weights, result.policy_version)
+            upload = ray.get(pending.saved)
             timing = StageTiming(pending.enqueued, started, time.time())
             record = json.dumps({"step": pending.step, **asdict(timing), **asdict(result)}).encode()
             path = self.store.publish_policy(upload, {"timing.json": record})
@@ -240,7 +242,7 @@ class Orchestrator:
 
     def _evaluate_if_due(self, agent: str, version: int) -> None:
         if self.evaluations is not None and self.evaluations.due(version):
-            committed = self.evaluations.evaluate(agent, self.workers.engines[agent], version)
+            committed = self.evaluations.evaluate(agent, self.workers.engines[agent].primary(), version)
             if committed is not None:
                 self._events.put(committed)
 

@@ -119,13 +119,15 @@ def observe_reply(env: Environment, role: str, task: Task, transcript: list[Turn
 def append_turn(columns: dict[str, list], key: MicroBatchKey, task: Task, prompt_index: int, trajectory: int,
                 episode: int, turn: int, role: str, prompt: str, completion: Completion, version: int,
                 start: datetime, end: datetime, observation: str | None, error: str | None,
-                status: str | None = None) -> None:
-    """One turn's row; ``status`` defaults to ``ok``, or ``observe_failed`` when there is an ``error``."""
+                status: str | None = None, engine: str | None = None) -> None:
+    """One turn's row; ``status`` defaults to ``ok``, or ``observe_failed`` when there is an ``error``; ``engine``
+    names the replica that served it (default ``<role>/0``, the one engine of the turn-batched rollout)."""
     input_id = f"{key.step}-{key.micro_batch}-{prompt_index}"  # the prompt's n episodes are its GRPO group
     row = {
         "sample_id": f"{input_id}_{turn}_{trajectory}", "episode": episode, "task_id": str(task["id"]),
         "group_id": input_id, "trajectory": trajectory, "role": role, "turn": turn, "task": json.dumps(task),
-        "policy_version": version, "engine": f"{role}/0", "prompt_text": prompt, "response_text": completion.text,
+        "policy_version": version, "engine": engine or f"{role}/0", "prompt_text": prompt,
+        "response_text": completion.text,
         "prompt_ids": completion.prompt_ids, "response_ids": completion.response_ids,
         "logprobs": completion.logprobs, "finish_reason": completion.finish_reason, "observation": observation,
         "rollout_start": start, "rollout_end": end,
