@@ -94,7 +94,7 @@ def _rollout_in_background(env, engines: EngineReplicas, key: MicroBatchKey):
         try:
             result["table"] = rollout_trajectories(env, {"writer": engines, "checker": engines}, key, SETTINGS,
                                                    RolloutConfig())
-        except BaseException as error:  # noqa: BLE001 - re-raised by the test
+        except BaseException as error:  # re-raised by the test
             result["error"] = error
 
     thread = threading.Thread(target=run)

@@ -72,6 +72,9 @@ class AsyncRolloutEngine:
         self._ids = itertools.count()
         self._failure: BaseException | None = None
         self._closed = False
+        # Prompt tokens of finished requests, and those of them vLLM found in its prefix cache (its per-request
+        # num_cached_tokens, which its prefix_cache_hits metric sums; the engine runs with stats logging off).
+        self._prompt_tokens = self._cached_tokens = 0
         # The engine is built (and warmed up, as the batched RolloutEngine builds it) on the thread that steps it:
         # OpenMP's thread count is per thread, and vLLM's CPU attention fails a step computed with another count
         # than the one it was set up with ("Check failed: input->metadata->thread_num == thread_num (1 vs. 2)").
@@ -145,6 +148,11 @@ class AsyncRolloutEngine:
     async def tokenizer(self):
         return self._engine.tokenizer()
 
+    async def prefix_cache_stats(self) -> dict[str, int]:
+        """Prompt tokens of the requests finished so far (``queries``) and how many of them were prefix-cache hits
+        (``hits``), as vLLM counted them per request."""
+        return {"queries": self._prompt_tokens, "hits": self._cached_tokens}
+
     async def unfinished_requests(self) -> int:
         """Requests added and not yet finished (held ones included)."""
         return await self._call(lambda deliver: deliver(len(self._running) + len(self._held())))
@@ -205,6 +213,8 @@ class AsyncRolloutEngine:
                 if self._busy():
                     for output in self._core.step():
                         if output.finished and (request := self._running.pop(output.request_id, None)):
+                            self._prompt_tokens += len(output.prompt_token_ids or ())
+                            self._cached_tokens += output.num_cached_tokens or 0
                             request.deliver((output, request.version))
         except BaseException as error:  # every waiting caller learns why, instead of hanging
             self._failure = error

@@ -45,6 +45,7 @@ class EngineReplicas:
         self._version = version
         self._weights = None  # reference to the newest weights synced, for a restart
         self._restarts: dict[int, threading.Thread] = {}
+        self._closed = False
         self.restarted: list[tuple[int, int]] = []
         """(replica, version it came back at), in order: what a test or the run's metadata reads."""
         self.restart_errors: list[str] = []
@@ -131,6 +132,9 @@ class EngineReplicas:
             while True:  # a sync may have set a newer version while this one loaded
                 with self._lock:
                     version, weights = self._version, self._weights
+                    if self._closed:  # the run ended while this replica started: it must not outlive the run
+                        ray.kill(handle)
+                        return
                     if served == version:
                         self._handles[replica] = handle
                         self.router.mark_up(replica)
@@ -144,9 +148,15 @@ class EngineReplicas:
                 self._restarts.pop(replica, None)
 
     def shutdown(self) -> None:
-        self.wait_restarts(timeout=0)
-        for handle in self.handles():
-            ray.kill(handle)
+        """Kill every replica; one still restarting kills its new actor once it is up."""
+        with self._lock:
+            self._closed = True
+            handles = list(self._handles)
+        for handle in handles:
+            try:
+                ray.kill(handle)
+            except Exception:  # a replica that died and was not replaced yet
+                pass
 
 
 def as_replicas(engines: dict) -> dict[str, EngineReplicas]:
