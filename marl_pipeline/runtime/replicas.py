@@ -45,6 +45,7 @@ class EngineReplicas:
         self._version = version
         self._weights = None  # reference to the newest weights synced, for a restart
         self._restarts: dict[int, threading.Thread] = {}
+        self._starting: dict[int, object] = {}  # replica -> its replacement actor, until it serves
         self._closed = False
         self.restarted: list[tuple[int, int]] = []
         """(replica, version it came back at), in order: what a test or the run's metadata reads."""
@@ -122,12 +123,18 @@ class EngineReplicas:
     def _restart(self, replica: int, dead) -> None:
         try:
             ray.kill(dead)  # a hung actor (not a dead one) must not come back beside its replacement
-        except Exception:
+        except Exception:  # already gone: the usual case
             pass
         try:
             with self._lock:
                 version, weights = self._version, self._weights
             handle = self.spawn(replica, version if weights is None else self.base_version)
+            with self._lock:
+                self._starting[replica] = handle
+                closed = self._closed
+            if closed:
+                ray.kill(handle)
+                return
             served = ray.get(handle.policy_version.remote())
             while True:  # a sync may have set a newer version while this one loaded
                 with self._lock:
@@ -141,17 +148,19 @@ class EngineReplicas:
                         self.restarted.append((replica, version))
                         return
                 served = ray.get(handle.load_weights.remote(weights, version))
-        except Exception as error:
-            self.restart_errors.append(f"{self.agent}/{replica}: {error!r}")
+        except Exception as error:  # the replica stays down; the others serve
+            if not self._closed:  # else: killed by shutdown while it started, as it should be
+                self.restart_errors.append(f"{self.agent}/{replica}: {error!r}")
         finally:
             with self._lock:
                 self._restarts.pop(replica, None)
+                self._starting.pop(replica, None)
 
     def shutdown(self) -> None:
-        """Kill every replica; one still restarting kills its new actor once it is up."""
+        """Kill every replica, and the replacement of one still restarting (its thread then ends)."""
         with self._lock:
             self._closed = True
-            handles = list(self._handles)
+            handles = [*self._handles, *self._starting.values()]
         for handle in handles:
             try:
                 ray.kill(handle)
