@@ -59,6 +59,7 @@ def test_a_replica_killed_mid_run_loses_nothing_and_the_run_finishes(local_ray, 
     data["environment"] = {"name": "arithmetic_solo", "options": copy.deepcopy(data["environment"].get("options", {}))}
     solver = data["agents"]["solver"]
     solver["engine"] = {"replicas": 2, "gpu_memory_utilization": 0.04}
+    data["pipeline"]["rollout"] = {"rebalance_replicas": True}  # one agent: the split is 2, run between steps
     data["agents"] = {"solver": solver}
     config = parse_config(data)
     before = set(_engines())

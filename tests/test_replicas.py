@@ -177,3 +177,35 @@ def test_a_replica_killed_mid_rollout_loses_and_duplicates_nothing_and_comes_bac
     sampled = local_ray.get(restarted.generate_one.remote("after", [17, 11, 18, 29], 0, 8, 1.0))
     assert sampled.completion.logprobs == pytest.approx(
         policies[1].completion_logprobs([17, 11, 18, 29], sampled.completion.response_ids), abs=LOGPROB_TOLERANCE)
+
+
+def test_a_replica_set_shrinks_and_grows_and_a_started_replica_serves_the_current_version(
+        local_ray, replicas: EngineReplicas, policies: dict, tmp_path: Path) -> None:
+    """What the inter-agent split (pipeline.rollout.rebalance_replicas) does to an agent between steps."""
+    if replicas.version != 1:  # run alone: bring the replicas to version 1 first
+        replicas.load_weights(local_ray.put(policies[1].named_weights()), 1)
+    replicas.wait_restarts(timeout=300)
+    store = ExperienceStore(tmp_path / "store")
+    retired = replicas.handle(1)
+    replicas.resize(1)
+    assert replicas.active() == 1 and replicas.handle(1) is None
+    with pytest.raises(local_ray.exceptions.RayActorError):
+        local_ray.get(retired.policy_version.remote())  # killed, not merely unrouted
+    key = MicroBatchKey("shrunk", 3, 0)
+    rows = _committed(store, key, *_rollout_in_background(Paced(reply_s=0.0), replicas, key))
+    assert {r["engine"] for r in rows} == {"writer/0", "checker/0"}
+
+    replicas.resize(2)
+    replicas.wait_restarts(timeout=300)
+    assert replicas.restart_errors == [] and replicas.active() == 2
+    started = replicas.handle(1)
+    assert started is not None and local_ray.get(started.policy_version.remote()) == 1
+    key = MicroBatchKey("grown", 3, 1)
+    rows = _committed(store, key, *_rollout_in_background(Paced(reply_s=0.0), replicas, key))
+    assert {r["engine"] for r in rows} == {"writer/0", "writer/1", "checker/0", "checker/1"}
+    for row in rows:  # every turn, on either replica, sampled by version 1
+        assert row["policy_version"] == 1
+        assert row["logprobs"] == pytest.approx(
+            policies[1].completion_logprobs(row["prompt_ids"], row["response_ids"]), abs=LOGPROB_TOLERANCE)
+    with pytest.raises(ValueError, match="3 replicas requested; this set holds 1 to 2"):
+        replicas.resize(3)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import copy
 
+import pyarrow as pa
 import pytest
 
 from marl_pipeline.config import ConfigError, parse_config
 from marl_pipeline.runtime.placement import PlacementError, plan_placement
-from marl_pipeline.runtime.router import NoReplica, Router
+from marl_pipeline.runtime.router import NoReplica, Router, split_replicas
+from marl_pipeline.stages.trajectories import token_demand
 
 
 def test_an_episode_stays_on_the_replica_that_served_its_first_turn() -> None:
@@ -106,3 +108,34 @@ def test_the_placement_plan_reserves_every_replica(demo_config_data: dict) -> No
     assert plan.summary()["total"].startswith(f"{0.5 * (3 + 1 + 2):g} of 8 CPU")
     with pytest.raises(PlacementError, match=r"solver: engine 3 replicas x 0.5 \+ trainer 0.5"):
         plan_placement(config, [{"CPU": 2.0}])
+
+
+@pytest.mark.parametrize(("demand", "total", "expected"), [
+    ({"a": 300, "b": 100}, 4, {"a": 3, "b": 1}),
+    ({"a": 1000, "b": 1}, 4, {"a": 3, "b": 1}),  # at least one each
+    ({"a": 1, "b": 1, "c": 1}, 4, {"a": 2, "b": 1, "c": 1}),  # ties to the earlier agent
+    ({"a": 0, "b": 0}, 4, {"a": 2, "b": 2}),
+    ({"a": 50, "b": 30, "c": 20}, 10, {"a": 5, "b": 3, "c": 2}),
+])
+def test_replicas_are_split_across_agents_in_proportion_to_token_demand(demand, total, expected) -> None:
+    assert split_replicas(demand, total) == expected
+
+
+def test_a_split_that_cannot_give_every_agent_a_replica_is_refused() -> None:
+    with pytest.raises(ValueError, match="3 replicas cannot give each of 4 agents one"):
+        split_replicas({"a": 1, "b": 1, "c": 1, "d": 1}, 3)
+
+
+def test_token_demand_counts_prompt_and_response_tokens_per_agent() -> None:
+    rollouts = pa.table({"agent": ["a", "b", "a"], "prompt_ids": [[1, 2, 3], [4], [5, 6]],
+                         "response_ids": [[7], [8, 9], []]})
+    assert token_demand(rollouts, ["a", "b", "c"]) == {"a": 6, "b": 3, "c": 0}
+
+
+def test_rebalancing_needs_engines_that_ask_alike(demo_config_data: dict) -> None:
+    data = copy.deepcopy(demo_config_data)
+    data.setdefault("pipeline", {}).setdefault("rollout", {})["rebalance_replicas"] = True
+    assert parse_config(data).pipeline.rollout.rebalance_replicas
+    data["agents"]["solver"].setdefault("engine", {})["num_cpus"] = 1.0
+    with pytest.raises(ConfigError, match=r"pipeline\.rollout\.rebalance_replicas: moves replicas between agents"):
+        parse_config(data)

@@ -75,11 +75,18 @@ class RolloutConfig(StrictModel):
     """Where a reply is computed: a driver thread, or the run's action pool (a reply that costs real time: running
     code, a tool; the plugin must then be an action environment, which has the pool, and picklable)."""
 
+    rebalance_replicas: bool = False
+    """Between steps, split the agents' engine replicas (their ``engine.replicas`` summed: the budget the placement
+    plan reserved) in proportion to each agent's tokens (prompt + response) in the step before, at least one each
+    (FlexMARL's inter-agent level; runtime/router.py ``split_replicas``). Needs every agent's engine to ask for the
+    same CPUs and GPUs, so that a replica moved from one agent to another fits where the old one was."""
+
     @model_validator(mode="after")
     def validate_trajectory_options(self) -> RolloutConfig:
-        if self.mode == "turn_batched" and (self.episode_timeout_s is not None or self.observe_on != "thread"):
-            raise ValueError("episode_timeout_s and observe_on apply to mode 'trajectory' only: a turn-batched "
-                             "rollout cannot cut one episode or move its replies")
+        if self.mode == "turn_batched" and (self.episode_timeout_s is not None or self.observe_on != "thread"
+                                            or self.rebalance_replicas):
+            raise ValueError("episode_timeout_s, observe_on and rebalance_replicas apply to mode 'trajectory' only: "
+                             "a turn-batched rollout cannot cut one episode, move its replies or route to replicas")
         return self
 
 

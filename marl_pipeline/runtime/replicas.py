@@ -10,11 +10,15 @@ sync one replica at a time, and restarting a replica that died.
   brought to the newest version this set was told to serve (the weights kept by reference from the last sync,
   since the driver commits a version to the store only once the engines serve it). It takes requests again once
   it serves that version, never an older one, so a restart cannot break the staleness bound.
+- *Resizing* (the inter-agent split, ``pipeline.rollout.rebalance_replicas``): a set has ``capacity`` slots, some
+  retired (down in the router, no actor). :meth:`EngineReplicas.resize` retires the highest slots (their actors
+  killed once nothing is outstanding on them) or starts replicas in retired slots, the way a restart does.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import ray
@@ -34,12 +38,19 @@ class EngineReplicas:
     """
 
     def __init__(self, agent: str, handles: list, version: int | None = None, spawn: Spawn | None = None,
-                 max_outstanding: int | None = None, policy: Policy = "sticky", base_version: int = 0) -> None:
+                 max_outstanding: int | None = None, policy: Policy = "sticky", base_version: int = 0,
+                 capacity: int | None = None) -> None:
         if not handles:
             raise ValueError(f"{agent}: an engine replica set needs at least one engine handle")
+        capacity = capacity or len(handles)
+        if capacity < len(handles):
+            raise ValueError(f"{agent}: capacity {capacity} is below the {len(handles)} replicas given")
         self.agent, self.spawn, self.base_version = agent, spawn, base_version
-        self.router = Router(len(handles), max_outstanding, policy)
-        self._handles = list(handles)
+        self.router = Router(capacity, max_outstanding, policy)
+        self._handles = [*handles, *[None] * (capacity - len(handles))]
+        self._retired = set(range(len(handles), capacity))  # slots without a replica (resize)
+        for slot in self._retired:
+            self.router.mark_down(slot)
         self._lock = threading.Lock()
         self._sync = threading.Lock()  # one weight sync at a time
         self._version = version
@@ -59,14 +70,21 @@ class EngineReplicas:
             return self._handles[replica]
 
     def handles(self) -> list:
+        """The replicas' actors (retired slots have none)."""
         with self._lock:
-            return list(self._handles)
+            return [handle for handle in self._handles if handle is not None]
+
+    def active(self) -> int:
+        """Replicas this set holds or is starting (slots not retired)."""
+        with self._lock:
+            return len(self._handles) - len(self._retired)
 
     def primary(self):
         """A live replica's handle, for calls that any replica answers alike (evaluation, tokenizer, directory)."""
         with self._lock:
-            live = [i for i in range(len(self._handles)) if not self.router.is_down(i)]
-            return self._handles[live[0] if live else 0]
+            slots = [i for i, handle in enumerate(self._handles) if handle is not None and i not in self._retired]
+            live = [i for i in slots if not self.router.is_down(i)]
+            return self._handles[(live or slots)[0]]
 
     @property
     def version(self) -> int | None:
@@ -85,6 +103,8 @@ class EngineReplicas:
                 if self.router.is_down(replica):
                     continue  # its restart loads the version just set
                 handle = self.handle(replica)
+                if handle is None:
+                    continue  # retired just now
                 self.router.set_draining(replica, True)
                 try:
                     ray.get(handle.load_weights.remote(weights, version))
@@ -99,8 +119,8 @@ class EngineReplicas:
         """``handle`` (replica ``replica``) failed with ``RayActorError``: route nothing to it, restart it. Called by
         every request that saw it fail; only the first starts the restart."""
         with self._lock:
-            if self._handles[replica] is not handle or replica in self._restarts:
-                return  # already replaced, or being restarted
+            if self._handles[replica] is not handle or replica in self._restarts or replica in self._retired:
+                return  # already replaced, being restarted, or retired on purpose
             self.router.mark_down(replica)
             if self.spawn is None:
                 return
@@ -122,7 +142,8 @@ class EngineReplicas:
 
     def _restart(self, replica: int, dead) -> None:
         try:
-            ray.kill(dead)  # a hung actor (not a dead one) must not come back beside its replacement
+            if dead is not None:
+                ray.kill(dead)  # a hung actor (not a dead one) must not come back beside its replacement
         except Exception:  # already gone: the usual case
             pass
         try:
@@ -139,8 +160,8 @@ class EngineReplicas:
             while True:  # a sync may have set a newer version while this one loaded
                 with self._lock:
                     version, weights = self._version, self._weights
-                    if self._closed:  # the run ended while this replica started: it must not outlive the run
-                        ray.kill(handle)
+                    if self._closed or replica in self._retired:  # the run ended, or the slot was retired
+                        ray.kill(handle)  # while this replica started: it must not outlive its set
                         return
                     if served == version:
                         self._handles[replica] = handle
@@ -156,11 +177,43 @@ class EngineReplicas:
                 self._restarts.pop(replica, None)
                 self._starting.pop(replica, None)
 
+    # -- resizing ---------------------------------------------------------------------------------
+    def resize(self, replicas: int, drain_timeout_s: float = 60.0) -> None:
+        """Hold ``replicas`` replicas: retire the highest slots (no new request reaches them at once; their actors
+        are killed once their outstanding requests are done, or after ``drain_timeout_s``), or start replicas in
+        retired slots (they take requests once they serve the current version, as a restart does)."""
+        if not 1 <= replicas <= len(self):
+            raise ValueError(f"{self.agent}: {replicas} replicas requested; this set holds 1 to {len(self)}")
+        if self.spawn is None:
+            raise ValueError(f"{self.agent}: this replica set cannot start replicas (no spawn function)")
+        with self._sync, self._lock:  # not while a weight sync walks the slots
+            held = [i for i in range(len(self)) if i not in self._retired]
+            retire = held[replicas:] if replicas < len(held) else []
+            start = sorted(self._retired)[:max(0, replicas - len(held))]
+            for slot in retire:
+                self._retired.add(slot)
+                self.router.mark_down(slot)
+            for slot in start:
+                self._retired.discard(slot)
+                self._restarts[slot] = threading.Thread(target=self._restart, args=(slot, None), daemon=True,
+                                                        name=f"start-{self.agent}-{slot}")
+            threads = [self._restarts[slot] for slot in start]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + drain_timeout_s
+        for slot in retire:
+            while self.router.outstanding()[slot] > 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with self._lock:
+                handle, self._handles[slot] = self._handles[slot], None
+            if handle is not None:
+                ray.kill(handle)
+
     def shutdown(self) -> None:
         """Kill every replica, and the replacement of one still restarting (its thread then ends)."""
         with self._lock:
             self._closed = True
-            handles = [*self._handles, *self._starting.values()]
+            handles = [h for h in [*self._handles, *self._starting.values()] if h is not None]
         for handle in handles:
             try:
                 ray.kill(handle)

@@ -103,3 +103,25 @@ class Router:
     def is_down(self, replica: int) -> bool:
         with self._lock:
             return replica in self._down
+
+
+def split_replicas(demand: dict[str, float], total: int) -> dict[str, int]:
+    """Across agents (FlexMARL's inter-agent level): ``total`` replicas split in proportion to each agent's token
+    demand, at least one each; largest remainders get the replicas that rounding leaves, ties to the earlier agent.
+    No demand at all splits evenly."""
+    if not demand:
+        raise ValueError("split_replicas needs at least one agent")
+    if total < len(demand):
+        raise ValueError(f"{total} replicas cannot give each of {len(demand)} agents one")
+    if any(d < 0 for d in demand.values()):
+        raise ValueError(f"token demand must be >= 0, got {demand}")
+    agents, whole = list(demand), sum(demand.values())
+    quota = {a: total * (demand[a] / whole if whole > 0 else 1 / len(agents)) for a in agents}
+    split = {a: max(1, int(quota[a])) for a in agents}
+    while sum(split.values()) > total:  # the minimum of one pushed it over: take from the most over-served
+        over = max((a for a in agents if split[a] > 1), key=lambda a: (split[a] - quota[a], -agents.index(a)))
+        split[over] -= 1
+    while sum(split.values()) < total:
+        under = max(agents, key=lambda a: (quota[a] - split[a], -agents.index(a)))
+        split[under] += 1
+    return split

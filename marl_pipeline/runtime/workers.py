@@ -152,6 +152,8 @@ def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, vers
     """Each agent's engine replicas (``agents.<name>.engine.replicas``, or ``replicas`` for every agent), serving the
     given policy version from the store; a replica that dies is restarted the same way (runtime/replicas.py)."""
     engine_class = StoreAsyncEngine if config.pipeline.rollout.mode == "trajectory" else StoreEngine
+    rebalance = config.pipeline.rollout.rebalance_replicas
+    budget = sum(agent.engine.replicas for agent in config.agents.values())
     sets = {}
     for index, (agent, agent_config) in enumerate(config.agents.items()):
         engine = agent_config.engine
@@ -159,8 +161,10 @@ def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, vers
         options = dict(gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
                        dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine))
         spawn = partial(_spawn_engine, actor, store.config, config.run, agent, options)
+        # With rebalancing, any agent may come to hold every replica but one per other agent.
+        capacity = (budget - len(config.agents) + 1) if rebalance and replicas is None else None
         sets[agent] = EngineReplicas(agent, [spawn(k, versions[agent]) for k in range(replicas or engine.replicas)],
-                                     versions[agent], spawn, engine.max_outstanding)
+                                     versions[agent], spawn, engine.max_outstanding, capacity=capacity)
     return sets
 
 

@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import ray
 
 from marl_pipeline.config import ExperimentConfig, RolloutConfig
@@ -73,6 +74,17 @@ def sample_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHandl
     if options.mode == "turn_batched":
         return rollout_micro_batch(env, {a: r.primary() for a, r in as_replicas(engines).items()}, key, settings)
     return rollout_trajectories(env, engines, key, settings, options, pool)
+
+
+def token_demand(rollouts: pa.Table, agents: list[str]) -> dict[str, int]:
+    """Each agent's tokens (prompt + response, what its engines computed) in a rollouts table; 0 for an agent
+    with no turn in it."""
+    prompt = pc.list_value_length(rollouts.column("prompt_ids"))
+    response = pc.list_value_length(rollouts.column("response_ids"))
+    table = pa.table({"agent": rollouts.column("agent"), "tokens": pc.add(prompt, response)})
+    sums = table.group_by("agent").aggregate([("tokens", "sum")]).to_pydict()
+    found = dict(zip(sums["agent"], sums["tokens_sum"]))
+    return {agent: int(found.get(agent, 0)) for agent in agents}
 
 
 def rollout_trajectories(env: Environment, engines: dict[str, ray.actor.ActorHandle | EngineReplicas],
