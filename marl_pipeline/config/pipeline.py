@@ -85,8 +85,9 @@ class RolloutConfig(StrictModel):
     def validate_trajectory_options(self) -> RolloutConfig:
         if self.mode == "turn_batched" and (self.episode_timeout_s is not None or self.observe_on != "thread"
                                             or self.rebalance_replicas):
-            raise ValueError("episode_timeout_s, observe_on and rebalance_replicas apply to mode 'trajectory' only: "
-                             "a turn-batched rollout cannot cut one episode, move its replies or route to replicas")
+            raise ValueError("episode_timeout_s and observe_on apply to mode 'trajectory' only, as does "
+                             "rebalance_replicas: a turn-batched rollout cannot cut one episode, move its replies or "
+                             "route to replicas")
         return self
 
 
