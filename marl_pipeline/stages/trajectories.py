@@ -181,6 +181,8 @@ class _MicroBatch:
                 sampled = await handle.generate_one.remote(request_id, request, seed, self.settings.max_new_tokens,
                                                            self.settings.temperature)
             except ray.exceptions.RayActorError as error:
+                # Died, or unreachable (ActorUnavailableError is one too): Ray never restarts our engine actors, so
+                # an unreachable replica is treated as lost, replaced, and the request goes elsewhere.
                 self.in_flight.pop(e, None)
                 replicas.replica_died(replica, handle)
                 failures.append(f"{role}/{replica}: {type(error).__name__}")
