@@ -106,10 +106,11 @@ def _placement() -> dict[str, list[set[str]]]:
     import ray
 
     resources = {node["NodeID"]: {r for r in node["Resources"] if r in ("engines", "trainers")} for node in ray.nodes()}
-    placed: dict[str, list[set[str]]] = {"StoreEngine": [], "StoreTrainer": []}
+    placed: dict[str, list[set[str]]] = {"Engine": [], "Trainer": []}
     for actor in ray._private.state.actors(actor_state_name="ALIVE").values():
-        if actor["ActorClassName"] in placed:
-            placed[actor["ActorClassName"]].append(resources[actor["Address"]["NodeID"]])
+        kind = next((k for k in placed if actor["ActorClassName"].endswith(k)), None)  # StoreEngine, StoreAsyncEngine
+        if kind is not None:
+            placed[kind].append(resources[actor["Address"]["NodeID"]])
     return placed
 
 
@@ -137,7 +138,7 @@ def test_two_nodes_pin_sync_and_survive_the_loss_of_the_trainers_node(cluster, d
     try:
         # Kill the trainers' node once version 1 is committed and step 1 is under way: after a weight sync, mid-step.
         while process.poll() is None and time.monotonic() < deadline:
-            if any(len(placed.get(c, [])) < 2 for c in ("StoreEngine", "StoreTrainer")):  # until all four are up
+            if any(len(placed.get(c, [])) < 2 for c in ("Engine", "Trainer")):  # until all four are up
                 placed = _placement()
             if store.policy_versions("demo", "verifier")[-1:] == [1] and _committed(store) >= 4 * micro_batches + 2:
                 break
@@ -145,7 +146,7 @@ def test_two_nodes_pin_sync_and_survive_the_loss_of_the_trainers_node(cluster, d
     finally:
         ray.shutdown()
     assert process.poll() is None, process.communicate()[0][-4000:]
-    assert placed == {"StoreEngine": [{"engines"}] * 2, "StoreTrainer": [{"trainers"}] * 2}, placed
+    assert placed == {"Engine": [{"engines"}] * 2, "Trainer": [{"trainers"}] * 2}, placed
     before = _committed(store)
     nodes["worker"].kill()
     killed_at = time.monotonic()

@@ -16,7 +16,13 @@ from marl_pipeline.config.experiment import (
     parse_config,
     read_config_data,
 )
-from marl_pipeline.config.pipeline import AlgorithmConfig, EnvironmentConfig, PipelineConfig, PoolSettings
+from marl_pipeline.config.pipeline import (
+    AlgorithmConfig,
+    EnvironmentConfig,
+    PipelineConfig,
+    PoolSettings,
+    RolloutConfig,
+)
 from marl_pipeline.config.services import (
     EvaluationConfig,
     RayConfig,
@@ -27,8 +33,28 @@ from marl_pipeline.config.services import (
 )
 
 __all__ = [
-    "BUILTIN_TINY", "AgentConfig", "AlgorithmConfig", "ConfigError", "EngineConfig", "EnvironmentConfig",
-    "EvaluationConfig", "ExperimentConfig", "LoraAdapterConfig", "PipelineConfig", "PoolSettings", "RayConfig",
-    "RetentionConfig", "RetrainConfig", "RewardModelConfig", "StoreConfig", "StrictModel", "TrainerConfig",
-    "WarmupConfig", "apply_overrides", "load_config", "parse_config", "read_config_data",
+    "BUILTIN_TINY",
+    "AgentConfig",
+    "AlgorithmConfig",
+    "ConfigError",
+    "EngineConfig",
+    "EnvironmentConfig",
+    "EvaluationConfig",
+    "ExperimentConfig",
+    "LoraAdapterConfig",
+    "PipelineConfig",
+    "PoolSettings",
+    "RayConfig",
+    "RetentionConfig",
+    "RetrainConfig",
+    "RewardModelConfig",
+    "RolloutConfig",
+    "StoreConfig",
+    "StrictModel",
+    "TrainerConfig",
+    "WarmupConfig",
+    "apply_overrides",
+    "load_config",
+    "parse_config",
+    "read_config_data",
 ]

@@ -22,6 +22,14 @@ class EngineConfig(StrictModel):
     """Ray CPUs reserved for the engine actor."""
     num_gpus: float = Field(0.0, ge=0)
     """Ray GPUs reserved for the engine actor (0 on CPU machines)."""
+    replicas: int = Field(1, ge=1, le=64)
+    """Engine actors serving this agent (``trajectory`` rollout mode only), each reserving ``num_cpus``/``num_gpus``
+    and its own ``gpu_memory_utilization``. A router (runtime/router.py) keeps an episode on the replica that served
+    its earlier turns and sends a new one to the least loaded; weights are synced to one replica at a time, and a
+    replica that dies is restarted while the others serve (runtime/replicas.py)."""
+    max_outstanding: int | None = Field(None, ge=1)
+    """Requests in flight on one replica beyond which a new episode waits for room rather than join it (None: no
+    limit). An episode's later turns still go to its own replica."""
     threads: int | None = Field(None, ge=1)
     """CPU threads of the engine's forward passes. None: the cluster's CPUs shared among the run's engines and
     trainers in proportion to their ``num_cpus``, at least 1 and at most one node's CPUs (``runtime/workers.py``).

@@ -58,6 +58,39 @@ class EnvironmentConfig(StrictModel):
     retries, memory); None: the plugin's own ``pool_settings``, else the defaults."""
 
 
+class RolloutConfig(StrictModel):
+    """How the rollout stage samples a micro-batch's episodes."""
+
+    mode: Literal["trajectory", "turn_batched"] = "trajectory"
+    """``trajectory``: every episode is its own task, its next turn requested as soon as its previous turn and the
+    environment's reply are done, on the asynchronous engine (stages/trajectories.py). ``turn_batched``: turn k of
+    every episode in one batched call, all waiting for the slowest (stages/rollout.py; the comparison baseline)."""
+    episode_timeout_s: float | None = Field(None, gt=0)
+    """An episode still unfinished this long after its micro-batch started is cut: its request aborted, its finished
+    turns stored with status ``timeout``, and the environment stage records it failed (it earns nothing, and stays in
+    its GRPO group). None: no limit. ``trajectory`` mode only."""
+    observe_threads: int = Field(32, ge=1, le=256)
+    """Environment replies (``observe``) computed at once, each on a driver thread (``trajectory`` mode)."""
+    observe_on: Literal["thread", "action_pool"] = "thread"
+    """Where a reply is computed: a driver thread, or the run's action pool (a reply that costs real time: running
+    code, a tool; the plugin must then be an action environment, which has the pool, and picklable)."""
+
+    rebalance_replicas: bool = False
+    """Between steps, split the agents' engine replicas (their ``engine.replicas`` summed: the budget the placement
+    plan reserved) in proportion to each agent's tokens (prompt + response) in the step before, at least one each
+    (FlexMARL's inter-agent level; runtime/router.py ``split_replicas``). Needs every agent's engine to ask for the
+    same CPUs and GPUs, so that a replica moved from one agent to another fits where the old one was."""
+
+    @model_validator(mode="after")
+    def validate_trajectory_options(self) -> RolloutConfig:
+        if self.mode == "turn_batched" and (self.episode_timeout_s is not None or self.observe_on != "thread"
+                                            or self.rebalance_replicas):
+            raise ValueError("episode_timeout_s and observe_on apply to mode 'trajectory' only, as does "
+                             "rebalance_replicas: a turn-batched rollout cannot cut one episode, move its replies or "
+                             "route to replicas")
+        return self
+
+
 class PipelineConfig(StrictModel):
     """How work is cut into micro-batches and steps."""
 
@@ -79,6 +112,8 @@ class PipelineConfig(StrictModel):
     """Micro-batches the environment stage works on at once."""
     reward_concurrency: int = Field(1, ge=1, le=64)
     """Micro-batches the reward stage works on at once."""
+    rollout: RolloutConfig = RolloutConfig()
+    """How a micro-batch's episodes are sampled."""
 
     @model_validator(mode="after")
     def validate_synchronous_is_on_policy(self) -> PipelineConfig:

@@ -37,12 +37,13 @@ from marl_pipeline.environment import Environment
 from marl_pipeline.run.evaluations import EvaluationRounds
 from marl_pipeline.run.events import Event, PolicyCommitted, StageCommitted, StageTiming, StepFinished
 from marl_pipeline.run.launches import LaunchPlan
+from marl_pipeline.runtime.router import split_replicas
 from marl_pipeline.runtime.workers import Workers
 from marl_pipeline.stages.evaluation import EvaluationSettings, is_evaluated
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.reward import ModelReward, score_micro_batch
-from marl_pipeline.stages.rollout import RolloutSettings, rollout_micro_batch
 from marl_pipeline.stages.training import train_micro_batch
+from marl_pipeline.stages.trajectories import sample_micro_batch, token_demand
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import with_stage_timing
 
@@ -85,7 +86,6 @@ class Orchestrator:
         self.micro_batches = pipeline.micro_batches_per_step
         self.synchronous = pipeline.mode == "synchronous"
         self.staleness = 0 if self.synchronous else pipeline.staleness
-        self.rollout_settings = RolloutSettings.from_config(config)
         pool, settings = workers.reward_pool, config.reward_model
         self._model_reward = (ModelReward.from_settings(settings, pool.score)
                               if pool is not None and settings is not None else None)
@@ -157,6 +157,8 @@ class Orchestrator:
             if not self._wait_until_served(step - self.staleness):
                 return  # the run stopped: the gate never opened, so this step must not be sampled
             self._step_started.setdefault(step, time.time())
+            if self.config.pipeline.rollout.rebalance_replicas and step > 0:
+                self._rebalance_replicas(step - 1)
             for key in self.keys(step):
                 self._ready_at[(stage.name, key)] = time.time()
                 if not self._run_stage(stage.name, key, stage.compute):
@@ -164,8 +166,19 @@ class Orchestrator:
                 for ready in barrier.add(key):
                     self._put(outbox, ready, self.stages[1].name)
 
+    def _rebalance_replicas(self, previous: int) -> None:
+        """FlexMARL's inter-agent level: the replica budget split by each agent's tokens in step ``previous``; run
+        by the rollout thread between steps, so none of its requests is in flight."""
+        tables = [self.store.read("rollouts", key, columns=["agent", "prompt_ids", "response_ids"])
+                  for key in self.keys(previous)]
+        demand = token_demand(pa.concat_tables(tables), list(self.config.agents))
+        engines = self.workers.engines
+        for agent, replicas in sorted(split_replicas(demand, sum(r.active() for r in engines.values())).items(),
+                                      key=lambda item: item[1] - engines[item[0]].active()):
+            engines[agent].resize(replicas)  # shrinking first: a moved replica's resources are freed before use
+
     def _rollout(self, key: MicroBatchKey) -> pa.Table:
-        return rollout_micro_batch(self.env, self.workers.engines, key, self.rollout_settings)
+        return sample_micro_batch(self.env, self.workers.engines, key, self.config, self.workers.action_pool)
 
     def _environment(self, key: MicroBatchKey) -> pa.Table:
         return execute_micro_batch(self.env, self.store.read("rollouts", key), pool=self.workers.action_pool)
@@ -217,11 +230,13 @@ class Orchestrator:
 
     def _publish_loop(self, inbox: queue.Queue, agent: str) -> None:
         """One agent's step end: optimizer step result, weight sync into its engine, policy commit."""
-        engine = self.workers.engines[agent]
+        replicas = self.workers.engines[agent]
         while (pending := self._get(inbox)) is not None:
             started = time.time()
             result = ray.get(pending.applied)
-            _, upload = ray.get([engine.load_weights.remote(pending.weights, result.policy_version), pending.saved])
+            # One replica at a time (the others keep serving); the upload runs meanwhile.
+            replicas.load_weights(pending.weights, result.policy_version)
+            upload = ray.get(pending.saved)
             timing = StageTiming(pending.enqueued, started, time.time())
             record = json.dumps({"step": pending.step, **asdict(timing), **asdict(result)}).encode()
             path = self.store.publish_policy(upload, {"timing.json": record})
@@ -241,7 +256,7 @@ class Orchestrator:
 
     def _evaluate_if_due(self, agent: str, version: int) -> None:
         if self.evaluations is not None and self.evaluations.due(version):
-            committed = self.evaluations.evaluate(agent, self.workers.engines[agent], version)
+            committed = self.evaluations.evaluate(agent, self.workers.engines[agent].primary(), version)
             if committed is not None:
                 self._events.put(committed)
 

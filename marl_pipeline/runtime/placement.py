@@ -37,7 +37,8 @@ class PlacementError(RuntimeError):
 
 @dataclass(frozen=True)
 class ActorRequest:
-    """One actor's resources: ``<agent>/engine``, ``<agent>/trainer`` or ``trainer-worker-<k>``."""
+    """One actor's resources: ``<agent>/engine`` (``<agent>/engine/<k>`` for each of several replicas),
+    ``<agent>/trainer`` or ``trainer-worker-<k>``."""
 
     name: str
     cpus: float
@@ -46,6 +47,11 @@ class ActorRequest:
     """Whether the CPU request was a default scaled down to fit the machine."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources (``ray.engine_resources`` / ``trainer_resources``): the nodes it may run on."""
+
+
+def engine_names(agent: str, replicas: int) -> list[str]:
+    """The placement names of an agent's engine replicas: ``<agent>/engine`` alone, else ``<agent>/engine/<k>``."""
+    return [f"{agent}/engine"] if replicas == 1 else [f"{agent}/engine/{k}" for k in range(replicas)]
 
 
 def assign_workers(agents: list[str], workers: int) -> dict[str, int]:
@@ -81,7 +87,8 @@ class PlacementPlan:
         swapped agent's trainer gets its worker's) and ``ray.resident_trainers`` as planned."""
         agents = {}
         for agent, agent_config in config.agents.items():
-            engine = agent_config.engine.model_copy(update={"num_cpus": self.request(f"{agent}/engine").cpus})
+            first = engine_names(agent, agent_config.engine.replicas)[0]  # replicas are planned alike
+            engine = agent_config.engine.model_copy(update={"num_cpus": self.request(first).cpus})
             trainer = agent_config.trainer.model_copy(update={"num_cpus": self.trainer_request(agent).cpus})
             agents[agent] = agent_config.model_copy(update={"engine": engine, "trainer": trainer})
         budget = self.trainer_workers or len(config.agents)
@@ -136,11 +143,13 @@ def _plan(config: ExperimentConfig, nodes: list[dict[str, float]], workers: int)
     custom = {"engine": dict(config.ray.engine_resources), "trainer": dict(config.ray.trainer_resources)}
     requests = []  # (request, explicit)
     for agent, agent_config in config.agents.items():
-        parts = (("engine", agent_config.engine), ("trainer", agent_config.trainer)) if resident else (
-            ("engine", agent_config.engine),)
-        for role, settings in parts:
-            requests.append((ActorRequest(f"{agent}/{role}", settings.num_cpus, settings.num_gpus,
-                                          resources=custom[role]), "num_cpus" in settings.model_fields_set))
+        engine = agent_config.engine
+        parts = [(name, "engine", engine) for name in engine_names(agent, engine.replicas)]
+        if resident:
+            parts.append((f"{agent}/trainer", "trainer", agent_config.trainer))
+        for name, role, settings in parts:
+            requests.append((ActorRequest(name, settings.num_cpus, settings.num_gpus, resources=custom[role]),
+                             "num_cpus" in settings.model_fields_set))
     if not resident:  # a worker may serve any agent: it reserves the largest trainer request
         trainers = [agent_config.trainer for agent_config in config.agents.values()]
         explicit = any("num_cpus" in trainer.model_fields_set for trainer in trainers)
@@ -176,11 +185,11 @@ def _check_totals(config: ExperimentConfig, actors: list[ActorRequest], cluster:
         if asked > cluster[resource] + 1e-9:
             if workers >= len(config.agents):
                 per_agent = "; ".join(
-                    f"{agent}: engine {_amount(actors, f'{agent}/engine', resource):g} + trainer "
+                    f"{agent}: engine {_engines(config, actors, agent, resource)} + trainer "
                     f"{_amount(actors, f'{agent}/trainer', resource):g}" for agent in config.agents)
                 needs = f"{len(config.agents)} agents need"
             else:
-                per_agent = "; ".join(f"{agent}: engine {_amount(actors, f'{agent}/engine', resource):g}"
+                per_agent = "; ".join(f"{agent}: engine {_engines(config, actors, agent, resource)}"
                                       for agent in config.agents)
                 per_agent += f"; {workers} trainer workers x {_amount(actors, WORKER.format(0), resource):g}"
                 needs = f"{len(config.agents)} agents with {workers} swapping trainer workers need"
@@ -188,6 +197,13 @@ def _check_totals(config: ExperimentConfig, actors: list[ActorRequest], cluster:
                 f"{needs} {asked:g} {resource}s ({per_agent}); the cluster has "
                 f"{cluster[resource]:g}. Lower agents.<name>.engine/trainer.num_{resource.lower()}s, or leave them "
                 f"unset to share the machine, or give Ray more.")
+
+
+def _engines(config: ExperimentConfig, actors: list[ActorRequest], agent: str, resource: str) -> str:
+    """An agent's engine request in an error: ``0.5``, or ``2 replicas x 0.5``."""
+    names = engine_names(agent, config.agents[agent].engine.replicas)
+    amount = f"{_amount(actors, names[0], resource):g}"
+    return amount if len(names) == 1 else f"{len(names)} replicas x {amount}"
 
 
 def _amount(actors: list[ActorRequest], name: str, resource: str) -> float:
@@ -201,7 +217,7 @@ def _check_custom(actors: list[ActorRequest], nodes: list[dict[str, float]]) -> 
         for name, amount in actor.resources.items():
             asked[name] = asked.get(name, 0.0) + amount
     for name, amount in sorted(asked.items()):
-        role = "engine" if any(name in a.resources for a in actors if a.name.endswith("/engine")) else "trainer"
+        role = "engine" if any(name in a.resources for a in actors if "/engine" in a.name) else "trainer"
         offered = sum(node.get(name, 0.0) for node in nodes)
         users = ", ".join(a.name for a in actors if name in a.resources)
         if offered == 0:

@@ -1,6 +1,6 @@
-"""Spawning the Ray actors of a run: one rollout engine per agent, one trainer per agent (or, with a trainer budget
-below the number of agents, that many trainer workers swapping the agents' states: ``runtime/swap.py``), and the
-stage pools.
+"""Spawning the Ray actors of a run: rollout engines per agent (``engine.replicas`` of them), one trainer per agent
+(or, with a trainer budget below the number of agents, that many trainer workers swapping the agents' states:
+``runtime/swap.py``), and the stage pools.
 
 ``ray.remote`` is applied here, where actors are spawned, with resources from the config (``ray.engine_resources``
 / ``ray.trainer_resources`` pin them to the nodes that offer those custom resources); the engine and trainer
@@ -23,9 +23,11 @@ import ray
 
 from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, StoreConfig, TrainerConfig
 from marl_pipeline.runtime.action_pool import ActionPool
+from marl_pipeline.runtime.async_engine import AsyncRolloutEngine
 from marl_pipeline.runtime.engine import ENGINE_ENV, RolloutEngine
 from marl_pipeline.runtime.lora import is_adapter_checkpoint
 from marl_pipeline.runtime.placement import assign_workers
+from marl_pipeline.runtime.replicas import EngineReplicas
 from marl_pipeline.runtime.reward_model import RewardModelPool
 from marl_pipeline.runtime.swap import AgentSpec, SwappedTrainer, TrainerWorker, actor_handles
 from marl_pipeline.runtime.trainer import PolicyTrainer
@@ -37,7 +39,8 @@ from marl_pipeline.store.checkpoints import PolicyUpload
 class Workers:
     """Actor handles of a run, by agent."""
 
-    engines: dict[str, ray.actor.ActorHandle]
+    engines: dict[str, EngineReplicas]
+    """Each agent's engine replicas (one or more), with their router."""
     trainers: dict[str, ray.actor.ActorHandle | SwappedTrainer]
     """Each agent's trainer actor, or its handle on the trainer worker that swaps it in (same calls)."""
     reward_pool: RewardModelPool | None = None
@@ -46,7 +49,9 @@ class Workers:
     """The environment stage's action workers (None: the plugin runs no actions)."""
 
     def shutdown(self) -> None:
-        for handle in [*self.engines.values(), *actor_handles(self.trainers)]:
+        for replicas in self.engines.values():
+            replicas.shutdown()
+        for handle in actor_handles(self.trainers):
             ray.kill(handle)
         for pool in (self.reward_pool, self.action_pool):
             if pool is not None:
@@ -70,7 +75,8 @@ def actor_threads(config: ExperimentConfig, settings: EngineConfig | TrainerConf
     """``settings.threads`` when the config sets it, else :func:`shared_threads` over the running Ray cluster."""
     if settings.threads is not None:
         return settings.threads
-    reserved = [agent.engine.num_cpus for agent in config.agents.values()] + trainer_reservations(config, "cpus")
+    reserved = [agent.engine.num_cpus for agent in config.agents.values() for _ in range(agent.engine.replicas)]
+    reserved += trainer_reservations(config, "cpus")
     node_cpus = max((node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"]), default=1.0)
     return shared_threads(settings.num_cpus, reserved, ray.cluster_resources().get("CPU", 1.0), node_cpus)
 
@@ -90,6 +96,14 @@ def trainer_reservations(config: ExperimentConfig, resource: str) -> list[float]
 
 class StoreEngine(RolloutEngine):
     """A rollout engine that starts from a policy version in the store, fetched on the node it runs on."""
+
+    def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
+        model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
+        super().__init__(model_dir, version, adapter_dir=adapter_dir, **options)
+
+
+class StoreAsyncEngine(AsyncRolloutEngine):
+    """The asynchronous engine (trajectory-level rollout), started from the store as :class:`StoreEngine` is."""
 
     def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
         model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
@@ -117,7 +131,8 @@ class StoreTrainer(PolicyTrainer):
 def engine_actor(engine: EngineConfig, resources: dict[str, float] | None = None,
                  actor_class: type = RolloutEngine):
     """The Ray actor class of a rollout engine, with the engine's resources (custom ones pin it to the nodes that
-    have them) and environment; :class:`StoreEngine` for a run's engines, plain ``RolloutEngine`` from a path."""
+    have them) and environment; :class:`StoreEngine` (or :class:`StoreAsyncEngine`, requests one at a time for
+    trajectory-level rollout) for a run's engines, plain ``RolloutEngine`` from a path."""
     return ray.remote(actor_class).options(name=None, num_cpus=engine.num_cpus, num_gpus=engine.num_gpus,
                                            resources=dict(resources or {}), runtime_env={"env_vars": ENGINE_ENV})
 
@@ -130,16 +145,36 @@ def trainer_actor(trainer: TrainerConfig, resources: dict[str, float] | None = N
 
 
 def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
-    """One vLLM engine actor per agent, serving the given policy version from the store."""
-    engines = {}
+    """One vLLM engine actor per agent whatever ``engine.replicas`` says (a recomputation, a test), serving the given
+    policy version from the store."""
+    return {agent: replicas.handle(0)
+            for agent, replicas in start_engine_replicas(config, store, versions, replicas=1).items()}
+
+
+def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int],
+                          replicas: int | None = None) -> dict[str, EngineReplicas]:
+    """Each agent's engine replicas (``agents.<name>.engine.replicas``, or ``replicas`` for every agent), serving the
+    given policy version from the store; a replica that dies is restarted the same way (runtime/replicas.py)."""
+    engine_class = StoreAsyncEngine if config.pipeline.rollout.mode == "trajectory" else StoreEngine
+    rebalance = config.pipeline.rollout.rebalance_replicas
+    budget = sum(agent.engine.replicas for agent in config.agents.values())
+    sets = {}
     for index, (agent, agent_config) in enumerate(config.agents.items()):
         engine = agent_config.engine
-        engines[agent] = engine_actor(engine, config.ray.engine_resources, StoreEngine).remote(
-            store.config, config.run, agent, versions[agent],
-            gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
-            dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine),
-        )
-    return engines
+        actor = engine_actor(engine, config.ray.engine_resources, engine_class)
+        options = dict(gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
+                       dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine))
+        spawn = partial(_spawn_engine, actor, store.config, config.run, agent, options)
+        # With rebalancing, any agent may come to hold every replica but one per other agent.
+        capacity = (budget - len(config.agents) + 1) if rebalance and replicas is None else None
+        sets[agent] = EngineReplicas(agent, [spawn(k, versions[agent]) for k in range(replicas or engine.replicas)],
+                                     versions[agent], spawn, engine.max_outstanding, capacity=capacity)
+    return sets
+
+
+def _spawn_engine(actor, store: StoreConfig, run: str, agent: str, options: dict, replica: int, version: int):
+    """One engine replica from the store (the replica index only names it: replicas are alike)."""
+    return actor.remote(store, run, agent, version, **options)
 
 
 def with_local_base(store: ExperienceStore, run: str, agent: str, options: dict) -> dict:
@@ -228,7 +263,8 @@ def _wait_ready(config: ExperimentConfig, handles: list) -> None:
     try:
         ray.get([h.policy_version.remote() for h in handles], timeout=START_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
-        asked = {resource: sum(getattr(a.engine, f"num_{resource.lower()}s") for a in config.agents.values())
+        asked = {resource: sum(getattr(a.engine, f"num_{resource.lower()}s") * a.engine.replicas
+                               for a in config.agents.values())
                  + sum(trainer_reservations(config, f"{resource.lower()}s")) for resource in ("CPU", "GPU")}
         raise TimeoutError(
             f"engines and trainers not ready after {START_TIMEOUT_S:.0f} s: they ask for {asked} in all "
@@ -240,13 +276,14 @@ def start_workers(config: ExperimentConfig, store: ExperienceStore, versions: di
                   reward_model: Path | None = None, action_pool: PoolSettings | None = None) -> Workers:
     """Engines and trainers of every agent, the reward model's pool and the action pool when the run has them;
     returns once the engines, trainers and reward-model replicas are ready. The pools live as long as the run."""
-    workers = Workers(start_engines(config, store, versions), start_trainers(config, store, versions))
+    workers = Workers(start_engine_replicas(config, store, versions), start_trainers(config, store, versions))
     try:
         if action_pool is not None:
             workers.action_pool = ActionPool(action_pool)
         if reward_model is not None and config.reward_model is not None:
             workers.reward_pool = RewardModelPool(reward_model, config.reward_model)
-        _wait_ready(config, [*workers.engines.values(), *workers.trainers.values()])
+        engines = [handle for replicas in workers.engines.values() for handle in replicas.handles()]
+        _wait_ready(config, [*engines, *workers.trainers.values()])
     except BaseException:
         workers.shutdown()
         raise

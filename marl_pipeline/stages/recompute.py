@@ -25,8 +25,8 @@ from marl_pipeline.runtime.workers import trainer_options, with_local_base
 from marl_pipeline.stages.evaluation import EvaluationSettings, evaluate_agent, is_evaluated, with_metrics
 from marl_pipeline.stages.execution import action_pool_settings, execute_micro_batch
 from marl_pipeline.stages.reward import ModelReward, score_micro_batch
-from marl_pipeline.stages.rollout import RolloutSettings, rollout_micro_batch
 from marl_pipeline.stages.training import train_batch_for, updates_table
+from marl_pipeline.stages.trajectories import sample_micro_batch
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import with_stage_timing
 
@@ -112,7 +112,7 @@ def _engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[st
 
 def _rollouts(config: ExperimentConfig, env, store: ExperienceStore, key: MicroBatchKey) -> pa.Table:
     with _engines(config, store, _policy_versions_at(store, config, key, "rollouts")) as engines:
-        return rollout_micro_batch(env, engines, key, RolloutSettings.from_config(config))
+        return sample_micro_batch(env, engines, key, config)
 
 
 def _evaluations(config: ExperimentConfig, env, store: ExperienceStore, version: int) -> pa.Table:

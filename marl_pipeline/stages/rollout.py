@@ -70,18 +70,24 @@ def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHand
     for turn, role in enumerate(env.turn_order):
         requests = [chats.request(e, role, turn, env.render_prompt(role, tasks[p], transcripts[e]))
                     for e, (p, _) in enumerate(episodes)]
-        seeds = np.random.SeedSequence([settings.seed, key.step, key.micro_batch, turn]).generate_state(len(episodes))
+        seeds = turn_seeds(settings.seed, key, turn, len(episodes))
         start = datetime.now(UTC)
         version, completions = ray.get(
-            engines[role].generate.remote(requests, [int(s) for s in seeds], settings.max_new_tokens,
-                                          settings.temperature))
+            engines[role].generate.remote(requests, seeds, settings.max_new_tokens, settings.temperature))
         for e, ((p, trajectory), request, completion) in enumerate(zip(episodes, requests, completions)):
             chats.record(e, role, completion.text, completion.response_ids)
-            observation, error = _observe(env, role, tasks[p], [*transcripts[e], Turn(role, completion.text)])
+            observation, error = observe_reply(env, role, tasks[p], [*transcripts[e], Turn(role, completion.text)])
             transcripts[e].append(Turn(role, completion.text, observation))
-            _append_turn(columns, key, tasks[p], p, trajectory, e, turn, role, chats.prompt_text(role, request),
-                         completion, version, start, datetime.now(UTC), observation, error)
+            append_turn(columns, key, tasks[p], p, trajectory, e, turn, role, chats.prompt_text(role, request),
+                        completion, version, start, datetime.now(UTC), observation, error)
     return pa.table(columns, schema=with_agent(ROLLOUTS))
+
+
+def turn_seeds(seed: int, key: MicroBatchKey, turn: int, episodes: int) -> list[int]:
+    """Each episode's seed for one turn: a function of (run seed, step, micro-batch, turn, episode) only, never of
+    when the request runs, so both rollout modes send the same seeded requests."""
+    state = np.random.SeedSequence([seed, key.step, key.micro_batch, turn]).generate_state(episodes)
+    return [int(s) for s in state]
 
 
 def engine_chat_session(env: Environment, engines: dict[str, ray.actor.ActorHandle]) -> ChatSession:
@@ -96,7 +102,7 @@ def engine_chat_session(env: Environment, engines: dict[str, ray.actor.ActorHand
     return ChatSession(getattr(env, "name", type(env).__name__), tokenizer)
 
 
-def _observe(env: Environment, role: str, task: Task, transcript: list[Turn]) -> tuple[str | None, str | None]:
+def observe_reply(env: Environment, role: str, task: Task, transcript: list[Turn]) -> tuple[str | None, str | None]:
     """(the environment's reply to the last turn, None) or (None, why it failed); (None, None) without ``observe``."""
     observe = getattr(env, "observe", None)
     if observe is None:
@@ -110,17 +116,22 @@ def _observe(env: Environment, role: str, task: Task, transcript: list[Turn]) ->
     return reply, None
 
 
-def _append_turn(columns: dict[str, list], key: MicroBatchKey, task: Task, prompt_index: int, trajectory: int,
-                 episode: int, turn: int, role: str, prompt: str, completion: Completion, version: int,
-                 start: datetime, end: datetime, observation: str | None, error: str | None) -> None:
+def append_turn(columns: dict[str, list], key: MicroBatchKey, task: Task, prompt_index: int, trajectory: int,
+                episode: int, turn: int, role: str, prompt: str, completion: Completion, version: int,
+                start: datetime, end: datetime, observation: str | None, error: str | None,
+                status: str | None = None, engine: str | None = None) -> None:
+    """One turn's row; ``status`` defaults to ``ok``, or ``observe_failed`` when there is an ``error``; ``engine``
+    names the replica that served it (default ``<role>/0``, the one engine of the turn-batched rollout)."""
     input_id = f"{key.step}-{key.micro_batch}-{prompt_index}"  # the prompt's n episodes are its GRPO group
     row = {
         "sample_id": f"{input_id}_{turn}_{trajectory}", "episode": episode, "task_id": str(task["id"]),
         "group_id": input_id, "trajectory": trajectory, "role": role, "turn": turn, "task": json.dumps(task),
-        "policy_version": version, "engine": f"{role}/0", "prompt_text": prompt, "response_text": completion.text,
+        "policy_version": version, "engine": engine or f"{role}/0", "prompt_text": prompt,
+        "response_text": completion.text,
         "prompt_ids": completion.prompt_ids, "response_ids": completion.response_ids,
         "logprobs": completion.logprobs, "finish_reason": completion.finish_reason, "observation": observation,
-        "rollout_start": start, "rollout_end": end, "status": "ok" if error is None else "observe_failed",
+        "rollout_start": start, "rollout_end": end,
+        "status": status or ("ok" if error is None else "observe_failed"),
         "error": error, "agent": role,
     }
     for name, value in row.items():

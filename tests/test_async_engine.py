@@ -1,0 +1,95 @@
+"""The asynchronous engine actor on a real vLLM engine in a real async Ray actor: per-request sampling, aborts,
+and a weight reload that waits for the requests in flight."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from marl_pipeline.config import EngineConfig
+from marl_pipeline.runtime.async_engine import AsyncRolloutEngine, RequestAborted
+from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
+from marl_pipeline.runtime.workers import engine_actor
+
+LOGPROB_TOLERANCE = 1e-4
+PROMPT = [17, 11, 18, 29]
+
+
+@pytest.fixture(scope="module")
+def engine(local_ray, tiny_model_dir: Path):
+    handle = engine_actor(EngineConfig(), actor_class=AsyncRolloutEngine).remote(
+        # Two threads: the engine thread must compute with the count the engine was built with (one is the default).
+        str(tiny_model_dir), 0, gpu_memory_utilization=0.15, max_model_len=128, dtype="float32", seed=0, threads=2)
+    local_ray.get(handle.policy_version.remote())
+    yield handle
+    local_ray.kill(handle)
+
+
+def test_a_request_samples_the_same_alone_or_among_others(local_ray, engine, tiny_model_dir: Path) -> None:
+    alone = local_ray.get(engine.generate_one.remote("alone", PROMPT, 7, 12, 1.0))
+    crowd = [engine.generate_one.remote(f"crowd-{i}", [17, 11, 18 + i % 3, 29], 100 + i, 12, 1.0) for i in range(16)]
+    among = local_ray.get(engine.generate_one.remote("among", PROMPT, 7, 12, 1.0))
+    local_ray.get(crowd)
+    assert alone.version == among.version == 0
+    assert alone.completion.response_ids == among.completion.response_ids
+    assert alone.completion.prompt_ids == PROMPT
+    trainer = PolicyTrainer(str(tiny_model_dir), 0, lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2,
+                            seed=0, num_threads=1)
+    expected = trainer.completion_logprobs(PROMPT, among.completion.response_ids)
+    assert among.completion.logprobs == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
+
+
+def test_the_batched_call_keeps_the_batch_engines_contract(local_ray, engine) -> None:
+    version, completions = local_ray.get(engine.generate.remote(["1+2=", PROMPT], [1, 7], 12, 1.0))
+    assert version == 0 and len(completions) == 2
+    single = local_ray.get(engine.generate_one.remote("again", PROMPT, 7, 12, 1.0))
+    assert completions[1].response_ids == single.completion.response_ids
+    with pytest.raises(Exception, match="prompt 1: expected a str or a non-empty list of int token ids"):
+        local_ray.get(engine.generate.remote(["1+2=", []], [1, 2], 4, 1.0))
+
+
+def test_an_aborted_or_cancelled_request_leaves_the_engine_and_the_others_finish(local_ray, engine) -> None:
+    others = [engine.generate_one.remote(f"other-{i}", PROMPT, i, 100, 1.0) for i in range(4)]
+    doomed = engine.generate_one.remote("doomed", PROMPT, 99, 100, 1.0)
+    cancelled = engine.generate_one.remote("cancelled", PROMPT, 98, 100, 1.0)
+    time.sleep(0.05)
+    local_ray.get(engine.abort.remote(["doomed", "never-sent"]))
+    local_ray.cancel(cancelled)
+    with pytest.raises(Exception) as aborted:
+        local_ray.get(doomed)
+    assert isinstance(aborted.value.cause, RequestAborted) if hasattr(aborted.value, "cause") else True
+    assert "aborted" in str(aborted.value)
+    with pytest.raises(local_ray.exceptions.TaskCancelledError):
+        local_ray.get(cancelled)
+    assert all(s.completion.response_ids for s in local_ray.get(others))
+    assert local_ray.get(engine.unfinished_requests.remote()) == 0
+
+
+def test_a_weight_reload_waits_for_requests_in_flight_and_later_ones_use_the_new_version(
+        local_ray, engine, tiny_model_dir: Path) -> None:
+    def trainer() -> PolicyTrainer:
+        return PolicyTrainer(str(tiny_model_dir), 0, lr=5e-2, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2,
+                             seed=0, num_threads=1)
+
+    old, new = trainer(), trainer()
+    before = local_ray.get(engine.completion_logprobs.remote(PROMPT, [20, 0]))
+    new.accumulate(TrainBatch([PROMPT], [[20, 0]], [before], [1.0]))
+    new.apply_step()
+    weights = local_ray.put(new.named_weights())
+
+    in_flight = [engine.generate_one.remote(f"old-{i}", PROMPT, i, 60, 1.0) for i in range(4)]
+    time.sleep(0.05)
+    assert local_ray.get(engine.load_weights.remote(weights, 1)) == 1
+    # Sampled wholly by the old weights: the reload waited for them instead of landing mid-generation.
+    for sampled in local_ray.get(in_flight):
+        assert sampled.version == 0
+        response = sampled.completion.response_ids
+        assert sampled.completion.logprobs == pytest.approx(old.completion_logprobs(PROMPT, response),
+                                                            abs=LOGPROB_TOLERANCE)
+    later = local_ray.get(engine.generate_one.remote("new", PROMPT, 1, 8, 1.0))
+    assert later.version == 1
+    assert later.completion.logprobs == pytest.approx(new.completion_logprobs(PROMPT, later.completion.response_ids),
+                                                      abs=LOGPROB_TOLERANCE)
+    assert local_ray.get(engine.policy_version.remote()) == 1
