@@ -24,6 +24,9 @@ One process run, at most two vLLM engines alive at a time (the machine runs othe
    replica the agent's router (runtime/router.py) picks, sticky or round-robin, alternating passes, each pass with
    fresh contexts (no hits from earlier passes). Prefix-cache hit rate from vLLM's own per-request count of cached
    prompt tokens (``num_cached_tokens``, summed by the engine actor's ``prefix_cache_stats``), and tokens/s.
+   Each replica's KV cache holds ``--route-cache`` times sticky routing's working set (a pool serving many
+   episodes runs with a full cache; round-robin needs every episode's prefix on both replicas, twice the room),
+   or with ``--route-cache 0`` what the memory share gives, far more than the workload ever uses.
 
     nice -n 15 .venv/bin/python bench/rollout.py
 """
@@ -49,6 +52,7 @@ from marl_pipeline.runtime.engine import ENGINE_ENV, MAX_NUM_SEQS
 GPU_MEMORY_UTILIZATION, SEED = 0.04, 0  # about 1 GiB each; the tiny model's KV cache needs far less
 ROUTING_MEMORY = 0.04
 """Each routing replica's memory share (two engines at once, on a shared machine; the tiny model needs little)."""
+CPU_BLOCK_TOKENS = 128  # vLLM's CPU backend caches prefixes in blocks of 128 tokens
 
 
 def load() -> str:
@@ -247,15 +251,33 @@ def long_tail(ray, model_dir: str, args) -> dict[str, float]:
 
 
 # -- 3. routing -------------------------------------------------------------------------------------
+def routing_cache_gib(model_dir: str, args) -> float | None:
+    """Each replica's KV cache for ``--route-cache``: that many times what sticky routing keeps per replica (its
+    half of the episodes at full length, in whole blocks); None (0): the memory share's cache, no pressure."""
+    if not args.route_cache:
+        return None
+    from marl_pipeline.runtime.models import kv_cache_bytes_per_token
+
+    token_bytes = kv_cache_bytes_per_token(model_dir)  # float32
+    episode_tokens = args.route_context + args.route_turns * (args.route_tokens + 8)
+    blocks = -(-episode_tokens // CPU_BLOCK_TOKENS) * -(-args.route_episodes // 2)
+    gib = args.route_cache * blocks * CPU_BLOCK_TOKENS * token_bytes / 2**30
+    print(f"  KV cache per replica {gib * 2**30 / token_bytes:.0f} tokens ({args.route_cache} x sticky's "
+          f"{blocks} blocks of {CPU_BLOCK_TOKENS})", flush=True)
+    return gib
+
+
 def routing(ray, model_dir: str, args) -> dict[str, dict[str, float]]:
     from marl_pipeline.config import EngineConfig
     from marl_pipeline.runtime.router import Router
     from marl_pipeline.runtime.workers import engine_actor
 
     threads = max(1, args.threads // 2)
+    kv_cache_gib = routing_cache_gib(model_dir, args)
     actor = engine_actor(EngineConfig(num_cpus=0), actor_class=AsyncRolloutEngine)
     replicas = [actor.remote(model_dir, 0, gpu_memory_utilization=ROUTING_MEMORY, max_model_len=args.max_model_len,
-                             dtype=args.dtype, seed=SEED, threads=threads) for _ in range(2)]
+                             dtype=args.dtype, seed=SEED, threads=threads, kv_cache_gib=kv_cache_gib)
+                for _ in range(2)]
     ray.get([r.policy_version.remote() for r in replicas])
 
     async def episode(router: Router, e: int, rng: np.random.Generator, tag: str) -> int:
@@ -330,6 +352,9 @@ def main() -> None:
     parser.add_argument("--route-turns", type=int, default=4)
     parser.add_argument("--route-context", type=int, default=100)
     parser.add_argument("--route-tokens", type=int, default=64)
+    parser.add_argument("--route-cache", type=float, default=1.25,
+                        help="each replica's KV cache as a multiple of what sticky routing keeps on it (its half of "
+                             "the episodes at full length); 0: the memory share's cache (~1M tokens), no pressure")
     parser.add_argument("--skip", choices=["overhead", "tail", "routing"], action="append", default=[],
                         help="leave a part out (repeatable)")
     args = parser.parse_args()

@@ -10,6 +10,7 @@ import pytest
 
 from marl_pipeline.config import EngineConfig
 from marl_pipeline.runtime.async_engine import AsyncRolloutEngine, RequestAborted
+from marl_pipeline.runtime.models import kv_cache_bytes_per_token
 from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
 from marl_pipeline.runtime.workers import engine_actor
 
@@ -93,3 +94,17 @@ def test_a_weight_reload_waits_for_requests_in_flight_and_later_ones_use_the_new
     assert later.completion.logprobs == pytest.approx(new.completion_logprobs(PROMPT, later.completion.response_ids),
                                                       abs=LOGPROB_TOLERANCE)
     assert local_ray.get(engine.policy_version.remote()) == 1
+
+
+def test_an_engine_given_a_kv_cache_size_holds_that_many_tokens(local_ray, tiny_model_dir: Path) -> None:
+    """``engine.kv_cache_gib`` sizes the cache itself (vLLM's kv_cache_memory_bytes), whatever the memory share."""
+    token_bytes = kv_cache_bytes_per_token(tiny_model_dir)
+    handle = engine_actor(EngineConfig(), actor_class=AsyncRolloutEngine).remote(
+        str(tiny_model_dir), 0, gpu_memory_utilization=0.15, max_model_len=128, dtype="float32", seed=0, threads=1,
+        kv_cache_gib=0.01)
+    try:
+        tokens = local_ray.get(handle.kv_cache_tokens.remote())
+    finally:
+        local_ray.kill(handle)
+    wanted = 0.01 * 2**30 / token_bytes
+    assert wanted - 128 < tokens <= wanted  # whole 128-token blocks of the CPU backend

@@ -13,7 +13,12 @@ class EngineConfig(StrictModel):
     """Rollout engine (vLLM) settings for one agent."""
 
     gpu_memory_utilization: float = Field(0.15, gt=0, le=1)
-    """Share of device memory for weights + KV cache; on CPU a share of NUMA node 0's memory."""
+    """Share of device memory for weights + KV cache; on CPU a share of NUMA node 0's memory, of which what the
+    engine's process already holds (Python, torch, vLLM, the weights: ~1.1 GiB for the tiny model, 1.6 for
+    SmolLM2-135M in float32) is not KV cache; vLLM CPU refuses to start when that share is not free."""
+    kv_cache_gib: float | None = Field(None, gt=0)
+    """The KV cache's size in GiB (vLLM's ``kv_cache_memory_bytes``; ``gpu_memory_utilization`` is then ignored):
+    exactly this much cache for the engine's sequences and the prefixes it keeps, whatever the process holds."""
     max_model_len: int = Field(256, ge=16)
     """Longest prompt + completion the engine accepts, in tokens."""
     dtype: str = "float32"

@@ -153,6 +153,11 @@ class AsyncRolloutEngine:
         (``hits``), as vLLM counted them per request."""
         return {"queries": self._prompt_tokens, "hits": self._cached_tokens}
 
+    async def kv_cache_tokens(self) -> int:
+        """Tokens the engine's KV cache holds (its blocks x the block size), for the sequences and kept prefixes."""
+        cache = self._core.vllm_config.cache_config
+        return cache.num_gpu_blocks * cache.block_size
+
     async def unfinished_requests(self) -> int:
         """Requests added and not yet finished (held ones included)."""
         return await self._call(lambda deliver: deliver(len(self._running) + len(self._held())))

@@ -62,7 +62,8 @@ class RolloutEngine:
     """A vLLM engine serving one agent's policy; construct inside a Ray actor (or a ``__main__`` script)."""
 
     def __init__(self, model_dir: str, version: int, *, gpu_memory_utilization: float, max_model_len: int,
-                 dtype: str, seed: int, threads: int | None = None, adapter_dir: str | None = None) -> None:
+                 dtype: str, seed: int, threads: int | None = None, adapter_dir: str | None = None,
+                 kv_cache_gib: float | None = None) -> None:
         """``model_dir`` is a full model; with ``adapter_dir`` (a LoRA agent's version after 0, runtime/lora.py)
         ``model_dir`` is that agent's base and the engine serves the base with the adapters merged in."""
         os.environ.update(ENGINE_ENV)
@@ -77,7 +78,8 @@ class RolloutEngine:
                        # request's prompt is prefilled in chunks, which happens once a batch's prompt tokens pass
                        # max_num_batched_tokens (4096 by default): with room for every sequence at full length,
                        # no prompt is ever chunked (reproduced with 200 requests of 60 tokens: fails, then passes).
-                       max_num_batched_tokens=MAX_NUM_SEQS * max_model_len)
+                       max_num_batched_tokens=MAX_NUM_SEQS * max_model_len,
+                       kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30))
         self.version = version
         self.model_dir = model_dir
         if adapter_dir is not None:

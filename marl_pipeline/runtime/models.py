@@ -76,3 +76,13 @@ def save_policy(model, tokenizer, directory: Path) -> None:
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
 
+
+def kv_cache_bytes_per_token(model_dir: str | Path, dtype_bytes: int = 4) -> int:
+    """Bytes of KV cache one token takes in ``model_dir``'s model (keys and values of every layer), from its
+    config.json: what sizes an engine's ``kv_cache_gib`` in tokens."""
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * dtype_bytes

@@ -163,7 +163,8 @@ def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, vers
         engine = agent_config.engine
         actor = engine_actor(engine, config.ray.engine_resources, engine_class)
         options = dict(gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
-                       dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine))
+                       dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine),
+                       kv_cache_gib=engine.kv_cache_gib)
         spawn = partial(_spawn_engine, actor, store.config, config.run, agent, options)
         # With rebalancing, any agent may come to hold every replica but one per other agent.
         capacity = (budget - len(config.agents) + 1) if rebalance and replicas is None else None
