@@ -4,37 +4,38 @@
 
 For the real-model benchmark (BENCHMARKS.md, "SmolLM2 solver and verifier"): each evaluated policy version with
 its minutes of training, counted from the first rollout of step 0 (engines and trainers already started) to the
-moment the version's weights were ready (the trainer's ``timing.json``), and each agent's headline metrics.
+commit of the update that made the version, and each agent's headline metrics.
 Reads the store only; the run may still be going.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import pyarrow.compute as pc
+import pyarrow.dataset as ds
 
 from marl_pipeline.config import StoreConfig
 from marl_pipeline.run.evaluations import evaluation_history, evaluation_plot_png
-from marl_pipeline.store import ExperienceStore, MicroBatchKey
+from marl_pipeline.store import ExperienceStore
 
 COLUMNS = {"solver": ["accuracy", "top_answer_share"],
            "verifier": ["balanced_accuracy", "true_positive_rate", "true_negative_rate"]}
 
 
-def training_minutes(store: ExperienceStore, run: str) -> dict[int, float]:
-    """Minutes from step 0's first rollout to each version's weights (the latest agent's), by policy version."""
-    first = store.read("rollouts", MicroBatchKey(run, 0, 0), columns=["stage_started"])
-    started = pc.min(first.column("stage_started")).as_py().timestamp()
-    ready: dict[int, float] = {}
-    for agent_dir in sorted(Path(store.config.uri, f"run={run}", "policies").glob("agent=*")):
-        for timing in agent_dir.glob("version=*/timing.json"):
-            record = json.loads(timing.read_text())
-            version = record["policy_version"]
-            ready[version] = max(ready.get(version, 0.0), (record["ended"] - started) / 60)
-    return ready
+def training_minutes(store_dir: str, run: str) -> dict[int, float]:
+    """Minutes from step 0's first rollout to each policy version: version v is ready when every agent's update
+    of step v - 1 has committed (the ``policy_updates`` stage's end times)."""
+    def stage(name: str, column: str):
+        return ds.dataset(Path(store_dir, f"run={run}", f"stage={name}"), format="parquet",
+                          partitioning="hive").to_table(columns=["step", column])
+
+    rollouts = stage("rollouts", "stage_started")
+    started = pc.min(rollouts.filter(pc.equal(rollouts["step"], 0))["stage_started"]).as_py().timestamp()
+    updates = stage("policy_updates", "stage_ended").group_by("step").aggregate([("stage_ended", "max")])
+    return {step + 1: (ended.timestamp() - started) / 60
+            for step, ended in zip(updates["step"].to_pylist(), updates["stage_ended_max"].to_pylist())}
 
 
 def main() -> None:
@@ -46,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     store = ExperienceStore(StoreConfig(uri=args.store))
     history = evaluation_history(store, args.run)
-    minutes = training_minutes(store, args.run)
+    minutes = training_minutes(args.store, args.run)
     agents = sorted({agent for metrics in history.values() for agent in metrics})
     header = ["version", "training minutes"] + [f"{a} {m}" for a in agents for m in COLUMNS.get(a, [])]
     print("| " + " | ".join(header) + " |")
