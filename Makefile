@@ -7,9 +7,9 @@ setup:
 train: setup
 	.venv/bin/marl train configs/demo.yaml
 
-# One pytest process: two workers (pytest-xdist, by file) took longer on 2 cores, 30 min against 27, and made the
-# action pool's hedging tests miss their timings (BENCHMARKS.md, suite time). `make test PYTEST_ARGS="-n 4"` on
-# a bigger machine.
+# One pytest process: two workers (pytest-xdist, by file) were no faster on 2 cores (30 min for 336 tests, about
+# what one process takes) and made the action pool's hedging tests miss their timings (BENCHMARKS.md, suite
+# time). `make test PYTEST_ARGS="-n 4"` on a bigger machine.
 test: setup
 	.venv/bin/pytest $(PYTEST_ARGS)
 

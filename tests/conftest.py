@@ -28,7 +28,8 @@ def small_config_data(base: dict, store: Path, **pipeline) -> dict:
     for agent in data["agents"].values():
         agent["warmup"] = {"steps": 30}
         # The tiny model's KV cache needs a few MB: reserve 8% of memory (1.9 GiB here, of which the engine process
-        # itself holds ~1.1 GiB), not the default 15% (3.5 GiB), so that two test workers' engines fit side by side.
+        # itself holds under 1 GiB), not the default 15% (3.5 GiB), so that vLLM's start-up check ("less than
+        # desired CPU memory utilization") passes beside another test's leftovers or a second workload.
         agent.setdefault("engine", {})["gpu_memory_utilization"] = 0.08
     data.pop("evaluation", None)  # the tests that evaluate turn it on themselves
     return data
