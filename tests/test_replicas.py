@@ -12,14 +12,10 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import ClassVar
 
-import numpy as np
 import pytest
-from pydantic import BaseModel
 
 from marl_pipeline.config import EngineConfig, RolloutConfig
-from marl_pipeline.environment import Turn
 from marl_pipeline.runtime.async_engine import AsyncRolloutEngine
 from marl_pipeline.runtime.replicas import EngineReplicas
 from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
@@ -28,33 +24,12 @@ from marl_pipeline.stages.rollout import RolloutSettings
 from marl_pipeline.stages.trajectories import rollout_trajectories
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import with_stage_timing
+from tests.timed_replies import TimedReplies
 
 LOGPROB_TOLERANCE = 1e-4
 STALENESS = 1
 SETTINGS = RolloutSettings(seed=5, prompts_per_micro_batch=4, samples_per_prompt=2, max_new_tokens=12,
                            temperature=1.0)
-
-
-class Paced:
-    """Three turns (writer, checker, writer); every reply takes ``reply_s``, so the micro-batch lasts long enough
-    for something to happen in the middle of it."""
-
-    name = "paced"
-    turn_order: ClassVar[tuple[str, ...]] = ("writer", "checker", "writer")
-    Options = BaseModel
-
-    def __init__(self, reply_s: float) -> None:
-        self.reply_s = reply_s
-
-    def sample_tasks(self, rng: np.random.Generator, count: int) -> list[dict]:
-        return [{"id": i, "a": int(rng.integers(10)), "b": int(rng.integers(10))} for i in range(count)]
-
-    def render_prompt(self, role: str, task: dict, transcript: list[Turn]) -> str:
-        return f"{task['a']}+{task['b']}=" + "".join(turn.text[:6] for turn in transcript)
-
-    def observe(self, role: str, task: dict, transcript: list[Turn]) -> str:
-        time.sleep(self.reply_s)
-        return "ok"
 
 
 def _trainer(model_dir: Path) -> PolicyTrainer:
@@ -122,7 +97,7 @@ def _wait_for_requests(engines: EngineReplicas, replica: int, timeout: float = 6
 def test_a_weight_update_mid_rollout_records_the_version_that_sampled_each_turn(
         local_ray, replicas: EngineReplicas, policies: dict, tmp_path: Path) -> None:
     key, store = MicroBatchKey("sync", 1, 0), ExperienceStore(tmp_path / "store")
-    thread, result, started = _rollout_in_background(Paced(reply_s=0.3), replicas, key)
+    thread, result, started = _rollout_in_background(TimedReplies(reply_s=0.3), replicas, key)
     _wait_for_requests(replicas, 0)
     time.sleep(0.5)  # some turns done at version 0, others in flight
     sync_started = time.time()
@@ -161,7 +136,7 @@ def test_a_replica_killed_mid_rollout_loses_and_duplicates_nothing_and_comes_bac
     key, store = MicroBatchKey("kill", 2, 0), ExperienceStore(tmp_path / "store")
     victim = replicas.handle(0)
     pid = local_ray.get(victim.__ray_call__.remote(lambda self: os.getpid()))
-    thread, result, started = _rollout_in_background(Paced(reply_s=0.3), replicas, key)
+    thread, result, started = _rollout_in_background(TimedReplies(reply_s=0.3), replicas, key)
     _wait_for_requests(replicas, 0)
     os.kill(pid, signal.SIGKILL)  # a real fault: the actor's process, not a Ray call
     rows = _committed(store, key, thread, result, started)
@@ -192,7 +167,7 @@ def test_a_replica_set_shrinks_and_grows_and_a_started_replica_serves_the_curren
     with pytest.raises(local_ray.exceptions.RayActorError):
         local_ray.get(retired.policy_version.remote())  # killed, not merely unrouted
     key = MicroBatchKey("shrunk", 3, 0)
-    rows = _committed(store, key, *_rollout_in_background(Paced(reply_s=0.0), replicas, key))
+    rows = _committed(store, key, *_rollout_in_background(TimedReplies(reply_s=0.0), replicas, key))
     assert {r["engine"] for r in rows} == {"writer/0", "checker/0"}
 
     replicas.resize(2)
@@ -201,7 +176,7 @@ def test_a_replica_set_shrinks_and_grows_and_a_started_replica_serves_the_curren
     started = replicas.handle(1)
     assert started is not None and local_ray.get(started.policy_version.remote()) == 1
     key = MicroBatchKey("grown", 3, 1)
-    rows = _committed(store, key, *_rollout_in_background(Paced(reply_s=0.0), replicas, key))
+    rows = _committed(store, key, *_rollout_in_background(TimedReplies(reply_s=0.0), replicas, key))
     assert {r["engine"] for r in rows} == {"writer/0", "writer/1", "checker/0", "checker/1"}
     for row in rows:  # every turn, on either replica, sampled by version 1
         assert row["policy_version"] == 1

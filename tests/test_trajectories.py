@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import ClassVar
 
-import numpy as np
 import pytest
-from pydantic import BaseModel
 
 from marl_pipeline.config import EngineConfig, RolloutConfig
-from marl_pipeline.environment import ActionResult, Turn
 from marl_pipeline.runtime.async_engine import AsyncRolloutEngine
 from marl_pipeline.runtime.workers import engine_actor
 from marl_pipeline.stages.execution import execute_micro_batch
@@ -21,37 +17,9 @@ from marl_pipeline.stages.rollout import RolloutSettings, rollout_micro_batch
 from marl_pipeline.stages.trajectories import rollout_trajectories
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import with_stage_timing
+from tests.timed_replies import TimedReplies
 
 SLOW_REPLY_S = 3.0
-
-
-class SlowReplies:
-    """Three turns (writer, checker, writer); the environment's reply to every turn of task 0 takes
-    ``slow_s`` seconds, the others' none."""
-
-    name = "slow-replies"
-    turn_order: ClassVar[tuple[str, ...]] = ("writer", "checker", "writer")
-    Options = BaseModel
-
-    def __init__(self, slow_s: float = 0.0) -> None:
-        self.slow_s = slow_s
-
-    def sample_tasks(self, rng: np.random.Generator, count: int) -> list[dict]:
-        return [{"id": i, "a": int(rng.integers(10)), "b": int(rng.integers(10))} for i in range(count)]
-
-    def render_prompt(self, role: str, task: dict, transcript: list[Turn]) -> str:
-        return f"{task['a']}+{task['b']}=" + "".join(turn.text[:6] for turn in transcript)
-
-    def observe(self, role: str, task: dict, transcript: list[Turn]) -> str:
-        if task["id"] == 0:
-            time.sleep(self.slow_s)
-        return "ok"
-
-    def execute(self, task: dict, transcript: list[Turn]) -> list[ActionResult]:
-        return [ActionResult("done", True) for _ in transcript]
-
-    def score(self, task: dict, transcript: list[Turn], results: list[ActionResult]) -> dict[str, float]:
-        return {"writer": float(task["a"] % 2), "checker": 1.0}
 
 
 SETTINGS = RolloutSettings(seed=3, prompts_per_micro_batch=4, samples_per_prompt=2, max_new_tokens=6, temperature=1.0)
@@ -76,7 +44,7 @@ def by_episode(table) -> dict[int, list[dict]]:
 
 def test_a_slow_reply_holds_only_its_own_episode(engines) -> None:
     key = MicroBatchKey("slow", 0, 0)
-    env = SlowReplies(SLOW_REPLY_S)
+    env = TimedReplies(slow_s=SLOW_REPLY_S)
     trajectory = by_episode(rollout_trajectories(env, engines, key, SETTINGS, RolloutConfig()))
     slow = [e for e, turns in trajectory.items() if turns[0]["task_id"] == "0"]
     fast = [e for e in trajectory if e not in slow]
@@ -92,7 +60,7 @@ def test_a_slow_reply_holds_only_its_own_episode(engines) -> None:
 
 def test_an_episode_over_its_time_limit_is_cut_and_does_not_hold_the_commit(engines, tmp_path: Path) -> None:
     key, store = MicroBatchKey("limit", 0, 0), ExperienceStore(tmp_path / "store")
-    env = SlowReplies(slow_s=40.0)
+    env = TimedReplies(slow_s=40.0)
     started = time.time()
     table = rollout_trajectories(env, engines, key, SETTINGS, RolloutConfig(episode_timeout_s=10.0))
     store.commit("rollouts", key, with_stage_timing(table, started, started, time.time()))
@@ -122,7 +90,7 @@ def test_an_episode_over_its_time_limit_is_cut_and_does_not_hold_the_commit(engi
 
 
 def test_the_stored_rows_are_those_of_the_turn_batched_rollout(engines) -> None:
-    key, env = MicroBatchKey("same", 2, 1), SlowReplies()
+    key, env = MicroBatchKey("same", 2, 1), TimedReplies()
     trajectory = rollout_trajectories(env, engines, key, SETTINGS, RolloutConfig()).to_pylist()
     batched = rollout_micro_batch(env, engines, key, SETTINGS).to_pylist()
     timing = {"rollout_start", "rollout_end", "logprobs"}
@@ -134,7 +102,7 @@ def test_the_stored_rows_are_those_of_the_turn_batched_rollout(engines) -> None:
 
 def test_observe_on_the_action_pool_needs_a_pool(engines) -> None:
     with pytest.raises(ValueError, match="observe_on is 'action_pool' but the run has no action pool"):
-        rollout_trajectories(SlowReplies(), engines, MicroBatchKey("x", 0, 0), SETTINGS,
+        rollout_trajectories(TimedReplies(), engines, MicroBatchKey("x", 0, 0), SETTINGS,
                              RolloutConfig(observe_on="action_pool"))
 
 
