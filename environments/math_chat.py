@@ -12,6 +12,13 @@ Keeping the verifier honest: a verifier that always says ``yes`` would earn the 
 falls, and a solver that is mostly wrong (or mostly right) shows it one kind of answer only. So, per task and
 decided in ``sample_tasks``, with probability ``decoy_share`` the verifier is shown a wrong "decoy" answer instead
 of the solver's. It is rewarded for a right verdict on what it was shown; the solver's reward never depends on it.
+
+``shown_answers: balanced`` goes further: the episodes of a task's group alternate between a right and a wrong
+answer shown to the verifier (``episode_task``), the solver's own whenever it is of that kind, the right answer or
+a decoy otherwise. Shares drift as the solver learns (mostly wrong answers at first, mostly right ones later), and
+GRPO follows the drift: the verifier's verdicts collapse to the common one, after which every group agrees and
+carries no signal (configs/smollm2_arithmetic.yaml, BENCHMARKS.md). Balanced within each group, "yes" and "no"
+each pay half the time whatever the solver does, so only telling them apart pays.
 """
 
 from __future__ import annotations
@@ -58,6 +65,10 @@ class MathChatOptions(BaseModel):
     or one of the two for every task (``score_answer`` needs a reasoning-gym dataset)."""
     decoy_share: float = Field(0.5, ge=0, le=1)
     """Share of tasks whose verifier is shown a wrong decoy answer instead of the solver's."""
+    shown_answers: Literal["shares", "balanced"] = "shares"
+    """``shares``: the verifier sees a decoy (``decoy_share``), the right answer (``right_share``) or the solver's
+    answer; ``balanced``: a right or a wrong answer, alternating within each group (``episode_task``), the
+    solver's own whenever it is of the episode's kind."""
     right_share: float = Field(0.0, ge=0, le=1)
     """Share of tasks whose verifier is shown the right answer instead of the solver's. With a weak solver,
     decoys alone make "no" right on nearly every task: shown right answers keep the verdicts balanced
@@ -73,6 +84,9 @@ class MathChatOptions(BaseModel):
 
     @model_validator(mode="after")
     def validate_source(self) -> MathChatOptions:
+        if self.shown_answers == "balanced" and {"decoy_share", "right_share"} & self.model_fields_set:
+            raise ValueError("shown_answers: balanced draws right and wrong answers half each: "
+                             "drop decoy_share and right_share")
         if self.decoy_share + self.right_share > 1:
             raise ValueError(f"decoy_share + right_share = {self.decoy_share + self.right_share:g} > 1")
         for name, (low, high) in (("a_range", self.a_range), ("b_range", self.b_range)):
@@ -117,18 +131,43 @@ class MathChat:
         """Training questions; each carries its checker and its decoy (None: the verifier sees the solver's answer)."""
         tasks = []
         for task in self.source.draw(rng, count, heldout=False):
+            if self.options.shown_answers == "balanced":
+                # The kind drawn here holds for the task as a whole; episode_task alternates it within the group.
+                shows_right = bool(rng.random() < 0.5)
+                wrong = None if shows_right else self.source.other_answer(task, rng)
+                tasks.append({**task, "checker": self._checker_of(task), "decoy": None, "shows_right": shows_right,
+                              "wrong_answer": wrong, "episode_seed": int(rng.integers(2**31))})
+                continue
             draw = rng.random()
             decoy = self.source.other_answer(task, rng) if draw < self.options.decoy_share else None
             shows_answer = self.options.decoy_share <= draw < self.options.decoy_share + self.options.right_share
             tasks.append({**task, "checker": self._checker_of(task), "decoy": decoy, "shows_answer": shows_answer})
         return tasks
 
+    def episode_task(self, task: Task, trajectory: int) -> Task:
+        """Balanced: the group's episodes alternate between a right and a wrong shown answer (from the task's drawn
+        kind on), each wrong one drawn for its episode. One question, both kinds, in one GRPO group: the verdict's
+        advantage then rewards telling them apart, and a constant verdict earns the group mean, zero advantage.
+        Shares: every episode gets the task as drawn."""
+        if "episode_seed" not in task:
+            return task
+        shows_right = task["shows_right"] != bool(trajectory % 2)
+        rng = np.random.default_rng([task["episode_seed"], trajectory])
+        return {**task, "shows_right": shows_right,
+                "wrong_answer": None if shows_right else self.source.other_answer(task, rng)}
+
     def render_prompt(self, role: str, task: Task, transcript: list[Turn]) -> list[Message] | str:
         messages = self._messages(role, task, transcript)
         return messages if self.options.prompt_format == "chat" else _as_text(messages)
 
     def shown_answer(self, task: Task, transcript: list[Turn]) -> str:
-        """What the verifier is shown: the task's decoy or its right answer, else the solver's answer (first line)."""
+        """What the verifier is shown: the task's decoy or its right answer, else the solver's answer (first line).
+        Balanced: the solver's answer if it is right (wrong) as drawn, else the right answer (the drawn wrong one)."""
+        if "shows_right" in task:
+            solver = answer_text(transcript[0].text) if transcript else ""
+            if solver and (self.grade(task, solver) >= 1) == task["shows_right"]:
+                return solver
+            return task["answer"] if task["shows_right"] else task["wrong_answer"] or "(no answer)"
         if task.get("shows_answer"):
             return task["answer"]
         return task.get("decoy") or answer_text(transcript[0].text) or "(no answer)"

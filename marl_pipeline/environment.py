@@ -14,6 +14,11 @@ Optional, per plugin (the demo uses none of them):
 - ``team_reward_weight``: credit assignment between the team's and each agent's own reward (reward.py);
 - ``observe(role, task, transcript) -> str | None``: the environment's reply after ``role``'s turn,
   computed during rollout and given to later turns as ``Turn.observation`` (multi-turn feedback);
+- ``episode_task(task, trajectory) -> Task``: the task as episode ``trajectory`` (0..samples_per_prompt-1) of its
+  group sees it, so that one GRPO group can contrast variants of one question (a verifier shown a right answer in
+  half the group and a wrong one in the other half). It is what every episode's prompts, stored ``task`` and later
+  stages get; it must be a pure function of its arguments (recomputation calls it again). Without it, every
+  episode of a group gets the sampled task;
 - ``evaluation_cases`` + ``evaluate`` (:class:`EvaluatedEnvironment`): held-out questions per agent and the
   metrics of its greedy answers, so that each agent's skill is measured on its own, not read off the reward.
 """

@@ -147,6 +147,32 @@ def test_the_verifier_can_be_shown_the_right_answer_on_a_share_of_tasks() -> Non
         _env(decoy_share=0.7, right_share=0.7)
 
 
+def test_balanced_shows_right_and_wrong_answers_half_each_the_solvers_own_when_it_fits() -> None:
+    env = _env(shown_answers="balanced")
+    tasks = env.sample_tasks(np.random.default_rng(5), 2000)
+    assert tasks == env.sample_tasks(np.random.default_rng(5), 2000)
+    for solver_says in ("right", "wrong", "nothing"):  # a solver always right, always wrong, or silent
+        shown = []
+        for task in tasks:
+            reply = {"right": task["answer"], "wrong": near_miss(task["answer"], 5), "nothing": ""}[solver_says]
+            shown.append((task, reply, env.shown_answer(task, [Turn("solver", reply)])))
+        right = [env.grade(task, answer) >= 1 for task, _, answer in shown]
+        assert right == [task["shows_right"] for task in tasks]  # the drawn kind, whatever the solver says
+        assert 0.45 < np.mean(right) < 0.55, solver_says
+        # the solver's own answer whenever it is of the drawn kind
+        assert all((answer == reply) == (bool(reply) and (solver_says == "right") == task["shows_right"])
+                   for task, reply, answer in shown)
+    # episode_task alternates the kind within a group of any size, each wrong answer drawn for its episode
+    for task in tasks[:50]:
+        episodes = [env.episode_task(task, trajectory) for trajectory in range(12)]
+        assert episodes == [env.episode_task(task, trajectory) for trajectory in range(12)]  # pure
+        assert sum(episode["shows_right"] for episode in episodes) == 6
+        assert all(env.grade(e, env.shown_answer(e, [Turn("solver", "")])) == e["shows_right"] for e in episodes)
+    assert _env().episode_task(TASK, 3) is TASK  # shares: the task as drawn
+    with pytest.raises(ValueError, match="drop decoy_share and right_share"):
+        _env(shown_answers="balanced", decoy_share=0.3)
+
+
 def test_held_out_questions_are_never_trained_on() -> None:
     env = _env()
     trained = {task["question"] for task in env.sample_tasks(np.random.default_rng(0), 5000)}
@@ -273,4 +299,4 @@ def test_smollm2_config_loads() -> None:
         assert agent.warmup.steps == 0 and agent.lora is not None and agent.trainer.lr <= 1e-4
     assert config.evaluation.every is not None
     env = build_environment(config.environment.name, config.environment.options)
-    assert env.options.prompt_format == "chat" and env.options.decoy_share > 0
+    assert env.options.prompt_format == "chat" and env.options.shown_answers == "balanced"

@@ -17,7 +17,8 @@ def test_math_chat_trains_with_the_tiny_model(local_ray, tmp_path: Path) -> None
     data = {
         "run": "math_chat_tiny", "store": str(tmp_path / "store"),
         "environment": {"name": "math_chat", "options": {"prompt_format": "text", "a_range": [0, 4], "b_range": [0, 4],
-                                                      "warmup_accuracy": 0.8},
+                                                      "warmup_accuracy": 0.8,
+                                                      "shown_answers": "balanced"},
                         "pool": {"min_workers": 1, "max_workers": 1, "num_cpus": 0}},
         "agents": {role: {"warmup": {"steps": 30}, "engine": {"num_cpus": 0.25}, "trainer": {"num_cpus": 0.25}}
                    for role in ("solver", "verifier")},
@@ -34,6 +35,7 @@ def test_math_chat_trains_with_the_tiny_model(local_ray, tmp_path: Path) -> None
     tasks = {r["sample_id"]: json.loads(r["task"]) for r in rollouts}
     solver_said = {(r["group_id"], r["trajectory"]): r["response_text"] for r in rollouts if r["turn"] == 0}
     responses = {r["sample_id"]: r["response_text"] for r in rollouts}
+    shown_right = {}
     for result in results:
         info, task = json.loads(result["info"]), tasks[result["sample_id"]]
         if result["turn"] == 0:
@@ -42,9 +44,16 @@ def test_math_chat_trains_with_the_tiny_model(local_ray, tmp_path: Path) -> None
             assert result["outcome"] == ("correct" if check_math(task["answer"], responses[result["sample_id"]])
                                          else "wrong")
         else:
-            # the verifier was judged on what it saw: the task's decoy, else the solver's answer
-            solver = answer_text(solver_said[(result["group_id"], result["trajectory"])]) or "(no answer)"
-            assert info["shown"] == (task["decoy"] or solver) and info["decoy"] == (task["decoy"] is not None)
+            # the verifier was judged on what it saw: the solver's answer when it is of the kind this episode
+            # shows (right or wrong, as the environment's episode_task alternates it), else the right answer or the
+            # episode's own wrong one
+            solver = answer_text(solver_said[(result["group_id"], result["trajectory"])])
+            solver_fits = bool(solver) and check_math(task["answer"], solver) == task["shows_right"]
+            expected = solver if solver_fits else task["answer"] if task["shows_right"] else task["wrong_answer"]
+            assert info["shown"] == expected and info["shown_right"] == task["shows_right"]
+            shown_right.setdefault(result["group_id"], []).append(task["shows_right"])
+    # each group of 4 episodes showed the verifier 2 right and 2 wrong answers
+    assert len(shown_right) == 8 and all(sorted(kinds) == [False, False, True, True] for kinds in shown_right.values())
     # small sums: the warmed-up tiny solver gets some right, so the agreement above is not all "wrong"
     assert any(r["outcome"] == "correct" for r in results if r["turn"] == 0)
     assert sorted(evaluated) == [0, 1]

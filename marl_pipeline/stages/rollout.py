@@ -58,27 +58,34 @@ def plan_tasks(env: Environment, key: MicroBatchKey, seed: int, count: int) -> l
     return env.sample_tasks(np.random.default_rng([seed, key.step, key.micro_batch]), count)
 
 
+def episode_tasks(env: Environment, tasks: list[Task], samples_per_prompt: int) -> list[tuple[int, int, Task]]:
+    """Each episode's (prompt index, trajectory, task), prompt by prompt: the planned task as the environment's
+    optional ``episode_task`` hook gives it to that trajectory of the group, else the planned task itself."""
+    vary = getattr(env, "episode_task", None)
+    return [(p, trajectory, vary(task, trajectory) if vary is not None else task)
+            for p, task in enumerate(tasks) for trajectory in range(samples_per_prompt)]
+
+
 def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHandle], key: MicroBatchKey,
                         settings: RolloutSettings) -> pa.Table:
     """Sample every episode of one micro-batch; returns the rollouts table (with an ``agent`` column)."""
-    tasks = plan_tasks(env, key, settings.seed, settings.prompts_per_micro_batch)
-    n = settings.samples_per_prompt
-    episodes = [(p, t) for p in range(len(tasks)) for t in range(n)]
+    episodes = episode_tasks(env, plan_tasks(env, key, settings.seed, settings.prompts_per_micro_batch),
+                             settings.samples_per_prompt)
     transcripts: list[list[Turn]] = [[] for _ in episodes]
     columns: dict[str, list] = {name: [] for name in ROLLOUTS.names + ["agent"]}
     chats = engine_chat_session(env, engines)
     for turn, role in enumerate(env.turn_order):
-        requests = [chats.request(e, role, turn, env.render_prompt(role, tasks[p], transcripts[e]))
-                    for e, (p, _) in enumerate(episodes)]
+        requests = [chats.request(e, role, turn, env.render_prompt(role, task, transcripts[e]))
+                    for e, (_, _, task) in enumerate(episodes)]
         seeds = turn_seeds(settings.seed, key, turn, len(episodes))
         start = datetime.now(UTC)
         version, completions = ray.get(
             engines[role].generate.remote(requests, seeds, settings.max_new_tokens, settings.temperature))
-        for e, ((p, trajectory), request, completion) in enumerate(zip(episodes, requests, completions)):
+        for e, ((p, trajectory, task), request, completion) in enumerate(zip(episodes, requests, completions)):
             chats.record(e, role, completion.text, completion.response_ids)
-            observation, error = observe_reply(env, role, tasks[p], [*transcripts[e], Turn(role, completion.text)])
+            observation, error = observe_reply(env, role, task, [*transcripts[e], Turn(role, completion.text)])
             transcripts[e].append(Turn(role, completion.text, observation))
-            append_turn(columns, key, tasks[p], p, trajectory, e, turn, role, chats.prompt_text(role, request),
+            append_turn(columns, key, task, p, trajectory, e, turn, role, chats.prompt_text(role, request),
                         completion, version, start, datetime.now(UTC), observation, error)
     return pa.table(columns, schema=with_agent(ROLLOUTS))
 

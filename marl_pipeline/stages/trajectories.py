@@ -52,6 +52,7 @@ from marl_pipeline.stages.rollout import (
     RolloutSettings,
     append_turn,
     engine_chat_session,
+    episode_tasks,
     observe_reply,
     plan_tasks,
     rollout_micro_batch,
@@ -106,8 +107,8 @@ class _MicroBatch:
                  pool: ActionPool | None) -> None:
         self.env, self.key, self.settings, self.options, self.pool = env, key, settings, options, pool
         self.engines = as_replicas(engines)
-        self.tasks = plan_tasks(env, key, settings.seed, settings.prompts_per_micro_batch)
-        self.episodes = [(p, t) for p in range(len(self.tasks)) for t in range(settings.samples_per_prompt)]
+        self.episodes = episode_tasks(env, plan_tasks(env, key, settings.seed, settings.prompts_per_micro_batch),
+                                      settings.samples_per_prompt)  # per episode: (prompt, trajectory, task)
         self.seeds = [turn_seeds(settings.seed, key, turn, len(self.episodes)) for turn in range(len(env.turn_order))]
         self.chats = engine_chat_session(env, {agent: r.primary() for agent, r in self.engines.items()})
         self.finished: list[list[tuple]] = [[] for _ in self.episodes]  # per episode: its finished turns' fields
@@ -151,8 +152,8 @@ class _MicroBatch:
                 replicas.router.forget((self.key, e))
 
     async def _turns(self, e: int) -> None:
-        p, _ = self.episodes[e]
-        task, transcript = self.tasks[p], []
+        _, _, task = self.episodes[e]
+        transcript: list[Turn] = []
         for turn, role in enumerate(self.env.turn_order):
             request = self.chats.request(e, role, turn, self.env.render_prompt(role, task, transcript))
             request_id = f"{self.key.run}/{self.key.step}/{self.key.micro_batch}/{e}/{turn}"
@@ -235,9 +236,9 @@ class _MicroBatch:
         columns: dict[str, list] = {name: [] for name in ROLLOUTS.names + ["agent"]}
         rows = sorted((fields[0], e, fields) for e, turns in enumerate(self.finished) for fields in turns)
         for _, e, (turn, role, prompt, completion, version, start, engine, end, observation, error) in rows:
-            p, trajectory = self.episodes[e]
+            p, trajectory, task = self.episodes[e]
             timed_out = self.timed_out.get(e)
-            append_turn(columns, self.key, self.tasks[p], p, trajectory, e, turn, role, prompt, completion, version,
+            append_turn(columns, self.key, task, p, trajectory, e, turn, role, prompt, completion, version,
                         start, end, observation, error or timed_out, status="timeout" if timed_out else None,
                         engine=engine)
         return pa.table(columns, schema=with_agent(ROLLOUTS))
