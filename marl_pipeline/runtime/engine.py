@@ -87,9 +87,10 @@ class RolloutEngine:
 
             self.load_weights(merged_checkpoint(model_dir, adapter_dir), version)
         # The first calls pay one-off set-up costs for each batch shape and sampling path (4 s on CPU for a
-        # first 128-request batch, measured by bench/pipeline.py): pay them now, not in step 0.
+        # first 128-request batch, measured by bench/pipeline.py): pay them now, not in step 0. Two tokens take
+        # each batch through a prefill and a decode step; eight took SmolLM2 15 s more here, for nothing.
         for batch in (1, 16, 256):
-            self.generate(["warm-up"] * batch, list(range(batch)), max_tokens=8, temperature=1.0)
+            self.generate(["warm-up"] * batch, list(range(batch)), max_tokens=2, temperature=1.0)
 
     def generate(self, prompts: list[str | list[int]], seeds: list[int], max_tokens: int,
                  temperature: float) -> tuple[int, list[Completion]]:
