@@ -50,6 +50,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(directory, env.text_corpus(np.random.default_rng(0), 500), seed=0)
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct dequantized from its packaged GGUF into a fresh cache (about 30 s): once a session,
+    for every module that uses the real model (tests/test_model_sources.py checks the conversion)."""
+    from marl_pipeline.runtime.model_sources import resolve_model_source
+
+    return Path(resolve_model_source("smollm2-135m-instruct", tmp_path_factory.mktemp("models")))
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     import ray

@@ -13,7 +13,7 @@ from pathlib import Path
 from marl_pipeline.config import EngineConfig
 from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
 from marl_pipeline.runtime.workers import engine_actor
-from tests.test_model_sources import needs_smollm2, smollm2_dir  # noqa: F401 (a fixture)
+from tests.test_model_sources import needs_smollm2
 
 BF16_TOLERANCE = 0.15
 """Largest |engine - trainer| logprob per token, in nats. bf16 keeps 8 bits of mantissa (relative rounding
@@ -32,7 +32,7 @@ def _distance(a: list[float], b: list[float]) -> tuple[float, float]:
 
 
 @needs_smollm2
-def test_bf16_weight_sync_serves_the_trainers_policy(local_ray, smollm2_dir: Path) -> None:  # noqa: F811
+def test_bf16_weight_sync_serves_the_trainers_policy(local_ray, smollm2_dir: Path) -> None:
     settings = EngineConfig(dtype="bfloat16", threads=2, max_model_len=128)
     engine = engine_actor(settings).remote(str(smollm2_dir), 0, gpu_memory_utilization=0.15,
                                            max_model_len=settings.max_model_len, dtype="bfloat16", seed=0,

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 from marl_pipeline.environment import ActionResult, EvaluationCase, register_environment
 from marl_pipeline.runtime.chat import ChatPromptError, ChatSession, ChatTokenizer, load_chat_tokenizer
 from marl_pipeline.store import MicroBatchKey
-from tests.test_model_sources import needs_smollm2, smollm2_dir  # noqa: F401 (a fixture)
+from tests.test_model_sources import needs_smollm2
 
 SYSTEM = {"role": "system", "content": "Answer with one number."}
 IM_END = 2  # SmolLM2's <|im_end|>: its chat template's end-of-turn token and its eos
@@ -75,7 +75,7 @@ def _session(tokenizer) -> ChatSession:
 
 
 @pytest.fixture(scope="module")
-def chat_tokenizer(smollm2_dir) -> ChatTokenizer:  # noqa: F811 (the fixture imported above)
+def chat_tokenizer(smollm2_dir) -> ChatTokenizer:
     return load_chat_tokenizer(str(smollm2_dir))
 
 
@@ -157,7 +157,7 @@ def test_bad_chat_prompts_name_the_environment_role_and_turn(chat_tokenizer, tin
 
 
 @pytest.fixture(scope="module")
-def chat_run(local_ray, smollm2_dir, tmp_path_factory):  # noqa: F811 (the fixture imported above)
+def chat_run(local_ray, smollm2_dir, tmp_path_factory):
     """A one-agent run of ``chat_twice`` on SmolLM2, its base policy committed to a fresh store."""
     from marl_pipeline.config import parse_config
     from marl_pipeline.environment import build_environment

@@ -10,7 +10,7 @@ from pathlib import Path
 from marl_pipeline.config import EngineConfig, LoraAdapterConfig
 from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
 from marl_pipeline.runtime.workers import engine_actor
-from tests.test_model_sources import needs_smollm2, smollm2_dir  # noqa: F401 (a fixture)
+from tests.test_model_sources import needs_smollm2
 
 LOGPROB_TOLERANCE = 1e-4
 """Engine vs trainer, per token, in nats: float32 on both sides (tests/test_engine_sync.py). The engine's weights
@@ -29,7 +29,7 @@ def _engine(local_ray, model_dir: Path, version: int, adapter_dir: str | None = 
 
 
 @needs_smollm2
-def test_a_lora_engine_serves_the_trainers_policy(local_ray, smollm2_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_a_lora_engine_serves_the_trainers_policy(local_ray, smollm2_dir: Path, tmp_path: Path) -> None:
     trainer = PolicyTrainer(str(smollm2_dir), 0, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, seed=0,
                             num_threads=2, lora=LoraAdapterConfig().model_dump(), base_dir=str(smollm2_dir))
     prompt = trainer.tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 5?"}],

