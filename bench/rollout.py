@@ -24,8 +24,9 @@ One process run, at most two vLLM engines alive at a time (the machine runs othe
    replica the agent's router (runtime/router.py) picks, sticky or round-robin, alternating passes, each pass with
    fresh contexts (no hits from earlier passes). Prefix-cache hit rate from vLLM's own per-request count of cached
    prompt tokens (``num_cached_tokens``, summed by the engine actor's ``prefix_cache_stats``), and tokens/s.
-   Each replica's KV cache holds ``--route-cache`` times sticky routing's working set (a pool serving many
-   episodes runs with a full cache; round-robin needs every episode's prefix on both replicas, twice the room),
+   Each replica's KV cache holds ``--route-cache`` times sticky routing's peak working set: its half of the
+   episodes, all in flight at their longest (last turn's prompt and response, in whole blocks). A pool sized to
+   its load runs with such a cache; round-robin needs every episode's prefix on both replicas, twice the room,
    or with ``--route-cache 0`` what the memory share gives, far more than the workload ever uses.
 
     nice -n 15 .venv/bin/python bench/rollout.py
@@ -252,14 +253,16 @@ def long_tail(ray, model_dir: str, args) -> dict[str, float]:
 
 # -- 3. routing -------------------------------------------------------------------------------------
 def routing_cache_gib(model_dir: str, args) -> float | None:
-    """Each replica's KV cache for ``--route-cache``: that many times what sticky routing keeps per replica (its
-    half of the episodes at full length, in whole blocks); None (0): the memory share's cache, no pressure."""
+    """Each replica's KV cache for ``--route-cache``: that many times what sticky routing holds per replica at its
+    peak (its half of the episodes in flight at their longest, in whole blocks); None (0): the memory share's
+    cache, no pressure."""
     if not args.route_cache:
         return None
     from marl_pipeline.runtime.models import kv_cache_bytes_per_token
 
     token_bytes = kv_cache_bytes_per_token(model_dir)  # float32
-    episode_tokens = args.route_context + args.route_turns * (args.route_tokens + 8)
+    # the last turn's sequence: the context, every turn's response, the 8-token reply between turns
+    episode_tokens = args.route_context + args.route_turns * args.route_tokens + (args.route_turns - 1) * 8
     blocks = -(-episode_tokens // CPU_BLOCK_TOKENS) * -(-args.route_episodes // 2)
     gib = args.route_cache * blocks * CPU_BLOCK_TOKENS * token_bytes / 2**30
     print(f"  KV cache per replica {gib * 2**30 / token_bytes:.0f} tokens ({args.route_cache} x sticky's "
@@ -352,9 +355,10 @@ def main() -> None:
     parser.add_argument("--route-turns", type=int, default=4)
     parser.add_argument("--route-context", type=int, default=100)
     parser.add_argument("--route-tokens", type=int, default=64)
-    parser.add_argument("--route-cache", type=float, default=1.25,
-                        help="each replica's KV cache as a multiple of what sticky routing keeps on it (its half of "
-                             "the episodes at full length); 0: the memory share's cache (~1M tokens), no pressure")
+    parser.add_argument("--route-cache", type=float, default=1.0,
+                        help="each replica's KV cache as a multiple of what sticky routing holds on it at its peak "
+                             "(its half of the episodes in flight at their longest); 0: the memory share's cache "
+                             "(~1M tokens), no pressure")
     parser.add_argument("--skip", choices=["overhead", "tail", "routing"], action="append", default=[],
                         help="leave a part out (repeatable)")
     args = parser.parse_args()
