@@ -132,11 +132,11 @@ class MathChat:
         tasks = []
         for task in self.source.draw(rng, count, heldout=False):
             if self.options.shown_answers == "balanced":
-                # The kind drawn here holds for the task as a whole; episode_task alternates it within the group.
-                shows_right = bool(rng.random() < 0.5)
-                wrong = None if shows_right else self.source.other_answer(task, rng)
-                tasks.append({**task, "checker": self._checker_of(task), "decoy": None, "shows_right": shows_right,
-                              "wrong_answer": wrong, "episode_seed": int(rng.integers(2**31))})
+                # The kind drawn here is episode 0's; episode_task alternates it within the group and draws each
+                # episode's wrong answer, so the task as drawn is its episode 0.
+                drawn = {**task, "checker": self._checker_of(task), "decoy": None,
+                         "shows_right": bool(rng.random() < 0.5), "episode_seed": int(rng.integers(2**31))}
+                tasks.append(self.episode_task(drawn, 0))
                 continue
             draw = rng.random()
             decoy = self.source.other_answer(task, rng) if draw < self.options.decoy_share else None
