@@ -95,6 +95,31 @@ def check_math(right_answer: str, response: str) -> bool:
     return bool(verify(gold, given, timeout_seconds=None))
 
 
+def stated_answer(response: str) -> str | None:
+    """The answer a response states, as math-verify reads it (``28 + 6 = 34`` -> ``34``), or its first line where
+    math-verify reads none (a word, a list); None for an empty response or an answer too costly to compare."""
+    parsed = _parse(answer_text(response))
+    if not parsed:
+        return answer_text(response) or None
+    if not _bounded(parsed[0]):
+        return None
+    # [value, the text it was read from], or only the text where math-verify matched LaTeX it could not read ($x^$)
+    return parsed[-1] if isinstance(parsed[-1], str) else str(parsed[0])
+
+
+def same_answer(first: str, second: str) -> bool:
+    """Whether two responses state the same answer: math-verify's values when both parse (``34`` and ``28 + 6 =
+    34.`` agree), else their normalised first lines; an empty response agrees with nothing."""
+    from math_verify import verify
+
+    ours, theirs = _parse(answer_text(first)), _parse(answer_text(second))
+    if ours and theirs:
+        return _bounded(ours[0]) and _bounded(theirs[0]) and bool(verify(ours, theirs, timeout_seconds=None))
+    if ours or theirs:
+        return False
+    return bool(normalized_answer(first)) and normalized_answer(first) == normalized_answer(second)
+
+
 @lru_cache(maxsize=4096)
 def _parse(text: str) -> list:
     from math_verify import parse

@@ -281,5 +281,6 @@ class MathChat:
 
 
 def _as_text(messages: list[Message]) -> str:
-    """The plain-text prompt: the user's message and a new line (no system message: a tiny model has no use for it)."""
-    return messages[-1]["content"] + "\n"
+    """The plain-text prompt: the conversation's messages a line each, ending with a new line (no system message: a
+    tiny model has no use for it); for one user message, that message and a new line."""
+    return "".join(message["content"] + "\n" for message in messages if message["role"] != "system")

@@ -149,6 +149,13 @@ class EvaluationCase:
     """The turns before the evaluated agent's (empty for the first speaker)."""
     label: str
     """What the plugin's ``evaluate`` compares the answer with (the expected sum, ``yes``/``no``...)."""
+    turns: int = 1
+    """How many turns in a row the agent takes (a verifier that works the question out before its verdict: 2).
+    Each of its replies joins the transcript before its next turn; the last one is the evaluated response."""
+
+    def __post_init__(self) -> None:
+        if self.turns < 1:
+            raise ValueError(f"EvaluationCase.turns is {self.turns}: an evaluated agent takes at least one turn")
 
 
 EVALUATION_HOOKS = ("evaluation_cases", "evaluate", "answer_of")

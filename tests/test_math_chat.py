@@ -291,7 +291,7 @@ def test_smollm2_config_loads() -> None:
     from tests.conftest import ROOT
 
     config = load_config(ROOT / "configs" / "smollm2_arithmetic.yaml")
-    assert config.environment.name == "math_chat"
+    assert config.environment.name == "math_chat_worked"
     assert set(config.agents) == {"solver", "verifier"}
     for agent in config.agents.values():
         assert agent.model == "smollm2-135m-instruct" and agent.engine.dtype == agent.trainer.dtype == "auto"
@@ -299,4 +299,4 @@ def test_smollm2_config_loads() -> None:
         assert agent.warmup.steps == 0 and agent.lora is not None and agent.trainer.lr <= 1e-4
     assert config.evaluation.every is not None
     env = build_environment(config.environment.name, config.environment.options)
-    assert env.options.prompt_format == "chat" and env.options.shown_answers == "balanced"
+    assert env.options.prompt_format == "chat" and env.options.shown_answers == "working"

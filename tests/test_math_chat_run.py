@@ -6,19 +6,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from environments.math_answers import answer_text, check_math
+from environments.math_answers import check_math, is_plain_number, same_answer, stated_answer
 from marl_pipeline.config import parse_config
 from marl_pipeline.run.events import EvaluationCommitted
 from marl_pipeline.run.recipe import train
 from marl_pipeline.store import ExperienceStore
 
 
-def test_math_chat_trains_with_the_tiny_model(local_ray, tmp_path: Path) -> None:
+def test_math_chat_worked_trains_with_the_tiny_model(local_ray, tmp_path: Path) -> None:
+    """math_chat_worked: three turns (solver, the verifier's working, its verdict), and a verifier evaluated over two
+    turns of its own."""
     data = {
         "run": "math_chat_tiny", "store": str(tmp_path / "store"),
-        "environment": {"name": "math_chat", "options": {"prompt_format": "text", "a_range": [0, 4], "b_range": [0, 4],
-                                                      "warmup_accuracy": 0.8,
-                                                      "shown_answers": "balanced"},
+        "environment": {"name": "math_chat_worked",
+                        "options": {"prompt_format": "text", "a_range": [0, 4], "b_range": [0, 4],
+                                    "warmup_accuracy": 0.8},
                         "pool": {"min_workers": 1, "max_workers": 1, "num_cpus": 0}},
         "agents": {role: {"warmup": {"steps": 30}, "engine": {"num_cpus": 0.25}, "trainer": {"num_cpus": 0.25}}
                    for role in ("solver", "verifier")},
@@ -30,32 +32,51 @@ def test_math_chat_trains_with_the_tiny_model(local_ray, tmp_path: Path) -> None
     store = ExperienceStore(config.store)
     rollouts = store.read_stage(config.run, "rollouts").to_pylist()
     results = store.read_stage(config.run, "environment_results").to_pylist()
-    assert len(results) == len(rollouts) == 2 * 4 * 4 * 2 and {r["status"] for r in results} == {"ok"}
-    # every answer was graded against its task by math-verify on a worker: the expected sum is recorded
+    rewards = store.read_stage(config.run, "rewards").to_pylist()
+    assert len(results) == len(rollouts) == 3 * 4 * 4 * 2 and {r["status"] for r in results} == {"ok"}
+    said = {(r["group_id"], r["trajectory"], r["turn"]): r for r in rollouts}
     tasks = {r["sample_id"]: json.loads(r["task"]) for r in rollouts}
-    solver_said = {(r["group_id"], r["trajectory"]): r["response_text"] for r in rollouts if r["turn"] == 0}
-    responses = {r["sample_id"]: r["response_text"] for r in rollouts}
-    shown_right = {}
+    shown_own = {}
     for result in results:
         info, task = json.loads(result["info"]), tasks[result["sample_id"]]
-        if result["turn"] == 0:
+        episode = (result["group_id"], result["trajectory"])
+        if result["turn"] < 2:
+            # the solver's answer and the verifier's working, each graded against the task by math-verify on a
+            # worker (grading in a thread), agreeing with math-verify in this process's main thread
             assert info["expected"] == task["answer"]
-            # the worker (grading in a thread) agrees with math-verify in this process's main thread
-            assert result["outcome"] == ("correct" if check_math(task["answer"], responses[result["sample_id"]])
-                                         else "wrong")
+            assert result["outcome"] == ("correct" if check_math(task["answer"], said[(*episode, result["turn"])]
+                                                                 ["response_text"]) else "wrong")
+            continue
+        # the verdict turn saw its own working, then the shown answer: its own one when the episode shows it and
+        # the working states a number, else one that differs from it
+        verdict_prompt = said[(*episode, 2)]["prompt_text"]
+        working = said[(*episode, 1)]["response_text"]
+        assert verdict_prompt.startswith(said[(*episode, 1)]["prompt_text"] + working.strip())
+        assert f"Another answer: {info['shown']}\n" in verdict_prompt
+        own = stated_answer(working)
+        if task["shows_own"] and own is not None and is_plain_number(own):
+            assert info["shown"] == own and info["working_matches"]
         else:
-            # the verifier was judged on what it saw: the solver's answer when it is of the kind this episode
-            # shows (right or wrong, as the environment's episode_task alternates it), else the right answer or the
-            # episode's own wrong one
-            solver = answer_text(solver_said[(result["group_id"], result["trajectory"])])
-            solver_fits = bool(solver) and check_math(task["answer"], solver) == task["shows_right"]
-            expected = solver if solver_fits else task["answer"] if task["shows_right"] else task["wrong_answer"]
-            assert info["shown"] == expected and info["shown_right"] == task["shows_right"]
-            shown_right.setdefault(result["group_id"], []).append(task["shows_right"])
-    # each group of 4 episodes showed the verifier 2 right and 2 wrong answers
-    assert len(shown_right) == 8 and all(sorted(kinds) == [False, False, True, True] for kinds in shown_right.values())
+            assert not info["working_matches"] and not same_answer(working, info["shown"])
+        assert info["agrees_with_working"] == (info["verdict"] == ("yes" if info["working_matches"] else "no"))
+        shown_own.setdefault(result["group_id"], []).append(task["shows_own"])
+    # each group of 4 episodes was meant to show the verifier its own answer twice, another answer twice
+    assert len(shown_own) == 8 and all(sorted(kinds) == [False, False, True, True] for kinds in shown_own.values())
+    # the verifier's reward: half its working's grade, half its verdict agreeing with the working
+    by_episode = {(r["group_id"], r["trajectory"], r["turn"]): r for r in results}
+    verifier_rewards = [r for r in rewards if r["role"] == "verifier"]
+    assert len(verifier_rewards) == 2 * 4 * 4 * 2  # both verifier turns carry the episode's reward
+    for reward in verifier_rewards:
+        episode = (reward["group_id"], reward["trajectory"])
+        working_right = by_episode[(*episode, 1)]["outcome"] == "correct"
+        agrees = json.loads(by_episode[(*episode, 2)]["info"])["agrees_with_working"]
+        assert reward["reward"] == 0.5 * working_right + 0.5 * agrees
     # small sums: the warmed-up tiny solver gets some right, so the agreement above is not all "wrong"
     assert any(r["outcome"] == "correct" for r in results if r["turn"] == 0)
     assert sorted(evaluated) == [0, 1]
     assert {"accuracy", "answer_entropy"} <= set(evaluated[0]["solver"])
-    assert {"balanced_accuracy", "readable_verdicts"} <= set(evaluated[1]["verifier"])
+    assert {"balanced_accuracy", "working_accuracy", "agreement"} <= set(evaluated[1]["verifier"])
+    # held-out: the verifier worked each case out before its verdict, and the stored transcript shows it
+    evaluations = [r for r in store.read_stage(config.run, "evaluations").to_pylist() if r["agent"] == "verifier"]
+    assert evaluations and all([t["role"] for t in json.loads(r["transcript"])] == ["solver", "verifier"]
+                               for r in evaluations)

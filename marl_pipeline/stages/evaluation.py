@@ -10,7 +10,8 @@ Cases are drawn from a seed stream training never draws from (training's tasks c
 ``[seed, step, micro_batch]``), the same cases for every policy version so versions compare; decoding is
 greedy, so an evaluation is a function of the weights alone. A case rendered as chat messages is tokenized
 the way the rollout stage tokenizes an agent's first turn (its transcript is the plugin's, not the engine's, so
-there are no earlier ids to extend).
+there are no earlier ids to extend); a case of several turns then extends the agent's own ids turn by turn, as
+in rollout.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import ray
 
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import EVALUATION_HOOKS, Environment, EvaluationCase, Turn
+from marl_pipeline.runtime.engine import Completion
 from marl_pipeline.stages.rollout import engine_chat_session
 from marl_pipeline.store.schema import EVALUATIONS, with_agent
 
@@ -64,20 +66,37 @@ def evaluation_cases(env: Environment, role: str, settings: EvaluationSettings) 
 
 def evaluate_agent(env: Environment, role: str, engine: ray.actor.ActorHandle,
                    settings: EvaluationSettings) -> pa.Table:
-    """Greedy answers of the policy ``engine`` serves to ``role``'s held-out cases; one row per case."""
+    """Greedy answers of the policy ``engine`` serves to ``role``'s held-out cases; one row per case. A case of
+    several turns (``EvaluationCase.turns``) is played turn by turn, all cases' next turns in one batch; its stored
+    transcript is everything before its last reply, its own earlier replies included."""
     cases = evaluation_cases(env, role, settings)
     chats = engine_chat_session(env, {role: engine})
-    requests = [chats.request(index, role, len(case.transcript), env.render_prompt(role, case.task, case.transcript))
-                for index, case in enumerate(cases)]
-    version, completions = ray.get(engine.generate.remote(requests, [0] * len(requests), settings.max_new_tokens,
-                                                          0.0))
+    transcripts = [list(case.transcript) for case in cases]
+    last: dict[int, tuple[str | list[int], Completion]] = {}
+    versions = set()
+    for turn in range(max((case.turns for case in cases), default=0)):
+        playing = [index for index, case in enumerate(cases) if turn < case.turns]
+        requests = [chats.request(index, role, len(transcripts[index]),
+                                  env.render_prompt(role, cases[index].task, transcripts[index])) for index in playing]
+        version, completions = ray.get(engine.generate.remote(requests, [0] * len(requests),
+                                                              settings.max_new_tokens, 0.0))
+        versions.add(version)
+        for index, request, completion in zip(playing, requests, completions):
+            chats.record(index, role, completion.text, completion.response_ids)
+            if turn + 1 < cases[index].turns:
+                transcripts[index].append(Turn(role, completion.text))
+            last[index] = (request, completion)
+    if len(versions) > 1:  # an evaluation engine serves one version; a sync mid-case would mix two policies
+        raise RuntimeError(f"{role}'s evaluation engine changed policy version mid-evaluation: {sorted(versions)}")
+    version = versions.pop() if versions else None
     rows = [{
-        "policy_version": version, "case": index, "task_id": str(case.task["id"]), "task": json.dumps(case.task),
-        "transcript": json.dumps([asdict(turn) for turn in case.transcript]), "label": case.label,
-        "prompt_text": chats.prompt_text(role, request), "response_text": completion.text,
-        "answer": env.answer_of(role, completion.text),  # type: ignore[attr-defined]
+        "policy_version": version, "case": index,
+        "task_id": str(case.task["id"]), "task": json.dumps(case.task),
+        "transcript": json.dumps([asdict(turn) for turn in transcripts[index]]), "label": case.label,
+        "prompt_text": chats.prompt_text(role, last[index][0]), "response_text": last[index][1].text,
+        "answer": env.answer_of(role, last[index][1].text),  # type: ignore[attr-defined]
         "metrics": None, "status": "ok", "error": None, "agent": role,
-    } for index, (case, request, completion) in enumerate(zip(cases, requests, completions))]
+    } for index, case in enumerate(cases)]
     return pa.Table.from_pylist(rows, schema=with_agent(EVALUATIONS))
 
 

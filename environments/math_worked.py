@@ -1,0 +1,179 @@
+"""Math with a verifier that works the question out before it judges (``math_chat_worked``).
+
+Turns: solver (an answer), verifier (its own answer to the same question: its working), verifier again (``yes`` or
+``no``: is the answer it is now shown the same as its own?). Everything else is ``math_chat``'s: chat prompts,
+math-verify or reasoning-gym grading, the held-out split.
+
+Why: a verifier asked for a verdict first must do, in its first token, the addition the solver needs a sentence
+for. SmolLM2-135M cannot, and RL on the verdict alone did not teach it in 25 steps: "Yes" to everything, then "No"
+to everything, balanced accuracy 0.5 (BENCHMARKS.md). Checking by working it out splits the skill in two that a
+small model can learn: the working, which RL teaches a solver, and a comparison of two answers in its context.
+
+Reward (``working_weight`` w, default 0.5): ``w * working's grade + (1 - w) * [verdict agrees with the working]``;
+the verdict agrees when it says ``yes`` exactly when the shown answer is the verifier's own. The working is graded
+against the true answer, so it pays only for being right, and it comes before any answer is shown, so it cannot
+copy one. The verdict pays for following from the working, a signal in every episode from the first step: a
+verdict paid for being right carries none while the working is wrong, since "yes" to a right answer the verifier
+itself got wrong cannot follow from anything it wrote.
+
+What it is shown (``shown_answers: working``, the default here): the episodes of a group alternate between its own
+answer (when its working states one) and another one: the solver's if it differs, else the right answer or a near
+miss. Then "same" and "different" are half each, and a constant verdict earns zero advantage, however good the
+working is. (Shown right and wrong answers half each, ``balanced``, would make "same" as rare as a right working:
+2% of episodes for the base model, too few to learn the comparison from.) Skill is measured, not assumed: on
+held-out questions the verifier works the question out, is shown the right answer or a near miss half each, and
+its verdicts are graded against the truth (``balanced_accuracy``), next to ``working_accuracy`` and ``agreement``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Literal
+
+import numpy as np
+from pydantic import Field
+
+from environments.math_answers import answer_text, is_plain_number, same_answer, stated_answer, verdict_of
+from environments.math_chat import MathChat, MathChatOptions, Message, _as_text
+from marl_pipeline.environment import Action, ActionResult, EvaluationCase, Task, Turn
+
+# The verdict turn's user message; its first turn is the solver's question (math_chat.NUMBER_INSTRUCTION). Asked
+# "Is the proposed answer correct?" after its working, base SmolLM2-135M says "Yes" greedy to 87-100% of answers;
+# asked whether another answer is the same as its own, its greedy verdicts are mixed (docs/environments.md).
+VERDICT_TEMPLATE = "Another answer: {shown}\nIs it the same as your answer? Start your reply with Yes or No."
+
+
+class MathChatWorkedOptions(MathChatOptions):
+    shown_answers: Literal["shares", "balanced", "working"] = "working"
+    """``working``: the verifier's own answer or another, alternating within each group; ``balanced`` and
+    ``shares`` as in ``math_chat``."""
+    working_weight: float = Field(0.5, ge=0, le=1)
+    """Share of the verifier's reward paid for its working being right; the rest pays a verdict that agrees with
+    its working."""
+
+
+class MathChatWorked(MathChat):
+    """Solver + a verifier that answers the question itself, then judges the shown answer against its own."""
+
+    name = "math_chat_worked"
+    turn_order = ("solver", "verifier", "verifier")
+    Options = MathChatWorkedOptions
+
+    # -- episodes ---------------------------------------------------------------------------------------------------
+    def sample_tasks(self, rng: np.random.Generator, count: int) -> list[Task]:
+        """``working``: each question with the kind its episode 0 is shown (its own answer or another) and a seed
+        for each episode's near miss; other modes as in ``math_chat``."""
+        if self.options.shown_answers != "working":
+            return super().sample_tasks(rng, count)
+        return [self.episode_task({**task, "checker": self._checker_of(task), "decoy": None,
+                                   "shows_own": bool(rng.random() < 0.5), "episode_seed": int(rng.integers(2**31))}, 0)
+                for task in self.source.draw(rng, count, heldout=False)]
+
+    def episode_task(self, task: Task, trajectory: int) -> Task:
+        """``working``: a group's episodes alternate between being shown the verifier's own answer and another,
+        each with its own near miss for when no other answer differs from the verifier's."""
+        if "shows_own" not in task:
+            return super().episode_task(task, trajectory)
+        rng = np.random.default_rng([task["episode_seed"], trajectory])
+        return {**task, "shows_own": task["shows_own"] != bool(trajectory % 2),
+                "wrong_answer": self.source.other_answer(task, rng)}
+
+    def shown_answer(self, task: Task, transcript: list[Turn]) -> str:
+        """``working``: the verifier's own answer (as math-verify reads it from its working) on a ``shows_own``
+        episode whose working states one; else the first of the solver's answer (read the same way), the right
+        answer and the episode's near miss that is not the verifier's. Other modes, and held-out cases, as in
+        ``math_chat``."""
+        if "shows_own" not in task:
+            return super().shown_answer(task, transcript)
+        working = next((turn.text for turn in transcript if turn.role == "verifier"), "")
+        own = stated_answer(working)
+        if own is not None and is_plain_number(task["answer"]) and not is_plain_number(own):
+            own = None  # a number was asked for: words are no answer to show (nor the solver's words, below)
+        if task["shows_own"] and own is not None:
+            return own
+        # The solver's answer as stated, like the verifier's own: shown as the solver wrote it ("28 + 6 equals 34.")
+        # next to its own as a bare number, the form alone would tell "other" from "own".
+        solver = stated_answer(transcript[0].text) if transcript else None
+        if solver is not None and is_plain_number(task["answer"]) and not is_plain_number(solver):
+            solver = None
+        for candidate in (solver, task["answer"], task["wrong_answer"]):
+            if candidate and not same_answer(working, candidate):
+                return candidate
+        return task["wrong_answer"] or "(no answer)"
+
+    def _messages(self, role: str, task: Task, transcript: list[Turn]) -> list[Message]:
+        if role != "verifier":
+            return super()._messages(role, task, transcript)
+        question = super()._messages("solver", task, [])
+        working = [turn for turn in transcript if turn.role == "verifier"]
+        if not working:
+            return question
+        return [*question, {"role": "assistant", "content": working[0].text},
+                {"role": "user", "content": VERDICT_TEMPLATE.format(shown=self.shown_answer(task, transcript))}]
+
+    # -- actions and rewards -----------------------------------------------------------------------------------------
+    def actions(self, task: Task, transcript: list[Turn]) -> list[Action | None]:
+        solver, working, verdict = transcript[0], transcript[1], transcript[2]
+        return [Action("answer", solver.text, 0.1, {"task": task}),
+                Action("answer", working.text, 0.1, {"task": task}),
+                Action("verdict", verdict.text, 0.1, {"task": task, "shown": self.shown_answer(task, transcript),
+                                                      "decoy": bool(task.get("decoy")), "working": working.text})]
+
+    def run_action(self, action: Action) -> ActionResult:
+        result = super().run_action(action)
+        if action.kind != "verdict":
+            return result
+        matches = same_answer(action.context["working"], action.context["shown"])
+        verdict = result.info["verdict"]
+        agrees = verdict is not None and (verdict == "yes") == matches
+        return replace(result, info={**result.info, "working": answer_text(action.context["working"]),
+                                     "working_matches": matches, "agrees_with_working": agrees})
+
+    def score(self, task: Task, transcript: list[Turn], results: list[ActionResult]) -> dict[str, float]:
+        """The solver's grade; the verifier's ``w * working's grade + (1 - w) * verdict agrees with the working``."""
+        weight = self.options.working_weight
+        working = float(results[1].info.get("score", 0.0))
+        agrees = float(bool(results[2].info.get("agrees_with_working", False)))
+        return {"solver": float(results[0].info.get("score", 0.0)),
+                "verifier": weight * working + (1 - weight) * agrees}
+
+    # -- held-out evaluation: the verifier works each case out, then gives its verdict -------------------------------
+    def evaluation_cases(self, role: str, rng: np.random.Generator, count: int) -> list[EvaluationCase]:
+        cases = super().evaluation_cases(role, rng, count)
+        return [replace(case, turns=2) for case in cases] if role == "verifier" else cases
+
+    def evaluate(self, role: str, cases: list[EvaluationCase], responses: list[str]) -> dict[str, float]:
+        """``math_chat``'s metrics (the verdicts against the truth); the verifier's also ``working_accuracy``, its
+        own answers' accuracy, and ``agreement``, the share of verdicts that follow from them."""
+        metrics = super().evaluate(role, cases, responses)
+        if role != "verifier":
+            return metrics
+        workings = [next((t.text for t in case.transcript if t.role == "verifier"), "") for case in cases]
+        shown = [next((t.text for t in case.transcript if t.role == "solver"), "") for case in cases]
+        right = [self.grade(case.task, working) >= 1 for case, working in zip(cases, workings)]
+        agrees = [verdict_of(response) == ("yes" if same_answer(working, answer) else "no")
+                  for working, answer, response in zip(workings, shown, responses)]
+        return {**metrics, "working_accuracy": float(np.mean(right)) if right else 0.0,
+                "agreement": float(np.mean(agrees)) if agrees else 0.0}
+
+    # -- the built-in tiny model's warm-up: both verifier turns, on plain text ---------------------------------------
+    def warmup_examples(self, role: str, rng: np.random.Generator, count: int) -> list[tuple[str, str]]:
+        """The verifier's pairs alternate: its working (the noisy teacher's answer) and its verdict on a shown
+        answer given that working (agreeing with it with probability ``warmup_accuracy``)."""
+        if role != "verifier":
+            return super().warmup_examples(role, rng, count)
+        examples = []
+        for index, task in enumerate(self.sample_tasks(rng, count)):
+            working = self._noisy_answer(task, rng)
+            if index % 2 == 0:
+                examples.append((_as_text(self._messages("verifier", task, [])), working))
+                continue
+            transcript = [Turn("solver", self._noisy_answer(task, rng)), Turn("verifier", working)]
+            agrees = "yes" if same_answer(working, self.shown_answer(task, transcript)) else "no"
+            verdict = agrees if rng.random() < self.options.warmup_accuracy else str(rng.choice(["yes", "no"]))
+            examples.append((_as_text(self._messages("verifier", task, transcript)), verdict))
+        return examples
+
+    def _noisy_answer(self, task: Task, rng: np.random.Generator) -> str:
+        right = rng.random() < self.options.warmup_accuracy
+        return task["answer"] if right else self.source.other_answer(task, rng) or task["answer"]
