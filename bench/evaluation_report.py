@@ -21,7 +21,8 @@ from marl_pipeline.run.evaluations import evaluation_history, evaluation_plot_pn
 from marl_pipeline.store import ExperienceStore
 
 COLUMNS = {"solver": ["accuracy", "top_answer_share"],
-           "verifier": ["balanced_accuracy", "true_positive_rate", "true_negative_rate"]}
+           "verifier": ["balanced_accuracy", "true_positive_rate", "true_negative_rate", "working_accuracy",
+                        "agreement"]}
 
 
 def training_minutes(store_dir: str, run: str) -> dict[int, float]:

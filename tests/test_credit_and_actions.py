@@ -127,6 +127,48 @@ def test_advantages_are_relative_to_the_stored_group_by_hand() -> None:
         score_micro_batch(env, ungrouped, execute_micro_batch(env, rollouts), 0.0)
 
 
+class _TurnScored(MathSolverVerifier):
+    """The solver's two turns each scored on their own: its first answer's grade, then its revision's."""
+
+    def score_turns(self, task, transcript, results):
+        if transcript[0].text == "unscored":
+            return None  # this episode falls back to the per-agent reward
+        return [float(results[0].success), float(results[1].success), float(results[2].success)]
+
+
+def test_turn_level_rewards_and_advantages_by_hand() -> None:
+    env = _TurnScored(MathOptions())
+    task = {"id": "q", "question": "2+3?", "answer": 5}
+    # first answer right/wrong, revision right/wrong; per-agent score: the solver's final answer, the verifier's verdict
+    rollouts = rollouts_of(env, task, [["5", "correct", "4"], ["4", "wrong", "5"], ["4", "wrong", "4"]])
+    rewards = score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), 1e-9, team_weight=0.0)
+    by_turn = {(row["episode"], row["turn"]): (row["reward"], row["advantage"]) for row in rewards.to_pylist()}
+    # turn 0 rewards 1, 0, 0 (mean 1/3, std sqrt(2)/3); turn 2 rewards 0, 1, 0: each against its own turn's group
+    root2 = 2 ** 0.5
+    for (episode, turn), (reward, advantage) in {(0, 0): (1.0, root2), (1, 0): (0.0, -1 / root2),
+                                                  (2, 0): (0.0, -1 / root2), (0, 2): (0.0, -1 / root2),
+                                                  (1, 2): (1.0, root2), (2, 2): (0.0, -1 / root2)}.items():
+        assert by_turn[episode, turn] == pytest.approx((reward, advantage), abs=1e-6), (episode, turn)
+    # the verifier's turn: its verdicts right, right, right -> reward 1 each, advantage 0
+    assert [by_turn[e, 1] for e in range(3)] == [(1.0, 0.0)] * 3
+    # team credit mixes the team mean of score() into each turn: episode 0's score is solver 0, verifier 1
+    mixed = score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), 1e-9, team_weight=0.5)
+    assert mixed.sort_by([("episode", "ascending"), ("turn", "ascending")]).column("reward").to_pylist()[:3] == [
+        0.75, 0.75, 0.25]
+    # None: that episode's turns get the per-agent reward
+    fallback = rollouts_of(env, task, [["unscored", "wrong", "5"]])
+    assert score_micro_batch(env, fallback, execute_micro_batch(env, fallback), 1e-9).column(
+        "reward").to_pylist() == [1.0, 1.0, 1.0]
+    # a wrong length is a clear error
+    class _Short(MathSolverVerifier):
+        def score_turns(self, task, transcript, results):
+            return [1.0]
+
+    short = _Short(MathOptions())
+    with pytest.raises(ValueError, match="one reward per turn \\(3\\)"):
+        score_micro_batch(short, rollouts, execute_micro_batch(short, rollouts), 1e-9)
+
+
 def test_a_version_4_partition_is_re_scored_with_the_same_groups(small_config) -> None:
     from marl_pipeline.environment import build_environment
     from marl_pipeline.stages.recompute import recompute_stage

@@ -62,15 +62,15 @@ def test_math_chat_worked_trains_with_the_tiny_model(local_ray, tmp_path: Path) 
         shown_own.setdefault(result["group_id"], []).append(task["shows_own"])
     # each group of 4 episodes was meant to show the verifier its own answer twice, another answer twice
     assert len(shown_own) == 8 and all(sorted(kinds) == [False, False, True, True] for kinds in shown_own.values())
-    # the verifier's reward: half its working's grade, half its verdict agreeing with the working
-    by_episode = {(r["group_id"], r["trajectory"], r["turn"]): r for r in results}
+    # turn credit: the working earned its grade, the verdict its agreement with the working
+    by_turn = {(r["group_id"], r["trajectory"], r["turn"]): r for r in results}
     verifier_rewards = [r for r in rewards if r["role"] == "verifier"]
-    assert len(verifier_rewards) == 2 * 4 * 4 * 2  # both verifier turns carry the episode's reward
+    assert len(verifier_rewards) == 2 * 4 * 4 * 2
     for reward in verifier_rewards:
-        episode = (reward["group_id"], reward["trajectory"])
-        working_right = by_episode[(*episode, 1)]["outcome"] == "correct"
-        agrees = json.loads(by_episode[(*episode, 2)]["info"])["agrees_with_working"]
-        assert reward["reward"] == 0.5 * working_right + 0.5 * agrees
+        result = by_turn[(reward["group_id"], reward["trajectory"], reward["turn"])]
+        earned = (result["outcome"] == "correct" if reward["turn"] == 1
+                  else json.loads(result["info"])["agrees_with_working"])
+        assert reward["reward"] == float(earned)
     # small sums: the warmed-up tiny solver gets some right, so the agreement above is not all "wrong"
     assert any(r["outcome"] == "correct" for r in results if r["turn"] == 0)
     assert sorted(evaluated) == [0, 1]

@@ -118,6 +118,9 @@ def test_rewards_by_hand(solver, working, shows_own, verdict, agrees, right_verd
     assert results[2].info["agrees_with_working"] is agrees
     assert (results[2].outcome == "right_verdict") is right_verdict  # against the truth, for inspection
     assert env.score(task, transcript, results) == {"solver": float(solver == "22"), "verifier": reward}
+    # turn credit: each turn its own reward, the working its grade, the verdict its agreement
+    assert env.score_turns(task, transcript, results) == [float(solver == "22"), float(working == "22"), float(agrees)]
+    assert _env(turn_credit=False).score_turns(task, transcript, results) is None
     weighted = _env(working_weight=0.8)
     assert weighted.score(task, transcript, weighted.execute(task, transcript))["verifier"] == pytest.approx(
         0.8 * (working == "22") + 0.2 * agrees)

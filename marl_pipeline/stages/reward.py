@@ -9,6 +9,13 @@ trained on ``w * team + (1 - w) * own`` where ``team`` is the mean over the epis
 the ``team_weight`` (0: individual reward, the default; 1: shared team reward; between: a mix). A
 plugin sets its default with a ``team_reward_weight`` attribute (usually from its options).
 
+Turn-level credit (optional): a plugin with ``score_turns(task, transcript, results)`` may give each turn its own
+reward (a list, one per turn, or None for the episode's per-agent reward). An agent that speaks several times then
+learns each turn from that turn's reward (a verifier's working from its grade, its verdict from whether it follows
+from the working) instead of one sum that mixes the two signals' noise. Advantages are then relative per (group,
+agent, turn): each turn of an episode is compared with the same turn of the group's other episodes. Team credit
+mixes the team mean of ``score`` into each turn's reward, and a reward model's score into the agent's last turn's.
+
 Model-based reward (:class:`ModelReward`, optional): before credit assignment, each scored agent's own
 reward becomes ``(1 - weight) * rule + weight * model score``, the model scoring the agent's last turn of
 the episode (its final say). The score is stored in ``model_score`` on that turn's row. A failed episode
@@ -90,38 +97,66 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, e
                                                                   "info", "status"]).to_pylist()}
     episodes = episodes_of(rollouts.select(list(TURN_KEYS) + ["task", "prompt_text", "response_text", "observation"]))
     model_scores = _model_scores(episodes, outcomes, model_reward) if model_reward is not None else {}
+    score_turns = getattr(env, "score_turns", None)
     keyed_rows, rewards, statuses, starts, ends = [], [], [], [], []
+    per_turn_credit = False
     for turns in episodes:
         start = datetime.now(UTC)
         episode_results = [outcomes[row["sample_id"]] for row in turns]
+        turn_rewards: list[float] | None = None
         if any(r["status"] == "failed" for r in episode_results):
             per_role, status = {}, "failed"  # a failed episode earns nothing; a failed action is scored by the env
         else:
             actions = [ActionResult(r["outcome"], r["success"], r["observation"], json.loads(r["info"]))
                        for r in episode_results]
-            own = env.score(json.loads(turns[0]["task"]), transcript_of(turns), actions)
-            for row in turns:
+            task, transcript = json.loads(turns[0]["task"]), transcript_of(turns)
+            own = env.score(task, transcript, actions)
+            if score_turns is not None:
+                turn_rewards = _checked_turn_rewards(score_turns(task, transcript, actions), len(turns))
+            if turn_rewards is not None:
+                per_turn_credit = True
+                team = sum(own.values()) / len(own) if own else 0.0
+                turn_rewards = [team_weight * team + (1.0 - team_weight) * value for value in turn_rewards]
+            for index, row in enumerate(turns):
                 if row["sample_id"] in model_scores:
                     w = model_reward.weight  # type: ignore[union-attr]
+                    if turn_rewards is not None:
+                        turn_rewards[index] = (1.0 - w) * turn_rewards[index] + w * model_scores[row["sample_id"]]
                     own[row["role"]] = (1.0 - w) * own.get(row["role"], 0.0) + w * model_scores[row["sample_id"]]
             per_role, status = assign_credit(own, team_weight), "ok"
         end = datetime.now(UTC)
-        for row in turns:
+        for index, row in enumerate(turns):
             keyed_rows.append(row)
-            rewards.append(float(per_role.get(row["role"], 0.0)))
+            rewards.append(float(turn_rewards[index] if turn_rewards is not None else per_role.get(row["role"], 0.0)))
             statuses.append(status)
             starts.append(start)
             ends.append(end)
     rewards_array = np.asarray(rewards, dtype=np.float64)
-    # Advantages are relative within one task prompt's n episodes, per agent: one label per (group, agent).
-    labels: dict[tuple[str, str], int] = {}
-    groups = np.asarray([labels.setdefault((row["group_id"], row["agent"]), len(labels)) for row in keyed_rows])
+    # Advantages are relative within one task prompt's n episodes, per agent: one label per (group, agent), or per
+    # (group, agent, turn) where the plugin scores turns (each turn against the same turn of the other episodes).
+    labels: dict[tuple, int] = {}
+    groups = np.asarray([labels.setdefault((row["group_id"], row["agent"])
+                                           + ((row["turn"],) if per_turn_credit else ()), len(labels))
+                         for row in keyed_rows])
     advantages = group_relative_advantages(rewards_array, groups, eps) if keyed_rows else rewards_array
     columns = {name: [row[name] for row in keyed_rows] for name in TURN_KEYS}
     columns.update(reward=rewards_array.astype(np.float32), advantage=advantages.astype(np.float32),
                    model_score=pa.array([model_scores.get(row["sample_id"]) for row in keyed_rows], pa.float32()),
                    reward_start=starts, reward_end=ends, status=statuses, error=[None] * len(keyed_rows))
     return pa.table(columns, schema=with_agent(REWARDS))
+
+
+def _checked_turn_rewards(rewards: object, turns: int) -> list[float] | None:
+    """``score_turns``' answer: None, or one finite reward per turn; else a clear error."""
+    if rewards is None:
+        return None
+    if not isinstance(rewards, list | tuple) or len(rewards) != turns:
+        raise ValueError(f"score_turns returned {rewards!r:.120}, expected a list of one reward per turn ({turns}) "
+                         "or None")
+    values = [float(value) for value in rewards]
+    if not all(np.isfinite(values)):
+        raise ValueError(f"score_turns returned a reward that is not finite: {values}")
+    return values
 
 
 def _model_scores(episodes: list[list[dict]], outcomes: dict[str, dict], model_reward: ModelReward
