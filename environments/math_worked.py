@@ -21,11 +21,12 @@ verdict paid for being right carries none while the working is wrong, since "yes
 itself got wrong cannot follow from anything it wrote.
 
 What it is shown (``shown_answers: working``, the default here): the episodes of a group alternate between its own
-answer (when its working states one) and another one: the solver's if it differs, else the right answer or a near
-miss. Then "same" and "different" are half each, and a constant verdict earns zero advantage, however good the
-working is. (Shown right and wrong answers half each, ``balanced``, would make "same" as rare as a right working:
-2% of episodes for the base model, too few to learn the comparison from.) Skill is measured, not assumed: on
-held-out questions the verifier works the question out, is shown the right answer or a near miss half each, and
+answer (what math-verify reads from its working, else the working's first line) and another one: the solver's if
+it is a number and differs, else the right answer or a near miss. Then "same" and "different" are half each, and a
+constant verdict earns zero advantage, however good the working is. (Shown right and wrong answers half each,
+``balanced``, would make "same" as rare as a right working: 2% of episodes for the base model, too few to learn
+the comparison from.) Skill is measured, not assumed: on held-out questions the verifier works the question out,
+is shown the right answer or a near miss half each, and
 its verdicts are graded against the truth (``balanced_accuracy``), next to ``working_accuracy`` and ``agreement``.
 """
 
@@ -86,23 +87,24 @@ class MathChatWorked(MathChat):
                 "wrong_answer": self.source.other_answer(task, rng)}
 
     def shown_answer(self, task: Task, transcript: list[Turn]) -> str:
-        """``working``: the verifier's own answer (as math-verify reads it from its working) on a ``shows_own``
-        episode whose working states one; else the first of the solver's answer (read the same way), the right
-        answer and the episode's near miss that is not the verifier's. Other modes, and held-out cases, as in
-        ``math_chat``."""
+        """``working``: the verifier's own answer (as math-verify reads it from its working, else the working's
+        first line) on a ``shows_own`` episode whose working is not empty; else the first of the solver's answer
+        (read the same way, if a number), the right answer and the episode's near miss that is not the verifier's.
+        Other modes, and held-out cases, as in ``math_chat``."""
         if "shows_own" not in task:
             return super().shown_answer(task, transcript)
         working = next((turn.text for turn in transcript if turn.role == "verifier"), "")
         own = stated_answer(working)
-        if own is not None and is_plain_number(task["answer"]) and not is_plain_number(own):
-            own = None  # a number was asked for: words are no answer to show (nor the solver's words, below)
+        # Its own answer even where it is words: "same" must stay half of a group's verdicts. Shown only numbers,
+        # a base verifier's many wordy workings made "different" two thirds of them, and its verdicts fell to "No"
+        # (P(yes) 0.00-0.11 by step 9, BENCHMARKS.md).
         if task["shows_own"] and own is not None:
             return own
         # The solver's answer as stated, like the verifier's own: shown as the solver wrote it ("28 + 6 equals 34.")
         # next to its own as a bare number, the form alone would tell "other" from "own".
         solver = stated_answer(transcript[0].text) if transcript else None
         if solver is not None and is_plain_number(task["answer"]) and not is_plain_number(solver):
-            solver = None
+            solver = None  # a number was asked for: another answer is one
         for candidate in (solver, task["answer"], task["wrong_answer"]):
             if candidate and not same_answer(working, candidate):
                 return candidate

@@ -64,7 +64,8 @@ def test_the_verdict_turn_extends_the_working_turn() -> None:
 @pytest.mark.parametrize(("shows_own", "solver", "working", "shown"), [
     (True, "21", "17 + 5 = 22", "22"),          # its own answer, as math-verify reads it from its working
     (True, "21", "17 + 5 = 23", "23"),          # its own, right or wrong
-    (True, "21", "I can help with that", "21"),  # no answer stated: another one (the solver's)
+    (True, "21", "I can help with that", "I can help with that"),  # no number: its words, its own all the same
+    (True, "21", "", "21"),                     # nothing at all: another answer (the solver's)
     (False, "The sum is 21.", "22", "21"),      # the solver's, as stated (a bare number like its own)
     (False, "22", "22", "25"),                  # the solver's and the right answer are its own: the near miss
     (False, "22", "23", "22"),                  # the solver's differs
@@ -75,7 +76,7 @@ def test_what_the_verifier_is_shown(shows_own: bool, solver: str, working: str, 
     env = _env()
     transcript = [Turn("solver", solver), Turn("verifier", working)]
     assert env.shown_answer(_episode(shows_own), transcript) == shown
-    assert same_answer(working, shown) == (shows_own and stated_answer(working) == shown)
+    assert same_answer(working, shown) == (shows_own and bool(working))
 
 
 def test_groups_alternate_own_and_other_answers() -> None:
@@ -107,7 +108,8 @@ def test_groups_alternate_own_and_other_answers() -> None:
     ("21", "23", False, "No", True, True, 0.5),      # the solver's 21 against its 23: "different"
     ("23", "23", False, "No", True, False, 0.5),     # the right 22 against its 23: "different" follows, though wrong
     ("23", "23", False, "Yes", False, True, 0.0),    # "same" is right about 22 but follows from nothing it wrote
-    ("21", "hmm", True, "No", True, True, 0.5),      # no working: shown the solver's 21, "different" follows
+    ("21", "hmm", True, "Yes", True, False, 0.5),    # no number in the working: its own words shown back, "same"
+    ("21", "", True, "No", True, True, 0.5),         # no working: shown the solver's 21, "different" follows
     ("21", "22", True, "Maybe", False, False, 0.5),  # no verdict
 ])
 def test_rewards_by_hand(solver, working, shows_own, verdict, agrees, right_verdict, reward) -> None:
