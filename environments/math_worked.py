@@ -26,8 +26,8 @@ it is a number and differs, else the right answer or a near miss. Then "same" an
 constant verdict earns zero advantage, however good the working is. (Shown right and wrong answers half each,
 ``balanced``, would make "same" as rare as a right working: 2% of episodes for the base model, too few to learn
 the comparison from.) Skill is measured, not assumed: on held-out questions the verifier works the question out,
-is shown the right answer or a near miss half each, and
-its verdicts are graded against the truth (``balanced_accuracy``), next to ``working_accuracy`` and ``agreement``.
+is shown the right answer or a near miss half each, and its verdicts are graded against the truth
+(``balanced_accuracy``), next to ``working_accuracy`` and ``agreement``.
 """
 
 from __future__ import annotations
