@@ -9,8 +9,9 @@ import pytest
 
 from environments.math_verifier import MathOptions, MathSolverVerifier
 from marl_pipeline.environment import Action, Turn
+from marl_pipeline.stages.credit import assign_credit
 from marl_pipeline.stages.execution import execute_micro_batch
-from marl_pipeline.stages.reward import assign_credit, score_micro_batch
+from marl_pipeline.stages.reward import score_micro_batch
 from marl_pipeline.store.schema import ROLLOUTS, with_agent
 
 

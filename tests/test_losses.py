@@ -15,7 +15,7 @@ from marl_pipeline.runtime.losses import (
     pad_sequences,
     summed_loss,
 )
-from marl_pipeline.stages.reward import group_relative_advantages
+from marl_pipeline.stages.credit import group_relative_advantages
 
 
 def test_clipped_loss_matches_hand_computation() -> None:

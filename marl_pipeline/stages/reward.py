@@ -34,6 +34,7 @@ import pyarrow as pa
 
 from marl_pipeline.config import RewardModelConfig
 from marl_pipeline.environment import ActionResult, Environment
+from marl_pipeline.stages.credit import assign_credit, checked_turn_rewards, group_relative_advantages
 from marl_pipeline.stages.episodes import TURN_KEYS, episodes_of, transcript_of
 from marl_pipeline.store.schema import REWARDS, with_agent
 
@@ -59,26 +60,6 @@ class ModelReward:
         """The config's reward-model section with a scorer (a replica pool's or an in-process server's ``score``)."""
         agents = frozenset(settings.agents) if settings.agents is not None else None
         return cls(score, agents, settings.weight)
-
-
-def group_relative_advantages(rewards: np.ndarray, groups: np.ndarray, eps: float) -> np.ndarray:
-    """(reward - group mean) / (group std + eps) for each element, groups given by label."""
-    advantages = np.zeros_like(rewards, dtype=np.float64)
-    for label in np.unique(groups):
-        members = groups == label
-        values = rewards[members]
-        advantages[members] = (values - values.mean()) / (values.std() + eps)
-    return advantages
-
-
-def assign_credit(own: dict[str, float], team_weight: float) -> dict[str, float]:
-    """Each agent's reward: ``team_weight * mean(own over agents) + (1 - team_weight) * own[agent]``."""
-    if not 0.0 <= team_weight <= 1.0:
-        raise ValueError(f"team_weight must be in [0, 1], got {team_weight}")
-    if not own:
-        return {}
-    team = sum(own.values()) / len(own)
-    return {agent: team_weight * team + (1.0 - team_weight) * value for agent, value in own.items()}
 
 
 def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, eps: float,
@@ -112,7 +93,7 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, e
             task, transcript = json.loads(turns[0]["task"]), transcript_of(turns)
             own = env.score(task, transcript, actions)
             if score_turns is not None:
-                turn_rewards = _checked_turn_rewards(score_turns(task, transcript, actions), len(turns))
+                turn_rewards = checked_turn_rewards(score_turns(task, transcript, actions), len(turns))
             if turn_rewards is not None:
                 per_turn_credit = True
                 team = sum(own.values()) / len(own) if own else 0.0
@@ -144,19 +125,6 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, e
                    model_score=pa.array([model_scores.get(row["sample_id"]) for row in keyed_rows], pa.float32()),
                    reward_start=starts, reward_end=ends, status=statuses, error=[None] * len(keyed_rows))
     return pa.table(columns, schema=with_agent(REWARDS))
-
-
-def _checked_turn_rewards(rewards: object, turns: int) -> list[float] | None:
-    """``score_turns``' answer: None, or one finite reward per turn; else a clear error."""
-    if rewards is None:
-        return None
-    if not isinstance(rewards, list | tuple) or len(rewards) != turns:
-        raise ValueError(f"score_turns returned {rewards!r:.120}, expected a list of one reward per turn ({turns}) "
-                         "or None")
-    values = [float(value) for value in rewards]
-    if not all(np.isfinite(values)):
-        raise ValueError(f"score_turns returned a reward that is not finite: {values}")
-    return values
 
 
 def _model_scores(episodes: list[list[dict]], outcomes: dict[str, dict], model_reward: ModelReward

@@ -1,0 +1,39 @@
+"""Credit assignment arithmetic: GRPO's group-relative advantages, the team mix, and a plugin's per-turn rewards
+checked (the reward stage, ``stages/reward.py``, applies them to a micro-batch)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def group_relative_advantages(rewards: np.ndarray, groups: np.ndarray, eps: float) -> np.ndarray:
+    """(reward - group mean) / (group std + eps) for each element, groups given by label."""
+    advantages = np.zeros_like(rewards, dtype=np.float64)
+    for label in np.unique(groups):
+        members = groups == label
+        values = rewards[members]
+        advantages[members] = (values - values.mean()) / (values.std() + eps)
+    return advantages
+
+
+def assign_credit(own: dict[str, float], team_weight: float) -> dict[str, float]:
+    """Each agent's reward: ``team_weight * mean(own over agents) + (1 - team_weight) * own[agent]``."""
+    if not 0.0 <= team_weight <= 1.0:
+        raise ValueError(f"team_weight must be in [0, 1], got {team_weight}")
+    if not own:
+        return {}
+    team = sum(own.values()) / len(own)
+    return {agent: team_weight * team + (1.0 - team_weight) * value for agent, value in own.items()}
+
+
+def checked_turn_rewards(rewards: object, turns: int) -> list[float] | None:
+    """``score_turns``' answer: None, or one finite reward per turn; else a clear error."""
+    if rewards is None:
+        return None
+    if not isinstance(rewards, list | tuple) or len(rewards) != turns:
+        raise ValueError(f"score_turns returned {rewards!r:.120}, expected a list of one reward per turn ({turns}) "
+                         "or None")
+    values = [float(value) for value in rewards]
+    if not all(np.isfinite(values)):
+        raise ValueError(f"score_turns returned a reward that is not finite: {values}")
+    return values
