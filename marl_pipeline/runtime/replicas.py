@@ -181,7 +181,8 @@ class EngineReplicas:
     def resize(self, replicas: int, drain_timeout_s: float = 60.0) -> None:
         """Hold ``replicas`` replicas: retire the highest slots (no new request reaches them at once; their actors
         are killed once their outstanding requests are done, or after ``drain_timeout_s``), or start replicas in
-        retired slots (they take requests once they serve the current version, as a restart does)."""
+        retired slots (they take requests once they serve the current version, as a restart does). Returns once the
+        retired actors are gone."""
         if not 1 <= replicas <= len(self):
             raise ValueError(f"{self.agent}: {replicas} replicas requested; this set holds 1 to {len(self)}")
         if self.spawn is None:
@@ -207,7 +208,7 @@ class EngineReplicas:
             with self._lock:
                 handle, self._handles[slot] = self._handles[slot], None
             if handle is not None:
-                ray.kill(handle)
+                _kill_and_wait(handle)
 
     def shutdown(self) -> None:
         """Kill every replica, and the replacement of one still restarting (its thread then ends)."""
@@ -219,6 +220,22 @@ class EngineReplicas:
                 ray.kill(handle)
             except Exception:  # a replica that died and was not replaced yet
                 pass
+
+
+def _kill_and_wait(handle, timeout_s: float = 30.0) -> None:
+    """Kill an actor and return once it is gone. ``ray.kill`` only asks the cluster to: a call made just after it
+    can still reach the actor (a flaky failure seen in CI), and its CPUs are not yet free for the replica another
+    agent starts in their place."""
+    ray.kill(handle)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=1.0)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.05)
 
 
 def as_replicas(engines: dict) -> dict[str, EngineReplicas]:
