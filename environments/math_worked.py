@@ -46,6 +46,10 @@ from marl_pipeline.environment import Action, ActionResult, EvaluationCase, Task
 # "Is the proposed answer correct?" after its working, base SmolLM2-135M says "Yes" greedy to 87-100% of answers;
 # asked whether another answer is the same as its own, its greedy verdicts are mixed (docs/environments.md).
 VERDICT_TEMPLATE = "Another answer: {shown}\nIs it the same as your answer? Start your reply with Yes or No."
+# ``quote_own_answer``: its own stated answer quoted back beside the shown one. Base SmolLM2-135M finds no answer
+# in its own reply: P(yes) was 0.28 whether the shown answer was its own or not, and 0.52 vs 0.48 even asked "Is
+# 34 equal to 34?" (T=1, 640 verdicts each, docs/environments.md); quoted, the comparison is within one line.
+QUOTED_VERDICT_TEMPLATE = "Is {shown} equal to {own}? Start your reply with Yes or No."
 
 
 class MathChatWorkedOptions(MathChatOptions):
@@ -55,6 +59,9 @@ class MathChatWorkedOptions(MathChatOptions):
     turn_credit: bool = True
     """Each verifier turn learns from its own reward (``score_turns``): the working from its grade, the verdict
     from agreeing with the working. False: both turns get the episode's ``working_weight`` mix."""
+    quote_own_answer: bool = False
+    """The verdict turn quotes the verifier's own stated answer (math-verify's reading of its working) beside the
+    shown one ("Is 35 equal to 34?"), instead of asking whether the shown one is the same as its answer."""
     working_weight: float = Field(0.5, ge=0, le=1)
     """Share of the verifier's episode reward paid for its working being right; the rest pays a verdict that agrees
     with its working."""
@@ -117,8 +124,10 @@ class MathChatWorked(MathChat):
         working = [turn for turn in transcript if turn.role == "verifier"]
         if not working:
             return question
-        return [*question, {"role": "assistant", "content": working[0].text},
-                {"role": "user", "content": VERDICT_TEMPLATE.format(shown=self.shown_answer(task, transcript))}]
+        shown = self.shown_answer(task, transcript)
+        ask = (QUOTED_VERDICT_TEMPLATE.format(shown=shown, own=stated_answer(working[0].text) or "(no answer)")
+               if self.options.quote_own_answer else VERDICT_TEMPLATE.format(shown=shown))
+        return [*question, {"role": "assistant", "content": working[0].text}, {"role": "user", "content": ask}]
 
     # -- actions and rewards -----------------------------------------------------------------------------------------
     def actions(self, task: Task, transcript: list[Turn]) -> list[Action | None]:

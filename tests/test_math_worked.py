@@ -61,6 +61,18 @@ def test_the_verdict_turn_extends_the_working_turn() -> None:
         "Is it the same as your answer? Start your reply with Yes or No.\n")
 
 
+@pytest.mark.parametrize(("shows_own", "working", "ask"), [
+    (True, "17 + 5 = 22", "Is 22 equal to 22?"),   # its own answer, as math-verify reads it, on both sides
+    (False, "17 + 5 = 22", "Is 21 equal to 22?"),  # the solver's beside its own
+    (False, "", "Is 21 equal to (no answer)?"),    # it stated nothing: said so, not an empty quote
+])
+def test_quote_own_answer_puts_both_answers_in_the_verdict_question(shows_own: bool, working: str, ask: str) -> None:
+    transcript = [Turn("solver", "21"), Turn("verifier", working)]
+    messages = _env(quote_own_answer=True).render_prompt("verifier", _episode(shows_own), transcript)
+    assert messages[:2] == [QUESTION, {"role": "assistant", "content": working}]
+    assert messages[2] == {"role": "user", "content": f"{ask} Start your reply with Yes or No."}
+
+
 @pytest.mark.parametrize(("shows_own", "solver", "working", "shown"), [
     (True, "21", "17 + 5 = 22", "22"),          # its own answer, as math-verify reads it from its working
     (True, "21", "17 + 5 = 23", "23"),          # its own, right or wrong
