@@ -62,6 +62,11 @@ class MathChatWorkedOptions(MathChatOptions):
     quote_own_answer: bool = False
     """The verdict turn quotes the verifier's own stated answer (math-verify's reading of its working) beside the
     shown one ("Is 35 equal to 34?"), instead of asking whether the shown one is the same as its answer."""
+    warmup_turns: Literal["both", "verdict"] = "both"
+    """What the verifier's supervised warm-up teaches. ``both`` (the built-in tiny model): its working from the
+    noisy teacher and its verdicts on it, on plain text. ``verdict``: the comparison alone, a cold start for a chat
+    model: chat prompts (its working, the noisy teacher's answer, in context only), every verdict labelled by
+    whether the shown answer is the same as the working's; no working is trained, so no sum is taught."""
     working_weight: float = Field(0.5, ge=0, le=1)
     """Share of the verifier's episode reward paid for its working being right; the rest pays a verdict that agrees
     with its working."""
@@ -184,10 +189,13 @@ class MathChatWorked(MathChat):
 
     # -- the built-in tiny model's warm-up: both verifier turns, on plain text ---------------------------------------
     def warmup_examples(self, role: str, rng: np.random.Generator, count: int) -> list[tuple[str, str]]:
-        """The verifier's pairs alternate: its working (the noisy teacher's answer) and its verdict on a shown
-        answer given that working (agreeing with it with probability ``warmup_accuracy``)."""
+        """``warmup_turns: both``: the verifier's pairs alternate, its working (the noisy teacher's answer) and its
+        verdict on a shown answer given that working (agreeing with it with probability ``warmup_accuracy``).
+        ``verdict``: verdicts only, on chat messages, each agreeing with the working."""
         if role != "verifier":
             return super().warmup_examples(role, rng, count)
+        if self.options.warmup_turns == "verdict":
+            return self._verdict_examples(rng, count)
         examples = []
         for index, task in enumerate(self.sample_tasks(rng, count)):
             working = self._noisy_answer(task, rng)
@@ -198,6 +206,16 @@ class MathChatWorked(MathChat):
             agrees = "yes" if same_answer(working, self.shown_answer(task, transcript)) else "no"
             verdict = agrees if rng.random() < self.options.warmup_accuracy else str(rng.choice(["yes", "no"]))
             examples.append((_as_text(self._messages("verifier", task, transcript)), verdict))
+        return examples
+
+    def _verdict_examples(self, rng: np.random.Generator, count: int) -> list[tuple[list[Message], str]]:
+        examples = []
+        for index, task in enumerate(self.sample_tasks(rng, count)):
+            solver, working = self._noisy_answer(task, rng), self._noisy_answer(task, rng)
+            transcript = [Turn("solver", solver), Turn("verifier", working)]
+            episode = self.episode_task(task, index)  # own and other answers shown half each, as in rollout
+            agrees = "Yes" if same_answer(transcript[1].text, self.shown_answer(episode, transcript)) else "No"
+            examples.append((self._messages("verifier", episode, transcript), agrees))
         return examples
 
     def _noisy_answer(self, task: Task, rng: np.random.Generator) -> str:

@@ -132,8 +132,10 @@ class Environment(Protocol):
     def text_corpus(self, rng: np.random.Generator, count: int) -> list[str]:
         """Text the built-in tokenizer is trained on: prompts and completions of every role."""
 
-    def warmup_examples(self, role: str, rng: np.random.Generator, count: int) -> list[tuple[str, str]]:
-        """(prompt, completion) pairs for the supervised warm-up of ``role``'s base policy."""
+    def warmup_examples(self, role: str, rng: np.random.Generator,
+                        count: int) -> list[tuple[str | ChatMessages, str]]:
+        """(prompt, completion) pairs for the supervised warm-up of ``role``'s base policy. A prompt given as chat
+        messages is rendered with the agent's chat template, as rollout renders it."""
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import numpy as np
 import pytest
@@ -170,6 +171,39 @@ def test_the_tiny_models_warm_up_covers_both_verifier_turns() -> None:
     for prompt, reply in verdicts:  # a perfect teacher: "yes" exactly when the shown answer is its working
         lines = prompt.splitlines()
         assert reply == ("yes" if same_answer(lines[1], lines[2].removeprefix("Another answer: ")) else "no")
+
+
+def test_a_verdict_cold_start_teaches_the_comparison_and_no_sum() -> None:
+    env = _env(warmup_turns="verdict", quote_own_answer=True)
+    examples = env.warmup_examples("verifier", np.random.default_rng(0), 200)
+    assert len(examples) == 200
+    for messages, reply in examples:
+        # the working is context (an assistant message), never a target: only the verdict is trained
+        assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+        shown, own = re.fullmatch(r"Is (.+) equal to (.+)\? Start your reply with Yes or No\.",
+                                  messages[2]["content"]).groups()
+        assert own == stated_answer(messages[1]["content"])
+        assert reply == ("Yes" if same_answer(own, shown) else "No")  # exact labels, whatever the working's truth
+    assert 0.4 <= np.mean([reply == "Yes" for _, reply in examples]) <= 0.6  # own and other shown half each
+    # some "Yes" examples have a wrong working: "same" is taught, not "right"
+    sums = [sum(map(int, re.match(r"What is (\d+) \+ (\d+)\?", m[0]["content"]).groups())) for m, _ in examples]
+    assert any(reply == "Yes" and messages[1]["content"] != str(total)
+               for (messages, reply), total in zip(examples, sums))
+    assert all(isinstance(prompt, str) for prompt, _ in env.warmup_examples("solver", np.random.default_rng(0), 5))
+
+
+def test_chat_warm_up_examples_are_rendered_with_the_agents_template(tiny_model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    from marl_pipeline.runtime.warmup import rendered_examples
+
+    messages = [{"role": "user", "content": "What is 17 + 5?"}]
+    tiny = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert rendered_examples(tiny, [("17 + 5 =", "22")], "solver") == [("17 + 5 =", "22")]  # text as it is
+    with pytest.raises(ValueError, match=r"agent 'verifier'.*no chat template"):
+        rendered_examples(tiny, [(messages, "22")], "verifier")
+    tiny.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    assert rendered_examples(tiny, [(messages, "22")], "solver") == [("<user>What is 17 + 5?\n<assistant>", "22")]
 
 
 def test_bad_options_say_what_is_wrong() -> None:

@@ -11,7 +11,7 @@ from marl_pipeline.config import BUILTIN_TINY, AgentConfig, ExperimentConfig
 from marl_pipeline.environment import Environment
 from marl_pipeline.runtime.model_sources import resolve_model_source
 from marl_pipeline.runtime.models import build_tiny_model, load_policy, save_policy
-from marl_pipeline.runtime.warmup import supervised_warmup
+from marl_pipeline.runtime.warmup import rendered_examples, supervised_warmup
 from marl_pipeline.store import ExperienceStore
 
 
@@ -56,7 +56,7 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store: Exper
     model, tokenizer = load_policy(resolve_model_source(source))
     warmup_loss = None
     if agent_config.warmup.steps:
-        examples = env.warmup_examples(agent, np.random.default_rng(seed), 4000)
+        examples = rendered_examples(tokenizer, env.warmup_examples(agent, np.random.default_rng(seed), 4000), agent)
         losses = supervised_warmup(model, tokenizer, examples, steps=agent_config.warmup.steps,
                                    batch_size=agent_config.warmup.batch_size, lr=agent_config.warmup.lr, seed=seed)
         warmup_loss = (losses[0], losses[-1])

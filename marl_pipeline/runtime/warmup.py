@@ -8,6 +8,20 @@ import torch
 from marl_pipeline.runtime.losses import pad_sequences, token_logprobs
 
 
+def rendered_examples(tokenizer, examples: list[tuple], agent: str) -> list[tuple[str, str]]:
+    """(prompt, completion) pairs with chat-message prompts rendered by the agent's chat template, generation prompt
+    included: the text whose ids (its special tokens read as such) are the ids rollout sends the engine."""
+    rendered = []
+    for prompt, completion in examples:
+        if isinstance(prompt, list):
+            if not getattr(tokenizer, "chat_template", None):
+                raise ValueError(f"agent {agent!r}: the environment's warm-up examples are chat messages, but the "
+                                 "agent's tokenizer has no chat template (the built-in tiny model takes text)")
+            prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        rendered.append((prompt, completion))
+    return rendered
+
+
 def supervised_warmup(model, tokenizer, examples: list[tuple[str, str]], *, steps: int, batch_size: int,
                       lr: float, seed: int) -> list[float]:
     """Fine-tune ``model`` on (prompt, completion) pairs, loss on the completion and its EOS only.
