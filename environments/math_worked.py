@@ -187,8 +187,9 @@ class MathChatWorked(MathChat):
         return {**metrics, "working_accuracy": float(np.mean(right)) if right else 0.0,
                 "agreement": float(np.mean(agrees)) if agrees else 0.0}
 
-    # -- the built-in tiny model's warm-up: both verifier turns, on plain text ---------------------------------------
-    def warmup_examples(self, role: str, rng: np.random.Generator, count: int) -> list[tuple[str, str]]:
+    # -- warm-up: both verifier turns on plain text (the tiny model), or the verdict alone (a chat model) ---------
+    def warmup_examples(self, role: str, rng: np.random.Generator,
+                        count: int) -> list[tuple[str | list[Message], str]]:
         """``warmup_turns: both``: the verifier's pairs alternate, its working (the noisy teacher's answer) and its
         verdict on a shown answer given that working (agreeing with it with probability ``warmup_accuracy``).
         ``verdict``: verdicts only, on chat messages, each agreeing with the working."""
