@@ -192,18 +192,20 @@ def test_a_verdict_cold_start_teaches_the_comparison_and_no_sum() -> None:
     assert all(isinstance(prompt, str) for prompt, _ in env.warmup_examples("solver", np.random.default_rng(0), 5))
 
 
-def test_chat_warm_up_examples_are_rendered_with_the_agents_template(tiny_model_dir) -> None:
+def test_chat_warm_up_prompts_take_the_agents_template(tiny_model_dir) -> None:
     from transformers import AutoTokenizer
 
-    from marl_pipeline.runtime.warmup import rendered_examples
+    from marl_pipeline.runtime.warmup import warmup_prompt_ids
 
     messages = [{"role": "user", "content": "What is 17 + 5?"}]
     tiny = AutoTokenizer.from_pretrained(tiny_model_dir)
-    assert rendered_examples(tiny, [("17 + 5 =", "22")], "solver") == [("17 + 5 =", "22")]  # text as it is
+    text_ids = tiny("17 + 5 =", add_special_tokens=False)["input_ids"]
+    assert warmup_prompt_ids(tiny, ["17 + 5 ="], "agent 'solver'") == [text_ids]  # text as it is
     with pytest.raises(ValueError, match=r"agent 'verifier'.*no chat template"):
-        rendered_examples(tiny, [(messages, "22")], "verifier")
+        warmup_prompt_ids(tiny, [messages], "agent 'verifier'")
     tiny.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
-    assert rendered_examples(tiny, [(messages, "22")], "solver") == [("<user>What is 17 + 5?\n<assistant>", "22")]
+    assert warmup_prompt_ids(tiny, [messages], "agent 'solver'") == [
+        tiny("<user>What is 17 + 5?\n<assistant>", add_special_tokens=False)["input_ids"]]
 
 
 def test_bad_options_say_what_is_wrong() -> None:

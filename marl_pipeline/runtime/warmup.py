@@ -5,34 +5,35 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from marl_pipeline.environment import ChatMessages
+from marl_pipeline.runtime.chat import ChatTokenizer
 from marl_pipeline.runtime.losses import pad_sequences, token_logprobs
 
 
-def rendered_examples(tokenizer, examples: list[tuple], agent: str) -> list[tuple[str, str]]:
-    """(prompt, completion) pairs with chat-message prompts rendered by the agent's chat template, generation prompt
-    included: the text whose ids (its special tokens read as such) are the ids rollout sends the engine."""
-    rendered = []
-    for prompt, completion in examples:
-        if isinstance(prompt, list):
-            if not getattr(tokenizer, "chat_template", None):
-                raise ValueError(f"agent {agent!r}: the environment's warm-up examples are chat messages, but the "
-                                 "agent's tokenizer has no chat template (the built-in tiny model takes text)")
-            prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        rendered.append((prompt, completion))
-    return rendered
+def warmup_prompt_ids(tokenizer, prompts: list[str | ChatMessages], source: str) -> list[list[int]]:
+    """Each prompt's ids as rollout would send them to the engine: text tokenized as it is, chat messages through
+    the agent's chat template (``runtime/chat.py``, which says which agent lacks one)."""
+    chat, ids = None, []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            ids.append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            continue
+        chat = chat or ChatTokenizer(tokenizer, source)
+        ids.append(chat.first_ids(prompt))
+    return ids
 
 
-def supervised_warmup(model, tokenizer, examples: list[tuple[str, str]], *, steps: int, batch_size: int,
-                      lr: float, seed: int) -> list[float]:
+def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages, str]], *, steps: int,
+                      batch_size: int, lr: float, seed: int, source: str = "the policy") -> list[float]:
     """Fine-tune ``model`` on (prompt, completion) pairs, loss on the completion and its EOS only.
 
-    Prompt and completion are tokenized separately and concatenated, as the rollout engine sees them
-    (the engine tokenizes the prompt; sampled tokens follow). Returns the loss of each step.
+    Prompt and completion are tokenized separately and concatenated, as the rollout engine sees them (the prompt's
+    ids as rollout sends them: ``warmup_prompt_ids``; sampled tokens follow). Returns the loss of each step.
     """
     rng = np.random.default_rng(seed)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in examples]
+    prompts = warmup_prompt_ids(tokenizer, [p for p, _ in examples], source)
     completions = [tokenizer(c, add_special_tokens=False)["input_ids"] + [eos] for _, c in examples]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
