@@ -215,7 +215,7 @@ class MathChatWorked(MathChat):
             solver, working = self._noisy_answer(task, rng), self._noisy_answer(task, rng)
             transcript = [Turn("solver", solver), Turn("verifier", working)]
             episode = self.episode_task(task, index)  # own and other answers shown half each, as in rollout
-            agrees = "Yes" if same_answer(transcript[1].text, self.shown_answer(episode, transcript)) else "No"
+            agrees = "Yes" if same_answer(working, self.shown_answer(episode, transcript)) else "No"
             examples.append((self._messages("verifier", episode, transcript), agrees))
         return examples
 
