@@ -133,9 +133,11 @@ class Environment(Protocol):
         """Text the built-in tokenizer is trained on: prompts and completions of every role."""
 
     def warmup_examples(self, role: str, rng: np.random.Generator,
-                        count: int) -> list[tuple[str | ChatMessages, str]]:
+                        count: int) -> list[tuple[str | ChatMessages, str | None]]:
         """(prompt, completion) pairs for the supervised warm-up of ``role``'s base policy. A prompt given as chat
-        messages is rendered with the agent's chat template, as rollout renders it."""
+        messages is rendered with the agent's chat template, as rollout renders it. A ``None`` completion rehearses
+        the policy's own reply to the prompt, sampled before warm-up as rollout samples: teaching one turn then
+        leaves that one as it was (``runtime/warmup.py``)."""
 
 
 @dataclass(frozen=True)

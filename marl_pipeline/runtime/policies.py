@@ -11,6 +11,7 @@ from marl_pipeline.config import BUILTIN_TINY, AgentConfig, ExperimentConfig
 from marl_pipeline.environment import Environment
 from marl_pipeline.runtime.model_sources import resolve_model_source
 from marl_pipeline.runtime.models import build_tiny_model, load_policy, save_policy
+from marl_pipeline.runtime.precision import resolve_dtype
 from marl_pipeline.runtime.warmup import supervised_warmup
 from marl_pipeline.store import ExperienceStore
 
@@ -59,7 +60,10 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store: Exper
         examples = env.warmup_examples(agent, np.random.default_rng(seed), 4000)
         losses = supervised_warmup(model, tokenizer, examples, steps=agent_config.warmup.steps,
                                    batch_size=agent_config.warmup.batch_size, lr=agent_config.warmup.lr, seed=seed,
-                                   source=f"agent {agent!r}")
+                                   source=f"agent {agent!r}", max_new_tokens=config.algorithm.max_new_tokens,
+                                   temperature=config.algorithm.temperature,
+                                   dtype=resolve_dtype(agent_config.trainer.dtype, "cpu"),
+                                   chunk_tokens=agent_config.trainer.chunk_tokens)
         warmup_loss = (losses[0], losses[-1])
     staging = store.staging_policy_dir(config.run, agent, 0)
     save_policy(model, tokenizer, staging)  # save_pretrained carries the source's generation_config along

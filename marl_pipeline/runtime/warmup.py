@@ -1,4 +1,11 @@
-"""Supervised warm-up: teaches a base policy the environment's turn format before RL starts."""
+"""Supervised warm-up: teaches a base policy the environment's turn format before RL starts.
+
+Rehearsal: an example whose completion is ``None`` is trained on the policy's own reply to its prompt, sampled
+before warm-up as rollout samples (temperature, no top-k or top-p) and kept as ids. Fine-tuning a chat model on
+one turn alone moves its other turns: 30 steps on "Yes"/"No" verdicts made SmolLM2-135M answer "No" to "What is
+25 + 5?" too (BENCHMARKS.md). Its own samples as targets are a Monte Carlo estimate of the KL to where it started
+(maximum likelihood on them is the forward KL), so the rehearsed turn stays as it was and teaches nothing new.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ import torch
 from marl_pipeline.environment import ChatMessages
 from marl_pipeline.runtime.chat import ChatTokenizer
 from marl_pipeline.runtime.losses import pad_sequences, token_logprobs
+from marl_pipeline.runtime.precision import autocast
 
 
 def warmup_prompt_ids(tokenizer, prompts: list[str | ChatMessages], source: str) -> list[list[int]]:
@@ -23,28 +31,84 @@ def warmup_prompt_ids(tokenizer, prompts: list[str | ChatMessages], source: str)
     return ids
 
 
-def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages, str]], *, steps: int,
-                      batch_size: int, lr: float, seed: int, source: str = "the policy") -> list[float]:
+@torch.no_grad()
+def sample_replies(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, eos: int, pad: int,
+                   batch_size: int = 32) -> list[list[int]]:
+    """The model's own reply to each prompt, as rollout samples it: ids up to and including the first EOS (all
+    ``max_new_tokens`` of them when it never stops, with no EOS added, as the engine would return them)."""
+    from transformers import GenerationConfig
+
+    # Explicit, not the checkpoint's generation_config: SmolLM2's asks for top-p 0.9 at temperature 0.2.
+    generation = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                                  max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+    model.eval()
+    replies = []
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start:start + batch_size]
+        width = max(len(ids) for ids in batch)
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])  # left-padded: replies align
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation)
+        for row in output[:, width:].tolist():
+            replies.append(row[:row.index(eos) + 1] if eos in row else row)
+    return replies
+
+
+def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages, str | None]], *, steps: int,
+                      batch_size: int, lr: float, seed: int, source: str = "the policy", max_new_tokens: int = 16,
+                      temperature: float = 1.0, dtype: torch.dtype = torch.float32,
+                      chunk_tokens: int = 512) -> list[float]:
     """Fine-tune ``model`` on (prompt, completion) pairs, loss on the completion and its EOS only.
 
     Prompt and completion are tokenized separately and concatenated, as the rollout engine sees them (the prompt's
-    ids as rollout sends them: ``warmup_prompt_ids``; sampled tokens follow). Returns the loss of each step.
+    ids as rollout sends them: ``warmup_prompt_ids``; sampled tokens follow). A ``None`` completion is rehearsal:
+    the model's own reply (``sample_replies``, ``max_new_tokens`` at ``temperature``), drawn once for each such
+    example a batch uses, before the first step. Forward passes run in ``dtype`` autocast (the agent's trainer
+    precision: bf16 where the hardware has it, float32 master weights), over passes of at most ``chunk_tokens``
+    tokens (the agent's trainer setting) whose gradients add up to the batch's. Returns the loss of each step.
     """
     rng = np.random.default_rng(seed)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    batches = rng.integers(0, len(examples), size=(steps, batch_size))
     prompts = warmup_prompt_ids(tokenizer, [p for p, _ in examples], source)
-    completions = [tokenizer(c, add_special_tokens=False)["input_ids"] + [eos] for _, c in examples]
+    completions = {i: tokenizer(c, add_special_tokens=False)["input_ids"] + [eos]
+                   for i, (_, c) in enumerate(examples) if c is not None}
+    rehearsed = sorted({int(i) for i in batches.flat} - completions.keys())
+    own = sample_replies(model, [prompts[i] for i in rehearsed], max_new_tokens=max_new_tokens,
+                         temperature=temperature, eos=eos, pad=pad)
+    completions.update(zip(rehearsed, own))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     losses = []
-    for _ in range(steps):
-        rows = rng.integers(0, len(examples), size=batch_size)
-        input_ids, attention_mask, mask = pad_sequences([prompts[i] for i in rows], [completions[i] for i in rows], pad)
-        logprobs = token_logprobs(model, input_ids, attention_mask)
-        loss = -(logprobs * mask).sum() / mask.sum()
-        loss.backward()
+    for rows in batches:
+        targets = sum(len(completions[i]) for i in rows)
+        loss = 0.0
+        for chunk in _chunks([int(i) for i in rows], [len(prompts[i]) + len(completions[i]) for i in rows],
+                             chunk_tokens):
+            input_ids, attention_mask, mask = pad_sequences([prompts[i] for i in chunk],
+                                                            [completions[i] for i in chunk], pad)
+            with autocast(dtype, "cpu"):
+                logprobs = token_logprobs(model, input_ids, attention_mask)
+            chunk_loss = -(logprobs * mask).sum() / targets  # the batch's mean over its target tokens
+            chunk_loss.backward()
+            loss += float(chunk_loss.detach())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
+        losses.append(loss)
     return losses
+
+
+def _chunks(rows: list[int], lengths: list[int], chunk_tokens: int) -> list[list[int]]:
+    """Consecutive rows in passes of at most ``chunk_tokens`` tokens (a longer row alone): the logits of a pass
+    (tokens x vocabulary, float32) stay small, which trains several times more tokens a second on a CPU
+    (BENCHMARKS.md, trainer precision), with the same gradient as one pass."""
+    chunks: list[list[int]] = [[]]
+    used = 0
+    for row, length in zip(rows, lengths):
+        if chunks[-1] and used + length > chunk_tokens:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(row)
+        used += length
+    return chunks

@@ -1,0 +1,59 @@
+"""Supervised warm-up's rehearsal: a turn given no completion is trained on the policy's own replies."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
+from marl_pipeline.runtime.losses import pad_sequences, token_logprobs
+from marl_pipeline.runtime.models import load_policy
+from marl_pipeline.runtime.warmup import sample_replies, supervised_warmup, warmup_prompt_ids
+
+
+def _mean_logprob(model, prompts: list[list[int]], replies: list[list[int]], pad: int) -> float:
+    with torch.no_grad():
+        input_ids, attention_mask, mask = pad_sequences(prompts, replies, pad)
+        return float((token_logprobs(model, input_ids, attention_mask) * mask).sum() / mask.sum())
+
+
+def test_sampled_replies_stop_at_their_first_eos(tiny_model_dir: Path) -> None:
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    env = ArithmeticCheck(ArithmeticOptions())
+    prompts = warmup_prompt_ids(tokenizer, [p for p, _ in env.warmup_examples("solver", np.random.default_rng(0), 40)],
+                                "the solver")
+    eos = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    replies = sample_replies(model, prompts, max_new_tokens=6, temperature=1.0, eos=eos, pad=eos, batch_size=16)
+    assert len(replies) == len(prompts)
+    assert all(1 <= len(reply) <= 6 and eos not in reply[:-1] for reply in replies)
+    assert any(reply[-1] == eos for reply in replies) and len({tuple(reply) for reply in replies}) > 1
+
+
+def test_rehearsal_keeps_the_turn_that_warm_up_does_not_teach(tiny_model_dir: Path) -> None:
+    """Taught a constant reply ("yes") on one prompt kind, the model drifts on another it was not taught; rehearsing
+    its own replies there keeps its likelihood of them near where it started."""
+    base, tokenizer = load_policy(str(tiny_model_dir))
+    env = ArithmeticCheck(ArithmeticOptions())
+    rng = np.random.default_rng(0)
+    taught = [(prompt, "yes") for prompt, _ in env.warmup_examples("verifier", rng, 200)]
+    questions = [prompt for prompt, _ in env.warmup_examples("solver", rng, 200)]
+    eos = tokenizer.eos_token_id
+    prompt_ids = warmup_prompt_ids(tokenizer, questions[:64], "the solver")
+    torch.manual_seed(1)
+    own = sample_replies(base, prompt_ids, max_new_tokens=6, temperature=1.0, eos=eos, pad=eos)  # held out
+    before = _mean_logprob(base, prompt_ids, own, eos)
+    after = {}
+    for name, examples in {"taught alone": taught,
+                           "rehearsed": taught + [(q, None) for q in questions[64:]]}.items():
+        model = copy.deepcopy(base)
+        torch.manual_seed(0)
+        losses = supervised_warmup(model, tokenizer, examples, steps=20, batch_size=8, lr=3e-3, seed=0,
+                                   max_new_tokens=6)
+        assert losses[-1] < losses[0]
+        after[name] = _mean_logprob(model, prompt_ids, own, eos)
+    assert after["taught alone"] < before - 0.5  # the drift rehearsal is for
+    assert after["rehearsed"] > after["taught alone"] + 0.5 and after["rehearsed"] > before - 1.0
