@@ -1,4 +1,4 @@
-"""Supervised warm-up's rehearsal: a turn given no completion is trained on the policy's own replies."""
+"""Supervised warm-up's rehearsal: a turn given no completion is held where it started (KL to the start)."""
 
 from __future__ import annotations
 

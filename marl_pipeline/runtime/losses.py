@@ -28,21 +28,22 @@ def pad_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]], pa
     return input_ids, attention_mask, response_mask
 
 
-def _log_softmax(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def next_token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """log p(v | tokens <= t) for every position t and vocabulary entry v, in float32: [batch, length - 1, vocab]."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
     return torch.log_softmax(logits, dim=-1)
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """log p(token t+1 | tokens <= t) for every position: shape [batch, length - 1]."""
-    return torch.gather(_log_softmax(model, input_ids, attention_mask), 2, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.gather(next_token_log_probs(model, input_ids, attention_mask), 2, input_ids[:, 1:, None]).squeeze(-1)
 
 
 def token_logprobs_and_entropy(model, input_ids: torch.Tensor,
                                attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`token_logprobs` and the full-vocabulary entropy at every position, from the same log-softmax
     (one forward pass; the [batch, length, vocab] probabilities are one more tensor of the logits' size)."""
-    log_probs = _log_softmax(model, input_ids, attention_mask)
+    log_probs = next_token_log_probs(model, input_ids, attention_mask)
     taken = torch.gather(log_probs, 2, input_ids[:, 1:, None]).squeeze(-1)
     return taken, entropy_from_log_probs(log_probs)
 

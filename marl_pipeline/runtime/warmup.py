@@ -1,20 +1,24 @@
 """Supervised warm-up: teaches a base policy the environment's turn format before RL starts.
 
-Rehearsal: an example whose completion is ``None`` is trained on the policy's own reply to its prompt, sampled
-before warm-up as rollout samples (temperature, no top-k or top-p) and kept as ids. Fine-tuning a chat model on
-one turn alone moves its other turns: 30 steps on "Yes"/"No" verdicts made SmolLM2-135M answer "No" to "What is
-25 + 5?" too (BENCHMARKS.md). Its own samples as targets are a Monte Carlo estimate of the KL to where it started
-(maximum likelihood on them is the forward KL), so the rehearsed turn stays as it was and teaches nothing new.
+Rehearsal: an example whose completion is ``None`` keeps the policy's reply to its prompt as it was. Fine-tuning a
+chat model on one turn alone moves its other turns: 30 steps on "Yes"/"No" verdicts made SmolLM2-135M answer "No"
+to "What is 25 + 5?" too (BENCHMARKS.md). Its own reply is sampled before warm-up as rollout samples (temperature,
+no top-k or top-p) and kept as ids; at each of its positions the loss is the KL from the policy as it started (a
+frozen copy) to the policy now, over the whole vocabulary. Trained instead on the sampled tokens alone (the same
+gradient in expectation, one token's worth of it), the turn still drifted: at lr 5e-5 SmolLM2's working went from
+right on 4% of held-out questions to 0% (bench/verdict_cold_start.py).
 """
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import torch
 
 from marl_pipeline.environment import ChatMessages
 from marl_pipeline.runtime.chat import ChatTokenizer
-from marl_pipeline.runtime.losses import pad_sequences, token_logprobs
+from marl_pipeline.runtime.losses import next_token_log_probs, pad_sequences
 from marl_pipeline.runtime.precision import autocast
 
 
@@ -63,9 +67,10 @@ def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages,
     Prompt and completion are tokenized separately and concatenated, as the rollout engine sees them (the prompt's
     ids as rollout sends them: ``warmup_prompt_ids``; sampled tokens follow). A ``None`` completion is rehearsal:
     the model's own reply (``sample_replies``, ``max_new_tokens`` at ``temperature``), drawn once for each such
-    example a batch uses, before the first step. Forward passes run in ``dtype`` autocast (the agent's trainer
-    precision: bf16 where the hardware has it, float32 master weights), over passes of at most ``chunk_tokens``
-    tokens (the agent's trainer setting) whose gradients add up to the batch's. Returns the loss of each step.
+    example a batch uses, before the first step, and scored by the KL from the starting policy at its positions.
+    Forward passes run in ``dtype`` autocast (the agent's trainer precision: bf16 where the hardware has it,
+    float32 master weights), over passes of at most ``chunk_tokens`` tokens (the agent's trainer setting) whose
+    gradients add up to the batch's. Returns the loss of each step.
     """
     rng = np.random.default_rng(seed)
     eos = tokenizer.eos_token_id
@@ -78,6 +83,7 @@ def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages,
     own = sample_replies(model, [prompts[i] for i in rehearsed], max_new_tokens=max_new_tokens,
                          temperature=temperature, eos=eos, pad=pad)
     completions.update(zip(rehearsed, own))
+    reference = copy.deepcopy(model).eval() if rehearsed else None  # the policy as it started, frozen
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     losses = []
@@ -88,9 +94,16 @@ def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages,
                              chunk_tokens):
             input_ids, attention_mask, mask = pad_sequences([prompts[i] for i in chunk],
                                                             [completions[i] for i in chunk], pad)
+            kept = torch.tensor([examples[i][1] is None for i in chunk])[:, None] * mask  # rehearsed positions
             with autocast(dtype, "cpu"):
-                logprobs = token_logprobs(model, input_ids, attention_mask)
-            chunk_loss = -(logprobs * mask).sum() / targets  # the batch's mean over its target tokens
+                log_probs = next_token_log_probs(model, input_ids, attention_mask)
+            taken = torch.gather(log_probs, 2, input_ids[:, 1:, None]).squeeze(-1)
+            chunk_loss = -(taken * (mask - kept)).sum()  # cross-entropy on the taught completions
+            if kept.any():
+                with torch.no_grad(), autocast(dtype, "cpu"):
+                    start = next_token_log_probs(reference, input_ids, attention_mask)
+                chunk_loss = chunk_loss + ((start.exp() * (start - log_probs)).sum(-1) * kept).sum()
+            chunk_loss = chunk_loss / targets  # the batch's mean over its target tokens
             chunk_loss.backward()
             loss += float(chunk_loss.detach())
         optimizer.step()
