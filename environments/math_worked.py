@@ -67,6 +67,10 @@ class MathChatWorkedOptions(MathChatOptions):
     noisy teacher and its verdicts on it, on plain text. ``verdict``: the comparison alone, a cold start for a chat
     model: chat prompts (its working, the noisy teacher's answer, in context only), every verdict labelled by
     whether the shown answer is the same as the working's; no working is trained, so no sum is taught."""
+    rehearse_working: float = Field(0.5, ge=0, lt=1)
+    """``warmup_turns: verdict``: the share of warm-up examples that rehearse the verifier's own working (its reply
+    to the question, sampled before warm-up) instead of teaching a verdict. With none, 30 steps on "Yes"/"No" made
+    SmolLM2-135M answer "No" to the question too: held-out working accuracy 0.00 (BENCHMARKS.md)."""
     working_weight: float = Field(0.5, ge=0, le=1)
     """Share of the verifier's episode reward paid for its working being right; the rest pays a verdict that agrees
     with its working."""
@@ -192,7 +196,8 @@ class MathChatWorked(MathChat):
                         count: int) -> list[tuple[str | list[Message], str]]:
         """``warmup_turns: both``: the verifier's pairs alternate, its working (the noisy teacher's answer) and its
         verdict on a shown answer given that working (agreeing with it with probability ``warmup_accuracy``).
-        ``verdict``: verdicts only, on chat messages, each agreeing with the working."""
+        ``verdict``: verdicts on chat messages, each agreeing with the working, and (``rehearse_working``) the
+        question with no completion: the verifier's own working rehearsed, so no sum is taught and none unlearned."""
         if role != "verifier":
             return super().warmup_examples(role, rng, count)
         if self.options.warmup_turns == "verdict":
@@ -209,9 +214,12 @@ class MathChatWorked(MathChat):
             examples.append((_as_text(self._messages("verifier", task, transcript)), verdict))
         return examples
 
-    def _verdict_examples(self, rng: np.random.Generator, count: int) -> list[tuple[list[Message], str]]:
-        examples = []
+    def _verdict_examples(self, rng: np.random.Generator, count: int) -> list[tuple[list[Message], str | None]]:
+        examples: list[tuple[list[Message], str | None]] = []
         for index, task in enumerate(self.sample_tasks(rng, count)):
+            if rng.random() < self.options.rehearse_working:
+                examples.append((self._messages("verifier", task, []), None))  # its own working, kept as it was
+                continue
             solver, working = self._noisy_answer(task, rng), self._noisy_answer(task, rng)
             transcript = [Turn("solver", solver), Turn("verifier", working)]
             episode = self.episode_task(task, index)  # own and other answers shown half each, as in rollout

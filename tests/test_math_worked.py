@@ -175,8 +175,13 @@ def test_the_tiny_models_warm_up_covers_both_verifier_turns() -> None:
 
 def test_a_verdict_cold_start_teaches_the_comparison_and_no_sum() -> None:
     env = _env(warmup_turns="verdict", quote_own_answer=True)
-    examples = env.warmup_examples("verifier", np.random.default_rng(0), 200)
-    assert len(examples) == 200
+    both = env.warmup_examples("verifier", np.random.default_rng(0), 400)
+    assert len(both) == 400
+    rehearsals = [messages for messages, reply in both if reply is None]
+    assert 0.4 <= len(rehearsals) / len(both) <= 0.6  # rehearse_working: 0.5 by default
+    for messages in rehearsals:  # the question alone: its own working is rehearsed, not taught
+        assert [m["role"] for m in messages] == ["user"] and messages[0]["content"].startswith("What is ")
+    examples = [(messages, reply) for messages, reply in both if reply is not None]
     for messages, reply in examples:
         # the working is context (an assistant message), never a target: only the verdict is trained
         assert [m["role"] for m in messages] == ["user", "assistant", "user"]

@@ -4,9 +4,9 @@ Rehearsal: an example whose completion is ``None`` keeps the policy's reply to i
 chat model on one turn alone moves its other turns: 30 steps on "Yes"/"No" verdicts made SmolLM2-135M answer "No"
 to "What is 25 + 5?" too (BENCHMARKS.md). Its own reply is sampled before warm-up as rollout samples (temperature,
 no top-k or top-p) and kept as ids; at each of its positions the loss is the KL from the policy as it started (a
-frozen copy) to the policy now, over the whole vocabulary. Trained instead on the sampled tokens alone (the same
-gradient in expectation, one token's worth of it), the turn still drifted: at lr 5e-5 SmolLM2's working went from
-right on 4% of held-out questions to 0% (bench/verdict_cold_start.py).
+frozen copy) to the policy now, over the whole vocabulary. The sampled tokens' own likelihood has the same
+gradient in expectation, but one token's worth of it: its noise, against the taught turn's steady gradient under
+AdamW's per-weight scaling, let SmolLM2's working drift (bench/verdict_cold_start.py, BENCHMARKS.md).
 """
 
 from __future__ import annotations
