@@ -32,6 +32,7 @@ is shown the right answer or a near miss half each, and its verdicts are graded 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Literal
 
@@ -200,8 +201,10 @@ class MathChatWorked(MathChat):
         question with no completion: the verifier's own working rehearsed, so no sum is taught and none unlearned."""
         if role != "verifier":
             return super().warmup_examples(role, rng, count)
-        if self.options.warmup_turns == "verdict":
-            return self._verdict_examples(rng, count)
+        if self.options.warmup_turns == "verdict":  # the noisy teacher's workings (own_reply_warmup_examples: its own)
+            tasks = self.sample_tasks(rng, count)
+            return self._verdict_examples(rng, tasks, rng.random(len(tasks)) < self.options.rehearse_working,
+                                          lambda task: self._noisy_answer(task, rng))
         examples = []
         for index, task in enumerate(self.sample_tasks(rng, count)):
             working = self._noisy_answer(task, rng)
@@ -214,14 +217,29 @@ class MathChatWorked(MathChat):
             examples.append((_as_text(self._messages("verifier", task, transcript)), verdict))
         return examples
 
-    def _verdict_examples(self, rng: np.random.Generator, count: int) -> list[tuple[list[Message], str | None]]:
+    def own_reply_warmup_examples(self, role: str, rng: np.random.Generator, count: int,
+                                  replies: Callable[[list[list[Message]]], list[str]]):
+        """``warmup_turns: verdict``: the verdict examples' workings are the verifier's own replies to the question
+        (``replies``: sampled from it as rollout samples), so it learns to compare the answers it gives. On the
+        noisy teacher's bare numbers instead, SmolLM2's held-out verdicts followed its own working 9% of the time,
+        against 91% (bench/verdict_cold_start.py, BENCHMARKS.md). Otherwise None: ``warmup_examples``."""
+        if role != "verifier" or self.options.warmup_turns != "verdict":
+            return None
+        tasks = self.sample_tasks(rng, count)
+        rehearsed = rng.random(len(tasks)) < self.options.rehearse_working
+        taught = [task for task, rehearse in zip(tasks, rehearsed) if not rehearse]
+        workings = iter(replies([self._messages("verifier", task, []) for task in taught]))
+        return self._verdict_examples(rng, tasks, rehearsed, lambda task: next(workings))
+
+    def _verdict_examples(self, rng: np.random.Generator, tasks: list[Task], rehearsed,
+                          working_of: Callable[[Task], str]) -> list[tuple[list[Message], str | None]]:
         examples: list[tuple[list[Message], str | None]] = []
-        for index, task in enumerate(self.sample_tasks(rng, count)):
-            if rng.random() < self.options.rehearse_working:
+        for index, (task, rehearse) in enumerate(zip(tasks, rehearsed)):
+            if rehearse:
                 examples.append((self._messages("verifier", task, []), None))  # its own working, kept as it was
                 continue
-            solver, working = self._noisy_answer(task, rng), self._noisy_answer(task, rng)
-            transcript = [Turn("solver", solver), Turn("verifier", working)]
+            working = working_of(task)
+            transcript = [Turn("solver", self._noisy_answer(task, rng)), Turn("verifier", working)]
             episode = self.episode_task(task, index)  # own and other answers shown half each, as in rollout
             agrees = "Yes" if same_answer(working, self.shown_answer(episode, transcript)) else "No"
             examples.append((self._messages("verifier", episode, transcript), agrees))

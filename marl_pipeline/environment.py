@@ -20,7 +20,10 @@ Optional, per plugin (the demo uses none of them):
   stages get; it must be a pure function of its arguments (recomputation calls it again). Without it, every
   episode of a group gets the sampled task;
 - ``evaluation_cases`` + ``evaluate`` (:class:`EvaluatedEnvironment`): held-out questions per agent and the
-  metrics of its greedy answers, so that each agent's skill is measured on its own, not read off the reward.
+  metrics of its greedy answers, so that each agent's skill is measured on its own, not read off the reward;
+- ``own_reply_warmup_examples(role, rng, count, replies) -> list | None``: warm-up examples built on the policy's
+  own replies: ``replies(prompts)`` samples the base policy's reply to each prompt as rollout would (text). The
+  runtime asks for as many examples as the warm-up draws; None falls back to ``warmup_examples``.
 """
 
 from __future__ import annotations

@@ -197,6 +197,29 @@ def test_a_verdict_cold_start_teaches_the_comparison_and_no_sum() -> None:
     assert all(isinstance(prompt, str) for prompt, _ in env.warmup_examples("solver", np.random.default_rng(0), 5))
 
 
+def test_the_verdict_cold_start_compares_the_verifiers_own_workings() -> None:
+    env = _env(warmup_turns="verdict", quote_own_answer=True)
+    asked = []
+
+    def replies(prompts):  # stands for the policy: the sum restated, right or one off
+        asked.extend(prompts)
+        return [f"{a} + {b} = {int(a) + int(b) + len(m[0]['content']) % 2}" for m in prompts
+                for a, b in [re.match(r"What is (\d+) \+ (\d+)\?", m[0]["content"]).groups()]]
+
+    examples = env.own_reply_warmup_examples("verifier", np.random.default_rng(0), 200, replies)
+    taught = [(messages, reply) for messages, reply in examples if reply is not None]
+    assert len(examples) == 200 and len(asked) == len(taught)  # a reply is sampled only where a verdict is taught
+    assert all(prompt == [messages[0]] for prompt, (messages, _) in zip(asked, taught))  # the question alone
+    for messages, reply in taught:
+        working = messages[1]["content"]
+        assert re.fullmatch(r"\d+ \+ \d+ = \d+", working)  # its own reply is the working in context
+        shown = re.match(r"Is (.+) equal to", messages[2]["content"]).group(1)
+        assert reply == ("Yes" if same_answer(working, shown) else "No")
+    assert 0.3 <= np.mean([reply == "Yes" for _, reply in taught]) <= 0.7
+    assert env.own_reply_warmup_examples("solver", np.random.default_rng(0), 5, replies) is None
+    assert _env().own_reply_warmup_examples("verifier", np.random.default_rng(0), 5, replies) is None
+
+
 def test_chat_warm_up_prompts_take_the_agents_template(tiny_model_dir) -> None:
     from transformers import AutoTokenizer
 

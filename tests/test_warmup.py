@@ -11,7 +11,7 @@ import torch
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
 from marl_pipeline.runtime.losses import pad_sequences, token_logprobs
 from marl_pipeline.runtime.models import load_policy
-from marl_pipeline.runtime.warmup import sample_replies, supervised_warmup, warmup_prompt_ids
+from marl_pipeline.runtime.warmup import policy_replies, sample_replies, supervised_warmup, warmup_prompt_ids
 
 
 def _mean_logprob(model, prompts: list[list[int]], replies: list[list[int]], pad: int) -> float:
@@ -31,6 +31,9 @@ def test_sampled_replies_stop_at_their_first_eos(tiny_model_dir: Path) -> None:
     assert len(replies) == len(prompts)
     assert all(1 <= len(reply) <= 6 and eos not in reply[:-1] for reply in replies)
     assert any(reply[-1] == eos for reply in replies) and len({tuple(reply) for reply in replies}) > 1
+    texts = policy_replies(model, tokenizer, ["1 + 2 =", "3 + 4 ="], source="the solver", max_new_tokens=6,
+                           temperature=1.0)
+    assert len(texts) == 2 and all(isinstance(text, str) and tokenizer.eos_token not in text for text in texts)
 
 
 def test_rehearsal_keeps_the_turn_that_warm_up_does_not_teach(tiny_model_dir: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from marl_pipeline.environment import Environment
 from marl_pipeline.runtime.model_sources import resolve_model_source
 from marl_pipeline.runtime.models import build_tiny_model, load_policy, save_policy
 from marl_pipeline.runtime.precision import resolve_dtype
-from marl_pipeline.runtime.warmup import supervised_warmup
+from marl_pipeline.runtime.warmup import policy_replies, supervised_warmup
 from marl_pipeline.store import ExperienceStore
 
 
@@ -57,7 +58,14 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store: Exper
     model, tokenizer = load_policy(resolve_model_source(source))
     warmup_loss = None
     if agent_config.warmup.steps:
-        examples = env.warmup_examples(agent, np.random.default_rng(seed), 4000)
+        warmup, algorithm = agent_config.warmup, config.algorithm
+        rng, examples = np.random.default_rng(seed), None
+        if hasattr(env, "own_reply_warmup_examples"):
+            replies = functools.partial(policy_replies, model, tokenizer, source=f"agent {agent!r}",
+                                        max_new_tokens=algorithm.max_new_tokens, temperature=algorithm.temperature)
+            examples = env.own_reply_warmup_examples(agent, rng, warmup.steps * warmup.batch_size, replies)
+        if examples is None:
+            examples = env.warmup_examples(agent, rng, 4000)
         losses = supervised_warmup(model, tokenizer, examples, steps=agent_config.warmup.steps,
                                    batch_size=agent_config.warmup.batch_size, lr=agent_config.warmup.lr, seed=seed,
                                    source=f"agent {agent!r}", max_new_tokens=config.algorithm.max_new_tokens,

@@ -58,6 +58,17 @@ def sample_replies(model, prompts: list[list[int]], *, max_new_tokens: int, temp
     return replies
 
 
+def policy_replies(model, tokenizer, prompts: list[str | ChatMessages], *, source: str, max_new_tokens: int,
+                   temperature: float) -> list[str]:
+    """The policy's own reply to each prompt, sampled as rollout samples, as text: what a plugin's
+    ``own_reply_warmup_examples`` builds its examples on (their prompts then hold the replies as messages)."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    ids = sample_replies(model, warmup_prompt_ids(tokenizer, prompts, source), max_new_tokens=max_new_tokens,
+                         temperature=temperature, eos=eos, pad=pad)
+    return [tokenizer.decode(reply, skip_special_tokens=True) for reply in ids]
+
+
 def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages, str | None]], *, steps: int,
                       batch_size: int, lr: float, seed: int, source: str = "the policy", max_new_tokens: int = 16,
                       temperature: float = 1.0, dtype: torch.dtype = torch.float32,
