@@ -66,10 +66,9 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store: Exper
             examples = env.own_reply_warmup_examples(agent, rng, warmup.steps * warmup.batch_size, replies)
         if examples is None:
             examples = env.warmup_examples(agent, rng, 4000)
-        losses = supervised_warmup(model, tokenizer, examples, steps=agent_config.warmup.steps,
-                                   batch_size=agent_config.warmup.batch_size, lr=agent_config.warmup.lr, seed=seed,
-                                   source=f"agent {agent!r}", max_new_tokens=config.algorithm.max_new_tokens,
-                                   temperature=config.algorithm.temperature,
+        losses = supervised_warmup(model, tokenizer, examples, steps=warmup.steps, batch_size=warmup.batch_size,
+                                   lr=warmup.lr, seed=seed, source=f"agent {agent!r}",
+                                   max_new_tokens=algorithm.max_new_tokens, temperature=algorithm.temperature,
                                    dtype=resolve_dtype(agent_config.trainer.dtype, "cpu"),
                                    chunk_tokens=agent_config.trainer.chunk_tokens)
         warmup_loss = (losses[0], losses[-1])

@@ -5,8 +5,9 @@ chat model on one turn alone moves its other turns: 30 steps on "Yes"/"No" verdi
 to "What is 25 + 5?" too (BENCHMARKS.md). Its own reply is sampled before warm-up as rollout samples (temperature,
 no top-k or top-p) and kept as ids; at each of its positions the loss is the KL from the policy as it started (a
 frozen copy) to the policy now, over the whole vocabulary. The sampled tokens' own likelihood has the same
-gradient in expectation, but one token's worth of it: its noise, against the taught turn's steady gradient under
-AdamW's per-weight scaling, let SmolLM2's working drift (bench/verdict_cold_start.py, BENCHMARKS.md).
+gradient in expectation but one token's worth of it, far noisier: trained on it at lr 5e-5, SmolLM2's working
+drifted to the verdict's first word; with the KL (and its own workings in the verdict examples) it moved 0.06 nats
+a token (bench/verdict_cold_start.py, BENCHMARKS.md).
 """
 
 from __future__ import annotations
