@@ -32,6 +32,9 @@ def small_config_data(base: dict, store: Path, **pipeline) -> dict:
         # desired CPU memory utilization") passes beside another test's leftovers or a second workload.
         agent.setdefault("engine", {})["gpu_memory_utilization"] = 0.08
     data.pop("evaluation", None)  # the tests that evaluate turn it on themselves
+    # A module's launches take the engines and trainers the one before kept (runtime/warm_actors.py): starting
+    # them was 25 of a small launch's 28 s. Each test still builds its own store and starting policies.
+    data.setdefault("ray", {})["keep_actors"] = True
     return data
 
 
@@ -63,8 +66,11 @@ def smollm2_dir(tmp_path_factory) -> Path:
 def local_ray():
     import ray
 
+    from marl_pipeline.runtime import warm_actors
+
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
+    warm_actors.stop_idle()
     ray.shutdown()
 
 

@@ -172,6 +172,7 @@ def chat_run(local_ray, smollm2_dir, tmp_path_factory):
         "pipeline": {"steps": 1, "prompts_per_micro_batch": 2, "samples_per_prompt": 2, "micro_batches_per_step": 1},
         "algorithm": {"max_new_tokens": 64},
         "evaluation": {"cases_per_agent": 4},
+        "ray": {"keep_actors": True},  # the recomputations and the evaluation below take one engine in turn
     })
     store = ExperienceStore(config.store)
     prepare_base_policies(config, build_environment("chat_twice", {}), store)
@@ -230,7 +231,7 @@ def test_engine_stored_and_trainer_ids_are_the_templates_and_a_recomputation_rep
         trained = trainer.completion_logprobs(r["prompt_ids"], r["response_ids"])
         assert np.abs(np.asarray(trained) - np.asarray(r["logprobs"])).max() < 1e-3  # measured: under 6e-5
 
-    # A recomputed rollout (fresh engine, same seeds and version) gives the same ids.
+    # A recomputed rollout (the engine restarted at the same version, same seeds) gives the same ids.
     _, again, _ = recompute_stage("rollouts", config, store, key)
     ids = ("sample_id", "prompt_ids", "response_ids")
     assert again.select(ids).sort_by("sample_id").to_pylist() == rollouts.select(ids).sort_by("sample_id").to_pylist()

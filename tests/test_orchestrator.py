@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from marl_pipeline.config import parse_config
 from marl_pipeline.run.events import RunFinished, StepFinished
 from marl_pipeline.run.recipe import train
+from marl_pipeline.runtime import warm_actors
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import STAGES
 from tests.conftest import small_config_data
@@ -94,6 +95,7 @@ def test_a_dead_trainer_stops_the_launch_before_anything_is_sampled_past_the_sta
     rollouts = ExperienceStore(config.store).read_stage("demo", "rollouts", columns=["step", "policy_version"])
     served = set(zip(rollouts.column("step").to_pylist(), rollouts.column("policy_version").to_pylist()))
     assert served <= {(0, 0), (1, 1)}, served  # step 2 needs version 2, which the dead trainer never made
+    assert warm_actors.idle_count() == 0  # a failed launch keeps none of its actors (ray.keep_actors is on)
 
 
 def test_two_launches_end_with_the_parameters_of_one_adamw_included(uninterrupted, demo_config_data,

@@ -61,6 +61,7 @@ def test_a_replica_killed_mid_run_loses_nothing_and_the_run_finishes(local_ray, 
     solver["engine"] = {"replicas": 2, "gpu_memory_utilization": 0.04}
     data["pipeline"]["rollout"] = {"rebalance_replicas": True}  # one agent: the split is 2, run between steps
     data["agents"] = {"solver": solver}
+    data["ray"]["keep_actors"] = False  # this test checks that the run's shutdown leaves no replica behind
     config = parse_config(data)
     before = set(_engines())
     killed = None

@@ -92,6 +92,12 @@ class RayConfig(StrictModel):
     runs only on nodes started with them (``ray start --resources '{"engines": 4}'``). Empty: any node."""
     trainer_resources: dict[str, float] = Field(default_factory=dict)
     """The same for each agent's trainer, e.g. ``{trainers: 1}``."""
+    keep_actors: bool = False
+    """Keep a launch's engines and trainers alive when it ends cleanly, for the next launch in the same process (a
+    script, notebook or sweep calling ``train`` again; the test suite): it takes those started with the same
+    settings, restarted at its own starting versions (a trainer rebuilt, an engine's weights reloaded), instead of
+    starting new ones (~15-25 s each on a CPU, most of it imports). Until then they hold their CPUs and memory; a
+    launch stops the kept ones it does not take (``runtime/warm_actors.py``)."""
 
     @field_validator("engine_resources", "trainer_resources")
     @classmethod

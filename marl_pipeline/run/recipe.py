@@ -36,11 +36,14 @@ def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
     plan = plan_launch(store, config)
     workers = start_workers(config, store, plan.versions, reward_model,
                             action_pool_settings(env, config.environment.pool))
+    finished = False
     try:
         yield RunStarted(config.run, plan, base_policies, time.perf_counter() - started, placement)
         streaming_started = time.time()
         yield from Orchestrator(config, env, store, workers, plan).run()
         finish_launch(store, config.run, plan.last_step)
+        finished = True
         yield RunFinished(config.run, plan, streaming_started, time.time(), placement)
     finally:
-        workers.shutdown()
+        # Only a launch that ended cleanly leaves actors for the next (a failed one may hold a broken actor).
+        workers.shutdown(keep=finished and config.ray.keep_actors)

@@ -139,6 +139,17 @@ class AsyncRolloutEngine:
             raise result
         return version
 
+    async def restart(self, model_dir: str, version: int, *, adapter_dir: str | None = None, **settings) -> bool:
+        """``RolloutEngine.restart`` through the engine thread (a weight reload), with the prefix-cache counts of
+        the launch that kept this engine reset."""
+        weights = self._engine.restart_weights(model_dir, adapter_dir, settings)
+        if weights is None:
+            return False
+        await self.load_weights(weights, version)
+        self._engine.model_dir = model_dir
+        self._prompt_tokens = self._cached_tokens = 0
+        return True
+
     async def policy_version(self) -> int:
         return self._engine.version
 

@@ -7,8 +7,10 @@ and drops the prefix cache, so the next request samples from the new policy vers
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 # The engine must stay in the actor's process: weights are then reloaded by reference, not pickled
 # to an engine-core subprocess. Set before vllm is imported anywhere in this process.
@@ -82,6 +84,10 @@ class RolloutEngine:
                        kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30))
         self.version = version
         self.model_dir = model_dir
+        # What a restart must match to reuse this engine (runtime/warm_actors.py).
+        self._settings = dict(gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                              dtype=dtype, seed=seed, threads=threads, kv_cache_gib=kv_cache_gib)
+        self._fingerprint = model_fingerprint(model_dir)
         if adapter_dir is not None:
             from marl_pipeline.runtime.lora import merged_checkpoint
 
@@ -142,6 +148,53 @@ class RolloutEngine:
 
     def policy_version(self) -> int:
         return self.version
+
+    def restart(self, model_dir: str, version: int, *, adapter_dir: str | None = None, **settings) -> bool:
+        """Serve ``version`` as an engine built with these arguments would, by reloading its weights into the model
+        held (a kept actor taken by a new launch: runtime/warm_actors.py). False, with nothing changed, where these
+        arguments would build another engine: other settings, or another model (its files besides the weights)."""
+        weights = self.restart_weights(model_dir, adapter_dir, settings)
+        if weights is None:
+            return False
+        self.load_weights(weights, version)
+        self.model_dir = model_dir
+        return True
+
+    def restart_weights(self, model_dir: str, adapter_dir: str | None, settings: dict) -> list | None:
+        """The weights :meth:`restart` reloads, or None where this engine cannot serve ``model_dir``."""
+        if settings != self._settings or model_fingerprint(model_dir) != self._fingerprint:
+            return None
+        if adapter_dir is not None:
+            from marl_pipeline.runtime.lora import merged_checkpoint
+
+            return merged_checkpoint(model_dir, adapter_dir)
+        return checkpoint_weights(model_dir)
+
+
+# Files of a policy directory that are not the model's definition: its weights, the trainer's state, the store's
+# records. Everything else (config, generation config, tokenizer, chat template) shapes the engine vLLM builds.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_RECORD_FILES = ("timing.json",)
+
+
+def model_fingerprint(model_dir: str) -> str:
+    """A hash of the files an engine is built from besides the weights: two directories with the same fingerprint
+    are served by one engine with the other's weights reloaded."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(model_dir).iterdir()):
+        if (path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) and path.name not in _RECORD_FILES
+                and not path.name.startswith(("_", "."))):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def checkpoint_weights(model_dir: str) -> list | None:
+    """A full checkpoint's tensors by name (its safetensors files), as vLLM's ``reload_weights`` takes them; None
+    for a checkpoint in another format."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    return [item for file in files for item in load_file(file).items()] if files else None
 
 
 def _engine_prompt(index: int, prompt: str | list[int]) -> str | dict[str, list[int]]:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import ray
 
+from marl_pipeline.runtime import warm_actors
 from marl_pipeline.runtime.router import Policy, Router
 
 Spawn = Callable[[int, int], "ray.actor.ActorHandle"]
@@ -210,14 +211,16 @@ class EngineReplicas:
             if handle is not None:
                 _kill_and_wait(handle)
 
-    def shutdown(self) -> None:
-        """Kill every replica, and the replacement of one still restarting (its thread then ends)."""
+    def shutdown(self, keep: bool = False) -> None:
+        """Kill every replica, and the replacement of one still restarting (its thread then ends); with ``keep``,
+        leave the replicas that are up idle for the next launch (runtime/warm_actors.py)."""
         with self._lock:
             self._closed = True
+            up = [h for slot, h in enumerate(self._handles) if h is not None and not self.router.is_down(slot)]
             handles = [h for h in [*self._handles, *self._starting.values()] if h is not None]
         for handle in handles:
             try:
-                ray.kill(handle)
+                warm_actors.release(handle, keep and any(handle is other for other in up))
             except Exception:  # a replica that died and was not replaced yet
                 pass
 

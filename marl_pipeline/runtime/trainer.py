@@ -13,6 +13,7 @@ gradients add up to the micro-batch's.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,6 +127,14 @@ class PolicyTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._step_tokens = 0
         self._step_sequences = 0
+
+    def restart(self, *args, **kwargs) -> bool:
+        """Become the trainer ``__init__(*args, **kwargs)`` builds, in this process (a kept actor taken by a new
+        launch: runtime/warm_actors.py): everything is rebuilt, so nothing of the last launch carries over."""
+        vars(self).clear()
+        gc.collect()  # the old weights and AdamW moments, before the new ones are loaded
+        type(self).__init__(self, *args, **kwargs)
+        return True
 
     def accumulate(self, batch: TrainBatch) -> dict[str, float]:
         """Add one micro-batch's gradient of the summed loss, in passes of at most ``chunk_tokens`` padded

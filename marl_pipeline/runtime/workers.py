@@ -22,6 +22,7 @@ from pathlib import Path
 import ray
 
 from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, StoreConfig, TrainerConfig
+from marl_pipeline.runtime import warm_actors
 from marl_pipeline.runtime.action_pool import ActionPool
 from marl_pipeline.runtime.async_engine import AsyncRolloutEngine
 from marl_pipeline.runtime.engine import ENGINE_ENV, RolloutEngine
@@ -48,11 +49,13 @@ class Workers:
     action_pool: ActionPool | None = None
     """The environment stage's action workers (None: the plugin runs no actions)."""
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep: bool = False) -> None:
+        """Stop the run's actors; with ``keep``, leave its engines and resident trainers idle for the next launch
+        in this process instead (``ray.keep_actors``, runtime/warm_actors.py)."""
         for replicas in self.engines.values():
-            replicas.shutdown()
+            replicas.shutdown(keep)
         for handle in actor_handles(self.trainers):
-            ray.kill(handle)
+            warm_actors.release(handle, keep)  # swapped trainers' workers are never kept: not started through it
         for pool in (self.reward_pool, self.action_pool):
             if pool is not None:
                 pool.shutdown()
@@ -101,6 +104,11 @@ class StoreEngine(RolloutEngine):
         model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
         super().__init__(model_dir, version, adapter_dir=adapter_dir, **options)
 
+    def restart(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> bool:
+        """Serve a stored version as a new engine with these arguments would (``RolloutEngine.restart``)."""
+        model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
+        return super().restart(model_dir, version, adapter_dir=adapter_dir, **options)
+
 
 class StoreAsyncEngine(AsyncRolloutEngine):
     """The asynchronous engine (trajectory-level rollout), started from the store as :class:`StoreEngine` is."""
@@ -108,6 +116,11 @@ class StoreAsyncEngine(AsyncRolloutEngine):
     def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
         model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
         super().__init__(model_dir, version, adapter_dir=adapter_dir, **options)
+
+    async def restart(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> bool:
+        """As :meth:`StoreEngine.restart`, through the engine thread."""
+        model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
+        return await super().restart(model_dir, version, adapter_dir=adapter_dir, **options)
 
 
 class StoreTrainer(PolicyTrainer):
@@ -147,8 +160,10 @@ def trainer_actor(trainer: TrainerConfig, resources: dict[str, float] | None = N
 def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
     """One vLLM engine actor per agent whatever ``engine.replicas`` says (a recomputation, a test), serving the given
     policy version from the store."""
-    return {agent: replicas.handle(0)
-            for agent, replicas in start_engine_replicas(config, store, versions, replicas=1).items()}
+    engines = {agent: replicas.handle(0)
+               for agent, replicas in start_engine_replicas(config, store, versions, replicas=1).items()}
+    warm_actors.stop_idle()  # kept actors not taken would hold CPUs the new engines wait for
+    return engines
 
 
 def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int],
@@ -165,7 +180,10 @@ def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, vers
         options = dict(gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
                        dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine),
                        kv_cache_gib=engine.kv_cache_gib)
-        spawn = partial(_spawn_engine, actor, store.config, config.run, agent, options)
+        # What a kept engine must have been started with to be taken instead of a new one (warm_actors.py).
+        settings = ("engine", engine_class.__name__, engine.num_cpus, engine.num_gpus,
+                    tuple(sorted(config.ray.engine_resources.items())), tuple(sorted(options.items())))
+        spawn = partial(_spawn_engine, actor, settings, store.config, config.run, agent, options)
         # With rebalancing, any agent may come to hold every replica but one per other agent.
         capacity = (budget - len(config.agents) + 1) if rebalance and replicas is None else None
         sets[agent] = EngineReplicas(agent, [spawn(k, versions[agent]) for k in range(replicas or engine.replicas)],
@@ -173,9 +191,11 @@ def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, vers
     return sets
 
 
-def _spawn_engine(actor, store: StoreConfig, run: str, agent: str, options: dict, replica: int, version: int):
-    """One engine replica from the store (the replica index only names it: replicas are alike)."""
-    return actor.remote(store, run, agent, version, **options)
+def _spawn_engine(actor, settings: tuple, store: StoreConfig, run: str, agent: str, options: dict, replica: int,
+                  version: int):
+    """One engine replica from the store (the replica index only names it: replicas are alike): a kept one
+    restarted at ``version``, else a new one."""
+    return warm_actors.start(actor, settings, store, run, agent, version, **options)
 
 
 def with_local_base(store: ExperienceStore, run: str, agent: str, options: dict) -> dict:
@@ -222,9 +242,12 @@ def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: d
         return start_swapped_trainers(config, store, versions)
     trainers = {}
     for agent, agent_config in config.agents.items():
-        options = {**trainer_options(config, agent, store), "num_threads": actor_threads(config, agent_config.trainer)}
-        trainers[agent] = trainer_actor(agent_config.trainer, config.ray.trainer_resources, StoreTrainer).remote(
-            store.config, config.run, agent, versions[agent], **options)
+        trainer = agent_config.trainer
+        options = {**trainer_options(config, agent, store), "num_threads": actor_threads(config, trainer)}
+        # A kept trainer is rebuilt whatever its options were (PolicyTrainer.restart): only its resources must match.
+        settings = ("trainer", trainer.num_cpus, trainer.num_gpus, tuple(sorted(config.ray.trainer_resources.items())))
+        trainers[agent] = warm_actors.start(trainer_actor(trainer, config.ray.trainer_resources, StoreTrainer),
+                                            settings, store.config, config.run, agent, versions[agent], **options)
     return trainers
 
 
@@ -283,6 +306,8 @@ def start_workers(config: ExperimentConfig, store: ExperienceStore, versions: di
             workers.action_pool = ActionPool(action_pool)
         if reward_model is not None and config.reward_model is not None:
             workers.reward_pool = RewardModelPool(reward_model, config.reward_model)
+        # Kept actors this launch did not take would hold CPUs its new ones wait for.
+        warm_actors.stop_idle()
         engines = [handle for replicas in workers.engines.values() for handle in replicas.handles()]
         _wait_ready(config, [*engines, *workers.trainers.values()])
     except BaseException:

@@ -97,9 +97,9 @@ def _policy_versions_at(store: ExperienceStore, config: ExperimentConfig, key: M
 
 @contextmanager
 def _engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]):
-    """Engine actors serving ``versions`` for one recomputation, killed when it ends."""
-    import ray
-
+    """Engine actors serving ``versions`` for one recomputation, stopped when it ends (kept for the next launch or
+    recomputation in this process with ``ray.keep_actors``)."""
+    from marl_pipeline.runtime import warm_actors
     from marl_pipeline.runtime.workers import start_engines
 
     engines = start_engines(config, store, versions)
@@ -107,7 +107,7 @@ def _engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[st
         yield engines
     finally:
         for engine in engines.values():
-            ray.kill(engine)
+            warm_actors.release(engine, config.ray.keep_actors)
 
 
 def _rollouts(config: ExperimentConfig, env, store: ExperienceStore, key: MicroBatchKey) -> pa.Table:

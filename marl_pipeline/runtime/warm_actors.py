@@ -1,0 +1,103 @@
+"""Engine and trainer actors kept alive between the launches of one driver process (``ray.keep_actors``).
+
+Why: starting an actor is most of a short launch. An engine's process imports vLLM (15 s on the 2-core CPU, most of
+it torch's compiler and vLLM's config modules) and builds its engine; a trainer's imports torch and transformers.
+A launch of two agents spent 25 s starting its four actors and 1 s training two steps (BENCHMARKS.md, "Test suite
+time"). A script, notebook or sweep that calls ``train`` again in the same process, and the test suite, pays that
+at every launch. With ``ray.keep_actors`` a launch that ends cleanly leaves its engines and trainers idle here, and
+the next launch takes the ones started with the same settings and restarts them in place at its own starting
+versions:
+
+- a trainer is rebuilt in its process (``PolicyTrainer.restart``: a fresh ``__init__``, so its weights, optimizer,
+  seed and options are exactly a new actor's), paying only the model load;
+- an engine reloads the starting weights into the model it holds (``RolloutEngine.restart``), if it serves the
+  same model (its config and tokenizer files) with the same engine settings; otherwise it refuses, is stopped, and
+  a new one is started.
+
+Idle actors keep their CPUs and memory. A launch takes what it can and stops every idle actor it did not take,
+before it waits for its new ones, so they never hold resources a new actor waits for. A launch that failed does not
+keep its actors (a dead replica, an interrupted trainer: ``Workers.shutdown``). Handles belong to a Ray cluster:
+those of another (after ``ray.shutdown`` and a new ``ray.init``) are forgotten, since that cluster took the actors
+with it.
+
+No peer keeps actors across launches: verl, OpenRLHF and AReaL start theirs once per training process and train
+until it ends. Here launches are small and many (a retraining schedule, resumed runs), so the restart is the unit.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
+
+import ray
+
+RESTART_TIMEOUT_S = 300.0
+"""An idle actor that does not answer its restart by then is stopped and replaced by a new one."""
+
+_lock = threading.Lock()
+_idle: dict[tuple, list] = {}  # key -> idle handles
+_keys: dict[object, tuple] = {}  # actor id -> key, for the actors started or taken through here
+
+
+def _cluster() -> str:
+    """The Ray cluster this driver is connected to (a node id is random per cluster start)."""
+    context = ray.get_runtime_context()
+    return f"{context.get_node_id()}/{context.get_job_id()}"
+
+
+def start(actor, settings: Hashable, *args, **kwargs):
+    """An actor of ``actor`` (a ``ray.remote(...).options(...)`` class) started with ``args`` and ``kwargs``: an
+    idle one kept with the same ``settings`` and restarted with them, else a new one (not yet ready).
+    ``settings`` must name everything a restart cannot change: the class, the Ray resources, the engine's options
+    (Ray's option wrapper does not expose the options it was given, so the caller names them)."""
+    key = (_cluster(), settings)
+    while True:
+        with _lock:
+            handles = _idle.get(key)
+            handle = handles.pop() if handles else None
+        if handle is None:
+            break
+        try:
+            if ray.get(handle.restart.remote(*args, **kwargs), timeout=RESTART_TIMEOUT_S):
+                _remember(handle, key)
+                return handle
+        except (ray.exceptions.RayError, TimeoutError):
+            pass  # it died while idle, or hung: a new one below
+        ray.kill(handle)
+    handle = actor.remote(*args, **kwargs)
+    _remember(handle, key)
+    return handle
+
+
+def release(handle, keep: bool) -> None:
+    """A launch is done with ``handle``: keep it idle for the next launch, or stop it."""
+    with _lock:
+        key = _keys.pop(handle._actor_id, None)
+        if keep and key is not None:
+            _idle.setdefault(key, []).append(handle)
+            return
+    ray.kill(handle)
+
+
+def stop_idle() -> int:
+    """Stop every idle actor (those the starting launch did not take); returns how many there were."""
+    with _lock:
+        handles = [handle for handles in _idle.values() for handle in handles]
+        _idle.clear()
+    for handle in handles:
+        try:
+            ray.kill(handle)
+        except Exception:  # already gone: its cluster was shut down, or it died while idle
+            pass
+    return len(handles)
+
+
+def idle_count() -> int:
+    """Idle actors kept for the next launch."""
+    with _lock:
+        return sum(len(handles) for handles in _idle.values())
+
+
+def _remember(handle, key: tuple) -> None:
+    with _lock:
+        _keys[handle._actor_id] = key
