@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,13 @@ import yaml
 from marl_pipeline.config import ExperimentConfig, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# One token-authentication mode for every Ray cluster of the session, set before anything imports Ray. Ray turns
+# token authentication on for a new local cluster when ~/.ray/auth_token exists, while a driver keeps the mode it
+# read first: after test_two_nodes.py had set RAY_AUTH_MODE=disabled for its cluster, the next module's
+# ray.init started a cluster that wanted a token its driver would not send ("Failed to start GCS ...
+# InvalidAuthToken").
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 @pytest.fixture(scope="session")
