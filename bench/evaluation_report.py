@@ -1,16 +1,19 @@
 """The held-out evaluation of stored runs as a table against training time, and its plot.
 
     PYTHONPATH=$PWD .venv/bin/python bench/evaluation_report.py STORE RUN [--plot FILE.png] [--label NAME]
+        [--since 2026-11-24T02:20:00Z]
 
 For the real-model benchmark (BENCHMARKS.md, "SmolLM2 solver and verifier"): each evaluated policy version with
 its minutes of training, counted from the first rollout of step 0 (engines and trainers already started) to the
-commit of the update that made the version, and each agent's headline metrics.
+commit of the update that made the version, and each agent's headline metrics. ``--since`` (the time the command
+started) adds the minutes from then, which count a warm-up before version 0 and the set-up.
 Reads the store only; the run may still be going.
 """
 
 from __future__ import annotations
 
 import argparse
+from datetime import datetime
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -25,18 +28,26 @@ COLUMNS = {"solver": ["accuracy", "top_answer_share"],
                         "agreement"]}
 
 
+def _stage(store_dir: str, run: str, name: str, column: str):
+    return ds.dataset(Path(store_dir, f"run={run}", f"stage={name}"), format="parquet",
+                      partitioning="hive").to_table(columns=["step", column])
+
+
+def version_times(store_dir: str, run: str) -> dict[int, float]:
+    """Each policy version's POSIX time: version v is ready when every agent's update of step v - 1 has committed
+    (the ``policy_updates`` stage's end times)."""
+    updates = _stage(store_dir, run, "policy_updates", "stage_ended").group_by("step").aggregate(
+        [("stage_ended", "max")])
+    return {step + 1: ended.timestamp()
+            for step, ended in zip(updates["step"].to_pylist(), updates["stage_ended_max"].to_pylist())}
+
+
 def training_minutes(store_dir: str, run: str) -> dict[int, float]:
     """Minutes from step 0's first rollout to each policy version: version v is ready when every agent's update
-    of step v - 1 has committed (the ``policy_updates`` stage's end times)."""
-    def stage(name: str, column: str):
-        return ds.dataset(Path(store_dir, f"run={run}", f"stage={name}"), format="parquet",
-                          partitioning="hive").to_table(columns=["step", column])
-
-    rollouts = stage("rollouts", "stage_started")
+    of step v - 1 has committed (``version_times``)."""
+    rollouts = _stage(store_dir, run, "rollouts", "stage_started")
     started = pc.min(rollouts.filter(pc.equal(rollouts["step"], 0))["stage_started"]).as_py().timestamp()
-    updates = stage("policy_updates", "stage_ended").group_by("step").aggregate([("stage_ended", "max")])
-    return {step + 1: (ended.timestamp() - started) / 60
-            for step, ended in zip(updates["step"].to_pylist(), updates["stage_ended_max"].to_pylist())}
+    return {version: (ended - started) / 60 for version, ended in version_times(store_dir, run).items()} | {0: 0.0}
 
 
 def main() -> None:
@@ -45,16 +56,28 @@ def main() -> None:
     parser.add_argument("run")
     parser.add_argument("--plot", type=Path, help="write the evaluation plot here (PNG)")
     parser.add_argument("--label", default=None, help="the plot's title (default: the run)")
+    parser.add_argument("--since", type=datetime.fromisoformat, default=None,
+                        help="when the command started (ISO 8601, with its zone): adds minutes since then")
     args = parser.parse_args()
     store = ExperienceStore(StoreConfig(uri=args.store))
     history = evaluation_history(store, args.run)
     minutes = training_minutes(args.store, args.run)
     agents = sorted({agent for metrics in history.values() for agent in metrics})
-    header = ["version", "training minutes"] + [f"{a} {m}" for a in agents for m in COLUMNS.get(a, [])]
+    since = {}
+    if args.since is not None:
+        if args.since.tzinfo is None:
+            parser.error(f"--since {args.since.isoformat()}: give the zone, e.g. 2026-11-24T02:20:00Z")
+        first = _stage(args.store, args.run, "rollouts", "stage_started")
+        step0 = pc.min(first.filter(pc.equal(first["step"], 0))["stage_started"]).as_py().timestamp()
+        since = {v: (t - args.since.timestamp()) / 60 for v, t in (version_times(args.store, args.run)
+                                                                   | {0: step0}).items()}
+    header = ["version", "training minutes"] + (["minutes since --since"] if since else [])
+    header += [f"{a} {m}" for a in agents for m in COLUMNS.get(a, [])]
     print("| " + " | ".join(header) + " |")
     print("| " + " | ".join(["---"] + ["---:"] * (len(header) - 1)) + " |")
     for version, metrics in sorted(history.items()):
-        cells = [str(version), f"{minutes[version]:.1f}" if version in minutes else "0"]
+        cells = [str(version), f"{minutes[version]:.1f}" if version in minutes else "?"]
+        cells += [f"{since[version]:.1f}" if version in since else "?"] if since else []
         cells += [f"{metrics.get(a, {}).get(m, float('nan')):.3f}" for a in agents for m in COLUMNS.get(a, [])]
         print("| " + " | ".join(cells) + " |")
     if args.plot:

@@ -72,6 +72,11 @@ class MathChatWorkedOptions(MathChatOptions):
     """``warmup_turns: verdict``: the share of warm-up examples that rehearse the verifier's own working (its reply
     to the question, sampled before warm-up) instead of teaching a verdict. With none, 30 steps on "Yes"/"No" made
     SmolLM2-135M answer "No" to the question too: held-out working accuracy 0.00 (BENCHMARKS.md)."""
+    verdict_weight: float = Field(1.0, ge=0)
+    """``turn_credit``: the verdict turn's advantages scaled by this (``turn_weights``). Both verifier turns train
+    one set of weights with one AdamW: after a cold start for the comparison, the verdict has advantages in most
+    groups every step, the working in one or two a step, and the verdict's gradients set the size of every update
+    (BENCHMARKS.md). Below 1 the working's rare right samples move it as the solver's move the solver."""
     working_weight: float = Field(0.5, ge=0, le=1)
     """Share of the verifier's episode reward paid for its working being right; the rest pays a verdict that agrees
     with its working."""
@@ -172,6 +177,12 @@ class MathChatWorked(MathChat):
             return None
         return [float(results[0].info.get("score", 0.0)), float(results[1].info.get("score", 0.0)),
                 float(bool(results[2].info.get("agrees_with_working", False)))]
+
+    def turn_weights(self, task: Task, transcript: list[Turn]) -> list[float] | None:
+        """``turn_credit``: the verdict's advantages weighted by ``verdict_weight``, the other turns' by 1."""
+        if not self.options.turn_credit or self.options.verdict_weight == 1.0:
+            return None
+        return [1.0, 1.0, self.options.verdict_weight]
 
     # -- held-out evaluation: the verifier works each case out, then gives its verdict -------------------------------
     def evaluation_cases(self, role: str, rng: np.random.Generator, count: int) -> list[EvaluationCase]:

@@ -170,6 +170,42 @@ def test_turn_level_rewards_and_advantages_by_hand() -> None:
         score_micro_batch(short, rollouts, execute_micro_batch(short, rollouts), 1e-9)
 
 
+class _Weighted(_TurnScored):
+    """The same turn rewards, the revision's advantages weighted by 0.25 and the verdict's by 0."""
+
+    weights: object = (1.0, 0.0, 0.25)
+
+    def turn_weights(self, task, transcript):
+        return list(self.weights) if self.weights is not None else None
+
+
+def test_turn_weights_scale_each_turns_advantage_after_its_group_normalisation() -> None:
+    env = _Weighted(MathOptions())
+    task = {"id": "q", "question": "2+3?", "answer": 5}
+    rollouts = rollouts_of(env, task, [["5", "correct", "4"], ["4", "correct", "5"], ["4", "correct", "4"]])
+
+    def scored() -> dict:
+        rewards = score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), 1e-9, team_weight=0.0)
+        return {(row["episode"], row["turn"]): (row["reward"], row["advantage"]) for row in rewards.to_pylist()}
+
+    by_turn = scored()
+    root2 = 2 ** 0.5
+    # turn 0 as unweighted (rewards 1, 0, 0); turn 2's rewards 0, 1, 0 give -1/sqrt2, sqrt2, -1/sqrt2, times 0.25;
+    # turn 1's verdicts ("correct" to 5, 4, 4: rewards 1, 0, 0) have advantages, times 0; rewards stay unweighted
+    for (episode, turn), (reward, advantage) in {(0, 0): (1.0, root2), (1, 0): (0.0, -1 / root2),
+                                                  (0, 1): (1.0, 0.0), (1, 1): (0.0, 0.0),
+                                                  (0, 2): (0.0, -0.25 / root2), (1, 2): (1.0, 0.25 * root2),
+                                                  (2, 2): (0.0, -0.25 / root2)}.items():
+        assert by_turn[episode, turn] == pytest.approx((reward, advantage), abs=1e-6), (episode, turn)
+    for bad, message in [((1.0, 1.0), "one weight per turn \\(3\\)"), ((1.0, -1.0, 1.0), "negative or not finite"),
+                         ((1.0, float("nan"), 1.0), "negative or not finite")]:
+        env.weights = bad
+        with pytest.raises(ValueError, match=message):
+            score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), 1e-9)
+    env.weights = None  # None: every turn weighs 1
+    assert [scored()[0, turn][1] for turn in range(3)] == pytest.approx([root2, root2, -1 / root2], abs=1e-6)
+
+
 def test_a_version_4_partition_is_re_scored_with_the_same_groups(small_config) -> None:
     from marl_pipeline.environment import build_environment
     from marl_pipeline.stages.recompute import recompute_stage

@@ -136,6 +136,10 @@ def test_rewards_by_hand(solver, working, shows_own, verdict, agrees, right_verd
     # turn credit: each turn its own reward, the working its grade, the verdict its agreement
     assert env.score_turns(task, transcript, results) == [float(solver == "22"), float(working == "22"), float(agrees)]
     assert _env(turn_credit=False).score_turns(task, transcript, results) is None
+    # the verdict's advantages weighted (turn_weights): none by default, none without turn credit
+    assert env.turn_weights(task, transcript) is None
+    assert _env(verdict_weight=0.1).turn_weights(task, transcript) == [1.0, 1.0, 0.1]
+    assert _env(verdict_weight=0.1, turn_credit=False).turn_weights(task, transcript) is None
     weighted = _env(working_weight=0.8)
     assert weighted.score(task, transcript, weighted.execute(task, transcript))["verifier"] == pytest.approx(
         0.8 * (working == "22") + 0.2 * agrees)

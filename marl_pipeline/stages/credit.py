@@ -37,3 +37,16 @@ def checked_turn_rewards(rewards: object, turns: int) -> list[float] | None:
     if not all(np.isfinite(values)):
         raise ValueError(f"score_turns returned a reward that is not finite: {values}")
     return values
+
+
+def checked_turn_weights(weights: object, turns: int) -> list[float]:
+    """``turn_weights``' answer: None (every turn 1), or one finite weight >= 0 per turn; else a clear error."""
+    if weights is None:
+        return [1.0] * turns
+    if not isinstance(weights, list | tuple) or len(weights) != turns:
+        raise ValueError(f"turn_weights returned {weights!r:.120}, expected a list of one weight per turn ({turns}) "
+                         "or None")
+    values = [float(value) for value in weights]
+    if not all(np.isfinite(values)) or min(values, default=0.0) < 0:
+        raise ValueError(f"turn_weights returned a weight that is negative or not finite: {values}")
+    return values
