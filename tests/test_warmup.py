@@ -60,3 +60,51 @@ def test_rehearsal_keeps_the_turn_that_warm_up_does_not_teach(tiny_model_dir: Pa
         after[name] = _mean_logprob(model, prompt_ids, own, eos)
     assert after["taught alone"] < before - 0.5  # the drift rehearsal is for
     assert after["rehearsed"] > after["taught alone"] + 0.5 and after["rehearsed"] > before - 1.0
+
+
+CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_context_positions_are_the_earlier_replies_and_rehearsing_them_keeps_them(tiny_model_dir: Path) -> None:
+    """A verdict example's prompt holds the agent's own earlier reply as an assistant message: its positions are
+    found in the template's ids, and with ``rehearse_context`` the KL there keeps that turn where it started while
+    the verdict is taught; without it, the turn drifts."""
+    from marl_pipeline.runtime.chat import ChatTokenizer
+    from marl_pipeline.runtime.warmup import context_reply_positions
+
+    base, tokenizer = load_policy(str(tiny_model_dir))
+    tokenizer.chat_template = CHATML
+    env = ArithmeticCheck(ArithmeticOptions())
+    rng = np.random.default_rng(0)
+    questions = [[{"role": "user", "content": prompt}]
+                 for prompt, _ in env.warmup_examples("solver", rng, 160)]
+    eos = tokenizer.eos_token_id
+    prompt_ids = warmup_prompt_ids(tokenizer, questions, "the solver")
+    torch.manual_seed(1)
+    own = sample_replies(base, prompt_ids, max_new_tokens=6, temperature=1.0, eos=eos, pad=eos)
+    texts = [tokenizer.decode(reply, skip_special_tokens=True) for reply in own]
+    verdicts = [[*question, {"role": "assistant", "content": text}, {"role": "user", "content": "ok?"}]
+                for question, text in zip(questions, texts)]
+    positions = context_reply_positions(tokenizer, verdicts + ["1 + 2 ="], "the verifier")
+    assert positions[-1] == []  # a text prompt holds no reply
+    ids = warmup_prompt_ids(tokenizer, verdicts[:3], "the verifier")
+    end_of_turn = ChatTokenizer(tokenizer, "the verifier").end_of_turn
+    for row, found, text in zip(ids, positions[:3], texts[:3]):
+        assert found == list(range(found[0], found[-1] + 1))  # one span: the reply, then its end of turn
+        assert row[found[-1]] == end_of_turn
+        assert tokenizer.decode([row[p] for p in found[:-1]]) == tokenizer.decode(
+            tokenizer(text, add_special_tokens=False)["input_ids"])
+    held_out = slice(0, 64)
+    before = _mean_logprob(base, prompt_ids[held_out], own[held_out], eos)
+    taught = [(prompt, "yes") for prompt in verdicts[64:]]
+    after = {}
+    for rehearse in (False, True):
+        model = copy.deepcopy(base)
+        torch.manual_seed(0)
+        losses = supervised_warmup(model, tokenizer, taught, steps=20, batch_size=8, lr=3e-3, seed=0,
+                                   max_new_tokens=6, rehearse_context=rehearse)
+        assert losses[-1] < losses[0]
+        after[rehearse] = _mean_logprob(model, prompt_ids[held_out], own[held_out], eos)
+    assert after[False] < before - 0.5  # taught "yes" after its reply, the reply itself drifts
+    assert after[True] > after[False] + 0.5 and after[True] > before - 1.0, (before, after)

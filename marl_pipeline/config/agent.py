@@ -80,6 +80,9 @@ class WarmupConfig(StrictModel):
     """Examples per warm-up step."""
     lr: float = Field(3e-3, gt=0)
     """Warm-up learning rate."""
+    rehearse_context: bool = False
+    """Also hold the agent's own earlier replies that a chat example's prompt shows as assistant messages where the
+    model had them: the KL from the starting model at their positions (``runtime/warmup.py``)."""
 
 
 class LoraAdapterConfig(StrictModel):

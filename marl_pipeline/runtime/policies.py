@@ -70,7 +70,8 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store: Exper
                                    lr=warmup.lr, seed=seed, source=f"agent {agent!r}",
                                    max_new_tokens=algorithm.max_new_tokens, temperature=algorithm.temperature,
                                    dtype=resolve_dtype(agent_config.trainer.dtype, "cpu"),
-                                   chunk_tokens=agent_config.trainer.chunk_tokens)
+                                   chunk_tokens=agent_config.trainer.chunk_tokens,
+                                   rehearse_context=warmup.rehearse_context)
         warmup_loss = (losses[0], losses[-1])
     staging = store.staging_policy_dir(config.run, agent, 0)
     save_policy(model, tokenizer, staging)  # save_pretrained carries the source's generation_config along
