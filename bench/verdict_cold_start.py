@@ -28,8 +28,9 @@ from marl_pipeline.runtime.chat import ChatTokenizer
 from marl_pipeline.runtime.losses import pad_sequences, token_logprobs
 from marl_pipeline.runtime.model_sources import resolve_model_source
 from marl_pipeline.runtime.models import load_policy
+from marl_pipeline.runtime.own_replies import sample_replies
 from marl_pipeline.runtime.precision import resolve_dtype
-from marl_pipeline.runtime.warmup import sample_replies, supervised_warmup
+from marl_pipeline.runtime.warmup import supervised_warmup
 from marl_pipeline.stages.evaluation import EvaluationSettings, evaluation_cases
 
 

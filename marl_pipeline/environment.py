@@ -67,6 +67,15 @@ class Turn:
     """The environment's reply to this turn (``observe``), if the plugin gives one."""
 
 
+@dataclass(frozen=True)
+class Rehearsal:
+    """A warm-up completion to hold, not teach: the loss along its tokens is the KL from the model as warm-up
+    started (``runtime/warmup.py``), as for a ``None`` completion, whose path is sampled instead. A plugin gives
+    one to hold a path that sampling rarely finds: a base model's rare right answer."""
+
+    text: str
+
+
 MAX_ACTION_BYTES = 64 * 1024
 """Default payload limit of an action; a plugin may set ``max_action_bytes``."""
 

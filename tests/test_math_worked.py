@@ -224,10 +224,38 @@ def test_the_verdict_cold_start_compares_the_verifiers_own_workings() -> None:
     assert _env().own_reply_warmup_examples("verifier", np.random.default_rng(0), 5, replies) is None
 
 
+def test_rehearsal_holds_a_right_working_where_its_samples_have_one() -> None:
+    from marl_pipeline.environment import Rehearsal
+
+    env = _env(warmup_turns="verdict", quote_own_answer=True, rehearse_right_of=3)
+    calls = []
+
+    def replies(prompts):  # stands for the policy: right on questions whose first number is even, on its last try
+        calls.append(len(prompts))
+        out = []
+        for index, messages in enumerate(prompts):
+            a, b = (int(n) for n in re.match(r"What is (\d+) \+ (\d+)\?", messages[0]["content"]).groups())
+            out.append(f"{a} + {b} = {a + b + (0 if a % 2 == 0 and index % 3 == 2 else 1)}")
+        return out
+
+    examples = env.own_reply_warmup_examples("verifier", np.random.default_rng(0), 200, replies)
+    held = [(messages, reply) for messages, reply in examples if not isinstance(reply, str)]
+    assert len(held) > 50 and calls[1] == 3 * len(held)  # three tries for each rehearsed question
+    for messages, reply in held:
+        a, b = (int(n) for n in re.match(r"What is (\d+) \+ (\d+)\?", messages[0]["content"]).groups())
+        if a % 2 == 0:
+            assert reply == Rehearsal(f"{a} + {b} = {a + b}")  # the right one is held
+        else:
+            assert reply is None  # none right: a sampled one, as without tries
+    baseline = _env(warmup_turns="verdict", quote_own_answer=True).own_reply_warmup_examples(
+        "verifier", np.random.default_rng(0), 200, replies)
+    assert [m for m, _ in baseline] == [m for m, _ in examples]  # the same questions and verdict examples
+
+
 def test_chat_warm_up_prompts_take_the_agents_template(tiny_model_dir) -> None:
     from transformers import AutoTokenizer
 
-    from marl_pipeline.runtime.warmup import warmup_prompt_ids
+    from marl_pipeline.runtime.own_replies import warmup_prompt_ids
 
     messages = [{"role": "user", "content": "What is 17 + 5?"}]
     tiny = AutoTokenizer.from_pretrained(tiny_model_dir)

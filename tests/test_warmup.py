@@ -11,7 +11,8 @@ import torch
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
 from marl_pipeline.runtime.losses import pad_sequences, token_logprobs
 from marl_pipeline.runtime.models import load_policy
-from marl_pipeline.runtime.warmup import policy_replies, sample_replies, supervised_warmup, warmup_prompt_ids
+from marl_pipeline.runtime.own_replies import policy_replies, sample_replies, warmup_prompt_ids
+from marl_pipeline.runtime.warmup import supervised_warmup
 
 
 def _mean_logprob(model, prompts: list[list[int]], replies: list[list[int]], pad: int) -> float:
@@ -71,7 +72,7 @@ def test_context_positions_are_the_earlier_replies_and_rehearsing_them_keeps_the
     found in the template's ids, and with ``rehearse_context`` the KL there keeps that turn where it started while
     the verdict is taught; without it, the turn drifts."""
     from marl_pipeline.runtime.chat import ChatTokenizer
-    from marl_pipeline.runtime.warmup import context_reply_positions
+    from marl_pipeline.runtime.own_replies import context_reply_positions
 
     base, tokenizer = load_policy(str(tiny_model_dir))
     tokenizer.chat_template = CHATML
@@ -108,3 +109,28 @@ def test_context_positions_are_the_earlier_replies_and_rehearsing_them_keeps_the
         after[rehearse] = _mean_logprob(model, prompt_ids[held_out], own[held_out], eos)
     assert after[False] < before - 0.5  # taught "yes" after its reply, the reply itself drifts
     assert after[True] > after[False] + 0.5 and after[True] > before - 1.0, (before, after)
+
+
+def test_a_rehearsal_holds_the_path_it_gives(tiny_model_dir: Path) -> None:
+    """A ``Rehearsal`` completion is held along its own tokens (the KL), not sampled and not taught: the model's
+    likelihood of those paths stays where it started while a constant verdict is taught beside them."""
+    from marl_pipeline.environment import Rehearsal
+
+    base, tokenizer = load_policy(str(tiny_model_dir))
+    env = ArithmeticCheck(ArithmeticOptions())
+    rng = np.random.default_rng(0)
+    taught = [(prompt, "yes") for prompt, _ in env.warmup_examples("verifier", rng, 200)]
+    solved = env.warmup_examples("solver", rng, 120)  # (question, its right answer)
+    eos = tokenizer.eos_token_id
+    prompt_ids = warmup_prompt_ids(tokenizer, [q for q, _ in solved], "the solver")
+    paths = [tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos] for _, answer in solved]
+    before = _mean_logprob(base, prompt_ids, paths, eos)
+    after = {}
+    for name, examples in {"taught alone": taught,
+                           "held": taught + [(q, Rehearsal(answer)) for q, answer in solved]}.items():
+        model = copy.deepcopy(base)
+        torch.manual_seed(0)
+        supervised_warmup(model, tokenizer, examples, steps=20, batch_size=8, lr=3e-3, seed=0, max_new_tokens=6)
+        after[name] = _mean_logprob(model, prompt_ids, paths, eos)
+    assert after["taught alone"] < before - 0.5
+    assert abs(after["held"] - before) < 0.5 < after["held"] - after["taught alone"], (before, after)

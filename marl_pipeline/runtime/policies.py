@@ -12,8 +12,9 @@ from marl_pipeline.config import BUILTIN_TINY, AgentConfig, ExperimentConfig
 from marl_pipeline.environment import Environment
 from marl_pipeline.runtime.model_sources import resolve_model_source
 from marl_pipeline.runtime.models import build_tiny_model, load_policy, save_policy
+from marl_pipeline.runtime.own_replies import policy_replies
 from marl_pipeline.runtime.precision import resolve_dtype
-from marl_pipeline.runtime.warmup import policy_replies, supervised_warmup
+from marl_pipeline.runtime.warmup import supervised_warmup
 from marl_pipeline.store import ExperienceStore
 
 

@@ -7,14 +7,18 @@ no top-k or top-p) and kept as ids; at each of its positions the loss is the KL 
 frozen copy) to the policy now, over the whole vocabulary. The sampled tokens' own likelihood has the same
 gradient in expectation but one token's worth of it, far noisier: trained on it at lr 5e-5, SmolLM2's working
 drifted to the verdict's first word; with the KL (and its own workings in the verdict examples) it moved 0.06 nats
-a token (bench/verdict_cold_start.py, BENCHMARKS.md).
+a token (bench/verdict_cold_start.py, BENCHMARKS.md). A ``Rehearsal`` completion is held the same way along the
+path it gives, and its own tokens' log-probabilities held to where they started as well (a squared difference): one
+sample per question holds its likely paths, mostly wrong for a small model, and the KL barely holds a token the
+model rarely samples, such as the digit of a rare right answer RL starts from.
 
 Rehearsal in context (``rehearse_context``): a chat example's prompt may hold the agent's own earlier reply as an
 assistant message (a verdict example holds the working it follows). Those positions are context, never taught; with
 ``rehearse_context`` they are scored by the same KL, so every such example also holds the earlier turn where it
-was. Without it, SmolLM2's verdict cold start halved its working's accuracy at temperature 1 (3.5% -> 1.5% of
-samples on the training questions) though the greedy working was unchanged, and RL then found one right working in
-13 steps (BENCHMARKS.md).
+was. Tried on SmolLM2's verdict cold start, which halved its working's right answers at temperature 1 (3.5% -> 1.5%
+of samples on the training questions) while its greedy working stayed: it did not give RL more right workings (1
+in 336 samples over 7 steps, against 0 without it and 15 for the pretrained model; BENCHMARKS.md), so it is off by
+default.
 """
 
 from __future__ import annotations
@@ -24,85 +28,14 @@ import copy
 import numpy as np
 import torch
 
-from marl_pipeline.environment import ChatMessages
-from marl_pipeline.runtime.chat import ChatTokenizer
+from marl_pipeline.environment import ChatMessages, Rehearsal
 from marl_pipeline.runtime.losses import next_token_log_probs, pad_sequences
+from marl_pipeline.runtime.own_replies import context_reply_positions, sample_replies, warmup_prompt_ids
 from marl_pipeline.runtime.precision import autocast
 
 
-def warmup_prompt_ids(tokenizer, prompts: list[str | ChatMessages], source: str) -> list[list[int]]:
-    """Each prompt's ids as rollout would send them to the engine: text tokenized as it is, chat messages through
-    the agent's chat template (``runtime/chat.py``, which says which agent lacks one)."""
-    chat, ids = None, []
-    for prompt in prompts:
-        if isinstance(prompt, str):
-            ids.append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-            continue
-        chat = chat or ChatTokenizer(tokenizer, source)
-        ids.append(chat.first_ids(prompt))
-    return ids
-
-
-def context_reply_positions(tokenizer, prompts: list[str | ChatMessages], source: str) -> list[list[int]]:
-    """For each prompt, the token positions of its assistant messages (their content and end-of-turn token) in the
-    ids ``warmup_prompt_ids`` gives it: the agent's earlier replies the prompt holds as context. None for a text
-    prompt; a template that renders an earlier part of the conversation differently once more follows is an error."""
-    chat, positions = None, []
-    for prompt in prompts:
-        found: list[int] = []
-        if not isinstance(prompt, str):
-            chat = chat or ChatTokenizer(tokenizer, source)
-            full = chat.first_ids(prompt)
-            for index, message in enumerate(prompt):
-                if message["role"] != "assistant":
-                    continue
-                before = chat.first_ids(prompt[:index])  # up to the assistant's header
-                through = chat.first_ids(prompt[:index + 1])  # ... and the reply, then the next header
-                end = len(before) + through[len(before):].index(chat.end_of_turn) if (
-                    chat.end_of_turn in through[len(before):]) else -1
-                if full[:len(before)] != before or end < 0 or full[:end + 1] != through[:end + 1]:
-                    raise ValueError(f"the chat template of {source} renders message {index} of a warm-up prompt "
-                                     "differently once more messages follow, so its reply cannot be rehearsed")
-                found.extend(range(len(before), end + 1))
-        positions.append(found)
-    return positions
-
-
-@torch.no_grad()
-def sample_replies(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, eos: int, pad: int,
-                   batch_size: int = 32) -> list[list[int]]:
-    """The model's own reply to each prompt, as rollout samples it: ids up to and including the first EOS (all
-    ``max_new_tokens`` of them when it never stops, with no EOS added, as the engine would return them)."""
-    from transformers import GenerationConfig
-
-    # Explicit, not the checkpoint's generation_config: SmolLM2's asks for top-p 0.9 at temperature 0.2.
-    generation = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                                  max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
-    model.eval()
-    replies = []
-    for start in range(0, len(prompts), batch_size):
-        batch = prompts[start:start + batch_size]
-        width = max(len(ids) for ids in batch)
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])  # left-padded: replies align
-        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
-        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation)
-        for row in output[:, width:].tolist():
-            replies.append(row[:row.index(eos) + 1] if eos in row else row)
-    return replies
-
-
-def policy_replies(model, tokenizer, prompts: list[str | ChatMessages], *, source: str, max_new_tokens: int,
-                   temperature: float) -> list[str]:
-    """The policy's own reply to each prompt, sampled as rollout samples, as text: what a plugin's
-    ``own_reply_warmup_examples`` builds its examples on (their prompts then hold the replies as messages)."""
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    ids = sample_replies(model, warmup_prompt_ids(tokenizer, prompts, source), max_new_tokens=max_new_tokens,
-                         temperature=temperature, eos=eos, pad=pad)
-    return [tokenizer.decode(reply, skip_special_tokens=True) for reply in ids]
-
-
-def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages, str | None]], *, steps: int,
+def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages, str | Rehearsal | None]], *,
+                      steps: int,
                       batch_size: int, lr: float, seed: int, source: str = "the policy", max_new_tokens: int = 16,
                       temperature: float = 1.0, dtype: torch.dtype = torch.float32,
                       chunk_tokens: int = 512, rehearse_context: bool = False) -> list[float]:
@@ -122,8 +55,8 @@ def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages,
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     batches = rng.integers(0, len(examples), size=(steps, batch_size))
     prompts = warmup_prompt_ids(tokenizer, [p for p, _ in examples], source)
-    completions = {i: tokenizer(c, add_special_tokens=False)["input_ids"] + [eos]
-                   for i, (_, c) in enumerate(examples) if c is not None}
+    completions = {i: tokenizer(c if isinstance(c, str) else c.text, add_special_tokens=False)["input_ids"] + [eos]
+                   for i, (_, c) in enumerate(examples) if c is not None}  # a Rehearsal's path is given
     context = (context_reply_positions(tokenizer, [p for p, _ in examples], source) if rehearse_context
                else [[] for _ in examples])
     rehearsed = sorted({int(i) for i in batches.flat} - completions.keys())
@@ -131,7 +64,8 @@ def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages,
                          temperature=temperature, eos=eos, pad=pad)
     completions.update(zip(rehearsed, own))
     # the policy as it started, frozen
-    reference = copy.deepcopy(model).eval() if rehearsed or any(context) else None
+    held = any(not isinstance(examples[int(i)][1], str) for i in batches.flat) or any(context)
+    reference = copy.deepcopy(model).eval() if held else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     losses = []
@@ -142,7 +76,7 @@ def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages,
                              chunk_tokens):
             input_ids, attention_mask, mask = pad_sequences([prompts[i] for i in chunk],
                                                             [completions[i] for i in chunk], pad)
-            taught = torch.tensor([examples[i][1] is not None for i in chunk])[:, None] * mask
+            taught = torch.tensor([isinstance(examples[i][1], str) for i in chunk])[:, None] * mask
             kept = mask - taught  # rehearsed completions, and the replies in context: scored by the KL
             for row, i in enumerate(chunk):
                 kept[row, [position - 1 for position in context[i]]] = 1.0  # the logits at t predict token t + 1
@@ -154,6 +88,11 @@ def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages,
                 with torch.no_grad(), autocast(dtype, "cpu"):
                     start = next_token_log_probs(reference, input_ids, attention_mask)
                 chunk_loss = chunk_loss + ((start.exp() * (start - log_probs)).sum(-1) * kept).sum()
+                # A given path's own tokens held too: the KL weighs a token by its starting probability, so it
+                # barely holds a rare one (a small model's right answer), which is what a Rehearsal is given for.
+                path = torch.tensor([isinstance(examples[i][1], Rehearsal) for i in chunk])[:, None] * mask
+                start_taken = torch.gather(start, 2, input_ids[:, 1:, None]).squeeze(-1)
+                chunk_loss = chunk_loss + ((taken - start_taken) ** 2 * path).sum()
             chunk_loss = chunk_loss / targets  # the batch's mean over its target tokens
             chunk_loss.backward()
             loss += float(chunk_loss.detach())

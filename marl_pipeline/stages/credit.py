@@ -6,14 +6,16 @@ from __future__ import annotations
 import numpy as np
 
 
-def group_relative_advantages(rewards: np.ndarray, groups: np.ndarray, eps: float) -> np.ndarray:
-    """(reward - group mean) / (group std + eps) for each element, groups given by label."""
+def group_relative_advantages(rewards: np.ndarray, groups: np.ndarray, eps: float,
+                              weights: list[float] | None = None) -> np.ndarray:
+    """(reward - group mean) / (group std + eps) for each element, groups given by label; times its weight, if
+    given (``turn_weights_of``)."""
     advantages = np.zeros_like(rewards, dtype=np.float64)
     for label in np.unique(groups):
         members = groups == label
         values = rewards[members]
         advantages[members] = (values - values.mean()) / (values.std() + eps)
-    return advantages
+    return advantages if weights is None else advantages * np.asarray(weights, dtype=np.float64)
 
 
 def assign_credit(own: dict[str, float], team_weight: float) -> dict[str, float]:
@@ -39,8 +41,19 @@ def checked_turn_rewards(rewards: object, turns: int) -> list[float] | None:
     return values
 
 
+def turn_weights_of(env: object, task: dict, transcript: list, turns: int) -> list[float]:
+    """A plugin's ``turn_weights(task, transcript)`` for an episode's turns, checked (every turn 1 without it)."""
+    hook = getattr(env, "turn_weights", None)
+    return checked_turn_weights(hook(task, transcript) if hook is not None else None, turns)
+
+
 def checked_turn_weights(weights: object, turns: int) -> list[float]:
-    """``turn_weights``' answer: None (every turn 1), or one finite weight >= 0 per turn; else a clear error."""
+    """``turn_weights``' answer: None (every turn 1), or one finite weight >= 0 per turn; else a clear error.
+
+    Why weights: turns of one agent share its weights and AdamW moments, so a turn with dense advantages (a
+    verifier's verdict, which agrees or not in every episode) sets the size of every update and can drown a turn
+    whose signal is rare (its working, right in a few samples a step); weighting the dense turn down gives the rare
+    signal more of each update (BENCHMARKS.md)."""
     if weights is None:
         return [1.0] * turns
     if not isinstance(weights, list | tuple) or len(weights) != turns:

@@ -15,10 +15,6 @@ learns each turn from that turn's reward (a verifier's working from its grade, i
 from the working) instead of one sum that mixes the two signals' noise. Advantages are then relative per (group,
 agent, turn): each turn of an episode is compared with the same turn of the group's other episodes. Team credit
 mixes the team mean of ``score`` into each turn's reward, and a reward model's score into the agent's last turn's.
-A plugin's ``turn_weights(task, transcript)`` then scales each turn's advantage (default 1): turns of one agent
-share its weights and its AdamW moments, so a turn with dense advantages (a verifier's verdict, which agrees or not
-in every episode) sets the size of every update and drowns a turn whose signal is rare (its working, right in a few
-samples a step); weighting the dense turn down lets the rare signal move the policy (BENCHMARKS.md).
 
 Model-based reward (:class:`ModelReward`, optional): before credit assignment, each scored agent's own
 reward becomes ``(1 - weight) * rule + weight * model score``, the model scoring the agent's last turn of
@@ -38,12 +34,7 @@ import pyarrow as pa
 
 from marl_pipeline.config import RewardModelConfig
 from marl_pipeline.environment import ActionResult, Environment
-from marl_pipeline.stages.credit import (
-    assign_credit,
-    checked_turn_rewards,
-    checked_turn_weights,
-    group_relative_advantages,
-)
+from marl_pipeline.stages import credit
 from marl_pipeline.stages.episodes import TURN_KEYS, episodes_of, transcript_of
 from marl_pipeline.store.schema import REWARDS, with_agent
 
@@ -87,7 +78,7 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, e
                                                                   "info", "status"]).to_pylist()}
     episodes = episodes_of(rollouts.select(list(TURN_KEYS) + ["task", "prompt_text", "response_text", "observation"]))
     model_scores = _model_scores(episodes, outcomes, model_reward) if model_reward is not None else {}
-    score_turns, turn_weights = getattr(env, "score_turns", None), getattr(env, "turn_weights", None)
+    score_turns = getattr(env, "score_turns", None)
     keyed_rows, rewards, weights, statuses, starts, ends = [], [], [], [], [], []
     per_turn_credit = False
     for turns in episodes:
@@ -95,7 +86,7 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, e
         episode_results = [outcomes[row["sample_id"]] for row in turns]
         turn_rewards: list[float] | None = None
         task, transcript = json.loads(turns[0]["task"]), transcript_of(turns)
-        weights.extend(checked_turn_weights(turn_weights(task, transcript) if turn_weights else None, len(turns)))
+        weights.extend(credit.turn_weights_of(env, task, transcript, len(turns)))  # each turn's advantage scaled
         if any(r["status"] == "failed" for r in episode_results):
             per_role, status = {}, "failed"  # a failed episode earns nothing; a failed action is scored by the env
         else:
@@ -103,7 +94,7 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, e
                        for r in episode_results]
             own = env.score(task, transcript, actions)
             if score_turns is not None:
-                turn_rewards = checked_turn_rewards(score_turns(task, transcript, actions), len(turns))
+                turn_rewards = credit.checked_turn_rewards(score_turns(task, transcript, actions), len(turns))
             if turn_rewards is not None:
                 per_turn_credit = True
                 team = sum(own.values()) / len(own) if own else 0.0
@@ -114,7 +105,7 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, e
                     if turn_rewards is not None:
                         turn_rewards[index] = (1.0 - w) * turn_rewards[index] + w * model_scores[row["sample_id"]]
                     own[row["role"]] = (1.0 - w) * own.get(row["role"], 0.0) + w * model_scores[row["sample_id"]]
-            per_role, status = assign_credit(own, team_weight), "ok"
+            per_role, status = credit.assign_credit(own, team_weight), "ok"
         end = datetime.now(UTC)
         for index, row in enumerate(turns):
             keyed_rows.append(row)
@@ -129,8 +120,7 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, e
     groups = np.asarray([labels.setdefault((row["group_id"], row["agent"])
                                            + ((row["turn"],) if per_turn_credit else ()), len(labels))
                          for row in keyed_rows])
-    advantages = group_relative_advantages(rewards_array, groups, eps) if keyed_rows else rewards_array
-    advantages = advantages * np.asarray(weights, dtype=np.float64)
+    advantages = credit.group_relative_advantages(rewards_array, groups, eps, weights) if keyed_rows else rewards_array
     columns = {name: [row[name] for row in keyed_rows] for name in TURN_KEYS}
     columns.update(reward=rewards_array.astype(np.float32), advantage=advantages.astype(np.float32),
                    model_score=pa.array([model_scores.get(row["sample_id"]) for row in keyed_rows], pa.float32()),
