@@ -35,9 +35,8 @@ from marl_pipeline.runtime.precision import autocast
 
 
 def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages, str | Rehearsal | None]], *,
-                      steps: int,
-                      batch_size: int, lr: float, seed: int, source: str = "the policy", max_new_tokens: int = 16,
-                      temperature: float = 1.0, dtype: torch.dtype = torch.float32,
+                      steps: int, batch_size: int, lr: float, seed: int, source: str = "the policy",
+                      max_new_tokens: int = 16, temperature: float = 1.0, dtype: torch.dtype = torch.float32,
                       chunk_tokens: int = 512, rehearse_context: bool = False) -> list[float]:
     """Fine-tune ``model`` on (prompt, completion) pairs, loss on the completion and its EOS only.
 
@@ -63,9 +62,8 @@ def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages,
     own = sample_replies(model, [prompts[i] for i in rehearsed], max_new_tokens=max_new_tokens,
                          temperature=temperature, eos=eos, pad=pad)
     completions.update(zip(rehearsed, own))
-    # the policy as it started, frozen
     held = any(not isinstance(examples[int(i)][1], str) for i in batches.flat) or any(context)
-    reference = copy.deepcopy(model).eval() if held else None
+    reference = copy.deepcopy(model).eval() if held else None  # the policy as it started, frozen
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     losses = []
