@@ -69,9 +69,10 @@ class Turn:
 
 @dataclass(frozen=True)
 class Rehearsal:
-    """A warm-up completion to hold, not teach: the loss along its tokens is the KL from the model as warm-up
-    started (``runtime/warmup.py``), as for a ``None`` completion, whose path is sampled instead. A plugin gives
-    one to hold a path that sampling rarely finds: a base model's rare right answer."""
+    """A warm-up completion to hold, not teach: along its tokens the loss is the KL from the model as warm-up
+    started, as for a ``None`` completion (whose path is sampled instead), plus the squared change of its own tokens'
+    log-probabilities (``runtime/warmup.py``). A plugin gives one to hold a path that sampling rarely finds: a base
+    model's rare right answer."""
 
     text: str
 

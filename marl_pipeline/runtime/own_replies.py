@@ -25,7 +25,7 @@ def warmup_prompt_ids(tokenizer, prompts: list[str | ChatMessages], source: str)
 
 def context_reply_positions(tokenizer, prompts: list[str | ChatMessages], source: str) -> list[list[int]]:
     """For each prompt, the token positions of its assistant messages (their content and end-of-turn token) in the
-    ids ``warmup_prompt_ids`` gives it: the agent's earlier replies the prompt holds as context. None for a text
+    ids ``warmup_prompt_ids`` gives it: the agent's earlier replies the prompt holds as context. Empty for a text
     prompt; a template that renders an earlier part of the conversation differently once more follows is an error."""
     chat, positions = None, []
     for prompt in prompts:
