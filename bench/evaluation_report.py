@@ -42,12 +42,15 @@ def version_times(store_dir: str, run: str) -> dict[int, float]:
             for step, ended in zip(updates["step"].to_pylist(), updates["stage_ended_max"].to_pylist())}
 
 
-def training_minutes(store_dir: str, run: str) -> dict[int, float]:
-    """Minutes from step 0's first rollout to each policy version: version v is ready when every agent's update
-    of step v - 1 has committed (``version_times``)."""
+def step0_started(store_dir: str, run: str) -> float:
+    """POSIX time of step 0's first rollout: engines and trainers are up, training begins."""
     rollouts = _stage(store_dir, run, "rollouts", "stage_started")
-    started = pc.min(rollouts.filter(pc.equal(rollouts["step"], 0))["stage_started"]).as_py().timestamp()
-    return {version: (ended - started) / 60 for version, ended in version_times(store_dir, run).items()} | {0: 0.0}
+    return pc.min(rollouts.filter(pc.equal(rollouts["step"], 0))["stage_started"]).as_py().timestamp()
+
+
+def minutes_since(start: float, times: dict[int, float]) -> dict[int, float]:
+    """Each version's minutes after ``start`` (POSIX time)."""
+    return {version: (ended - start) / 60 for version, ended in times.items()}
 
 
 def main() -> None:
@@ -61,16 +64,15 @@ def main() -> None:
     args = parser.parse_args()
     store = ExperienceStore(StoreConfig(uri=args.store))
     history = evaluation_history(store, args.run)
-    minutes = training_minutes(args.store, args.run)
+    started = step0_started(args.store, args.run)
+    times = version_times(args.store, args.run) | {0: started}  # version 0 is ready when step 0 starts
+    minutes = minutes_since(started, times)
     agents = sorted({agent for metrics in history.values() for agent in metrics})
     since = {}
     if args.since is not None:
         if args.since.tzinfo is None:
             parser.error(f"--since {args.since.isoformat()}: give the zone, e.g. 2026-11-24T02:20:00Z")
-        first = _stage(args.store, args.run, "rollouts", "stage_started")
-        step0 = pc.min(first.filter(pc.equal(first["step"], 0))["stage_started"]).as_py().timestamp()
-        since = {v: (t - args.since.timestamp()) / 60 for v, t in (version_times(args.store, args.run)
-                                                                   | {0: step0}).items()}
+        since = minutes_since(args.since.timestamp(), times)
     header = ["version", "training minutes"] + (["minutes since --since"] if since else [])
     header += [f"{a} {m}" for a in agents for m in COLUMNS.get(a, [])]
     print("| " + " | ".join(header) + " |")
