@@ -182,10 +182,11 @@ class LognormalLengths(AsyncRolloutEngine):
         super().__init__(*args, **kwargs)
         self.median, self.sigma, self.cap = median, sigma, cap
 
-    async def generate_one(self, request_id, prompt, seed, max_tokens, temperature, ignore_eos=False):
+    async def generate_one(self, request_id, prompt, seed, max_tokens, temperature, ignore_eos=False, taught=False):
         z = np.random.default_rng(seed).standard_normal()
         length = int(np.clip(round(self.median * np.exp(self.sigma * z)), 1, self.cap))
-        return await super().generate_one(request_id, prompt, seed, length, temperature, ignore_eos=True)
+        return await super().generate_one(request_id, prompt, seed, length, temperature, ignore_eos=True,
+                                          taught=taught)
 
 
 class ThreeTurns:

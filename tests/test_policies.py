@@ -40,3 +40,70 @@ def test_a_local_hugging_face_directory_loads_the_same_way(demo_config_data, tin
     copied, _ = load_policy(str(policies[0].path))
     for (name, a), (_, b) in zip(original.state_dict().items(), copied.state_dict().items()):
         assert a.equal(b), name  # no warm-up: version 0 is the given model
+
+
+def test_a_lora_warm_up_is_merged_into_a_plain_version_0(demo_config_data, tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """``warmup.lora``: the warm-up trains adapters and merges them, so version 0 is a plain model whose linear
+    layers moved by an update of at most the adapters' rank and whose other weights are the source's."""
+    import torch
+
+    from marl_pipeline.runtime.lora import is_adapter_checkpoint
+
+    data = copy.deepcopy(demo_config_data)
+    data["store"] = str(tmp_path / "store")
+    for agent in data["agents"].values():
+        agent.update(model=str(tiny_model_dir), warmup={"steps": 8, "batch_size": 8, "lr": 3e-3,
+                                                        "lora": {"rank": 2, "alpha": 4}})
+    config = parse_config(data)
+    env = build_environment(config.environment.name, config.environment.options)
+    policies = prepare_base_policies(config, env, ExperienceStore(config.store))
+    assert policies[0].warmup_loss[1] < policies[0].warmup_loss[0]
+    assert not is_adapter_checkpoint(policies[0].path)
+    original = load_policy(str(tiny_model_dir))[0].state_dict()
+    warmed = load_policy(str(policies[0].path))[0].state_dict()
+    assert warmed.keys() == original.keys()
+    changed = [name for name in original if not original[name].equal(warmed[name])]
+    assert changed and all(name.endswith("proj.weight") for name in changed), changed
+    for name in changed:
+        assert torch.linalg.matrix_rank(warmed[name] - original[name], rtol=1e-4) <= 2, name
+
+
+def _separate_warmup_config(demo_config_data, tiny_model_dir: Path, store: Path, environment: dict):
+    data = copy.deepcopy(demo_config_data)
+    data.update(store=str(store), environment=environment)
+    for agent in data["agents"].values():
+        agent.update(model=str(tiny_model_dir), warmup={"steps": 0}, lora={"rank": 2, "alpha": 4})
+    data["agents"]["verifier"]["warmup"] = {"steps": 8, "batch_size": 8, "lr": 3e-3, "separate": True,
+                                            "lora": {"rank": 2, "alpha": 4}}
+    return parse_config(data)
+
+
+def test_a_separate_warm_up_keeps_its_adapters_beside_the_untouched_model(demo_config_data, tiny_model_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    """``warmup.separate``: version 0 is the model as loaded, and the warm-up's adapters are stored beside it (for
+    the turns the environment says the warm-up taught); an environment that names none is refused."""
+    import json
+
+    import pytest
+
+    from marl_pipeline.runtime.lora import warmup_adapter_dir
+
+    config = _separate_warmup_config(demo_config_data, tiny_model_dir, tmp_path / "store", {
+        "name": "math_chat_worked", "options": {"prompt_format": "text", "warmup_turns": "both"}})
+    env = build_environment(config.environment.name, config.environment.options)
+    policies = {p.agent: p for p in prepare_base_policies(config, env, ExperienceStore(config.store))}
+    verifier = policies["verifier"]
+    assert verifier.warmup_loss[1] < verifier.warmup_loss[0]
+    original = load_policy(str(tiny_model_dir))[0].state_dict()
+    kept = load_policy(str(verifier.path))[0].state_dict()
+    assert all(original[name].equal(kept[name]) for name in original)  # the adapters never touched the model
+    adapters = warmup_adapter_dir(verifier.path)
+    assert adapters is not None and json.loads((adapters / "adapter_config.json").read_text())["r"] == 2
+    assert warmup_adapter_dir(policies["solver"].path) is None
+
+    refused = _separate_warmup_config(demo_config_data, tiny_model_dir, tmp_path / "other", {
+        "name": "arithmetic_check", "options": {}})
+    demo = build_environment(refused.environment.name, refused.environment.options)
+    with pytest.raises(ValueError, match="names none of its turns as taught"):
+        prepare_base_policies(refused, demo, ExperienceStore(refused.store))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from marl_pipeline.config.base import BUILTIN_TINY, StrictModel
 
@@ -71,20 +71,6 @@ class TrainerConfig(StrictModel):
     bf16 support), float32 elsewhere."""
 
 
-class WarmupConfig(StrictModel):
-    """Supervised warm-up of the base policy (version 0), before any RL step."""
-
-    steps: int = Field(150, ge=0)
-    """Optimizer steps of warm-up; 0 uses the model as loaded."""
-    batch_size: int = Field(32, ge=1)
-    """Examples per warm-up step."""
-    lr: float = Field(3e-3, gt=0)
-    """Warm-up learning rate."""
-    rehearse_context: bool = False
-    """Also hold the agent's own earlier replies that a chat example's prompt shows as assistant messages where the
-    model had them: the KL from the starting model at their positions (``runtime/warmup.py``)."""
-
-
 class LoraAdapterConfig(StrictModel):
     """Train LoRA adapters (peft) on top of the agent's base policy (version 0) instead of every weight.
 
@@ -108,6 +94,38 @@ class LoraAdapterConfig(StrictModel):
         return value
 
 
+class WarmupConfig(StrictModel):
+    """Supervised warm-up of the base policy (version 0), before any RL step."""
+
+    steps: int = Field(150, ge=0)
+    """Optimizer steps of warm-up; 0 uses the model as loaded."""
+    batch_size: int = Field(32, ge=1)
+    """Examples per warm-up step."""
+    lr: float = Field(3e-3, gt=0)
+    """Warm-up learning rate."""
+    rehearse_context: bool = False
+    """Also hold the agent's own earlier replies that a chat example's prompt shows as assistant messages where the
+    model had them: the KL from the starting model at their positions (``runtime/warmup.py``)."""
+    lora: LoraAdapterConfig | None = None
+    """Warm up LoRA adapters (peft) instead of every weight, then merge them into version 0 (None: every weight).
+    Why: fully fine-tuned on verdicts alone, SmolLM2-135M's working at temperature 1 lost half its right answers
+    (BENCHMARKS.md); a low-rank update is a smaller change to the turns it does not teach, and a step is cheaper
+    (no gradients or AdamW moments for the frozen weights)."""
+    separate: bool = False
+    """With ``lora``: keep the warm-up's adapters apart instead of merging them. Version 0 is then the model as
+    loaded, with the adapters beside it (``warmup_adapter/``), frozen, applied by engine and trainer on the turns
+    the environment's ``taught_turns`` names and on no other. A turn the warm-up did not teach starts exactly as the
+    model was: merged, a verdict cold start cut SmolLM2's right workings at temperature 1 by half and RL's working
+    stopped learning (BENCHMARKS.md). Needs the agent's own ``lora`` (RL's adapters, trained on every turn)."""
+
+    @model_validator(mode="after")
+    def _separate_needs_lora(self) -> WarmupConfig:
+        if self.separate and (self.lora is None or self.steps == 0):
+            raise ValueError("warmup.separate keeps the warm-up's LoRA adapters apart: it needs warmup.lora and "
+                             "warmup.steps > 0")
+        return self
+
+
 class AgentConfig(StrictModel):
     """One role of the workflow, with its own policy."""
 
@@ -120,6 +138,14 @@ class AgentConfig(StrictModel):
     warmup: WarmupConfig = WarmupConfig()
     lora: LoraAdapterConfig | None = None
     """LoRA adapters trained in place of the full weights (None: full fine-tuning). The warm-up, when there is
-    one, still trains every weight: it makes version 0, the base the adapters are added to."""
+    one, makes version 0, the base these adapters are added to (every weight changed, or ``warmup.lora``'s own
+    adapters merged in, or kept apart: ``warmup.separate``)."""
+
+    @model_validator(mode="after")
+    def _separate_warmup_needs_lora(self) -> AgentConfig:
+        if self.warmup.separate and self.lora is None:
+            raise ValueError("warmup.separate needs the agent's lora: its RL adapters are trained beside the "
+                             "warm-up's, which engines serve per request (vLLM's LoRA) over merged RL weights")
+        return self
 
 

@@ -50,6 +50,8 @@ class _Request:
     deliver: Callable[[object], None]
     """Called on the engine thread with a vLLM ``RequestOutput`` or an exception."""
     version: int = -1
+    lora: object = None
+    """vLLM's ``LoRARequest`` of a turn a separate warm-up taught (runtime/engine.py), else None."""
 
 
 @dataclass
@@ -92,12 +94,14 @@ class AsyncRolloutEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     async def generate_one(self, request_id: str, prompt: str | list[int], seed: int, max_tokens: int,
-                           temperature: float, ignore_eos: bool = False) -> Sampled:
+                           temperature: float, ignore_eos: bool = False, taught: bool = False) -> Sampled:
         """Sample one completion, seeded; a cancelled call aborts its request in the engine. ``ignore_eos`` samples
-        exactly ``max_tokens`` tokens (benchmarks that set response lengths)."""
+        exactly ``max_tokens`` tokens (benchmarks that set response lengths); ``taught`` as in
+        ``RolloutEngine.generate``."""
         params = self._params(max_tokens=max_tokens, temperature=temperature, seed=seed, logprobs=0,
                               ignore_eos=ignore_eos)
-        output, version = await self._submit(request_id, _checked_prompt(f"request {request_id!r}", prompt), params)
+        output, version = await self._submit(request_id, _checked_prompt(f"request {request_id!r}", prompt), params,
+                                             self._engine.taught_request(taught))
         sample = output.outputs[0]
         # logprobs=0 returns exactly the sampled token's logprob at each position.
         logprobs = [entry[token].logprob for token, entry in zip(sample.token_ids, sample.logprobs)]
@@ -106,23 +110,26 @@ class AsyncRolloutEngine:
         return Sampled(completion, version)
 
     async def generate(self, prompts: list[str | list[int]], seeds: list[int], max_tokens: int,
-                       temperature: float) -> tuple[int, list[Completion]]:
+                       temperature: float, taught: list[bool] | None = None) -> tuple[int, list[Completion]]:
         """``RolloutEngine.generate``'s contract (a batch in, the version and completions out), so the turn-batched
         rollout and the evaluations run on this engine unchanged. The version is the oldest of the batch's."""
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds: one seed per prompt")
+        if taught is not None and len(taught) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(taught)} taught flags: one per prompt")
         batch = next(self._ids)
         sampled = await asyncio.gather(*[
             self.generate_one(f"batch-{batch}-{i}", _checked_prompt(f"prompt {i}", prompt), seed, max_tokens,
-                              temperature)
+                              temperature, taught=bool(taught and taught[i]))
             for i, (prompt, seed) in enumerate(zip(prompts, seeds))])
         return min(s.version for s in sampled), [s.completion for s in sampled]
 
-    async def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+    async def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int],
+                                  taught: bool = False) -> list[float]:
         """The engine's logprob of each response token given the prompt (teacher forcing)."""
         ids = list(prompt_ids) + list(response_ids)
         params = self._params(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        output, _ = await self._submit(f"score-{next(self._ids)}", ids, params)
+        output, _ = await self._submit(f"score-{next(self._ids)}", ids, params, self._engine.taught_request(taught))
         return [output.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt_ids), len(ids))]
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -191,11 +198,12 @@ class AsyncRolloutEngine:
         self._command(lambda: command(deliver))
         return await future
 
-    async def _submit(self, request_id: str, prompt: str | list[int], params) -> tuple[object, int]:
+    async def _submit(self, request_id: str, prompt: str | list[int], params, lora=None) -> tuple[object, int]:
         params.output_kind = self._final_only  # one output per request, when it finishes
         engine_prompt = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
         try:
-            result = await self._call(lambda deliver: self._add(_Request(request_id, engine_prompt, params, deliver)))
+            result = await self._call(lambda deliver: self._add(_Request(request_id, engine_prompt, params, deliver,
+                                                                         lora=lora)))
         except asyncio.CancelledError:
             # The caller gave up (ray.cancel, a timed-out episode): free the engine's batch slot now.
             self._command(lambda: self._abort([request_id], None))
@@ -251,7 +259,8 @@ class AsyncRolloutEngine:
             self._reload.held.append(request)
         else:
             try:
-                self._core.add_request(request.request_id, request.prompt, request.params)
+                self._core.add_request(request.request_id, request.prompt, request.params,
+                                       lora_request=request.lora)
             except Exception as error:  # a bad prompt fails its own request, not the engine
                 request.deliver(error)
                 return

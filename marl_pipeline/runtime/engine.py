@@ -45,8 +45,14 @@ def engine_dtype(dtype: str) -> str:
 
     from marl_pipeline.runtime.precision import resolve_dtype
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return "bfloat16" if resolve_dtype("auto", device) == torch.bfloat16 else "float32"
+    return "bfloat16" if resolve_dtype("auto", engine_device()) == torch.bfloat16 else "float32"
+
+
+def engine_device() -> str:
+    """Where this process's vLLM engine computes: ``cuda`` where torch sees a GPU, else ``cpu``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass(frozen=True)
@@ -74,8 +80,20 @@ class RolloutEngine:
         from vllm import LLM, SamplingParams
 
         self._sampling_params = SamplingParams
-        self.llm = LLM(model=model_dir, dtype=engine_dtype(dtype), gpu_memory_utilization=gpu_memory_utilization,
-                       max_model_len=max_model_len, enforce_eager=True, seed=seed, max_num_seqs=MAX_NUM_SEQS,
+        # A warm-up kept apart (runtime/lora.py): its adapters served by vLLM's LoRA on the taught turns' requests
+        # only, over the merged RL weights every request gets (reload_weights works with LoRA enabled).
+        self._taught = taught_request(model_dir)
+        lora = {} if self._taught is None else {"enable_lora": True, "max_loras": 1,
+                                                "max_lora_rank": lora_rank_bound(self._taught.lora_path)}
+        if lora and engine_device() == "cpu":
+            from marl_pipeline.runtime.cpu_lora_ops import install
+
+            # vLLM's own CPU LoRA ops copy every token's adapter weights, and give a request without an adapter
+            # the last slot's, here the warm-up's (runtime/cpu_lora_ops.py).
+            install()
+        self.llm = LLM(model=model_dir, **lora, dtype=engine_dtype(dtype),
+                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                       enforce_eager=True, seed=seed, max_num_seqs=MAX_NUM_SEQS,
                        # vLLM 0.32's CPU sampler fails ("CPU Generator does not use offset") when a seeded
                        # request's prompt is prefilled in chunks, which happens once a batch's prompt tokens pass
                        # max_num_batched_tokens (4096 by default): with room for every sequence at full length,
@@ -99,18 +117,19 @@ class RolloutEngine:
             self.generate(["warm-up"] * batch, list(range(batch)), max_tokens=2, temperature=1.0)
 
     def generate(self, prompts: list[str | list[int]], seeds: list[int], max_tokens: int,
-                 temperature: float) -> tuple[int, list[Completion]]:
+                 temperature: float, taught: list[bool] | None = None) -> tuple[int, list[Completion]]:
         """Sample one completion per prompt; each request has its own seed, so sampling is reproducible.
 
         A prompt is text (vLLM tokenizes it with the model's tokenizer) or token ids, sent as they are
         (``prompt_token_ids``: a chat prompt tokenized by the driver, runtime/chat.py); either way
         ``Completion.prompt_ids`` are the ids the engine sampled from.
-        Returns the policy version that produced the completions, and the completions.
+        ``taught`` marks the prompts of turns a separate warm-up taught (served with its adapters, where the
+        engine has them). Returns the policy version that produced the completions, and the completions.
         """
         params = [self._sampling_params(max_tokens=max_tokens, temperature=temperature, seed=seed, logprobs=0)
                   for seed in seeds]
         outputs = self.llm.generate([_engine_prompt(i, prompt) for i, prompt in enumerate(prompts)], params,
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self.lora_requests(taught, len(prompts)))
         completions = []
         for output in outputs:
             sample = output.outputs[0]
@@ -120,11 +139,25 @@ class RolloutEngine:
                                           sample.text, str(sample.finish_reason)))
         return self.version, completions
 
-    def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
-        """The engine's logprob of each response token given the prompt (teacher forcing)."""
+    def lora_requests(self, taught: list[bool] | None, count: int) -> list | None:
+        """vLLM's ``lora_request`` for ``count`` prompts: the warm-up's adapters where ``taught`` (None: none)."""
+        if taught is None or self._taught is None:
+            return None
+        if len(taught) != count:
+            raise ValueError(f"{count} prompts but {len(taught)} taught flags: one per prompt")
+        return [self._taught if flag else None for flag in taught]
+
+    def taught_request(self, taught: bool):
+        """The ``LoRARequest`` of one request (None: the merged weights alone)."""
+        return self._taught if taught else None
+
+    def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int], taught: bool = False) -> list[float]:
+        """The engine's logprob of each response token given the prompt (teacher forcing); ``taught`` as in
+        :meth:`generate`."""
         ids = list(prompt_ids) + list(response_ids)
         params = self._sampling_params(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        output = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        output = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False,
+                                   lora_request=self.taught_request(taught))[0]
         return [output.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt_ids), len(ids))]
 
     def model_directory(self) -> str:
@@ -164,11 +197,36 @@ class RolloutEngine:
         """The weights :meth:`restart` reloads, or None where this engine cannot serve ``model_dir``."""
         if settings != self._settings or model_fingerprint(model_dir) != self._fingerprint:
             return None
+        if self._taught is not None or taught_request(model_dir) is not None:
+            return None  # the warm-up's adapters are the run's own: a new engine loads them
         if adapter_dir is not None:
             from marl_pipeline.runtime.lora import merged_checkpoint
 
             return merged_checkpoint(model_dir, adapter_dir)
         return checkpoint_weights(model_dir)
+
+
+def taught_request(model_dir: str):
+    """vLLM's ``LoRARequest`` for the separate warm-up adapters of an agent's version 0 (``model_dir``), or None."""
+    from marl_pipeline.runtime.lora import warmup_adapter_dir
+
+    directory = warmup_adapter_dir(model_dir)
+    if directory is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest("warmup", 1, str(directory))
+
+
+def lora_rank_bound(adapter_dir: str) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds the adapters' rank."""
+    import json
+
+    rank = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())["r"]
+    bound = next((bound for bound in (1, 8, 16, 32, 64, 128, 256, 320, 512) if bound >= rank), None)
+    if bound is None:
+        raise ValueError(f"{adapter_dir}: adapters of rank {rank}; vLLM serves LoRA ranks up to 512")
+    return bound
 
 
 # Files of a policy directory that are not the model's definition: its weights, the trainer's state, the store's

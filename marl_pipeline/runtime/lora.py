@@ -18,6 +18,12 @@ from pathlib import Path
 
 ADAPTER_CONFIG = "adapter_config.json"
 """peft's file in a directory that holds adapters: how a LoRA checkpoint is told from a full one."""
+WARMUP_ADAPTER = "warmup_adapter"
+"""Version 0's subdirectory with the adapters of a warm-up kept apart (``warmup.separate``), in peft's format."""
+POLICY = "default"
+"""peft's name of the adapters RL trains (every version's)."""
+TAUGHT = "taught"
+"""The trainer's name for the warm-up's adapters: frozen, active on the turns the warm-up taught only."""
 
 
 class LoraCheckpointError(ValueError):
@@ -40,8 +46,7 @@ def lora_policy(model_dir: str, version: int, base_dir: str | None, *, rank: int
 
     if version == 0 and not is_adapter_checkpoint(model_dir):
         model, tokenizer = load_policy(model_dir)
-        settings = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0)
-        return peft.get_peft_model(model, settings), tokenizer
+        return with_adapters(model, rank=rank, alpha=alpha, target_modules=target_modules), tokenizer
     if not is_adapter_checkpoint(model_dir):
         raise LoraCheckpointError(
             f"{model_dir}: version {version} is a full fine-tuning checkpoint (no {ADAPTER_CONFIG}), but the agent "
@@ -57,6 +62,38 @@ def lora_policy(model_dir: str, version: int, base_dir: str | None, *, rank: int
     return peft.PeftModel.from_pretrained(model, model_dir, is_trainable=True), tokenizer
 
 
+def with_adapters(model, *, rank: int, alpha: float, target_modules: str | list[str]):
+    """``model`` wrapped with fresh trainable adapters (B = 0: it computes what ``model`` did), the rest frozen."""
+    import peft
+
+    settings = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0)
+    return peft.get_peft_model(model, settings)
+
+
+def warmup_adapter_dir(base_dir: str | Path | None) -> Path | None:
+    """The separate warm-up adapters of a version 0 directory, if it has any."""
+    if base_dir is None:
+        return None
+    directory = Path(base_dir) / WARMUP_ADAPTER
+    return directory if is_adapter_checkpoint(directory) else None
+
+
+def add_taught_adapter(model, adapter_dir: Path) -> None:
+    """Load a separate warm-up's adapters into a peft model beside its RL adapters, frozen and inactive."""
+    model.load_adapter(str(adapter_dir), adapter_name=TAUGHT, is_trainable=False)
+    model.base_model.set_adapter(POLICY)
+
+
+def use_taught_adapter(model, taught: bool) -> None:
+    """Compute with the RL adapters alone, or (``taught``) with the warm-up's added to them, as the engine serves a
+    taught turn: its ``LoRARequest`` over the merged RL weights. The warm-up's stay frozen either way."""
+    model.base_model.set_adapter([POLICY, TAUGHT] if taught else POLICY)
+    if taught:  # peft makes every active adapter trainable
+        for name, param in model.named_parameters():
+            if f".{TAUGHT}." in name:
+                param.requires_grad_(False)
+
+
 def merged_weights(model) -> list[tuple[str, object]]:
     """A peft model's weights as the plain model's (Hugging Face names), each adapted layer's weight W + s B A:
     what an engine loads. Computed beside the trainer's weights, which stay unmerged: merging in place and
@@ -66,7 +103,7 @@ def merged_weights(model) -> list[tuple[str, object]]:
 
     base = model.get_base_model()
     with torch.no_grad():
-        merged = {f"{name}.weight": module.base_layer.weight + module.get_delta_weight(module.active_adapters[0])
+        merged = {f"{name}.weight": module.base_layer.weight + module.get_delta_weight(POLICY)
                   for name, module in base.named_modules() if isinstance(module, LoraLayer)}
         weights = []
         for name, tensor in base.state_dict().items():

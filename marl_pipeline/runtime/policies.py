@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from marl_pipeline.config import BUILTIN_TINY, AgentConfig, ExperimentConfig
-from marl_pipeline.environment import Environment
+from marl_pipeline.environment import Environment, taught_own_turns
+from marl_pipeline.runtime.lora import WARMUP_ADAPTER, with_adapters
 from marl_pipeline.runtime.model_sources import resolve_model_source
 from marl_pipeline.runtime.models import build_tiny_model, load_policy, save_policy
 from marl_pipeline.runtime.own_replies import policy_replies
@@ -67,6 +68,8 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store: Exper
             examples = env.own_reply_warmup_examples(agent, rng, warmup.steps * warmup.batch_size, replies)
         if examples is None:
             examples = env.warmup_examples(agent, rng, 4000)
+        if warmup.lora is not None:  # adapters trained, then merged: version 0 stays a plain model
+            model = with_adapters(model, **warmup.lora.model_dump())
         losses = supervised_warmup(model, tokenizer, examples, steps=warmup.steps, batch_size=warmup.batch_size,
                                    lr=warmup.lr, seed=seed, source=f"agent {agent!r}",
                                    max_new_tokens=algorithm.max_new_tokens, temperature=algorithm.temperature,
@@ -75,6 +78,14 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store: Exper
                                    rehearse_context=warmup.rehearse_context)
         warmup_loss = (losses[0], losses[-1])
     staging = store.staging_policy_dir(config.run, agent, 0)
+    if agent_config.warmup.steps and agent_config.warmup.separate:
+        if not taught_own_turns(env, agent):
+            raise ValueError(f"agent {agent!r} has warmup.separate, but environment {env.name!r} names none of its "
+                             f"turns as taught (its taught_turns hook): its warm-up's adapters would never be used")
+        model.save_pretrained(str(staging / WARMUP_ADAPTER))  # apart, frozen (runtime/lora.py)
+        model = model.unload()  # the model as loaded: the adapters never touched its weights
+    elif agent_config.warmup.steps and agent_config.warmup.lora is not None:
+        model = model.merge_and_unload()
     save_policy(model, tokenizer, staging)  # save_pretrained carries the source's generation_config along
     path = store.commit_policy(staging, config.run, agent, 0)
     return BasePolicy(agent, path, created=True, warmup_loss=warmup_loss)

@@ -19,7 +19,14 @@ from pathlib import Path
 
 import torch
 
-from marl_pipeline.runtime.lora import lora_policy, merged_weights
+from marl_pipeline.runtime.lora import (
+    POLICY,
+    add_taught_adapter,
+    lora_policy,
+    merged_weights,
+    use_taught_adapter,
+    warmup_adapter_dir,
+)
 from marl_pipeline.runtime.losses import (
     clip_fraction,
     grpo_token_loss,
@@ -49,6 +56,9 @@ class TrainBatch:
     advantages: list[float]
     dropped_rows: int = 0
     """Rows the stage left out as uninformative (zero-advantage groups); reported, not trained on."""
+    taught: list[bool] | None = None
+    """Per row, whether its turn is one a separate warm-up taught: computed with its adapters too, as the engine
+    sampled it (runtime/lora.py). None: no such rows."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,11 @@ class PolicyTrainer:
         self.lora = lora is not None
         self.model, self.tokenizer = (lora_policy(model_dir, version, base_dir, **lora) if self.lora
                                       else load_policy(model_dir))
+        # A separate warm-up's adapters (version 0's ``warmup_adapter/``), frozen: on for its taught turns' rows.
+        taught_dir = warmup_adapter_dir(base_dir) if self.lora else None
+        self.has_taught = taught_dir is not None
+        if self.has_taught:
+            add_taught_adapter(self.model, taught_dir)
         self.model.train()
         self.device_type = next(self.model.parameters()).device.type
         self.dtype = resolve_dtype(dtype, self.device_type)
@@ -144,7 +159,12 @@ class PolicyTrainer:
                     "mismatch_abs_logprob": 0.0, "mismatch_ratio_std": 0.0, "policy_version": self.version,
                     "dropped_rows": batch.dropped_rows}
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        passes = [self._accumulate_rows(batch, rows) for rows in length_chunks(lengths, self.chunk_tokens)]
+        passes = []
+        for taught, rows in self._rows_by_adapters(batch):  # a pass computes with one set of adapters
+            self._use_taught(taught)
+            chunks = length_chunks([lengths[row] for row in rows], self.chunk_tokens)
+            passes += [self._accumulate_rows(batch, [rows[i] for i in chunk]) for chunk in chunks]
+        self._use_taught(False)
         # Statistics over the response tokens of every pass, as if the micro-batch had been one tensor.
         logprobs, engine, ratio = (torch.cat([p[i] for p in passes])[None] for i in range(3))
         every = torch.ones_like(logprobs)
@@ -155,6 +175,21 @@ class PolicyTrainer:
                 "policy_version": self.version, "dropped_rows": batch.dropped_rows,
                 "clip_fraction": clip_fraction(ratio, every, self.clip_eps),
                 **mismatch_stats(logprobs, engine, every)}
+
+    def _rows_by_adapters(self, batch: TrainBatch) -> list[tuple[bool, list[int]]]:
+        """The batch's rows split by whether they are computed with the warm-up's adapters (only a trainer that has
+        them does so), each part in row order."""
+        rows = range(len(batch.prompt_ids))
+        if not self.has_taught or not batch.taught:
+            return [(False, list(rows))]
+        if len(batch.taught) != len(batch.prompt_ids):
+            raise ValueError(f"{len(batch.prompt_ids)} rows but {len(batch.taught)} taught flags: one per row")
+        parts = [(flag, [row for row in rows if batch.taught[row] == flag]) for flag in (False, True)]
+        return [(flag, part) for flag, part in parts if part]
+
+    def _use_taught(self, taught: bool) -> None:
+        if self.has_taught:
+            use_taught_adapter(self.model, taught)
 
     def _accumulate_rows(self, batch: TrainBatch, rows: list[int]):
         """One forward/backward pass over some rows of a micro-batch, padded to the longest of them. Returns the
@@ -226,7 +261,8 @@ class PolicyTrainer:
         """The policy (Hugging Face format, what engines load; a LoRA agent's adapters only) and the trainer state
         a resumed launch needs."""
         if self.lora:
-            self.model.save_pretrained(directory)  # a PeftModel saves its adapters, not the frozen base
+            # A PeftModel saves its adapters, not the frozen base; the warm-up's stay in version 0 alone.
+            self.model.save_pretrained(directory, selected_adapters=[POLICY])
         else:
             save_policy(self.model, self.tokenizer, Path(directory))
         torch.save({"version": self.version, "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()},
@@ -245,11 +281,16 @@ class PolicyTrainer:
         return True
 
     @torch.no_grad()
-    def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
-        """The trainer's logprob of each response token given the prompt."""
+    def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int], taught: bool = False) -> list[float]:
+        """The trainer's logprob of each response token given the prompt (``taught``: with the warm-up's adapters,
+        where the trainer has them)."""
         input_ids, attention_mask, mask = pad_sequences([prompt_ids], [response_ids], self.pad_id)
-        with autocast(self.dtype, self.device_type):
-            logprobs = token_logprobs(self.model, input_ids, attention_mask)
+        self._use_taught(taught)
+        try:
+            with autocast(self.dtype, self.device_type):
+                logprobs = token_logprobs(self.model, input_ids, attention_mask)
+        finally:
+            self._use_taught(False)
         return logprobs[0][mask[0].bool()].tolist()
 
     def policy_version(self) -> int:

@@ -64,7 +64,7 @@ def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages,
     completions.update(zip(rehearsed, own))
     held = any(not isinstance(examples[int(i)][1], str) for i in batches.flat) or any(context)
     reference = copy.deepcopy(model).eval() if held else None  # the policy as it started, frozen
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=lr)
     model.train()
     losses = []
     for rows in batches:

@@ -26,7 +26,7 @@ import pyarrow as pa
 import ray
 
 from marl_pipeline.config import ExperimentConfig
-from marl_pipeline.environment import EVALUATION_HOOKS, Environment, EvaluationCase, Turn
+from marl_pipeline.environment import EVALUATION_HOOKS, Environment, EvaluationCase, Turn, taught_own_turns
 from marl_pipeline.runtime.engine import Completion
 from marl_pipeline.stages.rollout import engine_chat_session
 from marl_pipeline.store.schema import EVALUATIONS, with_agent
@@ -72,6 +72,7 @@ def evaluate_agent(env: Environment, role: str, engine: ray.actor.ActorHandle,
     cases = evaluation_cases(env, role, settings)
     chats = engine_chat_session(env, {role: engine})
     transcripts = [list(case.transcript) for case in cases]
+    taught = taught_own_turns(env, role)  # served with a separate warm-up's adapters (runtime/engine.py)
     last: dict[int, tuple[str | list[int], Completion]] = {}
     versions = set()
     for turn in range(max((case.turns for case in cases), default=0)):
@@ -79,7 +80,8 @@ def evaluate_agent(env: Environment, role: str, engine: ray.actor.ActorHandle,
         requests = [chats.request(index, role, len(transcripts[index]),
                                   env.render_prompt(role, cases[index].task, transcripts[index])) for index in playing]
         version, completions = ray.get(engine.generate.remote(requests, [0] * len(requests),
-                                                              settings.max_new_tokens, 0.0))
+                                                              settings.max_new_tokens, 0.0,
+                                                              [turn in taught] * len(requests)))
         versions.add(version)
         for index, request, completion in zip(playing, requests, completions):
             chats.record(index, role, completion.text, completion.response_ids)

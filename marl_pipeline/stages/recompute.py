@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from marl_pipeline.config import ExperimentConfig
-from marl_pipeline.environment import build_environment
+from marl_pipeline.environment import build_environment, taught_turn_indices
 from marl_pipeline.runtime.action_pool import shared_pool
 from marl_pipeline.runtime.reward_model import RewardModelServer, prepare_reward_model
 from marl_pipeline.runtime.trainer import PolicyTrainer
@@ -47,7 +47,7 @@ def recompute_stage(stage: str, config: ExperimentConfig, store: ExperienceStore
         table = score_micro_batch(env, store.read("rollouts", key), store.read("environment_results", key),
                                   config.algorithm.advantage_eps, model_reward=_model_reward(config, env, store))
     elif stage == "policy_updates":
-        table = _policy_updates(config, store, key)
+        table = _policy_updates(config, env, store, key)
     elif stage == "evaluations":
         table = _evaluations(config, env, store, key.step)
         path = store.commit(stage, key, table)  # not a pipeline stage: no stage timing
@@ -127,13 +127,14 @@ def _evaluations(config: ExperimentConfig, env, store: ExperienceStore, version:
     return with_metrics(env, table)[0]
 
 
-def _policy_updates(config: ExperimentConfig, store: ExperienceStore, key: MicroBatchKey) -> pa.Table:
+def _policy_updates(config: ExperimentConfig, env, store: ExperienceStore, key: MicroBatchKey) -> pa.Table:
     """The micro-batch's gradient statistics at the step's starting policy; no optimizer step is taken."""
     stats = {}
     for agent, version in _policy_versions_at(store, config, key, "policy_updates").items():
         trainer = PolicyTrainer(str(store.require_policy(config.run, agent, version)), version,
                                 **with_local_base(store, config.run, agent, trainer_options(config, agent, store)))
         stats[agent] = trainer.accumulate(train_batch_for(store, key, agent,
-                                                          config.algorithm.drop_zero_advantage_groups))
+                                                          config.algorithm.drop_zero_advantage_groups,
+                                                          taught_turn_indices(env, agent)))
         trainer.discard_gradients()
     return updates_table(stats)

@@ -28,7 +28,7 @@ import pyarrow as pa
 import ray
 
 from marl_pipeline.config import ExperimentConfig
-from marl_pipeline.environment import Environment, Task, Turn
+from marl_pipeline.environment import Environment, Task, Turn, taught_turn_indices
 from marl_pipeline.runtime.chat import ChatSession, ChatTokenizer, fetched_chat_tokenizer
 from marl_pipeline.runtime.engine import Completion
 from marl_pipeline.store import MicroBatchKey
@@ -74,13 +74,15 @@ def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHand
     transcripts: list[list[Turn]] = [[] for _ in episodes]
     columns: dict[str, list] = {name: [] for name in ROLLOUTS.names + ["agent"]}
     chats = engine_chat_session(env, engines)
+    taught = taught_turns(env)
     for turn, role in enumerate(env.turn_order):
         requests = [chats.request(e, role, turn, env.render_prompt(role, task, transcripts[e]))
                     for e, (_, _, task) in enumerate(episodes)]
         seeds = turn_seeds(settings.seed, key, turn, len(episodes))
         start = datetime.now(UTC)
         version, completions = ray.get(
-            engines[role].generate.remote(requests, seeds, settings.max_new_tokens, settings.temperature))
+            engines[role].generate.remote(requests, seeds, settings.max_new_tokens, settings.temperature,
+                                          [turn in taught] * len(requests)))
         for e, ((p, trajectory, task), request, completion) in enumerate(zip(episodes, requests, completions)):
             chats.record(e, role, completion.text, completion.response_ids)
             observation, error = observe_reply(env, role, task, [*transcripts[e], Turn(role, completion.text)])
@@ -88,6 +90,12 @@ def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHand
             append_turn(columns, key, task, p, trajectory, e, turn, role, chats.prompt_text(role, request),
                         completion, version, start, datetime.now(UTC), observation, error)
     return pa.table(columns, schema=with_agent(ROLLOUTS))
+
+
+def taught_turns(env: Environment) -> frozenset[int]:
+    """The episode's turns that a separate warm-up taught (their agent's engine serves them with its adapters,
+    where it has them: runtime/engine.py)."""
+    return frozenset().union(*(taught_turn_indices(env, role) for role in set(env.turn_order)))
 
 
 def turn_seeds(seed: int, key: MicroBatchKey, turn: int, episodes: int) -> list[int]:
