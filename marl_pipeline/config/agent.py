@@ -107,10 +107,11 @@ class WarmupConfig(StrictModel):
     """Also hold the agent's own earlier replies that a chat example's prompt shows as assistant messages where the
     model had them: the KL from the starting model at their positions (``runtime/warmup.py``)."""
     lora: LoraAdapterConfig | None = None
-    """Warm up LoRA adapters (peft) instead of every weight, then merge them into version 0 (None: every weight).
-    Why: fully fine-tuned on verdicts alone, SmolLM2-135M's working at temperature 1 lost half its right answers
-    (BENCHMARKS.md); a low-rank update is a smaller change to the turns it does not teach, and a step is cheaper
-    (no gradients or AdamW moments for the frozen weights)."""
+    """Warm up LoRA adapters (peft) instead of every weight, then merge them into version 0 (None: every weight),
+    or keep them apart (``separate``). A step is cheaper (no gradients or AdamW moments for the frozen weights).
+    Merged, they spared the turns they did not teach no better than a full fine-tune: after SmolLM2's verdict cold
+    start, RL's working was right in 1 of 288 samples over 6 steps, against 0 after a full fine-tune and 10 for the
+    pretrained solver on the same prompts (BENCHMARKS.md, session 14)."""
     separate: bool = False
     """With ``lora``: keep the warm-up's adapters apart instead of merging them. Version 0 is then the model as
     loaded, with the adapters beside it (``warmup_adapter/``), frozen, applied by engine and trainer on the turns

@@ -59,6 +59,9 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store: Exper
         source = str(source_dir)
     model, tokenizer = load_policy(resolve_model_source(source))
     warmup_loss = None
+    if agent_config.warmup.separate and not taught_own_turns(env, agent):
+        raise ValueError(f"agent {agent!r} has warmup.separate, but environment {env.name!r} names none of its "
+                         f"turns as taught (its taught_turns hook): its warm-up's adapters would never be used")
     if agent_config.warmup.steps:
         warmup, algorithm = agent_config.warmup, config.algorithm
         rng, examples = np.random.default_rng(seed), None
@@ -79,9 +82,6 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store: Exper
         warmup_loss = (losses[0], losses[-1])
     staging = store.staging_policy_dir(config.run, agent, 0)
     if agent_config.warmup.steps and agent_config.warmup.separate:
-        if not taught_own_turns(env, agent):
-            raise ValueError(f"agent {agent!r} has warmup.separate, but environment {env.name!r} names none of its "
-                             f"turns as taught (its taught_turns hook): its warm-up's adapters would never be used")
         model.save_pretrained(str(staging / WARMUP_ADAPTER))  # apart, frozen (runtime/lora.py)
         model = model.unload()  # the model as loaded: the adapters never touched its weights
     elif agent_config.warmup.steps and agent_config.warmup.lora is not None:
