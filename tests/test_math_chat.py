@@ -296,7 +296,12 @@ def test_smollm2_config_loads() -> None:
     for agent in config.agents.values():
         assert agent.model == "smollm2-135m-instruct" and agent.engine.dtype == agent.trainer.dtype == "auto"
         # LoRA adapters at a LoRA-sized learning rate (BENCHMARKS.md, "SmolLM2 solver and verifier")
-        assert agent.warmup.steps == 0 and agent.lora is not None and agent.trainer.lr <= 1e-4
+        assert agent.lora is not None and agent.trainer.lr <= 1e-4
+    # The solver is the pretrained model; the verifier's verdict has a cold start kept apart from its working.
+    assert config.agents["solver"].warmup.steps == 0
+    cold_start = config.agents["verifier"].warmup
+    assert cold_start.steps > 0 and cold_start.separate and cold_start.lora is not None
     assert config.evaluation.every is not None
     env = build_environment(config.environment.name, config.environment.options)
     assert env.options.prompt_format == "chat" and env.options.shown_answers == "working"
+    assert env.options.warmup_turns == "verdict" and env.taught_turns("verifier") == (1,)
