@@ -31,44 +31,6 @@ def _engine(local_ray, model_dir: Path, version: int, adapter_dir: str | None = 
                                          threads=settings.threads, adapter_dir=adapter_dir)
 
 
-@needs_smollm2
-def test_a_lora_engine_serves_the_trainers_policy(local_ray, smollm2_dir: Path, tmp_path: Path) -> None:
-    trainer = PolicyTrainer(str(smollm2_dir), 0, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, seed=0,
-                            num_threads=2, lora=LoraAdapterConfig().model_dump(), base_dir=str(smollm2_dir))
-    prompt = trainer.tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 5?"}],
-                                                   add_generation_prompt=True, tokenize=False)
-    engine = _engine(local_ray, smollm2_dir, 0)
-    try:
-        version, (sample,) = local_ray.get(engine.generate.remote([prompt], [3], 6, 1.0))
-        assert version == 0 and len(sample.response_ids) == 6
-        # version 0 of a LoRA agent is its base (B = 0): the engine, which loaded the base alone, agrees
-        assert _distance(sample.logprobs, trainer.completion_logprobs(sample.prompt_ids, sample.response_ids)) \
-            <= LOGPROB_TOLERANCE
-        before = local_ray.get(engine.completion_logprobs.remote(sample.prompt_ids, sample.response_ids))
-
-        for advantage in (1.0, 1.0):
-            trainer.accumulate(TrainBatch([sample.prompt_ids], [sample.response_ids], [sample.logprobs], [advantage]))
-            trainer.apply_step()
-        assert local_ray.get(engine.load_weights.remote(local_ray.put(trainer.named_weights()), 2)) == 2
-        after = local_ray.get(engine.completion_logprobs.remote(sample.prompt_ids, sample.response_ids))
-        expected = trainer.completion_logprobs(sample.prompt_ids, sample.response_ids)
-        assert _distance(after, before) > 0.05  # the adapters moved the policy, and the engine serves the move
-        assert _distance(after, expected) <= LOGPROB_TOLERANCE
-    finally:
-        local_ray.kill(engine)
-
-    trainer.save(str(tmp_path / "version=2"))
-    assert not (tmp_path / "version=2" / "model.safetensors").exists()  # adapters only
-    restarted = _engine(local_ray, smollm2_dir, 2, adapter_dir=str(tmp_path / "version=2"))
-    try:
-        assert local_ray.get(restarted.policy_version.remote()) == 2
-        served = local_ray.get(restarted.completion_logprobs.remote(sample.prompt_ids, sample.response_ids))
-        assert _distance(served, expected) <= LOGPROB_TOLERANCE
-        assert local_ray.get(restarted.model_directory.remote()) == str(smollm2_dir)  # the base: its tokenizer
-    finally:
-        local_ray.kill(restarted)
-
-
 def _version_0_with_warmup_adapters(smollm2_dir: Path, directory: Path) -> Path:
     """SmolLM2 as version 0 of an agent whose warm-up was kept apart: the model, and beside it rank-8 adapters
     whose B is random (a warm-up that moved the policy)."""
@@ -92,11 +54,12 @@ def _version_0_with_warmup_adapters(smollm2_dir: Path, directory: Path) -> Path:
 
 
 @needs_smollm2
-def test_separate_warm_up_adapters_serve_and_train_their_turns_only(local_ray, smollm2_dir: Path,
-                                                                     tmp_path: Path) -> None:
-    """``warmup.separate``: the engine serves a taught turn's request with the warm-up's adapters (vLLM's LoRA)
-    over the merged RL weights and every other request without them; the trainer computes each row the way its
-    request was served, before and after RL steps, and never changes the warm-up's adapters."""
+def test_a_lora_engine_serves_the_trainers_policy_and_separate_warm_up_adapters_on_their_turns(
+        local_ray, smollm2_dir: Path, tmp_path: Path) -> None:
+    """The engine serves RL's merged adapters on every request and, with ``warmup.separate``, the warm-up's adapters
+    (vLLM's LoRA) on a taught turn's request only; the trainer computes each row the way its request was served,
+    before and after RL steps, and never changes the warm-up's adapters. An engine started later from the stored
+    adapters serves the same policy. One engine alive at a time (two engines cost a SmolLM2 start each)."""
     base = _version_0_with_warmup_adapters(smollm2_dir, tmp_path / "version=0")
     trainer = PolicyTrainer(str(base), 0, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, seed=0,
                             num_threads=2, lora=LoraAdapterConfig().model_dump(), base_dir=str(base))
@@ -106,29 +69,43 @@ def test_separate_warm_up_adapters_serve_and_train_their_turns_only(local_ray, s
                                                    add_generation_prompt=True, tokenize=False)
     engine = _engine(local_ray, base, 0, actor_class=AsyncRolloutEngine)
 
-    def served(sample, taught: bool) -> list[float]:
-        return local_ray.get(engine.completion_logprobs.remote(sample.prompt_ids, sample.response_ids, taught))
+    def served(on, sample, taught: bool) -> list[float]:
+        return local_ray.get(on.completion_logprobs.remote(sample.prompt_ids, sample.response_ids, taught))
 
     def trained(sample, taught: bool) -> list[float]:
         return trainer.completion_logprobs(sample.prompt_ids, sample.response_ids, taught=taught)
 
     try:
-        _, (plain, taught) = local_ray.get(engine.generate.remote([prompt, prompt], [3, 3], 6, 1.0, [False, True]))
+        # one batch mixing a taught turn's request and another's: each gets its own adapters
+        version, (plain, taught) = local_ray.get(engine.generate.remote([prompt, prompt], [3, 3], 6, 1.0,
+                                                                         [False, True]))
+        assert version == 0 and len(plain.response_ids) == 6
+        # version 0 of a LoRA agent is its base (B = 0): the engine, which loaded the base alone, agrees
         assert _distance(plain.logprobs, trained(plain, False)) <= LOGPROB_TOLERANCE
         assert _distance(taught.logprobs, trained(taught, True)) <= LOGPROB_TOLERANCE
         assert _distance(trained(taught, False), taught.logprobs) > 0.01  # the warm-up's adapters matter
-        before = served(plain, False)
+        before = served(engine, plain, False)
         for _ in range(2):
             trainer.accumulate(TrainBatch([plain.prompt_ids, taught.prompt_ids],
                                           [plain.response_ids, taught.response_ids],
                                           [plain.logprobs, taught.logprobs], [1.0, 1.0], taught=[False, True]))
             trainer.apply_step()
-        local_ray.get(engine.load_weights.remote(local_ray.put(trainer.named_weights()), 2))
-        assert _distance(served(plain, False), before) > 0.05  # RL moved the policy
-        assert _distance(served(plain, False), trained(plain, False)) <= LOGPROB_TOLERANCE
-        assert _distance(served(taught, True), trained(taught, True)) <= LOGPROB_TOLERANCE
+        assert local_ray.get(engine.load_weights.remote(local_ray.put(trainer.named_weights()), 2)) == 2
+        assert _distance(served(engine, plain, False), before) > 0.05  # RL's adapters moved the policy
+        assert _distance(served(engine, plain, False), trained(plain, False)) <= LOGPROB_TOLERANCE
+        assert _distance(served(engine, taught, True), trained(taught, True)) <= LOGPROB_TOLERANCE
     finally:
         local_ray.kill(engine)
     assert all(frozen[name].equal(param) for name, param in trainer.model.named_parameters() if name in frozen)
+
     trainer.save(str(tmp_path / "version=2"))
-    assert not (tmp_path / "version=2" / TAUGHT).exists()  # a version holds RL's adapters; version 0 the warm-up's
+    assert not (tmp_path / "version=2" / "model.safetensors").exists()  # adapters only
+    assert not (tmp_path / "version=2" / TAUGHT).exists()  # RL's; the warm-up's stay in version 0 alone
+    restarted = _engine(local_ray, base, 2, adapter_dir=str(tmp_path / "version=2"), actor_class=AsyncRolloutEngine)
+    try:
+        assert local_ray.get(restarted.policy_version.remote()) == 2
+        assert _distance(served(restarted, plain, False), trained(plain, False)) <= LOGPROB_TOLERANCE
+        assert _distance(served(restarted, taught, True), trained(taught, True)) <= LOGPROB_TOLERANCE
+        assert local_ray.get(restarted.model_directory.remote()) == str(base)  # the base: its tokenizer
+    finally:
+        local_ray.kill(restarted)
