@@ -82,7 +82,7 @@ class RolloutEngine:
         self._sampling_params = SamplingParams
         # A warm-up kept apart (runtime/lora.py): its adapters served by vLLM's LoRA on the taught turns' requests
         # only, over the merged RL weights every request gets (reload_weights works with LoRA enabled).
-        self._taught = taught_request(model_dir)
+        self._taught = warmup_lora_request(model_dir)
         lora = {} if self._taught is None else {"enable_lora": True, "max_loras": 1,
                                                 "max_lora_rank": lora_rank_bound(self._taught.lora_path)}
         if lora and engine_device() == "cpu":
@@ -197,7 +197,7 @@ class RolloutEngine:
         """The weights :meth:`restart` reloads, or None where this engine cannot serve ``model_dir``."""
         if settings != self._settings or model_fingerprint(model_dir) != self._fingerprint:
             return None
-        if self._taught is not None or taught_request(model_dir) is not None:
+        if self._taught is not None or warmup_lora_request(model_dir) is not None:
             return None  # the warm-up's adapters are the run's own: a new engine loads them
         if adapter_dir is not None:
             from marl_pipeline.runtime.lora import merged_checkpoint
@@ -206,7 +206,7 @@ class RolloutEngine:
         return checkpoint_weights(model_dir)
 
 
-def taught_request(model_dir: str):
+def warmup_lora_request(model_dir: str):
     """vLLM's ``LoRARequest`` for the separate warm-up adapters of an agent's version 0 (``model_dir``), or None."""
     from marl_pipeline.runtime.lora import warmup_adapter_dir
 

@@ -58,6 +58,7 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store: Exper
             staging.rename(source_dir)
         source = str(source_dir)
     model, tokenizer = load_policy(resolve_model_source(source))
+    staging = store.staging_policy_dir(config.run, agent, 0)
     warmup_loss = None
     if agent_config.warmup.separate and not taught_own_turns(env, agent):
         raise ValueError(f"agent {agent!r} has warmup.separate, but environment {env.name!r} names none of its "
@@ -80,12 +81,11 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store: Exper
                                    chunk_tokens=agent_config.trainer.chunk_tokens,
                                    rehearse_context=warmup.rehearse_context)
         warmup_loss = (losses[0], losses[-1])
-    staging = store.staging_policy_dir(config.run, agent, 0)
-    if agent_config.warmup.steps and agent_config.warmup.separate:
-        model.save_pretrained(str(staging / WARMUP_ADAPTER))  # apart, frozen (runtime/lora.py)
-        model = model.unload()  # the model as loaded: the adapters never touched its weights
-    elif agent_config.warmup.steps and agent_config.warmup.lora is not None:
-        model = model.merge_and_unload()
+        if warmup.separate:
+            model.save_pretrained(str(staging / WARMUP_ADAPTER))  # apart, frozen (runtime/lora.py)
+            model = model.unload()  # the model as loaded: the adapters never touched its weights
+        elif warmup.lora is not None:
+            model = model.merge_and_unload()
     save_policy(model, tokenizer, staging)  # save_pretrained carries the source's generation_config along
     path = store.commit_policy(staging, config.run, agent, 0)
     return BasePolicy(agent, path, created=True, warmup_loss=warmup_loss)
