@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # ray.init started a cluster that wanted a token its driver would not send ("Failed to start GCS ...
 # InvalidAuthToken").
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+# The suite behaves the same started from a terminal or in the background of a script. A background job of a
+# non-interactive shell inherits SIGINT ignored; leaving a main-thread execution, Dagster sets SIGTERM to SIGINT's
+# handler (dagster._utils.interrupts), so SIGTERM became ignored too, and so in every process started after it:
+# Dagster's compute-log `tail` then outlived `terminate()` and each threaded execution waited 2 x 30 s for it
+# (test_cli_progress.py: 61 s in a background run, 1.7 s from a terminal), leaving the tails behind.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session")
