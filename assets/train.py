@@ -31,6 +31,7 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
     from marl_pipeline.run.events import (
         EvaluationCommitted,
         PolicyCommitted,
+        ReplicaChanged,
         RunFinished,
         RunStarted,
         StageCommitted,
@@ -69,6 +70,8 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
             rewards = ", ".join(f"{agent} {value:.3f}" for agent, value in event.mean_reward.items())
             context.log.info(f"step {event.step}: mean reward {mean_reward(event.mean_reward):.3f} ({rewards}), "
                              f"{event.seconds:.2f} s")
+        elif isinstance(event, ReplicaChanged):
+            _log_replica(context, event)
         elif isinstance(event, RunStarted):
             _log_start(context, config, event)
         elif isinstance(event, RunFinished):
@@ -94,6 +97,19 @@ def _log_evaluation(context: dg.OpExecutionContext, config, event) -> None:
     figures = "; ".join(f"{agent} " + ", ".join(f"{name} {value:.3f}" for name, value in metrics.items())
                         for agent, metrics in event.metrics.items())
     context.log.info(f"held-out evaluation of version {event.version}: {figures}")
+
+
+def _log_replica(context: dg.OpExecutionContext, event) -> None:
+    """A replica's death and restart: warnings in the run's log (and on the `marl` CLI, which shows warnings), since
+    the run goes on without it; a failed restart is an error, though the agent's other replicas still serve."""
+    name = f"engine replica {event.agent}/{event.replica}"
+    if event.state == "down":
+        context.log.warning(f"{name} died; its requests go to the agent's other replicas while it is restarted"
+                            + (f" ({event.detail})" if event.detail else ""))
+    elif event.state == "up":
+        context.log.warning(f"{name} restarted; it serves policy version {event.version} again")
+    else:
+        context.log.error(f"{name} could not be restarted and stays down: {event.detail}")
 
 
 def _log_start(context: dg.OpExecutionContext, config, event) -> None:

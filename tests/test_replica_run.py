@@ -18,7 +18,7 @@ import ray
 from environments.arithmetic import ArithmeticCheck
 from marl_pipeline.config import parse_config
 from marl_pipeline.environment import ActionResult, Task, Turn, register_environment
-from marl_pipeline.run.events import RunFinished, StageCommitted
+from marl_pipeline.run.events import ReplicaChanged, RunFinished, StageCommitted
 from marl_pipeline.run.recipe import train
 from marl_pipeline.store import ExperienceStore
 from tests.conftest import small_config_data
@@ -75,6 +75,9 @@ def test_a_replica_killed_mid_run_loses_nothing_and_the_run_finishes(local_ray, 
             killed = alive[0]
             os.kill(killed["Pid"], signal.SIGKILL)  # a real fault, while the run goes on
     assert isinstance(events[-1], RunFinished)
+    # The run told its caller (the train op's log) of the death; of the restart too, unless the run ended first.
+    changes = [(e.agent, e.state) for e in events if isinstance(e, ReplicaChanged)]
+    assert changes in ([("solver", "down")], [("solver", "down"), ("solver", "up")]), changes
 
     store = ExperienceStore(config.store)
     rollouts = store.read_stage(config.run, "rollouts", columns=["sample_id", "step", "micro_batch", "policy_version",
@@ -89,3 +92,34 @@ def test_a_replica_killed_mid_run_loses_nothing_and_the_run_finishes(local_ray, 
     created = {actor_id: info for actor_id, info in _engines().items() if actor_id not in before}
     assert len(created) >= 3, "no replacement was started for the killed replica"
     assert not [info for info in created.values() if info["State"] == "ALIVE"]  # the run's shutdown killed them all
+
+
+def test_replica_changes_are_warnings_and_errors_in_the_runs_log() -> None:
+    """How the train op records a replica's death and restart (assets/train.py) on a real Dagster instance."""
+    import logging
+
+    import dagster as dg
+
+    from assets.train import _log_replica
+
+    changes = [ReplicaChanged("solver", 1, "down"), ReplicaChanged("solver", 1, "up", 3),
+               ReplicaChanged("verifier", 0, "failed", detail="RayActorError('no node')")]
+
+    @dg.op
+    def report(context) -> None:  # not annotated: this module's annotations are strings, Dagster evaluates them
+        for change in changes:
+            _log_replica(context, change)
+
+    @dg.job
+    def replica_log() -> None:
+        report()
+
+    with dg.instance_for_test() as instance:
+        result = replica_log.execute_in_process(instance=instance)
+        logged = [(entry.level, entry.user_message) for entry in instance.all_logs(result.run_id)
+                  if entry.dagster_event is None]
+    assert [level for level, _ in logged] == [logging.WARNING, logging.WARNING, logging.ERROR]
+    down, up, failed = (message for _, message in logged)
+    assert "engine replica solver/1 died" in down and "other replicas" in down
+    assert "engine replica solver/1 restarted" in up and "policy version 3" in up
+    assert "engine replica verifier/0 could not be restarted" in failed and "RayActorError('no node')" in failed

@@ -136,6 +136,8 @@ def test_a_replica_killed_mid_rollout_loses_and_duplicates_nothing_and_comes_bac
     key, store = MicroBatchKey("kill", 2, 0), ExperienceStore(tmp_path / "store")
     victim = replicas.handle(0)
     pid = local_ray.get(victim.__ray_call__.remote(lambda self: os.getpid()))
+    told = []  # what the orchestrator turns into ReplicaChanged events (the run's log)
+    replicas.listener = lambda *change: told.append(change)
     thread, result, started = _rollout_in_background(TimedReplies(reply_s=0.3), replicas, key)
     _wait_for_requests(replicas, 0)
     os.kill(pid, signal.SIGKILL)  # a real fault: the actor's process, not a Ray call
@@ -147,6 +149,7 @@ def test_a_replica_killed_mid_rollout_loses_and_duplicates_nothing_and_comes_bac
     replicas.wait_restarts(timeout=300)
     assert replicas.restart_errors == []
     assert replicas.restarted == [(0, 1)]  # detected through a failed request, which was retried elsewhere
+    assert told == [(0, "down", None, ""), (0, "up", 1, "")]
     restarted = replicas.handle(0)
     assert restarted is not victim and local_ray.get(restarted.policy_version.remote()) == 1
     sampled = local_ray.get(restarted.generate_one.remote("after", [17, 11, 18, 29], 0, 8, 1.0))
@@ -161,6 +164,8 @@ def test_a_replica_set_shrinks_and_grows_and_a_started_replica_serves_the_curren
         replicas.load_weights(local_ray.put(policies[1].named_weights()), 1)
     replicas.wait_restarts(timeout=300)
     store = ExperienceStore(tmp_path / "store")
+    told = []
+    replicas.listener = lambda *change: told.append(change)
     retired = replicas.handle(1)
     replicas.resize(1)
     assert replicas.active() == 1 and replicas.handle(1) is None
@@ -173,6 +178,7 @@ def test_a_replica_set_shrinks_and_grows_and_a_started_replica_serves_the_curren
     replicas.resize(2)
     replicas.wait_restarts(timeout=300)
     assert replicas.restart_errors == [] and replicas.active() == 2
+    assert told == []  # a planned resize is no failure to report
     started = replicas.handle(1)
     assert started is not None and local_ray.get(started.policy_version.remote()) == 1
     key = MicroBatchKey("grown", 3, 1)

@@ -102,7 +102,20 @@ class EvaluationCommitted:
     """Per agent: the plugin's metrics, then answer_entropy, top_answer_share and collapsed."""
 
 
-Event = StageCommitted | PolicyCommitted | StepFinished | EvaluationCommitted
+@dataclass(frozen=True)
+class ReplicaChanged:
+    """An engine replica died mid-run and was taken out of routing (``state`` "down": the agent's other replicas
+    serve on), then came back serving ``version`` ("up"), or could not be restarted ("failed": ``detail`` says
+    why; it stays down). Planned changes (``rebalance_replicas``' resizes) are not reported."""
+
+    agent: str
+    replica: int
+    state: str
+    version: int | None = None
+    detail: str = ""
+
+
+Event = StageCommitted | PolicyCommitted | StepFinished | EvaluationCommitted | ReplicaChanged
 """What the orchestrator yields."""
 
 LaunchEvent = RunStarted | Event | RunFinished

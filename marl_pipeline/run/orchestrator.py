@@ -35,7 +35,14 @@ import ray
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import Environment, taught_turn_indices
 from marl_pipeline.run.evaluations import EvaluationRounds
-from marl_pipeline.run.events import Event, PolicyCommitted, StageCommitted, StageTiming, StepFinished
+from marl_pipeline.run.events import (
+    Event,
+    PolicyCommitted,
+    ReplicaChanged,
+    StageCommitted,
+    StageTiming,
+    StepFinished,
+)
 from marl_pipeline.run.launches import LaunchPlan
 from marl_pipeline.runtime.router import split_replicas
 from marl_pipeline.runtime.workers import Workers
@@ -104,6 +111,8 @@ class Orchestrator:
         self._served_changed = threading.Condition()
         self._ready_at: dict[tuple[str, MicroBatchKey], float] = {}
         self._step_started: dict[int, float] = {}
+        for agent, replicas in workers.engines.items():  # a replica's death and restart, to the caller's log
+            replicas.listener = partial(self._replica_changed, agent)
 
     # -- the recipe -------------------------------------------------------------------------------
     def run(self) -> Iterator[Event]:
@@ -143,6 +152,9 @@ class Orchestrator:
                 self._served_changed.notify_all()
             for thread in threads:
                 thread.join(timeout=60)
+
+    def _replica_changed(self, agent: str, replica: int, state: str, version: int | None, detail: str) -> None:
+        self._events.put(ReplicaChanged(agent, replica, state, version, detail))
 
     def steps(self) -> range:
         return range(self.plan.first_step, self.plan.last_step + 1)

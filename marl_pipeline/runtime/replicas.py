@@ -29,6 +29,10 @@ from marl_pipeline.runtime.router import Policy, Router
 Spawn = Callable[[int, int], "ray.actor.ActorHandle"]
 """(replica index, stored policy version) -> a new engine actor starting from that version (not yet ready)."""
 
+Listener = Callable[[int, str, "int | None", str], None]
+"""(replica index, "down" | "up" | "failed", the version it serves once up, why it failed): told of a replica that
+died and of its restart, from the thread that saw it (run/events.py's ``ReplicaChanged``)."""
+
 
 class EngineReplicas:
     """An agent's engine actors, ``len(handles)`` of them, routed by one :class:`Router`.
@@ -62,6 +66,7 @@ class EngineReplicas:
         self.restarted: list[tuple[int, int]] = []
         """(replica, version it came back at), in order: what a test or the run's metadata reads."""
         self.restart_errors: list[str] = []
+        self.listener: Listener | None = None
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -123,12 +128,17 @@ class EngineReplicas:
             if self._handles[replica] is not handle or replica in self._restarts or replica in self._retired:
                 return  # already replaced, being restarted, or retired on purpose
             self.router.mark_down(replica)
-            if self.spawn is None:
-                return
-            thread = threading.Thread(target=self._restart, args=(replica, handle), daemon=True,
-                                      name=f"restart-{self.agent}-{replica}")
-            self._restarts[replica] = thread
-        thread.start()
+            thread = None if self.spawn is None else threading.Thread(
+                target=self._restart, args=(replica, handle), daemon=True, name=f"restart-{self.agent}-{replica}")
+            if thread is not None:
+                self._restarts[replica] = thread
+        self._tell(replica, "down", None, "" if thread is not None else "not restarted: this set has no spawn")
+        if thread is not None:
+            thread.start()
+
+    def _tell(self, replica: int, state: str, version: int | None, detail: str = "") -> None:
+        if self.listener is not None:
+            self.listener(replica, state, version, detail)
 
     def restarting(self) -> bool:
         with self._lock:
@@ -168,11 +178,15 @@ class EngineReplicas:
                         self._handles[replica] = handle
                         self.router.mark_up(replica)
                         self.restarted.append((replica, version))
-                        return
+                        break
                 served = ray.get(handle.load_weights.remote(weights, version))
+            if dead is not None:  # a restart, not a resize's planned start
+                self._tell(replica, "up", version)
         except Exception as error:  # the replica stays down; the others serve
             if not self._closed:  # else: killed by shutdown while it started, as it should be
                 self.restart_errors.append(f"{self.agent}/{replica}: {error!r}")
+                if dead is not None:
+                    self._tell(replica, "failed", None, repr(error))
         finally:
             with self._lock:
                 self._restarts.pop(replica, None)
