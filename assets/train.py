@@ -104,8 +104,8 @@ def _log_replica(context: dg.OpExecutionContext, event) -> None:
     the run goes on without it; a failed restart is an error, though the agent's other replicas still serve."""
     name = f"engine replica {event.agent}/{event.replica}"
     if event.state == "down":
-        context.log.warning(f"{name} died; its requests go to the agent's other replicas while it is restarted"
-                            + (f" ({event.detail})" if event.detail else ""))
+        context.log.warning(f"{name} died; its requests go to the agent's other replicas"
+                            + (f" ({event.detail})" if event.detail else " while it is restarted"))
     elif event.state == "up":
         context.log.warning(f"{name} restarted; it serves policy version {event.version} again")
     else:
