@@ -20,6 +20,7 @@ from marl_pipeline.config import parse_config
 from marl_pipeline.environment import ActionResult, Task, Turn, register_environment
 from marl_pipeline.run.events import ReplicaChanged, RunFinished, StageCommitted
 from marl_pipeline.run.recipe import train
+from marl_pipeline.runtime import warm_actors
 from marl_pipeline.store import ExperienceStore
 from tests.conftest import small_config_data
 
@@ -78,6 +79,7 @@ def test_a_replica_killed_mid_run_loses_nothing_and_the_run_finishes(local_ray, 
     # The run told its caller (the train op's log) of the death; of the restart too, unless the run ended first.
     changes = [(e.agent, e.state) for e in events if isinstance(e, ReplicaChanged)]
     assert changes in ([("solver", "down")], [("solver", "down"), ("solver", "up")]), changes
+    assert warm_actors.in_use() == 0  # the run released every actor it started, the killed replica too
 
     store = ExperienceStore(config.store)
     rollouts = store.read_stage(config.run, "rollouts", columns=["sample_id", "step", "micro_batch", "policy_version",

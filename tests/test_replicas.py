@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from marl_pipeline.config import EngineConfig, RolloutConfig
+from marl_pipeline.runtime import warm_actors
 from marl_pipeline.runtime.async_engine import AsyncRolloutEngine
 from marl_pipeline.runtime.replicas import EngineReplicas
 from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
@@ -52,8 +53,9 @@ def replicas(local_ray, tiny_model_dir: Path):
     actor = engine_actor(EngineConfig(num_cpus=0), actor_class=AsyncRolloutEngine)
 
     def spawn(replica: int, version: int):
-        return actor.remote(str(tiny_model_dir), version, gpu_memory_utilization=0.04, max_model_len=128,
-                            dtype="float32", seed=0, threads=1)
+        # Through the kept-actor registry, as a run's replicas are: the tests count what it holds.
+        return warm_actors.start(actor, "writer", str(tiny_model_dir), version, gpu_memory_utilization=0.04,
+                                 max_model_len=128, dtype="float32", seed=0, threads=1)
 
     engines = EngineReplicas("writer", [spawn(0, 0), spawn(1, 0)], version=0, spawn=spawn)
     local_ray.get([h.policy_version.remote() for h in engines.handles()])
@@ -138,6 +140,7 @@ def test_a_replica_killed_mid_rollout_loses_and_duplicates_nothing_and_comes_bac
     pid = local_ray.get(victim.__ray_call__.remote(lambda self: os.getpid()))
     told = []  # what the orchestrator turns into ReplicaChanged events (the run's log)
     replicas.listener = lambda *change: told.append(change)
+    registered = warm_actors.in_use()
     thread, result, started = _rollout_in_background(TimedReplies(reply_s=0.3), replicas, key)
     _wait_for_requests(replicas, 0)
     os.kill(pid, signal.SIGKILL)  # a real fault: the actor's process, not a Ray call
@@ -150,6 +153,7 @@ def test_a_replica_killed_mid_rollout_loses_and_duplicates_nothing_and_comes_bac
     assert replicas.restart_errors == []
     assert replicas.restarted == [(0, 1)]  # detected through a failed request, which was retried elsewhere
     assert told == [(0, "down", None, ""), (0, "up", 1, "")]
+    assert warm_actors.in_use() == registered  # the dead replica released from the registry, its successor in it
     restarted = replicas.handle(0)
     assert restarted is not victim and local_ray.get(restarted.policy_version.remote()) == 1
     sampled = local_ray.get(restarted.generate_one.remote("after", [17, 11, 18, 29], 0, 8, 1.0))
@@ -166,9 +170,11 @@ def test_a_replica_set_shrinks_and_grows_and_a_started_replica_serves_the_curren
     store = ExperienceStore(tmp_path / "store")
     told = []
     replicas.listener = lambda *change: told.append(change)
+    registered = warm_actors.in_use()
     retired = replicas.handle(1)
     replicas.resize(1)
     assert replicas.active() == 1 and replicas.handle(1) is None
+    assert warm_actors.in_use() == registered - 1  # a retired replica leaves the registry
     with pytest.raises(local_ray.exceptions.RayActorError):
         local_ray.get(retired.policy_version.remote())  # killed, not merely unrouted
     key = MicroBatchKey("shrunk", 3, 0)
@@ -179,6 +185,7 @@ def test_a_replica_set_shrinks_and_grows_and_a_started_replica_serves_the_curren
     replicas.wait_restarts(timeout=300)
     assert replicas.restart_errors == [] and replicas.active() == 2
     assert told == []  # a planned resize is no failure to report
+    assert warm_actors.in_use() == registered
     started = replicas.handle(1)
     assert started is not None and local_ray.get(started.policy_version.remote()) == 1
     key = MicroBatchKey("grown", 3, 1)

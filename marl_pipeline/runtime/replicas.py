@@ -154,7 +154,9 @@ class EngineReplicas:
     def _restart(self, replica: int, dead) -> None:
         try:
             if dead is not None:
-                ray.kill(dead)  # a hung actor (not a dead one) must not come back beside its replacement
+                # A hung actor (not a dead one) must not come back beside its replacement; released, not just
+                # killed, so the kept-actor registry forgets it (runtime/warm_actors.py).
+                warm_actors.release(dead, keep=False)
         except Exception:  # already gone: the usual case
             pass
         try:
@@ -165,14 +167,14 @@ class EngineReplicas:
                 self._starting[replica] = handle
                 closed = self._closed
             if closed:
-                ray.kill(handle)
+                warm_actors.release(handle, keep=False)
                 return
             served = ray.get(handle.policy_version.remote())
             while True:  # a sync may have set a newer version while this one loaded
                 with self._lock:
                     version, weights = self._version, self._weights
                     if self._closed or replica in self._retired:  # the run ended, or the slot was retired
-                        ray.kill(handle)  # while this replica started: it must not outlive its set
+                        warm_actors.release(handle, keep=False)  # it must not outlive its set
                         return
                     if served == version:
                         self._handles[replica] = handle
@@ -243,7 +245,7 @@ def _kill_and_wait(handle, timeout_s: float = 30.0) -> None:
     """Kill an actor and return once it is gone. ``ray.kill`` only asks the cluster to: a call made just after it
     can still reach the actor (a flaky failure seen in CI), and its CPUs are not yet free for the replica another
     agent starts in their place."""
-    ray.kill(handle)
+    warm_actors.release(handle, keep=False)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

@@ -98,6 +98,13 @@ def idle_count() -> int:
         return sum(len(handles) for handles in _idle.values())
 
 
+def in_use() -> int:
+    """Actors started or taken through here and not released since: a launch's own. Zero between launches; a
+    handle killed without :func:`release` (a dead replica, a retired one) would stay counted, and its key kept."""
+    with _lock:
+        return len(_keys)
+
+
 def _remember(handle, key: tuple) -> None:
     with _lock:
         _keys[handle._actor_id] = key
