@@ -241,6 +241,7 @@ def test_engine_stored_and_trainer_ids_are_the_templates_and_a_recomputation_rep
 def test_evaluation_tokenizes_chat_cases_once_and_plain_strings_still_work(chat_run, chat_tokenizer) -> None:
     import ray
 
+    from marl_pipeline.runtime import warm_actors
     from marl_pipeline.runtime.workers import start_engines
     from marl_pipeline.stages.evaluation import EvaluationSettings, evaluate_agent, evaluation_cases
 
@@ -262,7 +263,7 @@ def test_evaluation_tokenizes_chat_cases_once_and_plain_strings_still_work(chat_
         with pytest.raises(TypeError, match=r"prompt 1: expected a str or a non-empty list of int token ids"):
             ray.get(engine.generate.remote(["ok", []], [0, 1], 4, 0.0))
     finally:
-        ray.kill(engine)
+        warm_actors.release(engine, keep=False)  # started through the kept-actor registry: leave it, not just kill
 
 
 def test_engine_prompts_are_checked_before_vllm() -> None:

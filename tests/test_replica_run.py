@@ -65,6 +65,7 @@ def test_a_replica_killed_mid_run_loses_nothing_and_the_run_finishes(local_ray, 
     data["ray"]["keep_actors"] = False  # this test checks that the run's shutdown leaves no replica behind
     config = parse_config(data)
     before = set(_engines())
+    registered = warm_actors.in_use()  # other modules' launches may have left entries (not this test's concern)
     killed = None
     events = []
     for event in train(config):
@@ -79,7 +80,7 @@ def test_a_replica_killed_mid_run_loses_nothing_and_the_run_finishes(local_ray, 
     # The run told its caller (the train op's log) of the death; of the restart too, unless the run ended first.
     changes = [(e.agent, e.state) for e in events if isinstance(e, ReplicaChanged)]
     assert changes in ([("solver", "down")], [("solver", "down"), ("solver", "up")]), changes
-    assert warm_actors.in_use() == 0  # the run released every actor it started, the killed replica too
+    assert warm_actors.in_use() == registered  # the run released every actor it started, the killed replica too
 
     store = ExperienceStore(config.store)
     rollouts = store.read_stage(config.run, "rollouts", columns=["sample_id", "step", "micro_batch", "policy_version",
