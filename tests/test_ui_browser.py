@@ -74,9 +74,11 @@ def dagster_ui(tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     log = (work / "dagster_dev.log").open("w")
     env = {**os.environ, "DAGSTER_HOME": str(home), "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    # Its own session, so teardown reaches every process it started. SIGINT stops it even in a background run:
+    # conftest.py restores SIGINT's default there, which it inherits (dagster dev maps SIGTERM to SIGINT's handler).
     server = subprocess.Popen([str(Path(sys.executable).parent / "dagster"), "dev", "-w", "workspace.yaml",
                                "-h", "127.0.0.1", "-p", str(port)], cwd=ROOT, env=env, stdout=log,
-                              stderr=subprocess.STDOUT, preexec_fn=_own_group_with_interrupts)
+                              stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -94,14 +96,6 @@ def dagster_ui(tmp_path_factory):
     finally:
         _stop(server)
         log.close()
-
-
-def _own_group_with_interrupts() -> None:
-    # Its own process group, so teardown reaches every process it started; and SIGINT at its default even where
-    # the test runs with it ignored (a background job): dagster dev maps SIGTERM to its SIGINT handler, so it
-    # would otherwise ignore both and never stop its webserver, daemon and code server.
-    os.setsid()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _code_location_loaded(url: str) -> bool:

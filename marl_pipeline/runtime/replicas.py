@@ -128,13 +128,15 @@ class EngineReplicas:
             if self._handles[replica] is not handle or replica in self._restarts or replica in self._retired:
                 return  # already replaced, being restarted, or retired on purpose
             self.router.mark_down(replica)
-            thread = None if self.spawn is None else threading.Thread(
-                target=self._restart, args=(replica, handle), daemon=True, name=f"restart-{self.agent}-{replica}")
-            if thread is not None:
+            if self.spawn is not None:
+                thread = threading.Thread(target=self._restart, args=(replica, handle), daemon=True,
+                                          name=f"restart-{self.agent}-{replica}")
                 self._restarts[replica] = thread
-        self._tell(replica, "down", None, "" if thread is not None else "not restarted: this set has no spawn")
-        if thread is not None:
-            thread.start()
+        if self.spawn is None:
+            self._tell(replica, "down", None, "not restarted: this set has no spawn")
+            return
+        self._tell(replica, "down", None)
+        thread.start()
 
     def _tell(self, replica: int, state: str, version: int | None, detail: str = "") -> None:
         if self.listener is not None:
