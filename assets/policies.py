@@ -24,8 +24,8 @@ def base_policies(experiment: ExperimentResource, store: ExperienceStoreResource
 
     Already committed versions are kept: a run's lineage is never overwritten.
     """
+    from marl_pipeline.bootstrap.policies import prepare_base_policies
     from marl_pipeline.environment import build_environment
-    from marl_pipeline.runtime.policies import prepare_base_policies
 
     config = experiment.load()
     env = build_environment(config.environment.name, config.environment.options)

@@ -57,9 +57,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import ray
 
+from marl_pipeline.actions.pool import ActionPool
+from marl_pipeline.actions.worker import ActionWorker, Job
 from marl_pipeline.config import PoolSettings
-from marl_pipeline.runtime.action_pool import ActionPool
-from marl_pipeline.runtime.action_worker import ActionWorker, Job
 
 Trajectories = list[list[tuple[float, Job]]]
 

@@ -1,7 +1,7 @@
 """Benchmark: rollout tokens/s through the engine actor against bare vLLM on the same requests.
 
 One process run, one engine alive at a time (each holds about 3.3 GB): first **ours**, ``RolloutEngine`` in a
-Ray actor spawned as ``runtime/workers.py`` spawns it (``engine_actor``, ``ENGINE_ENV``, the config's threads),
+Ray actor spawned as ``cluster/spawn.py`` spawns it (``engine_actor``, ``ENGINE_ENV``, the config's threads),
 called through ``generate``; it is killed, then **bare** ``vllm.LLM`` is built in this process with the same
 model, dtype, memory share, seed, threads and in-process engine core, and called with the same prompts and
 per-request ``SamplingParams`` (seed, temperature, max tokens, the sampled token's logprob). Each side gets one
@@ -19,7 +19,7 @@ import os
 import statistics
 import time
 
-from marl_pipeline.runtime.engine import ENGINE_ENV
+from marl_pipeline.inference.engine import ENGINE_ENV
 
 GPU_MEMORY_UTILIZATION, MAX_MODEL_LEN, SEED = 0.15, 256, 0
 
@@ -47,8 +47,8 @@ def timed(generate, reps: int) -> tuple[list[float], int]:
 def run_ours(model_dir: str, prompts, seeds, args, threads: int | None) -> tuple[list[float], int]:
     import ray
 
+    from marl_pipeline.cluster.spawn import engine_actor
     from marl_pipeline.config import EngineConfig
-    from marl_pipeline.runtime.workers import engine_actor
 
     settings = EngineConfig(dtype=args.dtype, threads=threads, max_model_len=MAX_MODEL_LEN,
                             gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
@@ -93,7 +93,7 @@ def run_bare(model_dir: str, prompts, seeds, args) -> tuple[list[float], int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="a model source (runtime/model_sources.py)")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="a model source (bootstrap/model_sources.py)")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -105,7 +105,7 @@ def main() -> None:
 
     import ray
 
-    from marl_pipeline.runtime.model_sources import resolve_model_source
+    from marl_pipeline.bootstrap.model_sources import resolve_model_source
 
     model_dir = resolve_model_source(args.model)
     prompts, seeds = requests(args.prompts, args.samples)

@@ -110,9 +110,9 @@ def main() -> None:
 
     import ray
 
+    from marl_pipeline.bootstrap.policies import prepare_base_policies
     from marl_pipeline.config import parse_config
     from marl_pipeline.environment import build_environment
-    from marl_pipeline.runtime.policies import prepare_base_policies
     from marl_pipeline.store import ExperienceStore
 
     ray.init(include_dashboard=False, log_to_driver=False)

@@ -21,7 +21,7 @@ One process run, at most two vLLM engines alive at a time (the machine runs othe
 3. **Routing.** Two engine replicas (``--threads`` split between them), ``--route-episodes`` episodes of
    ``--route-turns`` turns as token ids: a random ``--route-context``-token context, then each turn's prompt is the
    previous prompt, its response (``--route-tokens``, EOS ignored) and an 8-token reply. Each turn goes to the
-   replica the agent's router (runtime/router.py) picks, sticky or round-robin, alternating passes, each pass with
+   replica the agent's router (inference/router.py) picks, sticky or round-robin, alternating passes, each pass with
    fresh contexts (no hits from earlier passes). Prefix-cache hit rate from vLLM's own per-request count of cached
    prompt tokens (``num_cached_tokens``, summed by the engine actor's ``prefix_cache_stats``), and tokens/s.
    Each replica's KV cache holds ``--route-cache`` times sticky routing's peak working set: its half of the
@@ -47,8 +47,8 @@ from typing import ClassVar
 import numpy as np
 from engine_throughput import timed  # bench/ is on the path when a bench script runs
 
-from marl_pipeline.runtime.async_engine import AsyncRolloutEngine
-from marl_pipeline.runtime.engine import ENGINE_ENV, MAX_NUM_SEQS
+from marl_pipeline.inference.async_engine import AsyncRolloutEngine
+from marl_pipeline.inference.engine import ENGINE_ENV, MAX_NUM_SEQS
 
 GPU_MEMORY_UTILIZATION, SEED = 0.04, 0  # about 1 GiB each; the tiny model's KV cache needs far less
 ROUTING_MEMORY = 0.04
@@ -62,11 +62,11 @@ def load() -> str:
 
 def model_directory(source: str) -> str:
     if source != "tiny":
-        from marl_pipeline.runtime.model_sources import resolve_model_source
+        from marl_pipeline.bootstrap.model_sources import resolve_model_source
 
         return str(resolve_model_source(source))
     from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
-    from marl_pipeline.runtime.models import build_tiny_model
+    from marl_pipeline.bootstrap.tiny_model import build_tiny_model
 
     env = ArithmeticCheck(ArithmeticOptions())
     return str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny", env.text_corpus(np.random.default_rng(0), 500),
@@ -85,9 +85,9 @@ def overhead_side_by_side(ray, model_dir: str, args) -> dict[str, tuple[list[flo
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    from marl_pipeline.cluster.spawn import engine_actor
     from marl_pipeline.config import EngineConfig
-    from marl_pipeline.runtime.engine import RolloutEngine
-    from marl_pipeline.runtime.workers import engine_actor
+    from marl_pipeline.inference.engine import RolloutEngine
 
     requests = overhead_requests(args)
     actor = engine_actor(EngineConfig(threads=args.threads), actor_class=AsyncRolloutEngine).remote(
@@ -259,7 +259,7 @@ def routing_cache_gib(model_dir: str, args) -> float | None:
     cache, no pressure."""
     if not args.route_cache:
         return None
-    from marl_pipeline.runtime.models import kv_cache_bytes_per_token
+    from marl_pipeline.policy.checkpoint import kv_cache_bytes_per_token
 
     token_bytes = kv_cache_bytes_per_token(model_dir)  # float32
     # the last turn's sequence: the context, every turn's response, the 8-token reply between turns
@@ -272,9 +272,9 @@ def routing_cache_gib(model_dir: str, args) -> float | None:
 
 
 def routing(ray, model_dir: str, args) -> dict[str, dict[str, float]]:
+    from marl_pipeline.cluster.spawn import engine_actor
     from marl_pipeline.config import EngineConfig
-    from marl_pipeline.runtime.router import Router
-    from marl_pipeline.runtime.workers import engine_actor
+    from marl_pipeline.inference.router import Router
 
     threads = max(1, args.threads // 2)
     kv_cache_gib = routing_cache_gib(model_dir, args)

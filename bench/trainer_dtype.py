@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from marl_pipeline.runtime.losses import token_logprobs
-from marl_pipeline.runtime.precision import autocast, cpu_has_bf16
+from marl_pipeline.policy.precision import autocast, cpu_has_bf16
+from marl_pipeline.training.losses import token_logprobs
 
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)

@@ -4,7 +4,7 @@ Side by side in one process, rep by rep, on the same rows (lengths varying withi
 on the same number of threads, with the same optimizer step (AdamW, gradients divided by the token count,
 norm clipped at 1):
 
-- **ours**: ``PolicyTrainer`` in a Ray actor spawned as ``runtime/workers.py`` spawns it (``trainer_actor``),
+- **ours**: ``PolicyTrainer`` in a Ray actor spawned as ``cluster/spawn.py`` spawns it (``trainer_actor``),
   one ``accumulate`` of the micro-batch and one ``apply_step``;
 - **bare, unpadded**: ``AutoModelForCausalLM`` in this process, one row at a time (no padding at all), the same
   clipped policy-gradient loss summed over response tokens, then the step;
@@ -27,8 +27,8 @@ import time
 import numpy as np
 import torch
 
-from marl_pipeline.runtime.losses import pad_sequences
-from marl_pipeline.runtime.trainer import TrainBatch
+from marl_pipeline.training.losses import pad_sequences
+from marl_pipeline.training.trainer import TrainBatch
 
 LR, CLIP_EPS, MAX_GRAD_NORM = 1e-6, 0.2, 1.0
 
@@ -84,7 +84,7 @@ def bare_step(model, optimizer, batch: TrainBatch, padded: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="a model source (runtime/model_sources.py)")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="a model source (bootstrap/model_sources.py)")
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(16, 96), metavar=("MIN", "MAX"))
     parser.add_argument("--response-tokens", type=int, nargs=2, default=(4, 64), metavar=("MIN", "MAX"))
@@ -97,9 +97,9 @@ def main() -> None:
     import ray
     from transformers import AutoModelForCausalLM
 
+    from marl_pipeline.bootstrap.model_sources import resolve_model_source
+    from marl_pipeline.cluster.spawn import trainer_actor
     from marl_pipeline.config import TrainerConfig
-    from marl_pipeline.runtime.model_sources import resolve_model_source
-    from marl_pipeline.runtime.workers import trainer_actor
 
     model_dir = resolve_model_source(args.model)
     torch.set_num_threads(args.threads)

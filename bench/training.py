@@ -5,7 +5,7 @@
    the weight export the orchestrator issues) with every trainer resident (one actor each), with a trainer budget
    of ``budget`` (that many trainer workers swapping the agents' states through the Ray object store), and with
    that budget but the calls always in one order (as the train stage issued them before), all spawned by
-   ``runtime/workers.py``'s ``start_trainers``, step by step in turn on the same batches. Reported: each
+   ``cluster/spawn.py``'s ``start_trainers``, step by step in turn on the same batches. Reported: each
    layout's median step time and its ratio to the resident one, the swaps' counts, bytes, seconds and GB/s
    against a plain memory copy of the same size, and whether the layouts end with bit-identical parameters.
 2. **Swap round trip** of one trainer state alone (parameters, gradients, AdamW moments): the built-in tiny
@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
 from marl_pipeline.stages.training import issue_order
+from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
 
 OPTIONS = dict(lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, seed=0)
 
@@ -63,7 +63,7 @@ def rows_of(batch: TrainBatch, rows: list[int]) -> TrainBatch:
 
 def tiny_model(directory: Path) -> Path:
     from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
-    from marl_pipeline.runtime.models import build_tiny_model
+    from marl_pipeline.bootstrap.tiny_model import build_tiny_model
 
     corpus = ArithmeticCheck(ArithmeticOptions()).text_corpus(np.random.default_rng(0), 500)
     return build_tiny_model(directory / "tiny", corpus, seed=0)
@@ -104,8 +104,8 @@ def copy_figures(nbytes: int) -> str:
 def bench_swapping(args, model_dir: Path, work: Path) -> None:
     import ray
 
+    from marl_pipeline.cluster.spawn import start_trainers
     from marl_pipeline.config import ExperimentConfig
-    from marl_pipeline.runtime.workers import start_trainers
     from marl_pipeline.store import ExperienceStore
 
     agents = [f"agent{i}" for i in range(args.agents)]
@@ -171,7 +171,7 @@ def bench_swapping(args, model_dir: Path, work: Path) -> None:
 
 # -- 2. one state's round trip ------------------------------------------------------------------------------------
 def bench_round_trip(label: str, model_dir: str, reps: int) -> None:
-    from marl_pipeline.runtime.swap import AgentSpec, TrainerWorker
+    from marl_pipeline.training.swap import AgentSpec, TrainerWorker
 
     worker = TrainerWorker({"a": AgentSpec(model_dir, 0, {**OPTIONS, "num_threads": 2})})
     batch = make_batch(np.random.default_rng(0), 2, model_vocab(model_dir), (4, 8), (2, 4))
@@ -321,7 +321,7 @@ def main() -> None:
                 print("\n2. one state's swap round trip (out to the object store, back in)")
                 bench_round_trip("built-in tiny", str(model_dir), args.round_trips)
                 if args.smollm2:
-                    from marl_pipeline.runtime.model_sources import resolve_model_source
+                    from marl_pipeline.bootstrap.model_sources import resolve_model_source
 
                     bench_round_trip("SmolLM2-135M", str(resolve_model_source("smollm2-135m-instruct")),
                                      args.round_trips)

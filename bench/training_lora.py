@@ -46,7 +46,7 @@ def _tensor_bytes(tensors) -> int:
 def _one_rep(model_dir: str, lora: dict | None, rows: int, tokens: int, threads: int, out) -> None:
     import torch
 
-    from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
+    from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
 
     started = time.perf_counter()
     trainer = PolicyTrainer(model_dir, 0, lr=1e-4, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, seed=0,
@@ -96,7 +96,7 @@ def _serve_rep(model_dir: str, adapter_dir: str | None, requests: int, max_token
     (``enable_lora``, every request with a ``LoRARequest`` of the adapters). One engine alive at a time."""
     import os
 
-    from marl_pipeline.runtime.engine import ENGINE_ENV, MAX_NUM_SEQS, set_engine_threads
+    from marl_pipeline.inference.engine import ENGINE_ENV, MAX_NUM_SEQS, set_engine_threads
 
     os.environ.update(ENGINE_ENV)
     set_engine_threads(threads)
@@ -122,7 +122,7 @@ def _save_adapters(model_dir: str, directory: str) -> None:
     import peft
     import torch
 
-    from marl_pipeline.runtime.models import load_policy
+    from marl_pipeline.policy.checkpoint import load_policy
 
     torch.manual_seed(0)
     model = peft.get_peft_model(load_policy(model_dir)[0], peft.LoraConfig(r=8, lora_alpha=16,
@@ -152,7 +152,7 @@ def serving(model_dir: str, requests: int, max_tokens: int, threads: int) -> Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="a model source (runtime/model_sources.py)")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="a model source (bootstrap/model_sources.py)")
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64, help="prompt + response tokens per row (half each)")
     parser.add_argument("--threads", type=int, default=2)
@@ -162,7 +162,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
-    from marl_pipeline.runtime.model_sources import resolve_model_source
+    from marl_pipeline.bootstrap.model_sources import resolve_model_source
 
     model_dir = resolve_model_source(args.model)
     if args.serving:

@@ -1,6 +1,6 @@
 """Probe: the verifier's verdict cold start on SmolLM2-135M, with and without rehearsing its working.
 
-For each ``--rehearse`` share, the base model is warmed up as ``warmup_turns: verdict`` does it (runtime/warmup.py,
+For each ``--rehearse`` share, the base model is warmed up as ``warmup_turns: verdict`` does it (bootstrap/warmup.py,
 environments/math_worked.py), then measured on the run's held-out verifier cases with greedy decoding through
 transformers (not vLLM), as the evaluations asset plays them: the working, then the verdict on the shown answer.
 Also the working at temperature 1 on the same questions (``--samples`` each): its accuracy and the share that
@@ -22,16 +22,16 @@ import numpy as np
 import torch
 
 from environments.math_answers import same_answer, stated_answer
+from marl_pipeline.bootstrap.model_sources import resolve_model_source
+from marl_pipeline.bootstrap.own_replies import sample_replies
+from marl_pipeline.bootstrap.warmup import supervised_warmup
 from marl_pipeline.config import load_config
 from marl_pipeline.environment import Turn, build_environment
-from marl_pipeline.runtime.chat import ChatTokenizer
-from marl_pipeline.runtime.losses import pad_sequences, token_logprobs
-from marl_pipeline.runtime.model_sources import resolve_model_source
-from marl_pipeline.runtime.models import load_policy
-from marl_pipeline.runtime.own_replies import sample_replies
-from marl_pipeline.runtime.precision import resolve_dtype
-from marl_pipeline.runtime.warmup import supervised_warmup
+from marl_pipeline.inference.chat import ChatTokenizer
+from marl_pipeline.policy.checkpoint import load_policy
+from marl_pipeline.policy.precision import resolve_dtype
 from marl_pipeline.stages.evaluation import EvaluationSettings, evaluation_cases
+from marl_pipeline.training.losses import pad_sequences, token_logprobs
 
 
 def _replies(model, chat: ChatTokenizer, conversations, *, greedy: bool, max_new_tokens: int) -> list[str]:

@@ -1,4 +1,4 @@
-"""Launches in one process with and without ``ray.keep_actors`` (runtime/warm_actors.py), side by side.
+"""Launches in one process with and without ``ray.keep_actors`` (cluster/warm_actors.py), side by side.
 
 Each launch is the test suite's small demo run (tests/conftest.py's ``small_config_data``: two agents on the built-in
 tiny model, 2 steps of 2 micro-batches) on a fresh store, so every launch does the same work. Per launch: the seconds
@@ -51,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    from marl_pipeline.runtime import warm_actors
+    from marl_pipeline.cluster import warm_actors
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     root = Path(tempfile.mkdtemp(prefix="warm_launches_"))

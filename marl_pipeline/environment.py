@@ -74,7 +74,7 @@ class Turn:
 class Rehearsal:
     """A warm-up completion to hold, not teach: along its tokens the loss is the KL from the model as warm-up
     started, as for a ``None`` completion (whose path is sampled instead), plus the squared change of its own tokens'
-    log-probabilities (``runtime/warmup.py``). A plugin gives one to hold a path that sampling rarely finds: a base
+    log-probabilities (``bootstrap/warmup.py``). A plugin gives one to hold a path that sampling rarely finds: a base
     model's rare right answer."""
 
     text: str
@@ -153,7 +153,7 @@ class Environment(Protocol):
         """(prompt, completion) pairs for the supervised warm-up of ``role``'s base policy. A prompt given as chat
         messages is rendered with the agent's chat template, as rollout renders it. A ``None`` completion rehearses
         the policy's own reply to the prompt, sampled before warm-up as rollout samples: teaching one turn then
-        leaves that one as it was (``runtime/warmup.py``)."""
+        leaves that one as it was (``bootstrap/warmup.py``)."""
 
 
 @dataclass(frozen=True)

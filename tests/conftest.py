@@ -51,7 +51,7 @@ def small_config_data(base: dict, store: Path, **pipeline) -> dict:
         # desired CPU memory utilization") passes beside another test's leftovers or a second workload.
         agent.setdefault("engine", {})["gpu_memory_utilization"] = 0.08
     data.pop("evaluation", None)  # the tests that evaluate turn it on themselves
-    # A module's launches take the engines and trainers the one before kept (runtime/warm_actors.py): starting
+    # A module's launches take the engines and trainers the one before kept (cluster/warm_actors.py): starting
     # them was 25 of a small launch's 28 s. Each test still builds its own store and starting policies.
     data.setdefault("ray", {})["keep_actors"] = True
     return data
@@ -65,7 +65,7 @@ def small_config(demo_config_data: dict, tmp_path: Path) -> ExperimentConfig:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
-    from marl_pipeline.runtime.models import build_tiny_model
+    from marl_pipeline.bootstrap.tiny_model import build_tiny_model
 
     env = ArithmeticCheck(ArithmeticOptions())
     directory = tmp_path_factory.mktemp("tiny") / "model"
@@ -76,7 +76,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def smollm2_dir(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct dequantized from its packaged GGUF into a fresh cache (about 30 s): once a session,
     for every module that uses the real model (tests/test_model_sources.py checks the conversion)."""
-    from marl_pipeline.runtime.model_sources import resolve_model_source
+    from marl_pipeline.bootstrap.model_sources import resolve_model_source
 
     return Path(resolve_model_source("smollm2-135m-instruct", tmp_path_factory.mktemp("models")))
 
@@ -85,7 +85,7 @@ def smollm2_dir(tmp_path_factory) -> Path:
 def local_ray():
     import ray
 
-    from marl_pipeline.runtime import warm_actors
+    from marl_pipeline.cluster import warm_actors
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import ray
 
+from marl_pipeline.actions.pool import ActionPool
+from marl_pipeline.actions.worker import Job
 from marl_pipeline.config import PoolSettings
-from marl_pipeline.runtime.action_pool import ActionPool
-from marl_pipeline.runtime.action_worker import Job
 
 # A stalled first copy sleeps this long; the checks below finish well before it. Generous: on a loaded 2-core
 # machine starting a hedge's worker and dispatching to it can take a second or more.

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from marl_pipeline.cluster.spawn import actor_threads, shared_threads, start_trainers
 from marl_pipeline.config import ConfigError, parse_config
-from marl_pipeline.runtime.workers import actor_threads, shared_threads, start_trainers
 from marl_pipeline.store import ExperienceStore
 
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from marl_pipeline.runtime import precision
-from marl_pipeline.runtime.losses import (
+from marl_pipeline.policy import precision
+from marl_pipeline.training.losses import (
     entropy_from_log_probs,
     grpo_token_loss,
     k3_kl,
@@ -21,7 +21,7 @@ from marl_pipeline.runtime.losses import (
     token_logprobs_and_entropy,
     truncated_is_weights,
 )
-from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
+from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
 
 LN2 = math.log(2)
 
@@ -174,8 +174,8 @@ def test_bf16_trainer_keeps_float32_weights_and_close_logprobs(tiny_model_dir: P
 
 
 def test_trainer_options_carry_the_algorithm_and_precision(demo_config_data: dict, tmp_path: Path) -> None:
+    from marl_pipeline.cluster.spawn import trainer_options
     from marl_pipeline.config import parse_config
-    from marl_pipeline.runtime.workers import trainer_options
     from marl_pipeline.store import ExperienceStore
 
     store = ExperienceStore(tmp_path / "store")
@@ -223,7 +223,7 @@ def test_mismatch_columns_are_stored_summarised_and_optional_in_older_partitions
 
 
 def test_the_engines_auto_dtype_asks_the_trainers_hardware_check(monkeypatch) -> None:
-    from marl_pipeline.runtime.engine import engine_dtype
+    from marl_pipeline.inference.engine import engine_dtype
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for has_bf16, expected in ((False, "float32"), (True, "bfloat16")):

@@ -55,5 +55,5 @@ def test_the_architecture_page_names_every_module() -> None:
     modules = [str(path.relative_to(ROOT / "marl_pipeline")) for path in (ROOT / "marl_pipeline").rglob("*.py")
                if path.name != "__init__.py"]
     assert [module for module in modules if f"`{module}`" not in page] == []
-    for layer in ("run/", "stages/", "runtime/", "store/"):  # the layer picture shows every subpackage
-        assert f"  {layer}" in page
+    subpackages = [path.parent.name for path in (ROOT / "marl_pipeline").glob("*/__init__.py")]
+    assert [name for name in subpackages if f"  {name}/" not in page] == []  # the layer picture shows each one

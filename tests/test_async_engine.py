@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig
-from marl_pipeline.runtime.async_engine import AsyncRolloutEngine, RequestAborted
-from marl_pipeline.runtime.models import kv_cache_bytes_per_token
-from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
-from marl_pipeline.runtime.workers import engine_actor
+from marl_pipeline.inference.async_engine import AsyncRolloutEngine, RequestAborted
+from marl_pipeline.policy.checkpoint import kv_cache_bytes_per_token
+from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
 
 LOGPROB_TOLERANCE = 1e-4
 PROMPT = [17, 11, 18, 29]

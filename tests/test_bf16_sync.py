@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig
-from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
-from marl_pipeline.runtime.workers import engine_actor
+from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
 from tests.test_model_sources import needs_smollm2
 
 BF16_TOLERANCE = 0.15

@@ -12,7 +12,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 
 from marl_pipeline.environment import ActionResult, EvaluationCase, register_environment
-from marl_pipeline.runtime.chat import ChatPromptError, ChatSession, ChatTokenizer, load_chat_tokenizer
+from marl_pipeline.inference.chat import ChatPromptError, ChatSession, ChatTokenizer, load_chat_tokenizer
 from marl_pipeline.store import MicroBatchKey
 from tests.test_model_sources import needs_smollm2
 
@@ -159,9 +159,9 @@ def test_bad_chat_prompts_name_the_environment_role_and_turn(chat_tokenizer, tin
 @pytest.fixture(scope="module")
 def chat_run(local_ray, smollm2_dir, tmp_path_factory):
     """A one-agent run of ``chat_twice`` on SmolLM2, its base policy committed to a fresh store."""
+    from marl_pipeline.bootstrap.policies import prepare_base_policies
     from marl_pipeline.config import parse_config
     from marl_pipeline.environment import build_environment
-    from marl_pipeline.runtime.policies import prepare_base_policies
     from marl_pipeline.store import ExperienceStore
 
     config = parse_config({
@@ -182,11 +182,11 @@ def chat_run(local_ray, smollm2_dir, tmp_path_factory):
 @needs_smollm2
 def test_engine_stored_and_trainer_ids_are_the_templates_and_a_recomputation_repeats_them(chat_run,
                                                                                          chat_tokenizer) -> None:
-    from marl_pipeline.runtime.losses import pad_sequences
-    from marl_pipeline.runtime.trainer import PolicyTrainer
-    from marl_pipeline.runtime.workers import trainer_options
+    from marl_pipeline.cluster.spawn import trainer_options
     from marl_pipeline.stages.recompute import recompute_stage
     from marl_pipeline.stages.training import train_batch_for
+    from marl_pipeline.training.losses import pad_sequences
+    from marl_pipeline.training.trainer import PolicyTrainer
 
     config, store = chat_run
     key = MicroBatchKey("chat", 0, 0)
@@ -241,8 +241,8 @@ def test_engine_stored_and_trainer_ids_are_the_templates_and_a_recomputation_rep
 def test_evaluation_tokenizes_chat_cases_once_and_plain_strings_still_work(chat_run, chat_tokenizer) -> None:
     import ray
 
-    from marl_pipeline.runtime import warm_actors
-    from marl_pipeline.runtime.workers import start_engines
+    from marl_pipeline.cluster import warm_actors
+    from marl_pipeline.cluster.spawn import start_engines
     from marl_pipeline.stages.evaluation import EvaluationSettings, evaluate_agent, evaluation_cases
 
     config, store = chat_run
@@ -267,7 +267,7 @@ def test_evaluation_tokenizes_chat_cases_once_and_plain_strings_still_work(chat_
 
 
 def test_engine_prompts_are_checked_before_vllm() -> None:
-    from marl_pipeline.runtime.engine import _engine_prompt
+    from marl_pipeline.inference.engine import _engine_prompt
 
     assert _engine_prompt(0, "text") == "text"
     assert _engine_prompt(0, [1, 2]) == {"prompt_token_ids": [1, 2]}

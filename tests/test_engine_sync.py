@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from marl_pipeline.runtime.engine import ENGINE_ENV, RolloutEngine
-from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
+from marl_pipeline.inference.engine import ENGINE_ENV, RolloutEngine
+from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
 
 # Engine and trainer both run the model in float32; they differ only in kernels and summation order.
 LOGPROB_TOLERANCE = 1e-4

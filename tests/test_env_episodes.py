@@ -14,10 +14,10 @@ import pytest
 
 from environments.code_tester import CodeOptions, CodeWriterTester
 from environments.math_verifier import MathOptions, MathSolverVerifier
+from marl_pipeline.actions.pool import ActionPool
 from marl_pipeline.config import PoolSettings
 from marl_pipeline.environment import ActionResult, Turn
-from marl_pipeline.runtime.action_pool import ActionPool
-from marl_pipeline.runtime.engine import ENGINE_ENV, RolloutEngine
+from marl_pipeline.inference.engine import ENGINE_ENV, RolloutEngine
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.reward import score_micro_batch
 from marl_pipeline.stages.rollout import RolloutSettings, rollout_micro_batch

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from marl_pipeline.cluster.spawn import engine_dirs, trainer_options
 from marl_pipeline.config import ConfigError, LoraAdapterConfig, RetentionConfig, parse_config
-from marl_pipeline.runtime.lora import LoraCheckpointError, merged_checkpoint
-from marl_pipeline.runtime.losses import pad_sequences, token_logprobs
-from marl_pipeline.runtime.models import load_policy
-from marl_pipeline.runtime.trainer import TRAINER_STATE, PolicyTrainer, TrainBatch
-from marl_pipeline.runtime.workers import engine_dirs, trainer_options
+from marl_pipeline.policy.checkpoint import load_policy
+from marl_pipeline.policy.lora import LoraCheckpointError, merged_checkpoint
 from marl_pipeline.store import ExperienceStore
 from marl_pipeline.store.experience import StoreError
+from marl_pipeline.training.losses import pad_sequences, token_logprobs
+from marl_pipeline.training.trainer import TRAINER_STATE, PolicyTrainer, TrainBatch
 from tests.conftest import small_config_data
 
 PROMPT, RESPONSE = [5, 6, 7, 1], [8, 9, 2, 2]

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig, LoraAdapterConfig
-from marl_pipeline.runtime.async_engine import AsyncRolloutEngine
-from marl_pipeline.runtime.engine import RolloutEngine
-from marl_pipeline.runtime.lora import TAUGHT, WARMUP_ADAPTER
-from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
-from marl_pipeline.runtime.workers import engine_actor
+from marl_pipeline.inference.async_engine import AsyncRolloutEngine
+from marl_pipeline.inference.engine import RolloutEngine
+from marl_pipeline.policy.lora import TAUGHT, WARMUP_ADAPTER
+from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
 from tests.test_model_sources import needs_smollm2
 
 LOGPROB_TOLERANCE = 1e-4
@@ -37,7 +37,7 @@ def _version_0_with_warmup_adapters(smollm2_dir: Path, directory: Path) -> Path:
     import peft
     import torch
 
-    from marl_pipeline.runtime.models import load_policy
+    from marl_pipeline.policy.checkpoint import load_policy
 
     directory.mkdir()
     for path in smollm2_dir.iterdir():

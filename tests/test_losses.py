@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from marl_pipeline.runtime.losses import (
+from marl_pipeline.stages.credit import group_relative_advantages
+from marl_pipeline.training.losses import (
     clip_fraction,
     clipped_pg_token_loss,
     mismatch_stats,
     pad_sequences,
     summed_loss,
 )
-from marl_pipeline.stages.credit import group_relative_advantages
 
 
 def test_clipped_loss_matches_hand_computation() -> None:

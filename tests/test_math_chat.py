@@ -274,7 +274,7 @@ def test_the_tiny_models_warm_up_gets_plain_text() -> None:
 def test_chat_prompts_are_short_under_smollm2s_template() -> None:
     from transformers import AutoTokenizer
 
-    from marl_pipeline.runtime.model_sources import PACKAGED_MODELS, packaged_gguf
+    from marl_pipeline.bootstrap.model_sources import PACKAGED_MODELS, packaged_gguf
 
     gguf = packaged_gguf(*PACKAGED_MODELS["smollm2-135m-instruct"])
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

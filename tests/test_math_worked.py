@@ -270,7 +270,7 @@ def test_the_turns_its_warm_up_teaches() -> None:
 def test_chat_warm_up_prompts_take_the_agents_template(tiny_model_dir) -> None:
     from transformers import AutoTokenizer
 
-    from marl_pipeline.runtime.own_replies import warmup_prompt_ids
+    from marl_pipeline.bootstrap.own_replies import warmup_prompt_ids
 
     messages = [{"role": "user", "content": "What is 17 + 5?"}]
     tiny = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -296,8 +296,8 @@ def test_the_verdict_turn_fits_the_smollm2_configs_context() -> None:
     128 tokens configs/smollm2_arithmetic.yaml gives the verifier."""
     from transformers import AutoTokenizer
 
-    from marl_pipeline.runtime.chat import ChatTokenizer
-    from marl_pipeline.runtime.model_sources import PACKAGED_MODELS, packaged_gguf
+    from marl_pipeline.bootstrap.model_sources import PACKAGED_MODELS, packaged_gguf
+    from marl_pipeline.inference.chat import ChatTokenizer
 
     gguf = packaged_gguf(*PACKAGED_MODELS["smollm2-135m-instruct"])
     chat = ChatTokenizer(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), "SmolLM2")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from marl_pipeline.runtime.model_sources import (
+from marl_pipeline.bootstrap.model_sources import (
     PACKAGED_MODELS,
     ModelSourceError,
     packaged_gguf,

@@ -15,10 +15,10 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
+from marl_pipeline.cluster import warm_actors
 from marl_pipeline.config import parse_config
 from marl_pipeline.run.events import RunFinished, StepFinished
 from marl_pipeline.run.recipe import train
-from marl_pipeline.runtime import warm_actors
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import STAGES
 from tests.conftest import small_config_data

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from marl_pipeline.cluster.placement import PlacementError, plan_placement
 from marl_pipeline.config import parse_config
 from marl_pipeline.environment import ActionResult, Task, Turn, register_environment
-from marl_pipeline.runtime.placement import PlacementError, plan_placement
 from tests.docs_plugin import RelayGame
 
 

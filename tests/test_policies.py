@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+from marl_pipeline.bootstrap.policies import latest_versions, prepare_base_policies
 from marl_pipeline.config import parse_config
 from marl_pipeline.environment import build_environment
-from marl_pipeline.runtime.models import load_policy
-from marl_pipeline.runtime.policies import latest_versions, prepare_base_policies
+from marl_pipeline.policy.checkpoint import load_policy
 from marl_pipeline.store import ExperienceStore
 
 
@@ -48,7 +48,7 @@ def test_a_lora_warm_up_is_merged_into_a_plain_version_0(demo_config_data, tiny_
     layers moved by an update of at most the adapters' rank and whose other weights are the source's."""
     import torch
 
-    from marl_pipeline.runtime.lora import is_adapter_checkpoint
+    from marl_pipeline.policy.lora import is_adapter_checkpoint
 
     data = copy.deepcopy(demo_config_data)
     data["store"] = str(tmp_path / "store")
@@ -87,7 +87,7 @@ def test_a_separate_warm_up_keeps_its_adapters_beside_the_untouched_model(demo_c
 
     import pytest
 
-    from marl_pipeline.runtime.lora import warmup_adapter_dir
+    from marl_pipeline.policy.lora import warmup_adapter_dir
 
     config = _separate_warmup_config(demo_config_data, tiny_model_dir, tmp_path / "store", {
         "name": "math_chat_worked", "options": {"prompt_format": "text", "warmup_turns": "both"}})

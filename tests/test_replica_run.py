@@ -16,11 +16,11 @@ from pathlib import Path
 import ray
 
 from environments.arithmetic import ArithmeticCheck
+from marl_pipeline.cluster import warm_actors
 from marl_pipeline.config import parse_config
 from marl_pipeline.environment import ActionResult, Task, Turn, register_environment
 from marl_pipeline.run.events import ReplicaChanged, RunFinished, StageCommitted
 from marl_pipeline.run.recipe import train
-from marl_pipeline.runtime import warm_actors
 from marl_pipeline.store import ExperienceStore
 from tests.conftest import small_config_data
 

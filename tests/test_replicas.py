@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 
+from marl_pipeline.cluster import warm_actors
+from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig, RolloutConfig
-from marl_pipeline.runtime import warm_actors
-from marl_pipeline.runtime.async_engine import AsyncRolloutEngine
-from marl_pipeline.runtime.replicas import EngineReplicas
-from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
-from marl_pipeline.runtime.workers import engine_actor
+from marl_pipeline.inference.async_engine import AsyncRolloutEngine
+from marl_pipeline.inference.replicas import EngineReplicas
 from marl_pipeline.stages.rollout import RolloutSettings
 from marl_pipeline.stages.trajectories import rollout_trajectories
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import with_stage_timing
+from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
 from tests.timed_replies import TimedReplies
 
 LOGPROB_TOLERANCE = 1e-4
@@ -57,7 +57,8 @@ def replicas(local_ray, tiny_model_dir: Path):
         return warm_actors.start(actor, "writer", str(tiny_model_dir), version, gpu_memory_utilization=0.04,
                                  max_model_len=128, dtype="float32", seed=0, threads=1)
 
-    engines = EngineReplicas("writer", [spawn(0, 0), spawn(1, 0)], version=0, spawn=spawn)
+    engines = EngineReplicas("writer", [spawn(0, 0), spawn(1, 0)], version=0, spawn=spawn,
+                             release=warm_actors.release)
     local_ray.get([h.policy_version.remote() for h in engines.handles()])
     yield engines
     engines.shutdown()

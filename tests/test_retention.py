@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from marl_pipeline.config import RetentionConfig
-from marl_pipeline.runtime.trainer import TRAINER_STATE, PolicyTrainer, TrainBatch
 from marl_pipeline.stages.recompute import recompute_stage
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.experience import StoreError
 from marl_pipeline.store.retention import retained_versions
+from marl_pipeline.training.trainer import TRAINER_STATE, PolicyTrainer, TrainBatch
 from tests.stored_run import write_run
 
 

@@ -12,8 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
+from marl_pipeline.bootstrap.reward_model import train_tiny_reward_model
 from marl_pipeline.config import ConfigError, RewardModelConfig, parse_config
-from marl_pipeline.runtime.reward_model import RewardModelPool, RewardModelServer, train_tiny_reward_model
+from marl_pipeline.inference.reward_model import RewardModelPool, RewardModelServer
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.reward import ModelReward, score_micro_batch
 from tests.conftest import small_config_data

@@ -8,9 +8,9 @@ import copy
 import pyarrow as pa
 import pytest
 
+from marl_pipeline.cluster.placement import PlacementError, plan_placement
 from marl_pipeline.config import ConfigError, parse_config
-from marl_pipeline.runtime.placement import PlacementError, plan_placement
-from marl_pipeline.runtime.router import NoReplica, Router, split_replicas
+from marl_pipeline.inference.router import NoReplica, Router, split_replicas
 from marl_pipeline.stages.trajectories import token_demand
 
 

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
+from marl_pipeline.actions.pool import ActionPool
+from marl_pipeline.actions.worker import Job
 from marl_pipeline.config import PoolSettings
-from marl_pipeline.runtime.action_pool import ActionPool
-from marl_pipeline.runtime.action_worker import Job
 from marl_pipeline.sandbox import SandboxLimits, isolation_available, run_python
 
 LIMITS = SandboxLimits(cpu_seconds=1, wall_seconds=3, memory_bytes=256 * 2**20)

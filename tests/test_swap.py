@@ -12,8 +12,8 @@ import pytest
 import ray
 import torch
 
-from marl_pipeline.runtime.swap import AgentSpec, SwappedTrainer, TrainerWorker, actor_handles
-from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch
+from marl_pipeline.training.swap import AgentSpec, SwappedTrainer, TrainerWorker, actor_handles
+from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
 
 OPTIONS = {  # agents that differ, so a state landing in the wrong shell would show
     "a": dict(lr=1e-2, seed=0),
@@ -88,7 +88,7 @@ def test_swapped_training_is_bit_identical_to_resident(local_ray, tiny_model_dir
 def _loaded_bytes(worker: TrainerWorker) -> int:
     """What the worker's last swap-out put and nothing has swapped in since (none: every swap out was swapped in,
     except the states still in the store)."""
-    from marl_pipeline.runtime.swap import state_bytes
+    from marl_pipeline.training.swap import state_bytes
 
     return sum(state_bytes(ray.get(ref)) for ref in worker.swapped.values())
 
@@ -101,8 +101,8 @@ def test_an_agent_the_worker_does_not_serve_is_named(local_ray, tiny_model_dir: 
 
 def test_swapped_trainer_actors_match_resident_ones(local_ray, tmp_path: Path, tiny_model_dir: Path) -> None:
     """Through Ray as a run spawns them (``start_trainers``, budget 1 for 3 agents) against resident actors."""
+    from marl_pipeline.cluster.spawn import Workers, start_trainers
     from marl_pipeline.config import parse_config
-    from marl_pipeline.runtime.workers import Workers, start_trainers
     from marl_pipeline.store import ExperienceStore
     from tests.test_placement import RelayOfThree  # noqa: F401  (registers relay_of_three)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from marl_pipeline.runtime.trainer import PolicyTrainer, TrainBatch, length_chunks
+from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch, length_chunks
 
 
 def _random_batch(rng: np.random.Generator, rows: int, vocab: int) -> TrainBatch:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig, RolloutConfig
-from marl_pipeline.runtime.async_engine import AsyncRolloutEngine
-from marl_pipeline.runtime.workers import engine_actor
+from marl_pipeline.inference.async_engine import AsyncRolloutEngine
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.reward import score_micro_batch
 from marl_pipeline.stages.rollout import RolloutSettings, rollout_micro_batch

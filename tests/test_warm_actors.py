@@ -1,4 +1,4 @@
-"""Engines and trainers kept between the launches of one process (``ray.keep_actors``, runtime/warm_actors.py): the
+"""Engines and trainers kept between the launches of one process (``ray.keep_actors``, cluster/warm_actors.py): the
 next launch takes them and ends exactly where a launch on new actors ends; what they cannot serve is replaced."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 import pyarrow.compute as pc
 from safetensors.torch import load_file
 
+from marl_pipeline.cluster import warm_actors
 from marl_pipeline.config import parse_config
+from marl_pipeline.inference.engine import model_fingerprint
 from marl_pipeline.run.recipe import train
-from marl_pipeline.runtime import warm_actors
-from marl_pipeline.runtime.engine import model_fingerprint
 from marl_pipeline.store import ExperienceStore
 from tests.conftest import small_config_data
 

@@ -9,10 +9,10 @@ import numpy as np
 import torch
 
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
-from marl_pipeline.runtime.losses import pad_sequences, token_logprobs
-from marl_pipeline.runtime.models import load_policy
-from marl_pipeline.runtime.own_replies import policy_replies, sample_replies, warmup_prompt_ids
-from marl_pipeline.runtime.warmup import supervised_warmup
+from marl_pipeline.bootstrap.own_replies import policy_replies, sample_replies, warmup_prompt_ids
+from marl_pipeline.bootstrap.warmup import supervised_warmup
+from marl_pipeline.policy.checkpoint import load_policy
+from marl_pipeline.training.losses import pad_sequences, token_logprobs
 
 
 def _mean_logprob(model, prompts: list[list[int]], replies: list[list[int]], pad: int) -> float:
@@ -71,8 +71,8 @@ def test_context_positions_are_the_earlier_replies_and_rehearsing_them_keeps_the
     """A verdict example's prompt holds the agent's own earlier reply as an assistant message: its positions are
     found in the template's ids, and with ``rehearse_context`` the KL there keeps that turn where it started while
     the verdict is taught; without it, the turn drifts."""
-    from marl_pipeline.runtime.chat import ChatTokenizer
-    from marl_pipeline.runtime.own_replies import context_reply_positions
+    from marl_pipeline.bootstrap.own_replies import context_reply_positions
+    from marl_pipeline.inference.chat import ChatTokenizer
 
     base, tokenizer = load_policy(str(tiny_model_dir))
     tokenizer.chat_template = CHATML

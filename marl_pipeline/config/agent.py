@@ -29,15 +29,15 @@ class EngineConfig(StrictModel):
     """Ray GPUs reserved for the engine actor (0 on CPU machines)."""
     replicas: int = Field(1, ge=1, le=64)
     """Engine actors serving this agent (``trajectory`` rollout mode only), each reserving ``num_cpus``/``num_gpus``
-    and its own ``gpu_memory_utilization``. A router (runtime/router.py) keeps an episode on the replica that served
+    and its own ``gpu_memory_utilization``. A router (inference/router.py) keeps an episode on the replica that served
     its earlier turns and sends a new one to the least loaded; weights are synced to one replica at a time, and a
-    replica that dies is restarted while the others serve (runtime/replicas.py)."""
+    replica that dies is restarted while the others serve (inference/replicas.py)."""
     max_outstanding: int | None = Field(None, ge=1)
     """Requests in flight on one replica beyond which a new episode waits for room rather than join it (None: no
     limit). An episode's later turns still go to its own replica."""
     threads: int | None = Field(None, ge=1)
     """CPU threads of the engine's forward passes. None: the cluster's CPUs shared among the run's engines and
-    trainers in proportion to their ``num_cpus``, at least 1 and at most one node's CPUs (``runtime/workers.py``).
+    trainers in proportion to their ``num_cpus``, at least 1 and at most one node's CPUs (``cluster/spawn.py``).
     Set it because Ray would give an actor with fractional ``num_cpus`` a single thread."""
 
 
@@ -75,7 +75,7 @@ class LoraAdapterConfig(StrictModel):
     """Train LoRA adapters (peft) on top of the agent's base policy (version 0) instead of every weight.
 
     The base stays frozen; versions after 0 store only the adapters and their AdamW state, and engines serve the
-    base with the adapters merged in (``runtime/lora.py``). No dropout: the trainer's logprobs must be the
+    base with the adapters merged in (``policy/lora.py``). No dropout: the trainer's logprobs must be the
     engine's, and dropout would make them differ on every training pass."""
 
     rank: int = Field(8, ge=1)
@@ -105,7 +105,7 @@ class WarmupConfig(StrictModel):
     """Warm-up learning rate."""
     rehearse_context: bool = False
     """Also hold the agent's own earlier replies that a chat example's prompt shows as assistant messages where the
-    model had them: the KL from the starting model at their positions (``runtime/warmup.py``)."""
+    model had them: the KL from the starting model at their positions (``bootstrap/warmup.py``)."""
     lora: LoraAdapterConfig | None = None
     """Warm up LoRA adapters (peft) instead of every weight, then merge them into version 0 (None: every weight),
     or keep them apart (``separate``). A step is cheaper (no gradients or AdamW moments for the frozen weights).
@@ -133,7 +133,7 @@ class AgentConfig(StrictModel):
     model: str = BUILTIN_TINY
     """``builtin:tiny`` (built locally), a local Hugging Face model directory, a hub id, a ``.gguf`` file
     (dequantized once into a cached directory), or a packaged model's short name (``smollm2-135m-instruct``,
-    the ``models`` extra); see ``runtime/model_sources.py``."""
+    the ``models`` extra); see ``bootstrap/model_sources.py``."""
     engine: EngineConfig = EngineConfig()
     trainer: TrainerConfig = TrainerConfig()
     warmup: WarmupConfig = WarmupConfig()

@@ -78,7 +78,7 @@ class RolloutConfig(StrictModel):
     rebalance_replicas: bool = False
     """Between steps, split the agents' engine replicas (their ``engine.replicas`` summed: the budget the placement
     plan reserved) in proportion to each agent's tokens (prompt + response) in the step before, at least one each
-    (FlexMARL's inter-agent level; runtime/router.py ``split_replicas``). Needs every agent's engine to ask for the
+    (FlexMARL's inter-agent level; inference/router.py ``split_replicas``). Needs every agent's engine to ask for the
     same CPUs and GPUs, so that a replica moved from one agent to another fits where the old one was."""
 
     @model_validator(mode="after")
@@ -148,6 +148,6 @@ class AlgorithmConfig(StrictModel):
     tis_cap: float | None = Field(None, ge=1)
     """Truncated importance sampling: weight each token's policy-gradient term by min(trainer/engine ratio, cap)
     to correct the engine-vs-trainer mismatch; the PPO clip then uses the trainer's own ratio pi/sg(pi)
-    (``runtime/losses.clipped_pg_token_loss``). None: off, the clip uses pi/pi_engine."""
+    (``training/losses.clipped_pg_token_loss``). None: off, the clip uses pi/pi_engine."""
 
 

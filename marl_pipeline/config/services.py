@@ -85,8 +85,8 @@ class RayConfig(StrictModel):
     resident_trainers: int | None = Field(None, ge=1)
     """Trainer budget: at most this many trainers hold their state in memory at once. Fewer than the agents: that
     many trainer worker actors serve every agent, each agent's parameters and optimizer state swapped in for its
-    calls and out to the Ray object store between them (``runtime/swap.py``). None: every trainer resident where
-    the plan fits the cluster, else the most workers that fit (``runtime/placement.py``)."""
+    calls and out to the Ray object store between them (``training/swap.py``). None: every trainer resident where
+    the plan fits the cluster, else the most workers that fit (``cluster/placement.py``)."""
     engine_resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each agent's engine asks for besides its CPUs and GPUs, e.g. ``{engines: 1}``: it then
     runs only on nodes started with them (``ray start --resources '{"engines": 4}'``). Empty: any node."""
@@ -97,7 +97,7 @@ class RayConfig(StrictModel):
     script, notebook or sweep calling ``train`` again; the test suite): it takes those started with the same
     settings, restarted at its own starting versions (a trainer rebuilt, an engine's weights reloaded), instead of
     starting new ones (~15-25 s each on a CPU, most of it imports). Until then they hold their CPUs and memory; a
-    launch stops the kept ones it does not take (``runtime/warm_actors.py``)."""
+    launch stops the kept ones it does not take (``cluster/warm_actors.py``)."""
 
     @field_validator("engine_resources", "trainer_resources")
     @classmethod

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from marl_pipeline.bootstrap.policies import BasePolicy
+from marl_pipeline.cluster.placement import PlacementPlan
 from marl_pipeline.run.launches import LaunchPlan
-from marl_pipeline.runtime.placement import PlacementPlan
-from marl_pipeline.runtime.policies import BasePolicy
 from marl_pipeline.store import MicroBatchKey
 
 

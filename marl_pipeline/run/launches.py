@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from marl_pipeline.bootstrap.policies import latest_versions
 from marl_pipeline.config import ExperimentConfig
-from marl_pipeline.runtime.policies import latest_versions
 from marl_pipeline.store import ExperienceStore
 from marl_pipeline.store.schema import STAGES
 

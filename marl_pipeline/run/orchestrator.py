@@ -32,8 +32,10 @@ from functools import partial
 import pyarrow as pa
 import ray
 
+from marl_pipeline.cluster.spawn import Workers
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import Environment, taught_turn_indices
+from marl_pipeline.inference.router import split_replicas
 from marl_pipeline.run.evaluations import EvaluationRounds
 from marl_pipeline.run.events import (
     Event,
@@ -44,8 +46,6 @@ from marl_pipeline.run.events import (
     StepFinished,
 )
 from marl_pipeline.run.launches import LaunchPlan
-from marl_pipeline.runtime.router import split_replicas
-from marl_pipeline.runtime.workers import Workers
 from marl_pipeline.stages.evaluation import EvaluationSettings, is_evaluated
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.reward import ModelReward, score_micro_batch

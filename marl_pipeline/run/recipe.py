@@ -10,15 +10,15 @@ from collections.abc import Iterator
 
 import ray
 
+from marl_pipeline.bootstrap.policies import prepare_base_policies
+from marl_pipeline.bootstrap.reward_model import prepare_reward_model
+from marl_pipeline.cluster.placement import plan_placement
+from marl_pipeline.cluster.spawn import start_workers
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import build_environment
 from marl_pipeline.run.events import LaunchEvent, RunFinished, RunStarted
 from marl_pipeline.run.launches import finish_launch, plan_launch
 from marl_pipeline.run.orchestrator import Orchestrator
-from marl_pipeline.runtime.placement import plan_placement
-from marl_pipeline.runtime.policies import prepare_base_policies
-from marl_pipeline.runtime.reward_model import prepare_reward_model
-from marl_pipeline.runtime.workers import start_workers
 from marl_pipeline.stages.execution import action_pool_settings
 from marl_pipeline.store import ExperienceStore
 

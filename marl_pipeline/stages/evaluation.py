@@ -27,7 +27,7 @@ import ray
 
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import EVALUATION_HOOKS, Environment, EvaluationCase, Turn, taught_own_turns
-from marl_pipeline.runtime.engine import Completion
+from marl_pipeline.inference.engine import Completion
 from marl_pipeline.stages.rollout import engine_chat_session
 from marl_pipeline.store.schema import EVALUATIONS, with_agent
 
@@ -72,7 +72,7 @@ def evaluate_agent(env: Environment, role: str, engine: ray.actor.ActorHandle,
     cases = evaluation_cases(env, role, settings)
     chats = engine_chat_session(env, {role: engine})
     transcripts = [list(case.transcript) for case in cases]
-    taught = taught_own_turns(env, role)  # served with a separate warm-up's adapters (runtime/engine.py)
+    taught = taught_own_turns(env, role)  # served with a separate warm-up's adapters (inference/engine.py)
     last: dict[int, tuple[str | list[int], Completion]] = {}
     versions = set()
     for turn in range(max((case.turns for case in cases), default=0)):

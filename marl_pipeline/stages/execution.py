@@ -21,10 +21,10 @@ from datetime import UTC, datetime
 
 import pyarrow as pa
 
+from marl_pipeline.actions.pool import ActionPool
+from marl_pipeline.actions.worker import ActionOutcome, Job
 from marl_pipeline.config import PoolSettings
 from marl_pipeline.environment import MAX_ACTION_BYTES, ActionResult, Environment, validate_action
-from marl_pipeline.runtime.action_pool import ActionPool
-from marl_pipeline.runtime.action_worker import ActionOutcome, Job
 from marl_pipeline.stages.episodes import TURN_KEYS, episodes_of, transcript_of
 from marl_pipeline.store.schema import ENVIRONMENT_RESULTS, with_agent
 

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from marl_pipeline.actions.pool import shared_pool
+from marl_pipeline.bootstrap.reward_model import prepare_reward_model
+from marl_pipeline.cluster.spawn import trainer_options, with_local_base
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import build_environment, taught_turn_indices
-from marl_pipeline.runtime.action_pool import shared_pool
-from marl_pipeline.runtime.reward_model import RewardModelServer, prepare_reward_model
-from marl_pipeline.runtime.trainer import PolicyTrainer
-from marl_pipeline.runtime.workers import trainer_options, with_local_base
+from marl_pipeline.inference.reward_model import RewardModelServer
 from marl_pipeline.stages.evaluation import EvaluationSettings, evaluate_agent, is_evaluated, with_metrics
 from marl_pipeline.stages.execution import action_pool_settings, execute_micro_batch
 from marl_pipeline.stages.reward import ModelReward, score_micro_batch
@@ -29,6 +29,7 @@ from marl_pipeline.stages.training import train_batch_for, updates_table
 from marl_pipeline.stages.trajectories import sample_micro_batch
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import with_stage_timing
+from marl_pipeline.training.trainer import PolicyTrainer
 
 
 def recompute_stage(stage: str, config: ExperimentConfig, store: ExperienceStore,
@@ -99,8 +100,8 @@ def _policy_versions_at(store: ExperienceStore, config: ExperimentConfig, key: M
 def _engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]):
     """Engine actors serving ``versions`` for one recomputation, stopped when it ends (kept for the next launch or
     recomputation in this process with ``ray.keep_actors``)."""
-    from marl_pipeline.runtime import warm_actors
-    from marl_pipeline.runtime.workers import start_engines
+    from marl_pipeline.cluster import warm_actors
+    from marl_pipeline.cluster.spawn import start_engines
 
     engines = start_engines(config, store, versions)
     try:

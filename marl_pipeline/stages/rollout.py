@@ -13,7 +13,7 @@ same policy weights.
 
 A plugin may render a turn as chat messages instead of a string: the agent's tokenizer (read in the driver from
 the directory its engine loaded) applies its chat template once, those ids are sent to the engine, stored and
-trained on, and the agent's later turns in the episode extend them (runtime/chat.py). Stored ``prompt_text`` is
+trained on, and the agent's later turns in the episode extend them (inference/chat.py). Stored ``prompt_text`` is
 then the ids decoded, for display only.
 """
 
@@ -29,8 +29,8 @@ import ray
 
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import Environment, Task, Turn, taught_turn_indices
-from marl_pipeline.runtime.chat import ChatSession, ChatTokenizer, fetched_chat_tokenizer
-from marl_pipeline.runtime.engine import Completion
+from marl_pipeline.inference.chat import ChatSession, ChatTokenizer, fetched_chat_tokenizer
+from marl_pipeline.inference.engine import Completion
 from marl_pipeline.store import MicroBatchKey
 from marl_pipeline.store.schema import ROLLOUTS, with_agent
 
@@ -94,7 +94,7 @@ def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHand
 
 def taught_turns(env: Environment) -> frozenset[int]:
     """The episode's turns that a separate warm-up taught (their agent's engine serves them with its adapters,
-    where it has them: runtime/engine.py)."""
+    where it has them: inference/engine.py)."""
     return frozenset().union(*(taught_turn_indices(env, role) for role in set(env.turn_order)))
 
 

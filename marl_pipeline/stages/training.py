@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
-from marl_pipeline.runtime.trainer import TrainBatch
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import POLICY_UPDATES, with_agent
+from marl_pipeline.training.trainer import TrainBatch
 
 
 def train_batch_for(store: ExperienceStore, key: MicroBatchKey, agent: str,
@@ -61,7 +61,7 @@ def issue_order(agents: list[str], micro_batch: int) -> list[str]:
     """The order a micro-batch's accumulate calls are issued in: reversed on odd micro-batches.
 
     For resident trainers the order does not matter (they run in parallel). A trainer worker serving several
-    swapped agents (``runtime/swap.py``) runs their calls in the order issued and swaps on each change of agent;
+    swapped agents (``training/swap.py``) runs their calls in the order issued and swaps on each change of agent;
     in alternating order the agent it ends one micro-batch with starts the next, one swap less per worker and
     micro-batch (half of them with two agents per worker)."""
     return list(reversed(agents)) if micro_batch % 2 else list(agents)

@@ -3,7 +3,7 @@
 An episode's next turn is requested as soon as its previous turn and the environment's reply to it are done;
 it never waits for other episodes' turns, so turns of different agents in different episodes overlap, and a
 long generation or a slow reply holds only its own episode. The engines batch whatever requests are in flight
-at each step (runtime/async_engine.py). A reply (``observe``) runs on a driver thread, or on the run's action
+at each step (inference/async_engine.py). A reply (``observe``) runs on a driver thread, or on the run's action
 pool when it costs real time (``pipeline.rollout.observe_on``). The micro-batch is committed once every
 episode has finished, or been cut at ``pipeline.rollout.episode_timeout_s``.
 
@@ -25,9 +25,9 @@ So the time limit acts as a penalty on the turns of episodes that ran too long; 
 episode time, or the penalty also hits episodes that were merely unlucky with a slow reply.
 
 Replicas (``agents.<name>.engine.replicas``): each turn's request goes to the replica the agent's router picks
-(runtime/router.py: the episode's own replica for its later turns), and the row names it (``engine``:
+(inference/router.py: the episode's own replica for its later turns), and the row names it (``engine``:
 ``<role>/<replica>``). A request whose replica dies (Ray's ``RayActorError``) is sent again, same id and seed, to
-another replica; the replica set restarts the dead one (runtime/replicas.py). Only finished turns become rows, so
+another replica; the replica set restarts the dead one (inference/replicas.py). Only finished turns become rows, so
 a retried turn is stored once, and the episode's earlier turns are kept: nothing is lost or duplicated.
 """
 
@@ -42,12 +42,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
+from marl_pipeline.actions.pool import ActionPool
+from marl_pipeline.actions.worker import Job
 from marl_pipeline.config import ExperimentConfig, RolloutConfig
 from marl_pipeline.environment import Environment, Turn
-from marl_pipeline.runtime.action_pool import ActionPool
-from marl_pipeline.runtime.action_worker import Job
-from marl_pipeline.runtime.replicas import EngineReplicas, as_replicas
-from marl_pipeline.runtime.router import NoReplica
+from marl_pipeline.inference.replicas import EngineReplicas, as_replicas
+from marl_pipeline.inference.router import NoReplica
 from marl_pipeline.stages.rollout import (
     RolloutSettings,
     append_turn,
@@ -111,7 +111,7 @@ class _MicroBatch:
         self.episodes = episode_tasks(env, plan_tasks(env, key, settings.seed, settings.prompts_per_micro_batch),
                                       settings.samples_per_prompt)  # per episode: (prompt, trajectory, task)
         self.seeds = [turn_seeds(settings.seed, key, turn, len(self.episodes)) for turn in range(len(env.turn_order))]
-        self.taught = taught_turns(env)  # turns served with a separate warm-up's adapters (runtime/engine.py)
+        self.taught = taught_turns(env)  # turns served with a separate warm-up's adapters (inference/engine.py)
         self.chats = engine_chat_session(env, {agent: r.primary() for agent, r in self.engines.items()})
         self.finished: list[list[tuple]] = [[] for _ in self.episodes]  # per episode: its finished turns' fields
         self.in_flight: dict[int, tuple[ray.actor.ActorHandle, str]] = {}  # per episode: (engine, request id)

@@ -8,14 +8,15 @@ from pathlib import Path
 
 import numpy as np
 
+from marl_pipeline.bootstrap.model_sources import resolve_model_source
+from marl_pipeline.bootstrap.own_replies import policy_replies
+from marl_pipeline.bootstrap.tiny_model import build_tiny_model
+from marl_pipeline.bootstrap.warmup import supervised_warmup
 from marl_pipeline.config import BUILTIN_TINY, AgentConfig, ExperimentConfig
 from marl_pipeline.environment import Environment, taught_own_turns
-from marl_pipeline.runtime.lora import WARMUP_ADAPTER, with_adapters
-from marl_pipeline.runtime.model_sources import resolve_model_source
-from marl_pipeline.runtime.models import build_tiny_model, load_policy, save_policy
-from marl_pipeline.runtime.own_replies import policy_replies
-from marl_pipeline.runtime.precision import resolve_dtype
-from marl_pipeline.runtime.warmup import supervised_warmup
+from marl_pipeline.policy.checkpoint import load_policy, save_policy
+from marl_pipeline.policy.lora import WARMUP_ADAPTER, with_adapters
+from marl_pipeline.policy.precision import resolve_dtype
 from marl_pipeline.store import ExperienceStore
 
 
@@ -82,7 +83,7 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store: Exper
                                    rehearse_context=warmup.rehearse_context)
         warmup_loss = (losses[0], losses[-1])
         if warmup.separate:
-            model.save_pretrained(str(staging / WARMUP_ADAPTER))  # apart, frozen (runtime/lora.py)
+            model.save_pretrained(str(staging / WARMUP_ADAPTER))  # apart, frozen (policy/lora.py)
             model = model.unload()  # the model as loaded: the adapters never touched its weights
         elif warmup.lora is not None:
             model = model.merge_and_unload()

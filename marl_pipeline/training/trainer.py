@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from marl_pipeline.runtime.lora import (
+from marl_pipeline.policy.checkpoint import load_policy, save_policy
+from marl_pipeline.policy.lora import (
     POLICY,
     add_taught_adapter,
     lora_policy,
@@ -27,7 +28,8 @@ from marl_pipeline.runtime.lora import (
     use_taught_adapter,
     warmup_adapter_dir,
 )
-from marl_pipeline.runtime.losses import (
+from marl_pipeline.policy.precision import autocast, resolve_dtype
+from marl_pipeline.training.losses import (
     clip_fraction,
     grpo_token_loss,
     loss_units,
@@ -37,8 +39,6 @@ from marl_pipeline.runtime.losses import (
     token_logprobs,
     token_logprobs_and_entropy,
 )
-from marl_pipeline.runtime.models import load_policy, save_policy
-from marl_pipeline.runtime.precision import autocast, resolve_dtype
 
 TRAINER_STATE = "trainer_state.pt"
 """Saved beside a policy version's weights: what a resumed launch needs to continue exactly (AdamW's moments and
@@ -58,7 +58,7 @@ class TrainBatch:
     """Rows the stage left out as uninformative (zero-advantage groups); reported, not trained on."""
     taught: list[bool] | None = None
     """Per row, whether its turn is one a separate warm-up taught: computed with its adapters too, as the engine
-    sampled it (runtime/lora.py). None: no such rows."""
+    sampled it (policy/lora.py). None: no such rows."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class PolicyTrainer:
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
-        # LoRA (runtime/lora.py): ``lora`` is the agent's LoraAdapterConfig as a dict; ``base_dir`` its version 0.
+        # LoRA (policy/lora.py): ``lora`` is the agent's LoraAdapterConfig as a dict; ``base_dir`` its version 0.
         self.lora = lora is not None
         self.model, self.tokenizer = (lora_policy(model_dir, version, base_dir, **lora) if self.lora
                                       else load_policy(model_dir))
@@ -145,7 +145,7 @@ class PolicyTrainer:
 
     def restart(self, *args, **kwargs) -> bool:
         """Become the trainer ``__init__(*args, **kwargs)`` builds, in this process (a kept actor taken by a new
-        launch: runtime/warm_actors.py): everything is rebuilt, so nothing of the last launch carries over."""
+        launch: cluster/warm_actors.py): everything is rebuilt, so nothing of the last launch carries over."""
         vars(self).clear()
         gc.collect()  # the old weights and AdamW moments, before the new ones are loaded
         type(self).__init__(self, *args, **kwargs)

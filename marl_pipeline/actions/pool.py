@@ -43,8 +43,8 @@ from typing import Any
 
 import ray
 
+from marl_pipeline.actions.worker import ActionOutcome, ActionWorker, Job, OutcomeStatus, WorkerReport
 from marl_pipeline.config import PoolSettings
-from marl_pipeline.runtime.action_worker import ActionOutcome, ActionWorker, Job, OutcomeStatus, WorkerReport
 
 
 @dataclass(eq=False)

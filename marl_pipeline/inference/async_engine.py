@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from marl_pipeline.runtime.engine import Completion, RolloutEngine
+from marl_pipeline.inference.engine import Completion, RolloutEngine
 
 
 class RequestAborted(RuntimeError):
@@ -51,7 +51,7 @@ class _Request:
     """Called on the engine thread with a vLLM ``RequestOutput`` or an exception."""
     version: int = -1
     lora: object = None
-    """vLLM's ``LoRARequest`` of a turn a separate warm-up taught (runtime/engine.py), else None."""
+    """vLLM's ``LoRARequest`` of a turn a separate warm-up taught (inference/engine.py), else None."""
 
 
 @dataclass

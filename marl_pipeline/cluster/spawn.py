@@ -1,6 +1,6 @@
 """Spawning the Ray actors of a run: rollout engines per agent (``engine.replicas`` of them), one trainer per agent
 (or, with a trainer budget below the number of agents, that many trainer workers swapping the agents' states:
-``runtime/swap.py``), and the stage pools.
+``training/swap.py``), and the stage pools.
 
 ``ray.remote`` is applied here, where actors are spawned, with resources from the config (``ray.engine_resources``
 / ``ray.trainer_resources`` pin them to the nodes that offer those custom resources); the engine and trainer
@@ -21,19 +21,19 @@ from pathlib import Path
 
 import ray
 
+from marl_pipeline.actions.pool import ActionPool
+from marl_pipeline.cluster import warm_actors
+from marl_pipeline.cluster.placement import assign_workers
 from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, StoreConfig, TrainerConfig
-from marl_pipeline.runtime import warm_actors
-from marl_pipeline.runtime.action_pool import ActionPool
-from marl_pipeline.runtime.async_engine import AsyncRolloutEngine
-from marl_pipeline.runtime.engine import ENGINE_ENV, RolloutEngine
-from marl_pipeline.runtime.lora import is_adapter_checkpoint
-from marl_pipeline.runtime.placement import assign_workers
-from marl_pipeline.runtime.replicas import EngineReplicas
-from marl_pipeline.runtime.reward_model import RewardModelPool
-from marl_pipeline.runtime.swap import AgentSpec, SwappedTrainer, TrainerWorker, actor_handles
-from marl_pipeline.runtime.trainer import PolicyTrainer
+from marl_pipeline.inference.async_engine import AsyncRolloutEngine
+from marl_pipeline.inference.engine import ENGINE_ENV, RolloutEngine
+from marl_pipeline.inference.replicas import EngineReplicas
+from marl_pipeline.inference.reward_model import RewardModelPool
+from marl_pipeline.policy.lora import is_adapter_checkpoint
 from marl_pipeline.store import ExperienceStore
 from marl_pipeline.store.checkpoints import PolicyUpload
+from marl_pipeline.training.swap import AgentSpec, SwappedTrainer, TrainerWorker, actor_handles
+from marl_pipeline.training.trainer import PolicyTrainer
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Workers:
 
     def shutdown(self, keep: bool = False) -> None:
         """Stop the run's actors; with ``keep``, leave its engines and resident trainers idle for the next launch
-        in this process instead (``ray.keep_actors``, runtime/warm_actors.py)."""
+        in this process instead (``ray.keep_actors``, cluster/warm_actors.py)."""
         for replicas in self.engines.values():
             replicas.shutdown(keep)
         for handle in actor_handles(self.trainers):
@@ -169,7 +169,7 @@ def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: di
 def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int],
                           replicas: int | None = None) -> dict[str, EngineReplicas]:
     """Each agent's engine replicas (``agents.<name>.engine.replicas``, or ``replicas`` for every agent), serving the
-    given policy version from the store; a replica that dies is restarted the same way (runtime/replicas.py)."""
+    given policy version from the store; a replica that dies is restarted the same way (inference/replicas.py)."""
     engine_class = StoreAsyncEngine if config.pipeline.rollout.mode == "trajectory" else StoreEngine
     rebalance = config.pipeline.rollout.rebalance_replicas
     budget = sum(agent.engine.replicas for agent in config.agents.values())
@@ -187,7 +187,8 @@ def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, vers
         # With rebalancing, any agent may come to hold every replica but one per other agent.
         capacity = (budget - len(config.agents) + 1) if rebalance and replicas is None else None
         sets[agent] = EngineReplicas(agent, [spawn(k, versions[agent]) for k in range(replicas or engine.replicas)],
-                                     versions[agent], spawn, engine.max_outstanding, capacity=capacity)
+                                     versions[agent], spawn, engine.max_outstanding, capacity=capacity,
+                                     release=warm_actors.release)
     return sets
 
 
@@ -206,7 +207,7 @@ def with_local_base(store: ExperienceStore, run: str, agent: str, options: dict)
 
 
 def engine_dirs(store: ExperienceStore, run: str, agent: str, version: int) -> tuple[str, str | None]:
-    """What an engine loads for a stored version: its directory, or for LoRA adapters (runtime/lora.py) the
+    """What an engine loads for a stored version: its directory, or for LoRA adapters (policy/lora.py) the
     agent's base (version 0, which retention keeps) and the adapters' directory. Told by the checkpoint's
     contents, so an engine serves whatever the version is."""
     directory = store.require_policy(run, agent, version)  # fetched into this node's cache from an S3 store
@@ -219,7 +220,7 @@ def trainer_options(config: ExperimentConfig, agent: str, store: ExperienceStore
     """``PolicyTrainer``'s keyword arguments for one agent, cut from its slice of the config (the one place:
     the train job's actors and a recomputed partition's in-process trainer alike). The KL penalty's reference
     is the agent's base policy, version 0 in the store, passed only when the penalty is on; so is a LoRA agent's
-    ``base_dir``, what its adapters are added to (runtime/lora.py). ``num_threads`` is
+    ``base_dir``, what its adapters are added to (policy/lora.py). ``num_threads`` is
     the config's ``threads`` (None: the process's own; :func:`start_trainers` fills in the actor's share)."""
     trainer, algorithm = config.agents[agent].trainer, config.algorithm
     index = list(config.agents).index(agent)

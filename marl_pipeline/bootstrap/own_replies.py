@@ -1,18 +1,18 @@
 """The policy's own replies for warm-up, as rollout would send and sample them: each prompt's ids (text as it is,
 chat messages through the agent's chat template), replies sampled from the model itself, and the positions of the
-earlier replies a chat prompt holds (what ``runtime/warmup.py`` rehearses)."""
+earlier replies a chat prompt holds (what ``bootstrap/warmup.py`` rehearses)."""
 
 from __future__ import annotations
 
 import torch
 
 from marl_pipeline.environment import ChatMessages
-from marl_pipeline.runtime.chat import ChatTokenizer
+from marl_pipeline.inference.chat import ChatTokenizer
 
 
 def warmup_prompt_ids(tokenizer, prompts: list[str | ChatMessages], source: str) -> list[list[int]]:
     """Each prompt's ids as rollout would send them to the engine: text tokenized as it is, chat messages through
-    the agent's chat template (``runtime/chat.py``, which says which agent lacks one)."""
+    the agent's chat template (``inference/chat.py``, which says which agent lacks one)."""
     chat, ids = None, []
     for prompt in prompts:
         if isinstance(prompt, str):

@@ -3,7 +3,7 @@
 vLLM's CPU path (``PunicaWrapperCPU`` over ``vllm.lora.ops.torch_ops``) computes each token's LoRA product by
 gathering that token's adapter weights, ``weights[index]``: a rank x hidden copy per token and layer, for every
 token of every request in a batch once LoRA is enabled. Two consequences for an engine that serves one adapter on
-some requests (runtime/engine.py, docs/ARCHITECTURE.md "A warm-up kept apart"):
+some requests (inference/engine.py, docs/ARCHITECTURE.md "A warm-up kept apart"):
 
 - speed: in SmolLM2 verifier's RL steps, its untaught turns (workings) took about twice and its taught turns
   (verdicts) three to five times as long as on an engine without LoRA (BENCHMARKS.md, session 14);

@@ -31,7 +31,7 @@ import numpy as np
 import ray
 import torch
 
-from marl_pipeline.runtime.trainer import PolicyTrainer
+from marl_pipeline.training.trainer import PolicyTrainer
 
 
 def _to_bytes(tensor: torch.Tensor) -> tuple[np.ndarray, torch.dtype, tuple[int, ...]]:
@@ -120,7 +120,7 @@ class TrainerWorker:
                  build: Callable[[str, AgentSpec], PolicyTrainer] | None = None) -> None:
         self.specs = agents
         # How an agent's trainer is built on first use: from ``model_dir`` by default; a run's workers build the
-        # store's trainer, which fetches its version on this node and uploads new ones (runtime/workers.py).
+        # store's trainer, which fetches its version on this node and uploads new ones (cluster/spawn.py).
         self.build = build or (lambda agent, spec: PolicyTrainer(spec.model_dir, spec.version, **spec.options))
         self.trainers: dict[str, PolicyTrainer] = {}
         self.swapped: dict[str, ray.ObjectRef] = {}

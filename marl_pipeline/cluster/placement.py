@@ -10,7 +10,7 @@ machine: 3 x (engine 0.5 + trainer 0.5 CPU) is more than 2 CPUs). So:
 - requests left at their defaults are fitted to the machine: scaled down together so that every actor fits
   (Ray accepts fractional CPUs; an actor's real CPU use is bounded by its threads, not by the reservation);
 - trainers: ``ray.resident_trainers`` (the trainer budget) N below the number of agents gives N trainer worker
-  actors serving every agent by swapping (``runtime/swap.py``), each reserving the largest agent's trainer
+  actors serving every agent by swapping (``training/swap.py``), each reserving the largest agent's trainer
   request. Left unset, every trainer is resident when that fits, else the most workers that fit.
 
 Each actor must also fit on one node, not only in the cluster's total: checked by first-fit decreasing over the
@@ -56,7 +56,7 @@ def engine_names(agent: str, replicas: int) -> list[str]:
 
 def assign_workers(agents: list[str], workers: int) -> dict[str, int]:
     """Which trainer worker serves each agent: agent i by worker i mod ``workers`` (the one rule, used by the plan
-    and by ``runtime/workers.py``)."""
+    and by ``cluster/spawn.py``)."""
     return {agent: index % workers for index, agent in enumerate(agents)}
 
 

@@ -2,7 +2,7 @@
 sync one replica at a time, and restarting a replica that died.
 
 - *Weight sync without a global stall.* :meth:`EngineReplicas.load_weights` reloads the replicas one after the
-  other. While one reloads (it finishes its requests in flight, holds new ones, reloads: runtime/async_engine.py)
+  other. While one reloads (it finishes its requests in flight, holds new ones, reloads: inference/async_engine.py)
   the router sends new episodes to the others, which keep serving the old version until their turn. Every
   completion still comes from one version, the one its turn stores.
 - *Failure.* A replica whose actor died (the rollout's request fails with Ray's ``RayActorError``) is marked down
@@ -23,8 +23,7 @@ from collections.abc import Callable
 
 import ray
 
-from marl_pipeline.runtime import warm_actors
-from marl_pipeline.runtime.router import Policy, Router
+from marl_pipeline.inference.router import Policy, Router
 
 Spawn = Callable[[int, int], "ray.actor.ActorHandle"]
 """(replica index, stored policy version) -> a new engine actor starting from that version (not yet ready)."""
@@ -33,24 +32,33 @@ Listener = Callable[[int, str, "int | None", str], None]
 """(replica index, "down" | "up" | "failed", the version it serves once up, why it failed): told of a replica that
 died and of its restart, from the thread that saw it (run/events.py's ``ReplicaChanged``)."""
 
+Release = Callable[["ray.actor.ActorHandle", bool], None]
+"""(actor, keep it idle for the next launch) -> None: how the set lets go of a replica. The spawner's own (the
+kept-actor registry, cluster/warm_actors.py), or a plain kill for engines started without one."""
+
+
+def kill(handle, keep: bool) -> None:
+    ray.kill(handle)
+
 
 class EngineReplicas:
     """An agent's engine actors, ``len(handles)`` of them, routed by one :class:`Router`.
 
-    ``spawn`` restarts a dead replica (None: a dead replica stays down, as for engines a test built itself).
+    ``spawn`` restarts a dead replica (None: a dead replica stays down, as for engines a test built itself);
+    ``release`` lets go of a replica that died, was retired or outlived the set (see :data:`Release`).
     ``version`` is the policy version the handles serve now; ``base_version`` a version the store always keeps
     (version 0, which retention never prunes), which a restart starts from before loading the newest weights.
     """
 
     def __init__(self, agent: str, handles: list, version: int | None = None, spawn: Spawn | None = None,
                  max_outstanding: int | None = None, policy: Policy = "sticky", base_version: int = 0,
-                 capacity: int | None = None) -> None:
+                 capacity: int | None = None, release: Release = kill) -> None:
         if not handles:
             raise ValueError(f"{agent}: an engine replica set needs at least one engine handle")
         capacity = capacity or len(handles)
         if capacity < len(handles):
             raise ValueError(f"{agent}: capacity {capacity} is below the {len(handles)} replicas given")
-        self.agent, self.spawn, self.base_version = agent, spawn, base_version
+        self.agent, self.spawn, self.release, self.base_version = agent, spawn, release, base_version
         self.router = Router(capacity, max_outstanding, policy)
         self._handles = [*handles, *[None] * (capacity - len(handles))]
         self._retired = set(range(len(handles), capacity))  # slots without a replica (resize)
@@ -157,8 +165,8 @@ class EngineReplicas:
         try:
             if dead is not None:
                 # A hung actor (not a dead one) must not come back beside its replacement; released, not just
-                # killed, so the kept-actor registry forgets it (runtime/warm_actors.py).
-                warm_actors.release(dead, keep=False)
+                # killed, so the kept-actor registry forgets it (cluster/warm_actors.py).
+                self.release(dead, False)
         except Exception:  # already gone: the usual case
             pass
         try:
@@ -169,14 +177,14 @@ class EngineReplicas:
                 self._starting[replica] = handle
                 closed = self._closed
             if closed:
-                warm_actors.release(handle, keep=False)
+                self.release(handle, False)
                 return
             served = ray.get(handle.policy_version.remote())
             while True:  # a sync may have set a newer version while this one loaded
                 with self._lock:
                     version, weights = self._version, self._weights
                     if self._closed or replica in self._retired:  # the run ended, or the slot was retired
-                        warm_actors.release(handle, keep=False)  # it must not outlive its set
+                        self.release(handle, False)  # it must not outlive its set
                         return
                     if served == version:
                         self._handles[replica] = handle
@@ -227,27 +235,27 @@ class EngineReplicas:
             with self._lock:
                 handle, self._handles[slot] = self._handles[slot], None
             if handle is not None:
-                _kill_and_wait(handle)
+                _kill_and_wait(handle, self.release)
 
     def shutdown(self, keep: bool = False) -> None:
         """Kill every replica, and the replacement of one still restarting (its thread then ends); with ``keep``,
-        leave the replicas that are up idle for the next launch (runtime/warm_actors.py)."""
+        leave the replicas that are up idle for the next launch (cluster/warm_actors.py)."""
         with self._lock:
             self._closed = True
             up = [h for slot, h in enumerate(self._handles) if h is not None and not self.router.is_down(slot)]
             handles = [h for h in [*self._handles, *self._starting.values()] if h is not None]
         for handle in handles:
             try:
-                warm_actors.release(handle, keep and any(handle is other for other in up))
+                self.release(handle, keep and any(handle is other for other in up))
             except Exception:  # a replica that died and was not replaced yet
                 pass
 
 
-def _kill_and_wait(handle, timeout_s: float = 30.0) -> None:
+def _kill_and_wait(handle, release: Release, timeout_s: float = 30.0) -> None:
     """Kill an actor and return once it is gone. ``ray.kill`` only asks the cluster to: a call made just after it
     can still reach the actor (a flaky failure seen in CI), and its CPUs are not yet free for the replica another
     agent starts in their place."""
-    warm_actors.release(handle, keep=False)
+    release(handle, False)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

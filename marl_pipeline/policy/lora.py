@@ -42,7 +42,7 @@ def lora_policy(model_dir: str, version: int, base_dir: str | None, *, rank: int
     equal to the base. A later version's ``model_dir`` holds adapters, loaded over ``base_dir`` (version 0)."""
     import peft
 
-    from marl_pipeline.runtime.models import load_policy
+    from marl_pipeline.policy.checkpoint import load_policy
 
     if version == 0 and not is_adapter_checkpoint(model_dir):
         model, tokenizer = load_policy(model_dir)
@@ -118,7 +118,7 @@ def merged_checkpoint(base_dir: str, adapter_dir: str) -> list[tuple[str, object
     """The merged weights of a stored adapter version over its base, for an engine that starts at that version."""
     import peft
 
-    from marl_pipeline.runtime.models import load_policy
+    from marl_pipeline.policy.checkpoint import load_policy
 
     model, _ = load_policy(_require_base(base_dir, adapter_dir))
     return merged_weights(peft.PeftModel.from_pretrained(model, adapter_dir))

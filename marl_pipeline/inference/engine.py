@@ -43,7 +43,7 @@ def engine_dtype(dtype: str) -> str:
         return dtype
     import torch
 
-    from marl_pipeline.runtime.precision import resolve_dtype
+    from marl_pipeline.policy.precision import resolve_dtype
 
     return "bfloat16" if resolve_dtype("auto", engine_device()) == torch.bfloat16 else "float32"
 
@@ -72,7 +72,7 @@ class RolloutEngine:
     def __init__(self, model_dir: str, version: int, *, gpu_memory_utilization: float, max_model_len: int,
                  dtype: str, seed: int, threads: int | None = None, adapter_dir: str | None = None,
                  kv_cache_gib: float | None = None) -> None:
-        """``model_dir`` is a full model; with ``adapter_dir`` (a LoRA agent's version after 0, runtime/lora.py)
+        """``model_dir`` is a full model; with ``adapter_dir`` (a LoRA agent's version after 0, policy/lora.py)
         ``model_dir`` is that agent's base and the engine serves the base with the adapters merged in."""
         os.environ.update(ENGINE_ENV)
         if threads is not None:
@@ -80,16 +80,16 @@ class RolloutEngine:
         from vllm import LLM, SamplingParams
 
         self._sampling_params = SamplingParams
-        # A warm-up kept apart (runtime/lora.py): its adapters served by vLLM's LoRA on the taught turns' requests
+        # A warm-up kept apart (policy/lora.py): its adapters served by vLLM's LoRA on the taught turns' requests
         # only, over the merged RL weights every request gets (reload_weights works with LoRA enabled).
         self._taught = warmup_lora_request(model_dir)
         lora = {} if self._taught is None else {"enable_lora": True, "max_loras": 1,
                                                 "max_lora_rank": lora_rank_bound(self._taught.lora_path)}
         if lora and engine_device() == "cpu":
-            from marl_pipeline.runtime.cpu_lora_ops import install
+            from marl_pipeline.inference.cpu_lora_ops import install
 
             # vLLM's own CPU LoRA ops copy every token's adapter weights, and give a request without an adapter
-            # the last slot's, here the warm-up's (runtime/cpu_lora_ops.py).
+            # the last slot's, here the warm-up's (inference/cpu_lora_ops.py).
             install()
         self.llm = LLM(model=model_dir, **lora, dtype=engine_dtype(dtype),
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
@@ -102,12 +102,12 @@ class RolloutEngine:
                        kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30))
         self.version = version
         self.model_dir = model_dir
-        # What a restart must match to reuse this engine (runtime/warm_actors.py).
+        # What a restart must match to reuse this engine (cluster/warm_actors.py).
         self._settings = dict(gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                               dtype=dtype, seed=seed, threads=threads, kv_cache_gib=kv_cache_gib)
         self._fingerprint = model_fingerprint(model_dir)
         if adapter_dir is not None:
-            from marl_pipeline.runtime.lora import merged_checkpoint
+            from marl_pipeline.policy.lora import merged_checkpoint
 
             self.load_weights(merged_checkpoint(model_dir, adapter_dir), version)
         # The first calls pay one-off set-up costs for each batch shape and sampling path (4 s on CPU for a
@@ -121,7 +121,7 @@ class RolloutEngine:
         """Sample one completion per prompt; each request has its own seed, so sampling is reproducible.
 
         A prompt is text (vLLM tokenizes it with the model's tokenizer) or token ids, sent as they are
-        (``prompt_token_ids``: a chat prompt tokenized by the driver, runtime/chat.py); either way
+        (``prompt_token_ids``: a chat prompt tokenized by the driver, inference/chat.py); either way
         ``Completion.prompt_ids`` are the ids the engine sampled from.
         ``taught`` marks the prompts of turns a separate warm-up taught (served with its adapters, where the
         engine has them). Returns the policy version that produced the completions, and the completions.
@@ -184,7 +184,7 @@ class RolloutEngine:
 
     def restart(self, model_dir: str, version: int, *, adapter_dir: str | None = None, **settings) -> bool:
         """Serve ``version`` as an engine built with these arguments would, by reloading its weights into the model
-        held (a kept actor taken by a new launch: runtime/warm_actors.py). False, with nothing changed, where these
+        held (a kept actor taken by a new launch: cluster/warm_actors.py). False, with nothing changed, where these
         arguments would build another engine: other settings, or another model (its files besides the weights)."""
         weights = self.restart_weights(model_dir, adapter_dir, settings)
         if weights is None:
@@ -200,7 +200,7 @@ class RolloutEngine:
         if self._taught is not None or warmup_lora_request(model_dir) is not None:
             return None  # the warm-up's adapters are the run's own: a new engine loads them
         if adapter_dir is not None:
-            from marl_pipeline.runtime.lora import merged_checkpoint
+            from marl_pipeline.policy.lora import merged_checkpoint
 
             return merged_checkpoint(model_dir, adapter_dir)
         return checkpoint_weights(model_dir)
@@ -208,7 +208,7 @@ class RolloutEngine:
 
 def warmup_lora_request(model_dir: str):
     """vLLM's ``LoRARequest`` for the separate warm-up adapters of an agent's version 0 (``model_dir``), or None."""
-    from marl_pipeline.runtime.lora import warmup_adapter_dir
+    from marl_pipeline.policy.lora import warmup_adapter_dir
 
     directory = warmup_adapter_dir(model_dir)
     if directory is None:

@@ -28,10 +28,10 @@ import copy
 import numpy as np
 import torch
 
+from marl_pipeline.bootstrap.own_replies import context_reply_positions, sample_replies, warmup_prompt_ids
 from marl_pipeline.environment import ChatMessages, Rehearsal
-from marl_pipeline.runtime.losses import next_token_log_probs, pad_sequences
-from marl_pipeline.runtime.own_replies import context_reply_positions, sample_replies, warmup_prompt_ids
-from marl_pipeline.runtime.precision import autocast
+from marl_pipeline.policy.precision import autocast
+from marl_pipeline.training.losses import next_token_log_probs, pad_sequences
 
 
 def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages, str | Rehearsal | None]], *,

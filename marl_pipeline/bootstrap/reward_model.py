@@ -1,0 +1,77 @@
+"""The run's reward model directory, and the built-in one: ``builtin:tiny`` is a 2-layer Qwen2 sequence classifier
+trained at launch on the environment's ``reward_examples`` (prompt, response, label) with the run's built-in
+tokenizer, a learned outcome verifier small enough for CPU runs and tests. It is saved in the store beside the
+built-in policy."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from marl_pipeline.bootstrap.tiny_model import TINY_ARCHITECTURE, train_tokenizer
+from marl_pipeline.config import BUILTIN_TINY, ExperimentConfig
+from marl_pipeline.policy.checkpoint import save_policy
+
+
+def reward_model_dir(config: ExperimentConfig, store) -> Path:
+    """Where the run's reward model is: the configured directory, or the built-in one in the store."""
+    assert config.reward_model is not None
+    if config.reward_model.model != BUILTIN_TINY:
+        return Path(config.reward_model.model)
+    return store.root / f"run={config.run}" / "reward_model"
+
+
+def prepare_reward_model(config: ExperimentConfig, env, store) -> Path | None:
+    """The run's reward model directory, training the built-in one on first use; None without a reward model."""
+    if config.reward_model is None:
+        return None
+    directory = reward_model_dir(config, store)
+    if config.reward_model.model != BUILTIN_TINY:
+        if not (directory / "config.json").is_file():
+            raise FileNotFoundError(f"reward_model.model {str(directory)!r} is not a Hugging Face model directory "
+                                    f"(no config.json)")
+        return directory
+    if not (directory / "config.json").exists():
+        examples = env.reward_examples(np.random.default_rng([config.seed, 1]), 4000)
+        tokenizer_dir = store.root / f"run={config.run}" / "builtin_model"
+        staging = directory.with_name(f"_staging-reward_model-{time.time_ns()}")
+        train_tiny_reward_model(staging, examples, steps=config.reward_model.train_steps, seed=config.seed,
+                                tokenizer_dir=tokenizer_dir if (tokenizer_dir / "tokenizer.json").exists() else None)
+        staging.rename(directory)
+    return directory
+
+
+def train_tiny_reward_model(directory: Path, examples: list[tuple[str, str, float]], *, steps: int, seed: int,
+                            batch_size: int = 32, lr: float = 3e-4, tokenizer_dir: Path | None = None) -> list[float]:
+    """Train and save the built-in classifier on (prompt, response, label in [0, 1]); returns the step losses."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    if not examples:
+        raise ValueError("no reward examples to train the built-in reward model on")
+    texts = [p + r for p, r, _ in examples]
+    labels = torch.tensor([float(label) for *_, label in examples])
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else train_tokenizer(texts)
+    tokenizer.padding_side = "right"
+    torch.manual_seed(seed)
+    model = Qwen2ForSequenceClassification(Qwen2Config(
+        vocab_size=len(tokenizer), num_labels=1, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
+        **TINY_ARCHITECTURE))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng = np.random.default_rng(seed)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        rows = rng.integers(0, len(texts), size=batch_size)
+        batch = tokenizer([texts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=False)
+        logits = model(**batch).logits[:, 0]
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels[rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    save_policy(model, tokenizer, directory)
+    return losses
