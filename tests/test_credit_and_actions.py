@@ -8,11 +8,14 @@ import pyarrow as pa
 import pytest
 
 from environments.math_verifier import MathOptions, MathSolverVerifier
+from marl_pipeline.config import GRPOAdvantage
 from marl_pipeline.environment import Action, Turn
 from marl_pipeline.stages.credit import assign_credit
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.reward import score_micro_batch
 from marl_pipeline.store.schema import ROLLOUTS, with_agent
+
+GRPO = GRPOAdvantage(eps=1e-9)
 
 
 def test_credit_assignment_by_hand() -> None:
@@ -64,7 +67,8 @@ def test_malformed_actions_are_recorded_and_the_batch_goes_on() -> None:
     assert results.column("outcome").to_pylist()[:3] == ["malformed_action", "wrong_verdict", "correct"]
     statuses = results.column("status").to_pylist()
     assert statuses.count("action_failed") == 4 and statuses.count("failed") == 0
-    rewards = score_micro_batch(env, rollouts, results, 1e-6).sort_by([("episode", "ascending"), ("turn", "ascending")])
+    rewards = score_micro_batch(env, rollouts, results, advantage=GRPO)
+    rewards = rewards.sort_by([("episode", "ascending"), ("turn", "ascending")])
     # Episode 0: final answer right (solver 1); first answer malformed so it counts as not correct: verdict
     # "correct" is wrong (verifier 0). Episodes go on being scored.
     assert rewards.column("reward").to_pylist()[:3] == [1.0, 0.0, 1.0]
@@ -98,7 +102,7 @@ def test_math_outcomes_and_rewards_by_hand() -> None:
         assert env.score(task, transcript, results) == own
     # The mix through the reward stage: solver right, verifier wrong -> 0.5 * 0.5 + 0.5 * own.
     rollouts = rollouts_of(env, task, [["5", "wrong", "5"], ["4", "wrong", "4"]])
-    rewards = score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), 1e-6)
+    rewards = score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), advantage=GRPO)
     by_id = dict(zip(rewards.column("sample_id").to_pylist(), rewards.column("reward").to_pylist()))
     assert by_id["0-0-0_0_0"] == 0.75 and by_id["0-0-0_1_0"] == 0.25  # episode 0: solver 1, verifier 0
     assert by_id["0-0-0_0_1"] == 0.25 and by_id["0-0-0_1_1"] == 0.75  # episode 1: solver 0, verifier 1
@@ -111,7 +115,7 @@ def test_advantages_are_relative_to_the_stored_group_by_hand() -> None:
     # 0, 2, 4 and B = 1, 3. Own rewards: "5", "wrong", "5" -> solver 1, verifier 0; "4", "wrong", "4" -> 0, 1.
     right, wrong = ["5", "wrong", "5"], ["4", "wrong", "4"]
     rollouts = rollouts_of(env, task, [right, right, wrong, wrong, wrong], groups=["A", "B", "A", "B", "A"])
-    rewards = score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), 0.0, team_weight=0.0)
+    rewards = score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), advantage=GRPO, team_weight=0.0)
     advantage = {(row["episode"], row["agent"]): row["advantage"] for row in rewards.to_pylist()}
     # A: solver rewards 1, 0, 0 (mean 1/3, std sqrt(2)/3) -> sqrt(2), -1/sqrt(2), -1/sqrt(2); verifier the negation.
     # B: solver 1, 0 (mean 1/2, std 1/2) -> 1, -1. One group of all five would give the solver of episode 0 1.22.
@@ -125,7 +129,7 @@ def test_advantages_are_relative_to_the_stored_group_by_hand() -> None:
     ungrouped = rollouts.set_column(rollouts.column_names.index("group_id"), "group_id",
                                     pa.nulls(rollouts.num_rows, pa.string()))
     with pytest.raises(ValueError, match="15 rollout turns have no group_id"):
-        score_micro_batch(env, ungrouped, execute_micro_batch(env, rollouts), 0.0)
+        score_micro_batch(env, ungrouped, execute_micro_batch(env, rollouts), advantage=GRPO)
 
 
 class _TurnScored(MathSolverVerifier):
@@ -142,7 +146,7 @@ def test_turn_level_rewards_and_advantages_by_hand() -> None:
     task = {"id": "q", "question": "2+3?", "answer": 5}
     # first answer right/wrong, revision right/wrong; per-agent score: the solver's final answer, the verifier's verdict
     rollouts = rollouts_of(env, task, [["5", "correct", "4"], ["4", "wrong", "5"], ["4", "wrong", "4"]])
-    rewards = score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), 1e-9, team_weight=0.0)
+    rewards = score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), advantage=GRPO, team_weight=0.0)
     by_turn = {(row["episode"], row["turn"]): (row["reward"], row["advantage"]) for row in rewards.to_pylist()}
     # turn 0 rewards 1, 0, 0 (mean 1/3, std sqrt(2)/3); turn 2 rewards 0, 1, 0: each against its own turn's group
     root2 = 2 ** 0.5
@@ -153,12 +157,12 @@ def test_turn_level_rewards_and_advantages_by_hand() -> None:
     # the verifier's turn: its verdicts right, right, right -> reward 1 each, advantage 0
     assert [by_turn[e, 1] for e in range(3)] == [(1.0, 0.0)] * 3
     # team credit mixes the team mean of score() into each turn: episode 0's score is solver 0, verifier 1
-    mixed = score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), 1e-9, team_weight=0.5)
+    mixed = score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), advantage=GRPO, team_weight=0.5)
     assert mixed.sort_by([("episode", "ascending"), ("turn", "ascending")]).column("reward").to_pylist()[:3] == [
         0.75, 0.75, 0.25]
     # None: that episode's turns get the per-agent reward
     fallback = rollouts_of(env, task, [["unscored", "wrong", "5"]])
-    assert score_micro_batch(env, fallback, execute_micro_batch(env, fallback), 1e-9).column(
+    assert score_micro_batch(env, fallback, execute_micro_batch(env, fallback), advantage=GRPO).column(
         "reward").to_pylist() == [1.0, 1.0, 1.0]
     # a wrong length is a clear error
     class _Short(MathSolverVerifier):
@@ -167,7 +171,7 @@ def test_turn_level_rewards_and_advantages_by_hand() -> None:
 
     short = _Short(MathOptions())
     with pytest.raises(ValueError, match="one reward per turn \\(3\\)"):
-        score_micro_batch(short, rollouts, execute_micro_batch(short, rollouts), 1e-9)
+        score_micro_batch(short, rollouts, execute_micro_batch(short, rollouts), advantage=GRPO)
 
 
 class _Weighted(_TurnScored):
@@ -185,7 +189,7 @@ def test_turn_weights_scale_each_turns_advantage_after_its_group_normalisation()
     rollouts = rollouts_of(env, task, [["5", "correct", "4"], ["4", "correct", "5"], ["4", "correct", "4"]])
 
     def scored() -> dict:
-        rewards = score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), 1e-9, team_weight=0.0)
+        rewards = score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), advantage=GRPO, team_weight=0.0)
         return {(row["episode"], row["turn"]): (row["reward"], row["advantage"]) for row in rewards.to_pylist()}
 
     by_turn = scored()
@@ -201,7 +205,7 @@ def test_turn_weights_scale_each_turns_advantage_after_its_group_normalisation()
                          ((1.0, float("nan"), 1.0), "negative or not finite")]:
         env.weights = bad
         with pytest.raises(ValueError, match=message):
-            score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), 1e-9)
+            score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), advantage=GRPO)
     env.weights = None  # None: every turn weighs 1
     assert [scored()[0, turn][1] for turn in range(3)] == pytest.approx([root2, root2, -1 / root2], abs=1e-6)
 

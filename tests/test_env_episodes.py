@@ -15,7 +15,7 @@ import pytest
 from environments.code_tester import CodeOptions, CodeWriterTester
 from environments.math_verifier import MathOptions, MathSolverVerifier
 from marl_pipeline.actions.pool import ActionPool
-from marl_pipeline.config import PoolSettings
+from marl_pipeline.config import GRPOAdvantage, PoolSettings
 from marl_pipeline.environment import ActionResult, Turn
 from marl_pipeline.inference.engine import ENGINE_ENV, RolloutEngine
 from marl_pipeline.stages.execution import execute_micro_batch
@@ -39,7 +39,7 @@ SETTINGS = RolloutSettings(seed=0, prompts_per_micro_batch=2, samples_per_prompt
 def _episode(env, engine, pool):
     rollouts = rollout_micro_batch(env, {role: engine for role in env.turn_order}, MicroBatchKey("t", 0, 0), SETTINGS)
     results = execute_micro_batch(env, rollouts, pool=pool)
-    rewards = score_micro_batch(env, rollouts, results, 1e-6)
+    rewards = score_micro_batch(env, rollouts, results, advantage=GRPOAdvantage(eps=1e-6))
     return rollouts, results, rewards
 
 

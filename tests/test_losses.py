@@ -1,14 +1,12 @@
-"""Pure math: the clipped policy-gradient loss and group-relative advantages, against hand-derived values."""
+"""Pure math: the clipped policy-gradient loss and its statistics, against hand-derived values."""
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
-from marl_pipeline.stages.credit import group_relative_advantages
 from marl_pipeline.training.losses import (
     clip_fraction,
     clipped_pg_token_loss,
@@ -47,13 +45,3 @@ def test_response_mask_aligns_with_next_token_logits() -> None:
     # logits at positions 2 and 3 predict tokens 8 and 9
     assert mask.tolist() == [[0.0, 0.0, 1.0, 1.0]]
     assert attention.tolist() == [[1, 1, 1, 1, 1]]
-
-
-def test_group_relative_advantages_by_hand() -> None:
-    rewards = np.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
-    groups = np.array(["a", "a", "a", "a", "b", "b"])
-    advantages = group_relative_advantages(rewards, groups, eps=1e-6)
-    # group a: mean 0.25, std sqrt(0.1875); group b: all equal -> 0
-    std = math.sqrt(0.1875)
-    expected = [0.75 / std, -0.25 / std, -0.25 / std, -0.25 / std, 0.0, 0.0]
-    assert advantages == pytest.approx(expected, rel=1e-5)

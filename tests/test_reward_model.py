@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
 from marl_pipeline.bootstrap.reward_model import train_tiny_reward_model
-from marl_pipeline.config import ConfigError, RewardModelConfig, parse_config
+from marl_pipeline.config import ConfigError, GRPOAdvantage, RewardModelConfig, parse_config
 from marl_pipeline.inference.reward_model import RewardModelPool, RewardModelServer
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.reward import ModelReward, score_micro_batch
@@ -108,9 +108,9 @@ def test_reward_stage_mixes_the_model_score(classifier_dir: Path) -> None:
     rollouts = rollouts.set_column(rollouts.column_names.index("prompt_text"), "prompt_text",
                                    [["2+3=", "2+3=5?", "2+3=", "2+3=4?", "2+3=", "2+3=x?"]])
     results = execute_micro_batch(ENV, rollouts)
-    plain = score_micro_batch(ENV, rollouts, results, 1e-6).to_pylist()
+    plain = score_micro_batch(ENV, rollouts, results, advantage=GRPOAdvantage(eps=1e-6)).to_pylist()
     weight = 0.25
-    mixed = score_micro_batch(ENV, rollouts, results, 1e-6,
+    mixed = score_micro_batch(ENV, rollouts, results, advantage=GRPOAdvantage(eps=1e-6),
                               model_reward=ModelReward(server.score, frozenset({"solver"}), weight)).to_pylist()
     expected_scores = server.score(["2+3=", "2+3=", "2+3="], ["5", "4", "x"])
     for before, after in zip(plain, mixed):
@@ -173,5 +173,5 @@ def test_reward_stage_refuses_scores_outside_0_1() -> None:
     for scores, message in (([np.float32(0.5), float("nan")], r"outside \[0, 1\]: \[nan\]"),
                             ([0.5], r"returned 1 scores for 2 turns")):
         with pytest.raises(ValueError, match=message):
-            score_micro_batch(ENV, rollouts, results, 1e-6,
+            score_micro_batch(ENV, rollouts, results, advantage=GRPOAdvantage(eps=1e-6),
                               model_reward=ModelReward(lambda p, r, s=scores: s, frozenset({"solver"})))

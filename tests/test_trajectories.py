@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from marl_pipeline.cluster.spawn import engine_actor
-from marl_pipeline.config import EngineConfig, RolloutConfig
+from marl_pipeline.config import EngineConfig, GRPOAdvantage, RolloutConfig
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.reward import score_micro_batch
@@ -84,7 +84,7 @@ def test_an_episode_over_its_time_limit_is_cut_and_does_not_hold_the_commit(engi
     results = execute_micro_batch(env, stored)
     failed = {row["episode"] for row in results.to_pylist() if row["status"] == "failed"}
     assert failed == set(slow)
-    rewards = score_micro_batch(env, stored, results, 1e-6).to_pylist()
+    rewards = score_micro_batch(env, stored, results, advantage=GRPOAdvantage(eps=1e-6)).to_pylist()
     assert all(row["reward"] == 0.0 for row in rewards if row["episode"] in slow)
     assert {row["group_id"] for row in rewards if row["episode"] in slow} == {"0-0-0"}
 

@@ -3,11 +3,19 @@
 Unknown keys are errors everywhere (``extra="forbid"``); cross-field checks (agents against the
 environment's roles) run in :func:`load_config` so a bad file fails before the store is touched.
 Modules: ``base`` (shared), ``agent`` (one agent's model, engine, trainer, warm-up), ``pipeline``
-(environment, micro-batches, algorithm), ``services`` (reward model, evaluation, Ray, store) and
-``experiment`` (the whole file, its loading and cross-checks).
+(environment, micro-batches), ``algorithm`` (policy gradient, advantage estimator), ``services`` (reward
+model, evaluation, Ray, store) and ``experiment`` (the whole file, its loading and cross-checks).
 """
 
 from marl_pipeline.config.agent import AgentConfig, EngineConfig, LoraAdapterConfig, TrainerConfig, WarmupConfig
+from marl_pipeline.config.algorithm import (
+    Advantage,
+    AgentNormalizedAdvantage,
+    AlgorithmConfig,
+    DrGRPOAdvantage,
+    GRPOAdvantage,
+    RLOOAdvantage,
+)
 from marl_pipeline.config.base import BUILTIN_TINY, ConfigError, StrictModel
 from marl_pipeline.config.experiment import (
     ExperimentConfig,
@@ -17,7 +25,6 @@ from marl_pipeline.config.experiment import (
     read_config_data,
 )
 from marl_pipeline.config.pipeline import (
-    AlgorithmConfig,
     EnvironmentConfig,
     PipelineConfig,
     PoolSettings,
@@ -34,16 +41,21 @@ from marl_pipeline.config.services import (
 
 __all__ = [
     "BUILTIN_TINY",
+    "Advantage",
     "AgentConfig",
+    "AgentNormalizedAdvantage",
     "AlgorithmConfig",
     "ConfigError",
+    "DrGRPOAdvantage",
     "EngineConfig",
     "EnvironmentConfig",
     "EvaluationConfig",
     "ExperimentConfig",
+    "GRPOAdvantage",
     "LoraAdapterConfig",
     "PipelineConfig",
     "PoolSettings",
+    "RLOOAdvantage",
     "RayConfig",
     "RetentionConfig",
     "RetrainConfig",

@@ -10,8 +10,9 @@ import yaml
 from pydantic import BeforeValidator, Field, ValidationError, field_validator
 
 from marl_pipeline.config.agent import AgentConfig
+from marl_pipeline.config.algorithm import AlgorithmConfig
 from marl_pipeline.config.base import BUILTIN_TINY, ConfigError, StrictModel
-from marl_pipeline.config.pipeline import AlgorithmConfig, EnvironmentConfig, PipelineConfig
+from marl_pipeline.config.pipeline import EnvironmentConfig, PipelineConfig
 from marl_pipeline.config.services import (
     EvaluationConfig,
     RayConfig,

@@ -1,4 +1,4 @@
-"""How a run is cut and trained: the environment and its action pool, micro-batches and steps, the algorithm."""
+"""How a run is cut: the environment and its action pool, micro-batches and steps."""
 
 from __future__ import annotations
 
@@ -120,34 +120,3 @@ class PipelineConfig(StrictModel):
         if self.mode == "synchronous" and self.staleness:
             raise ValueError("mode 'synchronous' trains strictly on-policy: staleness must be 0")
         return self
-
-
-class AlgorithmConfig(StrictModel):
-    """Policy-gradient settings shared by every agent."""
-
-    clip_eps: float = Field(0.2, gt=0)
-    """PPO-style ratio clipping range."""
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature at rollout."""
-    max_new_tokens: int = Field(8, ge=1)
-    """Longest completion per turn, in tokens."""
-    advantage_eps: float = Field(1e-6, gt=0)
-    """Added to the group's reward std before dividing."""
-    kl_coef: float = Field(0.0, ge=0)
-    """Weight of the k3 KL penalty to the agent's base policy (version 0); > 0 keeps a frozen copy of it in the
-    trainer."""
-    entropy_coef: float = Field(0.0, ge=0)
-    """Weight of the entropy bonus (full-vocabulary entropy at each response token), subtracted from the loss."""
-    drop_zero_advantage_groups: bool = False
-    """Dynamic sampling (DAPO's filter, without re-sampling): leave out of the step an agent's groups whose episodes
-    all earned it the same reward (zero advantage), so that they do not dilute the token- or sequence-normalised
-    gradient of the informative ones; counted in ``policy_updates.dropped_rows``."""
-    loss_normalization: Literal["token", "sequence"] = "token"
-    """``token``: the step's summed token loss over its response-token count; ``sequence``: each sequence's mean
-    token loss, averaged over the step's sequences."""
-    tis_cap: float | None = Field(None, ge=1)
-    """Truncated importance sampling: weight each token's policy-gradient term by min(trainer/engine ratio, cap)
-    to correct the engine-vs-trainer mismatch; the PPO clip then uses the trainer's own ratio pi/sg(pi)
-    (``training/losses.clipped_pg_token_loss``). None: off, the clip uses pi/pi_engine."""
-
-

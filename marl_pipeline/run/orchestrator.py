@@ -197,7 +197,7 @@ class Orchestrator:
 
     def _reward(self, key: MicroBatchKey) -> pa.Table:
         return score_micro_batch(self.env, self.store.read("rollouts", key),
-                                 self.store.read("environment_results", key), self.config.algorithm.advantage_eps,
+                                 self.store.read("environment_results", key), self.config.algorithm.advantage,
                                  model_reward=self._model_reward)
 
     def _map_loop(self, stage: Stage, inbox: queue.Queue, outbox: queue.Queue, next_stage: str,

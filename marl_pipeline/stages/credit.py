@@ -1,21 +1,9 @@
-"""Credit assignment arithmetic: GRPO's group-relative advantages, the team mix, and a plugin's per-turn rewards
-checked (the reward stage, ``stages/reward.py``, applies them to a micro-batch)."""
+"""Credit assignment arithmetic: the team mix, and a plugin's per-turn rewards and weights checked (the reward stage,
+``stages/reward.py``, applies them to a micro-batch; stages/advantages/ turns the rewards into advantages)."""
 
 from __future__ import annotations
 
 import numpy as np
-
-
-def group_relative_advantages(rewards: np.ndarray, groups: np.ndarray, eps: float,
-                              weights: list[float] | None = None) -> np.ndarray:
-    """(reward - group mean) / (group std + eps) for each element, groups given by label; times its weight, if
-    given (``turn_weights_of``)."""
-    advantages = np.zeros_like(rewards, dtype=np.float64)
-    for label in np.unique(groups):
-        members = groups == label
-        values = rewards[members]
-        advantages[members] = (values - values.mean()) / (values.std() + eps)
-    return advantages if weights is None else advantages * np.asarray(weights, dtype=np.float64)
 
 
 def assign_credit(own: dict[str, float], team_weight: float) -> dict[str, float]:

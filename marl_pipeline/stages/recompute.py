@@ -46,7 +46,7 @@ def recompute_stage(stage: str, config: ExperimentConfig, store: ExperienceStore
         table = execute_micro_batch(env, store.read("rollouts", key), pool=_action_pool(config, env))
     elif stage == "rewards":
         table = score_micro_batch(env, store.read("rollouts", key), store.read("environment_results", key),
-                                  config.algorithm.advantage_eps, model_reward=_model_reward(config, env, store))
+                                  config.algorithm.advantage, model_reward=_model_reward(config, env, store))
     elif stage == "policy_updates":
         table = _policy_updates(config, env, store, key)
     elif stage == "evaluations":

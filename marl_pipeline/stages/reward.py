@@ -1,8 +1,8 @@
 """Reward stage: the environment's per-agent reward of each episode, and group-relative advantages.
 
-GRPO: the ``n`` episodes sampled from one task prompt form a group (the rollouts' ``group_id``); an agent's
-advantage in an episode is its reward minus the group's mean reward for that agent, divided by the group's std
-(plus eps).
+Advantages: the ``n`` episodes sampled from one task prompt form a group (the rollouts' ``group_id``); an agent's
+rewards are compared within its group by the configured estimator (``algorithm.advantage``, stages/advantages/:
+GRPO's (reward - mean) / std by default).
 
 Credit assignment: the environment scores each agent on its own part (``score``); each agent is then
 trained on ``w * team + (1 - w) * own`` where ``team`` is the mean over the episode's agents and ``w``
@@ -32,9 +32,9 @@ from datetime import UTC, datetime
 import numpy as np
 import pyarrow as pa
 
-from marl_pipeline.config import RewardModelConfig
+from marl_pipeline.config import Advantage, GRPOAdvantage, RewardModelConfig
 from marl_pipeline.environment import ActionResult, Environment
-from marl_pipeline.stages import credit
+from marl_pipeline.stages import advantages, credit
 from marl_pipeline.stages.episodes import TURN_KEYS, episodes_of, transcript_of
 from marl_pipeline.store.schema import REWARDS, with_agent
 
@@ -62,9 +62,11 @@ class ModelReward:
         return cls(score, agents, settings.weight)
 
 
-def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, eps: float,
-                      team_weight: float | None = None, model_reward: ModelReward | None = None) -> pa.Table:
-    """One row per turn: the turn's agent's episode reward and its group-relative advantage.
+def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table,
+                      advantage: Advantage = GRPOAdvantage(), team_weight: float | None = None,
+                      model_reward: ModelReward | None = None) -> pa.Table:
+    """One row per turn: the turn's agent's episode reward and its group-relative advantage (``advantage``'s
+    estimator).
 
     ``team_weight`` None takes the environment's ``team_reward_weight`` (0 if it has none).
     """
@@ -120,9 +122,12 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table, e
     groups = np.asarray([labels.setdefault((row["group_id"], row["agent"])
                                            + ((row["turn"],) if per_turn_credit else ()), len(labels))
                          for row in keyed_rows])
-    advantages = credit.group_relative_advantages(rewards_array, groups, eps, weights) if keyed_rows else rewards_array
+    scored = advantages.ScoredRows(rewards_array, groups, np.asarray([row["agent"] for row in keyed_rows]),
+                                   np.asarray([row["episode"] for row in keyed_rows]))
+    relative = (advantages.estimator(advantage)(scored) * np.asarray(weights, dtype=np.float64)
+                if keyed_rows else rewards_array)
     columns = {name: [row[name] for row in keyed_rows] for name in TURN_KEYS}
-    columns.update(reward=rewards_array.astype(np.float32), advantage=advantages.astype(np.float32),
+    columns.update(reward=rewards_array.astype(np.float32), advantage=relative.astype(np.float32),
                    model_score=pa.array([model_scores.get(row["sample_id"]) for row in keyed_rows], pa.float32()),
                    reward_start=starts, reward_end=ends, status=statuses, error=[None] * len(keyed_rows))
     return pa.table(columns, schema=with_agent(REWARDS))

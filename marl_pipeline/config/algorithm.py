@@ -1,0 +1,81 @@
+"""The algorithm: policy-gradient settings shared by every agent, and the advantage estimator chosen by ``type``
+(stages/advantages/ holds one module per estimator)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from marl_pipeline.config.base import StrictModel
+
+
+class GRPOAdvantage(StrictModel):
+    """(reward - group mean) / (group std + eps), per agent (DeepSeekMath's GRPO)."""
+
+    type: Literal["grpo"] = "grpo"
+    eps: float = Field(1e-6, gt=0)
+    """Added to the group's reward std before dividing."""
+
+
+class DrGRPOAdvantage(StrictModel):
+    """reward - group mean, per agent: no division by the group's std (Dr. GRPO, Liu et al. 2025)."""
+
+    type: Literal["dr_grpo"] = "dr_grpo"
+
+
+class RLOOAdvantage(StrictModel):
+    """reward - the mean of the group's other episodes, per agent (RLOO, Ahmadian et al. 2024)."""
+
+    type: Literal["rloo"] = "rloo"
+
+
+class AgentNormalizedAdvantage(StrictModel):
+    """(reward - group mean) / (std of the agent's centred rewards over the micro-batch + eps): each agent's
+    advantages scaled by its own reward statistics (Dr. MAS, Feng et al. 2026), not by one group's."""
+
+    type: Literal["agent_normalized"] = "agent_normalized"
+    eps: float = Field(1e-6, gt=0)
+    """Added to the agent's std before dividing."""
+
+
+Advantage = Annotated[GRPOAdvantage | DrGRPOAdvantage | RLOOAdvantage | AgentNormalizedAdvantage,
+                      Field(discriminator="type")]
+
+
+class AlgorithmConfig(StrictModel):
+    """Policy-gradient settings shared by every agent."""
+
+    clip_eps: float = Field(0.2, gt=0)
+    """PPO-style ratio clipping range."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature at rollout."""
+    max_new_tokens: int = Field(8, ge=1)
+    """Longest completion per turn, in tokens."""
+    advantage: Advantage = GRPOAdvantage()
+    """How rewards become advantages (``type``: grpo, dr_grpo, rloo, agent_normalized)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the k3 KL penalty to the agent's base policy (version 0); > 0 keeps a frozen copy of it in the
+    trainer."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus (full-vocabulary entropy at each response token), subtracted from the loss."""
+    drop_zero_advantage_groups: bool = False
+    """Dynamic sampling (DAPO's filter, without re-sampling): leave out of the step an agent's groups whose episodes
+    all earned it the same reward (zero advantage), so that they do not dilute the token- or sequence-normalised
+    gradient of the informative ones; counted in ``policy_updates.dropped_rows``."""
+    loss_normalization: Literal["token", "sequence"] = "token"
+    """``token``: the step's summed token loss over its response-token count; ``sequence``: each sequence's mean
+    token loss, averaged over the step's sequences."""
+    tis_cap: float | None = Field(None, ge=1)
+    """Truncated importance sampling: weight each token's policy-gradient term by min(trainer/engine ratio, cap)
+    to correct the engine-vs-trainer mismatch; the PPO clip then uses the trainer's own ratio pi/sg(pi)
+    (``training/losses.clipped_pg_token_loss``). None: off, the clip uses pi/pi_engine."""
+
+
+
+    @model_validator(mode="before")
+    @classmethod
+    def validate_no_advantage_eps(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "advantage_eps" in data:
+            raise ValueError("algorithm.advantage_eps is now algorithm.advantage.eps (with advantage.type: grpo)")
+        return data

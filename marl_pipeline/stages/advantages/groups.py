@@ -1,0 +1,56 @@
+"""What an estimator gets (:class:`ScoredRows`), and per-group statistics broadcast back to each row without a
+Python loop over rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ScoredRows:
+    """A micro-batch's turn rows once scored (the reward stage produces them, an estimator consumes them): arrays
+    of one element per row."""
+
+    rewards: np.ndarray
+    """float64: the row's reward (its agent's, or its turn's where the plugin scores turns)."""
+    groups: np.ndarray
+    """The label of the group the row is compared within: a task prompt's episodes, per agent (and per turn where
+    the plugin scores turns)."""
+    agents: np.ndarray
+    """The row's agent."""
+    episodes: np.ndarray
+    """The row's episode: an agent that speaks several times has several rows of one episode in a group."""
+
+
+def labels(*columns: np.ndarray) -> np.ndarray:
+    """0..k-1 per row for the distinct combinations of ``columns``."""
+    codes = [np.unique(column, return_inverse=True)[1].reshape(-1) for column in columns]
+    combined = codes[0].astype(np.int64)
+    for code in codes[1:]:
+        combined = combined * (int(code.max(initial=0)) + 1) + code
+    return np.unique(combined, return_inverse=True)[1].reshape(-1)
+
+
+def group_sum(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """The sum of each row's group, per row."""
+    index = labels(groups)
+    return np.bincount(index, weights=values)[index]
+
+
+def group_size(groups: np.ndarray) -> np.ndarray:
+    """The number of rows in each row's group, per row."""
+    index = labels(groups)
+    return np.bincount(index)[index].astype(np.float64)
+
+
+def group_mean(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """The mean of each row's group, per row."""
+    return group_sum(values, groups) / group_size(groups)
+
+
+def group_std(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """The population std (numpy's default, ddof 0) of each row's group, per row."""
+    centred = values - group_mean(values, groups)
+    return np.sqrt(group_mean(centred * centred, groups))
