@@ -35,6 +35,8 @@ def _override_type(annotation: Any) -> Any:
         return annotation
     if origin in (Union, types.UnionType):
         options = [option for option in get_args(annotation) if option is not type(None)]
+        if len(options) > 1 and all(isinstance(o, type) and issubclass(o, BaseModel) for o in options):
+            return overrides_of_variants(tuple(options))  # e.g. the advantage estimators, told apart by `type`
         return _override_type(options[0]) if len(options) == 1 else Any
     if origin is Literal:
         kinds = {type(value) for value in get_args(annotation)}
@@ -57,6 +59,22 @@ def overrides_of(model: type[BaseModel]) -> type[dg.Config]:
         fields[name] = (kind if kind is Any else Optional[kind],  # noqa: UP045 (Dagster reads Optional[...])
                         Field(None, description=field.description))
     return create_model(f"{model.__name__}Overrides", __base__=dg.Config, __doc__=f"Overrides of {model.__name__}.",
+                        **fields)
+
+
+@functools.cache
+def overrides_of_variants(models: tuple[type[BaseModel], ...]) -> type[dg.Config]:
+    """One ``dg.Config`` class for a union of models (variants named by a ``type`` field): every field of any variant,
+    optional. The variant chosen validates what is set when the experiment loads."""
+    fields = {}
+    for model in models:
+        for name, field in model.model_fields.items():
+            if name not in fields:
+                kind = _override_type(field.annotation)
+                fields[name] = (kind if kind is Any else Optional[kind],  # noqa: UP045
+                                Field(None, description=field.description))
+    names = "Or".join(model.__name__ for model in models)
+    return create_model(f"{names}Overrides", __base__=dg.Config, __doc__="Overrides of one of " + names + ".",
                         **fields)
 
 

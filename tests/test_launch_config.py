@@ -10,7 +10,6 @@ import dagster as dg
 import pytest
 import ray
 import yaml
-from dagster._config import ConfigTypeKind
 from pydantic import BaseModel
 
 from assets.definitions import defs
@@ -49,11 +48,12 @@ def _leaf_paths(model: type[BaseModel], prefix: str = "") -> set[str]:
 
 
 def _schema_paths(config_type, prefix: str = "") -> set[str]:
-    if config_type.kind == ConfigTypeKind.NONEABLE:
+    # Kinds by name: the ConfigTypeKind enum is private Dagster API.
+    if config_type.kind.name == "NONEABLE":
         config_type = config_type.inner_type
-    if config_type.kind == ConfigTypeKind.MAP and config_type.inner_type.kind == ConfigTypeKind.STRICT_SHAPE:
+    if config_type.kind.name == "MAP" and config_type.inner_type.kind.name == "STRICT_SHAPE":
         return _schema_paths(config_type.inner_type, f"{prefix}*.")
-    if config_type.kind != ConfigTypeKind.STRICT_SHAPE:
+    if config_type.kind.name != "STRICT_SHAPE":
         return {prefix.rstrip(".")}
     paths = set()
     for name, field in config_type.fields.items():
@@ -73,7 +73,8 @@ def test_every_experiment_setting_is_an_override_in_the_launchpad() -> None:
 def test_overrides_merge_into_the_file_or_the_inline_experiment(tmp_path: Path, demo_config_data: dict) -> None:
     path = _experiment(tmp_path, demo_config_data)
     overrides = {"seed": 7, "pipeline": {"staleness": 1}, "every_agent": {"trainer": {"lr": 0.01}},
-                 "agents": {"verifier": {"trainer": {"lr": 0.02}}}, "store": {"compression": "snappy"}}
+                 "agents": {"verifier": {"trainer": {"lr": 0.02}}}, "store": {"compression": "snappy"},
+                 "algorithm": {"advantage": {"type": "rloo"}}}
     for source in ({"config_path": str(path)}, {"experiment": yaml.safe_load(path.read_text())}):
         config = ExperimentResource(**source, overrides=overrides).load()
         assert (config.seed, config.pipeline.staleness) == (7, 1)
@@ -82,6 +83,7 @@ def test_overrides_merge_into_the_file_or_the_inline_experiment(tmp_path: Path, 
         assert config.agents["verifier"].trainer.lr == 0.02
         assert config.agents["solver"].warmup.steps == demo_config_data["agents"]["solver"]["warmup"]["steps"]
         assert (config.store.uri, config.store.compression) == (str(tmp_path / "store"), "snappy")
+        assert config.algorithm.advantage.type == "rloo"  # a variant chosen by its `type`
     with pytest.raises(ConfigError, match="not both"):
         ExperimentResource(config_path=str(path), experiment=yaml.safe_load(path.read_text())).load()
 
