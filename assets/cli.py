@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import typer
@@ -50,12 +51,11 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     for name, value in _QUIET_ENV.items():
         os.environ.setdefault(name, value)
     import dagster as dg
-    from dagster._core.utils import make_new_run_id
 
     from assets.definitions import defs
 
     instance = dg.DagsterInstance.get()
-    run_id = make_new_run_id()
+    run_id = str(uuid.uuid4())  # what Dagster's own run ids are; the CLI needs it before the run starts
     # The Definitions' store and Ray resources nest `experiment`, so this one path configures all three; Ray's
     # address and local CPU count come from the YAML's `ray:` through the resource, as in `dagster dev`.
     run_config = {"resources": {

@@ -120,6 +120,13 @@ def isolation_available() -> bool:
     return os.geteuid() == 0 and bool(shutil.which("unshare")) and bool(shutil.which("setpriv"))
 
 
+def isolated_command(command: list[str]) -> list[str]:
+    """``command`` in a new network namespace, as the unprivileged sandbox uid without capabilities (the layers
+    under the audit hook; needs :func:`isolation_available`)."""
+    return ["unshare", "--net", "--", "setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
+            "--inh-caps=-all", "--no-new-privs", "--", *command]
+
+
 def run_python(code: str, limits: SandboxLimits = SandboxLimits(), files: dict[str, str] | None = None,
                python: str = sys.executable) -> SandboxResult:
     """Run ``code`` as ``main.py`` in a fresh sandbox; never raises for anything the code does.
@@ -142,8 +149,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), files: dict[s
         if isolated:
             for path in [workdir, *workdir.iterdir()]:
                 os.chown(path, SANDBOX_UID, SANDBOX_UID)
-            command = ["unshare", "--net", "--", "setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}",
-                       "--clear-groups", "--inh-caps=-all", "--no-new-privs", "--", *command]
+            command = isolated_command(command)
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             start = time.monotonic()
             process = subprocess.Popen(command, cwd=workdir, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -57,3 +58,12 @@ def test_the_architecture_page_names_every_module() -> None:
     assert [module for module in modules if f"`{module}`" not in page] == []
     subpackages = [path.parent.name for path in (ROOT / "marl_pipeline").glob("*/__init__.py")]
     assert [name for name in subpackages if f"  {name}/" not in page] == []  # the layer picture shows each one
+
+
+def test_no_private_dagster_api() -> None:
+    # Dagster's underscore modules change without notice between releases; the public `dagster` namespace only.
+    sources = [path for folder in ("marl_pipeline", "assets", "resources", "environments", "tests", "bench")
+               for path in (ROOT / folder).rglob("*.py")]
+    private = [str(path.relative_to(ROOT)) for path in sources
+               if re.search(r"^\s*(from|import) dagster(_\w+)?\._", path.read_text(), re.M)]
+    assert private == []

@@ -3,12 +3,12 @@ a real S3 server (moto): each batch of task files requests exactly one ``train``
 No training runs here: a run request is the sensor's whole output."""
 
 import time
+import uuid
 from pathlib import Path
 
 import dagster as dg
 import pytest
 import yaml
-from dagster._core.utils import make_new_run_id
 
 from assets.definitions import defs
 from assets.retrain import retrain_on_new_tasks
@@ -92,7 +92,7 @@ def test_a_batch_waits_for_its_files_to_settle_and_for_a_running_train(tmp_path:
     watched.drop("b.jsonl")
     assert watched.tick() == []  # it grew: the settle time starts again
     time.sleep(1.1)
-    running = dg.DagsterRun(job_name="train", run_id=make_new_run_id(), status=dg.DagsterRunStatus.STARTED)
+    running = dg.DagsterRun(job_name="train", run_id=str(uuid.uuid4()), status=dg.DagsterRunStatus.STARTED)
     watched.instance.add_run(running)
     assert watched.tick() == []  # settled, but two launches of one experiment must not overlap
     watched.instance.delete_run(running.run_id)
