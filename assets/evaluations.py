@@ -28,10 +28,9 @@ def evaluation_metadata(metrics: dict[str, dict[str, float]], path, history=None
         for name, value in figures.items():
             metadata[f"{agent}/{name}"] = dg.MetadataValue.float(round(float(value), 4))
     if history:
-        from assets.plots import images_markdown
-        from marl_pipeline.run.evaluations import evaluation_plot_png
+        from assets.plots import evaluation_png, images_markdown
 
-        metadata["history"] = images_markdown({"held-out evaluation": evaluation_plot_png(history)})
+        metadata["history"] = images_markdown({"held-out evaluation": evaluation_png(history)})
     return metadata
 
 

@@ -100,9 +100,8 @@ def run_plots(store, run: str, finished=None, timeline=None) -> dict[str, bytes]
     lineage (read from the store, so a continued run shows its earlier launches too), held-out evaluation per
     policy version when the run was evaluated, and the stage activity of the launch that just finished (its live
     timeline)."""
-    from assets.plots import reward_per_step_png, staleness_png
-    from marl_pipeline.run.evaluations import evaluation_history, evaluation_plot_png
-    from marl_pipeline.run.pipeline_metrics import activity_plot_png
+    from assets.plots import activity_png, evaluation_png, reward_per_step_png, staleness_png
+    from marl_pipeline.run.evaluations import evaluation_history
     from marl_pipeline.store.summaries import reward_table
 
     plots: dict[str, bytes] = {}
@@ -119,8 +118,8 @@ def run_plots(store, run: str, finished=None, timeline=None) -> dict[str, bytes]
         plots["staleness per step"] = staleness_png(
             by_staleness, f"turns per step by staleness (step - policy version), run {run}")
     if history := evaluation_history(store, run):
-        plots["held-out evaluation"] = evaluation_plot_png(history, f"held-out evaluation, run {run}")
+        plots["held-out evaluation"] = evaluation_png(history, f"held-out evaluation, run {run}")
     if timeline is not None and timeline.spans:
-        plots["stage activity"] = activity_plot_png(timeline.spans, finished.started,
+        plots["stage activity"] = activity_png(timeline.spans, finished.started,
                                                     f"stage activity of the last launch, run {run}")
     return plots

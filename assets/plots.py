@@ -2,9 +2,9 @@
 
 Dagster's UI renders a Markdown metadata value, and a ``data:`` PNG inside it shows as an image; nothing is
 written to disk or served. Markdown of 1,000 characters or more (any PNG) is behind a "[Show Markdown]" link
-that opens it in a dialog, so a run's plots go into one value: one click shows them all. This module draws the
-two per-run plots the engine does not (reward per agent per step, staleness per step) and wraps any PNG, the
-engine's stage-activity and evaluation plots included.
+that opens it in a dialog, so a run's plots go into one value: one click shows them all. Every plot the project
+draws is here (the engine computes the figures, this module draws them): reward per agent per step, staleness per
+step, held-out evaluation per version, stage activity over time.
 """
 
 from __future__ import annotations
@@ -44,26 +44,71 @@ def staleness_png(by_step: dict[int, dict[int, int]], title: str) -> bytes:
     return _png(figure, axis, "turns", title)
 
 
-def _figure():
+def evaluation_png(history: dict[int, dict[str, dict[str, float]]], title: str = "held-out evaluation") -> bytes:
+    """Each agent's headline metric (solid) and top-answer share (dotted) across policy versions (``history``:
+    version -> agent -> metrics, ``run.evaluations.evaluation_history``)."""
+    from marl_pipeline.stages.evaluation import headline_metric
+
+    figure, axis = _figure((7, 3.5))
+    agents = sorted({agent for by_agent in history.values() for agent in by_agent})
+    versions = sorted(history)
+    for index, agent in enumerate(agents):
+        color = f"C{index}"
+        points = [(v, history[v][agent]) for v in versions if agent in history[v]]
+        name = headline_metric(points[0][1])[0] if points else "metric"
+        axis.plot([v for v, _ in points], [headline_metric(m)[1] for _, m in points], "-o", color=color,
+                  label=f"{agent} {name}")
+        axis.plot([v for v, _ in points], [m["top_answer_share"] for _, m in points], ":", color=color,
+                  label=f"{agent} top-answer share")
+    axis.set_ylim(0, 1.02)
+    axis.legend(fontsize=7, loc="lower right")
+    return _png(figure, axis, "", title, xlabel="policy version")
+
+
+def activity_png(spans: list, started: float, title: str = "stage activity") -> bytes:
+    """A Gantt chart of stage work over time (one row per stage, one bar per micro-batch; ``spans``:
+    ``run.pipeline_metrics.Span``)."""
+    from marl_pipeline.run.pipeline_metrics import STAGE_ORDER
+
+    stages = [stage for stage in STAGE_ORDER if any(s.stage == stage for s in spans)]
+    figure, axis = _figure((10, 0.6 * len(stages) + 1.2))
+    for row, stage in enumerate(stages):
+        for span in (s for s in spans if s.stage == stage):
+            axis.broken_barh([(span.started - started, max(span.ended - span.started, 1e-3))], (row - 0.4, 0.8),
+                             facecolors=f"C{span.step % 10}", edgecolors="white", linewidth=0.3)
+    axis.set_yticks(range(len(stages)), stages)
+    axis.invert_yaxis()
+    axis.set_xlabel("seconds since the first step started (colour: step)")
+    axis.set_title(title)
+    return _save(figure)
+
+
+def _figure(size: tuple[float, float] = (7, 3.2)):
     import matplotlib
 
     matplotlib.use("Agg")  # no display: rendered to bytes
     import matplotlib.pyplot as plt
 
-    return plt.subplots(figsize=(7, 3.2), dpi=100)
+    return plt.subplots(figsize=size, dpi=100)
 
 
-def _png(figure, axis, ylabel: str, title: str) -> bytes:
-    """Steps on the x axis (whole numbers), the labels and title, a legend of what was drawn; as PNG bytes."""
-    import matplotlib.pyplot as plt
+def _png(figure, axis, ylabel: str, title: str, xlabel: str = "step") -> bytes:
+    """Steps (or versions) on the x axis (whole numbers), the labels and title, a legend of what was drawn; as PNG
+    bytes."""
     from matplotlib.ticker import MaxNLocator
 
-    axis.set_xlabel("step")
+    axis.set_xlabel(xlabel)
     axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     axis.set_ylabel(ylabel)
     axis.set_title(title)
-    if axis.get_legend_handles_labels()[0]:
+    if axis.get_legend_handles_labels()[0] and axis.get_legend() is None:
         axis.legend(fontsize=8)
+    return _save(figure)
+
+
+def _save(figure) -> bytes:
+    import matplotlib.pyplot as plt
+
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")

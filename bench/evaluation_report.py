@@ -19,8 +19,9 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from assets.plots import evaluation_png
 from marl_pipeline.config import StoreConfig
-from marl_pipeline.run.evaluations import evaluation_history, evaluation_plot_png
+from marl_pipeline.run.evaluations import evaluation_history
 from marl_pipeline.store import ExperienceStore
 
 COLUMNS = {"solver": ["accuracy", "top_answer_share"],
@@ -83,7 +84,7 @@ def main() -> None:
         cells += [f"{metrics.get(a, {}).get(m, float('nan')):.3f}" for a in agents for m in COLUMNS.get(a, [])]
         print("| " + " | ".join(cells) + " |")
     if args.plot:
-        args.plot.write_bytes(evaluation_plot_png(history, title=args.label or args.run))
+        args.plot.write_bytes(evaluation_png(history, title=args.label or args.run))
         print(f"plot: {args.plot}")
 
 

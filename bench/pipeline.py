@@ -21,10 +21,10 @@ from pathlib import Path
 
 import yaml
 
+from assets.plots import activity_png
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
 from marl_pipeline.environment import register_environment
 from marl_pipeline.run.pipeline_metrics import (
-    activity_plot_png,
     orchestrator_overhead,
     pipeline_report,
     timeline_from_events,
@@ -96,7 +96,7 @@ def run_mode(name: str, data: dict, base: Path) -> dict:
     report["overhead_per_micro_batch_s"] = round(overhead, 4)
     report["overhead_share_of_step"] = round(overhead * config.pipeline.micro_batches_per_step
                                              / report["step_time_s"], 4)
-    report["_png"] = activity_plot_png(spans, started, title=f"stage activity: {name}")
+    report["_png"] = activity_png(spans, started, title=f"stage activity: {name}")
     return report
 
 

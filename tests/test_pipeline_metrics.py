@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from assets.plots import activity_png
 from marl_pipeline.run.pipeline_metrics import (
     Span,
-    activity_plot_png,
     orchestrator_overhead,
     pipeline_report,
     staleness_histogram,
@@ -43,7 +43,7 @@ def test_overhead_counts_gaps_not_waiting_on_a_busy_resource() -> None:
 
 def test_staleness_histogram_and_plot() -> None:
     assert staleness_histogram([3, 3, 4, 4], [3, 2, 3, 4]) == {0: 2, 1: 2}
-    png = activity_plot_png(_chain(0, 0, 0.0) + _chain(1, 0, 4.0), started=0.0)
+    png = activity_png(_chain(0, 0, 0.0) + _chain(1, 0, 4.0), started=0.0)
     assert png.startswith(b"\x89PNG")
 
 

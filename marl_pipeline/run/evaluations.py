@@ -18,7 +18,6 @@ from marl_pipeline.run.events import EvaluationCommitted
 from marl_pipeline.stages.evaluation import (
     EvaluationSettings,
     evaluate_agent,
-    headline_metric,
     stored_metrics,
     with_metrics,
 )
@@ -62,36 +61,3 @@ def evaluation_history(store: ExperienceStore, run: str) -> dict[int, dict[str, 
     """Every committed evaluation of a run, from the metrics stored with it: version -> agent -> metrics."""
     keys = sorted(store.committed_keys(run, "evaluations"), key=lambda key: key.step)
     return {key.step: stored_metrics(store.read("evaluations", key, columns=["agent", "metrics"])) for key in keys}
-
-
-def evaluation_plot_png(history: dict[int, dict[str, dict[str, float]]], title: str = "held-out evaluation") -> bytes:
-    """Each agent's headline metric (solid) and top-answer share (dotted) across policy versions."""
-    import io
-
-    import matplotlib
-    import matplotlib.ticker
-
-    matplotlib.use("Agg")  # no display: rendered to bytes for Dagster metadata and the README
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 3.5), dpi=100)
-    agents = sorted({agent for by_agent in history.values() for agent in by_agent})
-    versions = sorted(history)
-    for index, agent in enumerate(agents):
-        color = f"C{index}"
-        points = [(v, history[v][agent]) for v in versions if agent in history[v]]
-        name = headline_metric(points[0][1])[0] if points else "metric"
-        axis.plot([v for v, _ in points], [headline_metric(m)[1] for _, m in points], "-o", color=color,
-                  label=f"{agent} {name}")
-        axis.plot([v for v, _ in points], [m["top_answer_share"] for _, m in points], ":", color=color,
-                  label=f"{agent} top-answer share")
-    axis.set_xlabel("policy version")
-    axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # versions are whole numbers
-    axis.set_ylim(0, 1.02)
-    axis.set_title(title)
-    axis.legend(fontsize=7, loc="lower right")
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    plt.close(figure)
-    return buffer.getvalue()

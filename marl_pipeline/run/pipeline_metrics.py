@@ -1,4 +1,4 @@
-"""Run-level pipeline figures from stage timings: throughput, busy fractions, efficiency, overhead, a plot.
+"""Run-level pipeline figures from stage timings: throughput, busy fractions, efficiency, overhead.
 
 Every figure is computed from ``Span`` records (one per stage per micro-batch, plus one per agent per
 optimizer step), which the orchestrator emits and the store keeps with the data, so they can be
@@ -7,7 +7,6 @@ recomputed after the fact.
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -128,31 +127,6 @@ def staleness_histogram(steps: list[int], versions: list[int]) -> dict[int, int]
     for step, version in zip(steps, versions):
         histogram[step - version] = histogram.get(step - version, 0) + 1
     return dict(sorted(histogram.items()))
-
-
-def activity_plot_png(spans: list[Span], started: float, title: str = "stage activity") -> bytes:
-    """A Gantt chart of stage work over time (one row per stage, one bar per micro-batch), as PNG bytes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    stages = [stage for stage in STAGE_ORDER if any(s.stage == stage for s in spans)]
-    figure, axis = plt.subplots(figsize=(10, 0.6 * len(stages) + 1.2), dpi=100)
-    colors = plt.get_cmap("tab10")
-    for row, stage in enumerate(stages):
-        for span in (s for s in spans if s.stage == stage):
-            axis.broken_barh([(span.started - started, max(span.ended - span.started, 1e-3))], (row - 0.4, 0.8),
-                             facecolors=colors(span.step % 10), edgecolors="white", linewidth=0.3)
-    axis.set_yticks(range(len(stages)), stages)
-    axis.invert_yaxis()
-    axis.set_xlabel("seconds since the first step started (colour: step)")
-    axis.set_title(title)
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    plt.close(figure)
-    return buffer.getvalue()
 
 
 def orchestrator_overhead(spans: list[Span], concurrency: dict[str, int] | None = None,
