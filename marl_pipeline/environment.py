@@ -5,28 +5,8 @@ A plugin is one module with one class satisfying :class:`Environment`, registere
 :func:`register_environment` (a module of the user's own, imported before the config is loaded).
 docs/environments.md is the guide.
 
-Optional, per plugin (the demo uses none of them):
-
-- ``actions`` + ``run_action`` (:class:`ActionEnvironment`): the turns' actions are run one by one on
-  the environment stage's action pool instead of ``execute`` (timeouts, retries, failures per action);
-- ``pool_settings``: a ``config.PoolSettings`` for that pool (the config's ``environment.pool`` wins; without
-  either, the pool's defaults);
-- ``team_reward_weight``: credit assignment between the team's and each agent's own reward (reward.py);
-- ``observe(role, task, transcript) -> str | None``: the environment's reply after ``role``'s turn,
-  computed during rollout and given to later turns as ``Turn.observation`` (multi-turn feedback);
-- ``episode_task(task, trajectory) -> Task``: the task as episode ``trajectory`` (0..samples_per_prompt-1) of its
-  group sees it, so that one GRPO group can contrast variants of one question (a verifier shown a right answer in
-  half the group and a wrong one in the other half). It is what every episode's prompts, stored ``task`` and later
-  stages get; it must be a pure function of its arguments (recomputation calls it again). Without it, every
-  episode of a group gets the sampled task;
-- ``evaluation_cases`` + ``evaluate`` (:class:`EvaluatedEnvironment`): held-out questions per agent and the
-  metrics of its greedy answers, so that each agent's skill is measured on its own, not read off the reward;
-- ``own_reply_warmup_examples(role, rng, count, replies) -> list | None``: warm-up examples built on the policy's
-  own replies: ``replies(prompts)`` samples the base policy's reply to each prompt as rollout would (text). The
-  runtime asks for as many examples as the warm-up draws; None falls back to ``warmup_examples``;
-- ``taught_turns(role) -> tuple[int, ...]``: which of ``role``'s own turns (0: its first in an episode) its warm-up
-  teaches. An agent whose warm-up keeps its adapters apart (``warmup.separate``) is served and trained with them on
-  those turns only, so its other turns start exactly as the model was (:func:`taught_turn_indices`).
+Optional methods and attributes, and which config features need which: ``marl_pipeline.hooks.HOOKS`` (one
+table), resolved for the engine by ``hooks.hooks_of``.
 """
 
 from __future__ import annotations
@@ -178,10 +158,6 @@ class EvaluationCase:
             raise ValueError(f"EvaluationCase.turns is {self.turns}: an evaluated agent takes at least one turn")
 
 
-EVALUATION_HOOKS = ("evaluation_cases", "evaluate", "answer_of")
-"""What a plugin defines to be evaluated (:class:`EvaluatedEnvironment`)."""
-
-
 class EvaluatedEnvironment(Environment, Protocol):
     """An environment that measures each agent on held-out cases (the ``evaluations`` of a run)."""
 
@@ -242,44 +218,39 @@ def register_environment(env_class: type) -> type:
 
 
 def available_environments() -> dict[str, type]:
-    """Every environment class: entry points of installed packages, then in-process registrations."""
+    """Every environment class that loads: entry points of installed packages, then in-process registrations. A
+    plugin that fails to import is left out (:func:`get_environment_class` says why when a config names it), so one
+    broken package breaks only the runs that use it."""
     found: dict[str, type] = {}
     for entry in entry_points(group=ENTRY_POINT_GROUP):
-        found[entry.name] = entry.load()
+        try:
+            found[entry.name] = entry.load()
+        except Exception:
+            continue
     found.update(_registered)
     return found
 
 
 def get_environment_class(name: str) -> type:
-    """Look up an environment class by name.
+    """Look up an environment class by name, loading only that plugin.
 
     Raises:
-        KeyError: with a message listing the known names.
+        KeyError: with a message listing the known names, or why the named plugin does not load.
     """
-    available = available_environments()
-    if name not in available:
-        raise KeyError(f"unknown environment {name!r}; known: {sorted(available)}")
-    return available[name]
+    if name in _registered:
+        return _registered[name]
+    for entry in entry_points(group=ENTRY_POINT_GROUP, name=name):
+        try:
+            return entry.load()
+        except Exception as error:
+            raise KeyError(f"environment {name!r} ({entry.value}) fails to load: {type(error).__name__}: {error}"
+                           ) from error
+    raise KeyError(f"unknown environment {name!r}; known: {sorted(available_environments())}")
 
 
 def roles_of(env_class: type) -> tuple[str, ...]:
     """The distinct roles of an environment, in first-speaking order."""
     return tuple(dict.fromkeys(env_class.turn_order))
-
-
-def taught_own_turns(env: object, role: str) -> frozenset[int]:
-    """``role``'s own turns (0: its first in an episode) that its warm-up teaches: the plugin's optional
-    ``taught_turns``; empty without it."""
-    taught = getattr(env, "taught_turns", None)
-    return frozenset(taught(role)) if taught is not None else frozenset()
-
-
-def taught_turn_indices(env: object, role: str) -> frozenset[int]:
-    """The episode turn indices (positions in ``turn_order``) at which ``role`` speaks a turn its warm-up
-    teaches (:func:`taught_own_turns`)."""
-    own = taught_own_turns(env, role)
-    spoken = [index for index, speaker in enumerate(env.turn_order) if speaker == role]
-    return frozenset(index for number, index in enumerate(spoken) if number in own)
 
 
 def build_environment(name: str, options: dict[str, Any]) -> Environment:

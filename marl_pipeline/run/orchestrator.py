@@ -34,7 +34,8 @@ import ray
 
 from marl_pipeline.cluster.spawn import Workers
 from marl_pipeline.config import ExperimentConfig
-from marl_pipeline.environment import Environment, taught_turn_indices
+from marl_pipeline.environment import Environment
+from marl_pipeline.hooks import taught_turn_indices
 from marl_pipeline.inference.router import split_replicas
 from marl_pipeline.run.evaluations import EvaluationRounds
 from marl_pipeline.run.events import (

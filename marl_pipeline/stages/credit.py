@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from marl_pipeline.hooks import hooks_of
+
 
 def assign_credit(own: dict[str, float], team_weight: float) -> dict[str, float]:
     """Each agent's reward: ``team_weight * mean(own over agents) + (1 - team_weight) * own[agent]``."""
@@ -31,7 +33,7 @@ def checked_turn_rewards(rewards: object, turns: int) -> list[float] | None:
 
 def turn_weights_of(env: object, task: dict, transcript: list, turns: int) -> list[float]:
     """A plugin's ``turn_weights(task, transcript)`` for an episode's turns, checked (every turn 1 without it)."""
-    hook = getattr(env, "turn_weights", None)
+    hook = hooks_of(env).turn_weights
     return checked_turn_weights(hook(task, transcript) if hook is not None else None, turns)
 
 

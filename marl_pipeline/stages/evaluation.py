@@ -26,7 +26,8 @@ import pyarrow as pa
 import ray
 
 from marl_pipeline.config import ExperimentConfig
-from marl_pipeline.environment import EVALUATION_HOOKS, Environment, EvaluationCase, Turn, taught_own_turns
+from marl_pipeline.environment import Environment, EvaluationCase, Turn
+from marl_pipeline.hooks import hooks_of, taught_own_turns
 from marl_pipeline.inference.engine import Completion
 from marl_pipeline.stages.rollout import engine_chat_session
 from marl_pipeline.store.schema import EVALUATIONS, with_agent
@@ -55,7 +56,7 @@ class EvaluationSettings:
 
 def is_evaluated(env: Environment) -> bool:
     """Whether the plugin measures its agents on held-out cases (``evaluation_cases`` + ``evaluate``)."""
-    return all(hasattr(env, name) for name in EVALUATION_HOOKS)
+    return hooks_of(env).evaluated
 
 
 def evaluation_cases(env: Environment, role: str, settings: EvaluationSettings) -> list[EvaluationCase]:

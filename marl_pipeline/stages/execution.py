@@ -24,14 +24,15 @@ import pyarrow as pa
 from marl_pipeline.actions.pool import ActionPool
 from marl_pipeline.actions.worker import ActionOutcome, Job
 from marl_pipeline.config import PoolSettings
-from marl_pipeline.environment import MAX_ACTION_BYTES, ActionResult, Environment, validate_action
+from marl_pipeline.environment import ActionResult, Environment, validate_action
+from marl_pipeline.hooks import hooks_of
 from marl_pipeline.stages.episodes import TURN_KEYS, episodes_of, transcript_of
 from marl_pipeline.store.schema import ENVIRONMENT_RESULTS, with_agent
 
 
 def is_action_environment(env: Environment) -> bool:
     """Whether the plugin's turns run as actions on the pool (``actions`` + ``run_action``)."""
-    return hasattr(env, "actions") and hasattr(env, "run_action")
+    return hooks_of(env).uses_actions
 
 
 def action_pool_settings(env: Environment, configured: PoolSettings | None) -> PoolSettings | None:
@@ -39,7 +40,7 @@ def action_pool_settings(env: Environment, configured: PoolSettings | None) -> P
     defaults; None for a plugin without actions."""
     if not is_action_environment(env):
         return None
-    return configured or getattr(env, "pool_settings", None) or PoolSettings()
+    return configured or hooks_of(env).pool_settings or PoolSettings()
 
 
 def execute_micro_batch(env: Environment, rollouts: pa.Table, pool: ActionPool | None = None) -> pa.Table:
@@ -96,7 +97,7 @@ def _episode_failed(turns: list[dict], exc: Exception) -> list[Row]:
 
 def _run_actions(env, episodes: list[list[dict]], pool: ActionPool | None) -> list[list[Row]]:
     """Collect every valid action of the micro-batch, run them all at once, put the outcomes back per turn."""
-    max_bytes = getattr(env, "max_action_bytes", MAX_ACTION_BYTES)
+    max_bytes = hooks_of(env).max_action_bytes
     rows: list[list[Row | None]] = []
     jobs: list[Job] = []
     places: list[tuple[int, int]] = []  # (episode, turn) of each job

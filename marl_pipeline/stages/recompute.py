@@ -20,7 +20,8 @@ from marl_pipeline.actions.pool import shared_pool
 from marl_pipeline.bootstrap.reward_model import prepare_reward_model
 from marl_pipeline.cluster.spawn import trainer_options, with_local_base
 from marl_pipeline.config import ExperimentConfig
-from marl_pipeline.environment import build_environment, taught_turn_indices
+from marl_pipeline.environment import build_environment
+from marl_pipeline.hooks import taught_turn_indices
 from marl_pipeline.inference.reward_model import RewardModelServer
 from marl_pipeline.stages.evaluation import EvaluationSettings, evaluate_agent, is_evaluated, with_metrics
 from marl_pipeline.stages.execution import action_pool_settings, execute_micro_batch

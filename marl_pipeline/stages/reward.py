@@ -34,6 +34,7 @@ import pyarrow as pa
 
 from marl_pipeline.config import Advantage, GRPOAdvantage, RewardModelConfig
 from marl_pipeline.environment import ActionResult, Environment
+from marl_pipeline.hooks import hooks_of
 from marl_pipeline.stages import advantages, credit
 from marl_pipeline.stages.episodes import TURN_KEYS, episodes_of, transcript_of
 from marl_pipeline.store.schema import REWARDS, with_agent
@@ -71,7 +72,7 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table,
     ``team_weight`` None takes the environment's ``team_reward_weight`` (0 if it has none).
     """
     if team_weight is None:
-        team_weight = float(getattr(env, "team_reward_weight", 0.0))
+        team_weight = hooks_of(env).team_reward_weight
     if missing := rollouts.column("group_id").null_count:
         # The store derives the group of rows written before the column existed; a table without it is not stored.
         raise ValueError(f"{missing} rollout turns have no group_id: read stored rollouts through ExperienceStore, "
@@ -80,7 +81,7 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table,
                                                                   "info", "status"]).to_pylist()}
     episodes = episodes_of(rollouts.select(list(TURN_KEYS) + ["task", "prompt_text", "response_text", "observation"]))
     model_scores = _model_scores(episodes, outcomes, model_reward) if model_reward is not None else {}
-    score_turns = getattr(env, "score_turns", None)
+    score_turns = hooks_of(env).score_turns
     keyed_rows, rewards, weights, statuses, starts, ends = [], [], [], [], [], []
     per_turn_credit = False
     for turns in episodes:

@@ -28,7 +28,8 @@ import pyarrow as pa
 import ray
 
 from marl_pipeline.config import ExperimentConfig
-from marl_pipeline.environment import Environment, Task, Turn, taught_turn_indices
+from marl_pipeline.environment import Environment, Task, Turn
+from marl_pipeline.hooks import hooks_of, taught_turn_indices
 from marl_pipeline.inference.chat import ChatSession, ChatTokenizer, fetched_chat_tokenizer
 from marl_pipeline.inference.engine import Completion
 from marl_pipeline.store import MicroBatchKey
@@ -61,7 +62,7 @@ def plan_tasks(env: Environment, key: MicroBatchKey, seed: int, count: int) -> l
 def episode_tasks(env: Environment, tasks: list[Task], samples_per_prompt: int) -> list[tuple[int, int, Task]]:
     """Each episode's (prompt index, trajectory, task), prompt by prompt: the planned task as the environment's
     optional ``episode_task`` hook gives it to that trajectory of the group, else the planned task itself."""
-    vary = getattr(env, "episode_task", None)
+    vary = hooks_of(env).episode_task
     return [(p, trajectory, vary(task, trajectory) if vary is not None else task)
             for p, task in enumerate(tasks) for trajectory in range(samples_per_prompt)]
 
@@ -119,7 +120,7 @@ def engine_chat_session(env: Environment, engines: dict[str, ray.actor.ActorHand
 
 def observe_reply(env: Environment, role: str, task: Task, transcript: list[Turn]) -> tuple[str | None, str | None]:
     """(the environment's reply to the last turn, None) or (None, why it failed); (None, None) without ``observe``."""
-    observe = getattr(env, "observe", None)
+    observe = hooks_of(env).observe
     if observe is None:
         return None, None
     try:

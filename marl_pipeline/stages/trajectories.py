@@ -46,6 +46,7 @@ from marl_pipeline.actions.pool import ActionPool
 from marl_pipeline.actions.worker import Job
 from marl_pipeline.config import ExperimentConfig, RolloutConfig
 from marl_pipeline.environment import Environment, Turn
+from marl_pipeline.hooks import hooks_of
 from marl_pipeline.inference.replicas import EngineReplicas, as_replicas
 from marl_pipeline.inference.router import NoReplica
 from marl_pipeline.stages.rollout import (
@@ -120,7 +121,7 @@ class _MicroBatch:
         self.threads: ThreadPoolExecutor | None = None
 
     async def run(self) -> pa.Table:
-        observes = getattr(self.env, "observe", None) is not None and self.options.observe_on == "thread"
+        observes = hooks_of(self.env).observe is not None and self.options.observe_on == "thread"
         self.threads = (ThreadPoolExecutor(min(self.options.observe_threads, len(self.episodes)),
                                            thread_name_prefix="observe") if observes else None)
         started = time.monotonic()
@@ -216,7 +217,7 @@ class _MicroBatch:
             await asyncio.sleep(SATURATED_POLL_S)
 
     async def _observe(self, role: str, task: dict, transcript: list[Turn]) -> tuple[str | None, str | None]:
-        if getattr(self.env, "observe", None) is None:
+        if hooks_of(self.env).observe is None:
             return None, None
         if self.options.observe_on == "action_pool":
             job = Job(observe_reply, (self.env, role, task, transcript))

@@ -1,0 +1,130 @@
+"""The plugin surface in one place: every method and attribute an environment may define (:data:`HOOKS`), which
+of them a run needs given its config (:func:`missing_hooks`), and a plugin's optional hooks resolved once per
+instance (:func:`hooks_of`). The engine reads a plugin's optional hooks only through :func:`hooks_of`;
+docs/environments.md documents :data:`HOOKS` (a test compares the two).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from marl_pipeline.environment import MAX_ACTION_BYTES
+
+Need = Literal["always", "without actions", "with actions", "built-in model", "warm-up", "built-in reward model",
+               "evaluation", "optional"]
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One method or attribute of the plugin surface."""
+
+    name: str
+    signature: str
+    """How it is called (or, for an attribute, its type)."""
+    need: Need
+    """When a run needs it: always; ``execute`` unless the plugin has ``actions`` + ``run_action``; the others only
+    when the config uses what they serve (an agent on the built-in model, a warm-up, the built-in reward model,
+    held-out evaluation)."""
+
+
+HOOKS: tuple[Hook, ...] = (
+    Hook("sample_tasks", "sample_tasks(rng, count) -> list[Task]", "always"),
+    Hook("render_prompt", "render_prompt(role, task, transcript) -> str | ChatMessages", "always"),
+    Hook("score", "score(task, transcript, results) -> dict[str, float]", "always"),
+    Hook("execute", "execute(task, transcript) -> list[ActionResult]", "without actions"),
+    Hook("actions", "actions(task, transcript) -> list[Action | None]", "with actions"),
+    Hook("run_action", "run_action(action) -> ActionResult", "with actions"),
+    Hook("text_corpus", "text_corpus(rng, count) -> list[str]", "built-in model"),
+    Hook("warmup_examples", "warmup_examples(role, rng, count) -> list[tuple[str | ChatMessages, str | None]]",
+         "warm-up"),
+    Hook("reward_examples", "reward_examples(rng, count) -> list[tuple[str, str, float]]", "built-in reward model"),
+    Hook("evaluation_cases", "evaluation_cases(role, rng, count) -> list[EvaluationCase]", "evaluation"),
+    Hook("evaluate", "evaluate(role, cases, responses) -> dict[str, float]", "evaluation"),
+    Hook("answer_of", "answer_of(role, response) -> str", "evaluation"),
+    Hook("episode_task", "episode_task(task, trajectory) -> Task", "optional"),
+    Hook("observe", "observe(role, task, transcript) -> str | None", "optional"),
+    Hook("score_turns", "score_turns(task, transcript, results) -> list[float] | None", "optional"),
+    Hook("turn_weights", "turn_weights(task, transcript) -> list[float] | None", "optional"),
+    Hook("team_reward_weight", "team_reward_weight: float", "optional"),
+    Hook("pool_settings", "pool_settings: PoolSettings", "optional"),
+    Hook("max_action_bytes", "max_action_bytes: int", "optional"),
+    Hook("own_reply_warmup_examples", "own_reply_warmup_examples(role, rng, count, replies) -> list | None",
+         "optional"),
+    Hook("taught_turns", "taught_turns(role) -> tuple[int, ...]", "optional"),
+)
+
+
+def missing_hooks(env_class: type, *, builtin_model: bool = False, warmup: bool = False,
+                  builtin_reward_model: bool = False, evaluation: bool = False) -> list[str]:
+    """What ``env_class`` lacks for a run that uses the given features, each as ``name (why)``."""
+    actions = all(hasattr(env_class, name) for name in ("actions", "run_action"))
+    needed = {"always": True, "without actions": not actions, "with actions": False, "built-in model": builtin_model,
+              "warm-up": warmup, "built-in reward model": builtin_reward_model, "evaluation": evaluation,
+              "optional": False}
+    why = {"always": "every run", "without actions": "a plugin without actions + run_action",
+           "built-in model": "an agent on builtin:tiny", "warm-up": "an agent with warmup.steps > 0",
+           "built-in reward model": "reward_model.model builtin:tiny", "evaluation": "evaluation.every"}
+    return [f"{hook.name} ({why[hook.need]})" for hook in HOOKS if needed[hook.need] and not hasattr(env_class,
+                                                                                                   hook.name)]
+
+
+@dataclass(frozen=True)
+class PluginHooks:
+    """A plugin's optional hooks, resolved: a callable or None, an attribute's value or its default."""
+
+    episode_task: Callable | None
+    observe: Callable | None
+    score_turns: Callable | None
+    turn_weights: Callable | None
+    own_reply_warmup_examples: Callable | None
+    taught_turns: Callable | None
+    team_reward_weight: float
+    pool_settings: Any
+    """The plugin's ``PoolSettings`` for its action pool, or None."""
+    max_action_bytes: int
+    uses_actions: bool
+    """Whether its turns' actions run one by one on the action pool (``actions`` + ``run_action``)."""
+    evaluated: bool
+    """Whether it measures its agents on held-out cases (``evaluation_cases``, ``evaluate``, ``answer_of``)."""
+
+
+_resolved: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def hooks_of(env: object) -> PluginHooks:
+    """``env``'s optional hooks, resolved on first use and kept with the instance."""
+    try:
+        return _resolved[env]
+    except (KeyError, TypeError):  # TypeError: an instance that takes no weak reference is resolved each time
+        pass
+    hooks = PluginHooks(
+        **{name: getattr(env, name, None) for name in ("episode_task", "observe", "score_turns", "turn_weights",
+                                                        "own_reply_warmup_examples", "taught_turns",
+                                                        "pool_settings")},
+        team_reward_weight=float(getattr(env, "team_reward_weight", 0.0)),
+        max_action_bytes=int(getattr(env, "max_action_bytes", MAX_ACTION_BYTES)),
+        uses_actions=hasattr(env, "actions") and hasattr(env, "run_action"),
+        evaluated=all(hasattr(env, name) for name in ("evaluation_cases", "evaluate", "answer_of")))
+    try:
+        _resolved[env] = hooks
+    except TypeError:
+        pass
+    return hooks
+
+
+def taught_own_turns(env: object, role: str) -> frozenset[int]:
+    """``role``'s own turns (0: its first in an episode) that its warm-up teaches: the plugin's optional
+    ``taught_turns``; empty without it."""
+    taught = hooks_of(env).taught_turns
+    return frozenset(taught(role)) if taught is not None else frozenset()
+
+
+def taught_turn_indices(env: object, role: str) -> frozenset[int]:
+    """The episode turn indices (positions in ``turn_order``) at which ``role`` speaks a turn its warm-up
+    teaches (:func:`taught_own_turns`)."""
+    own = taught_own_turns(env, role)
+    spoken = [index for index, speaker in enumerate(env.turn_order) if speaker == role]
+    return frozenset(index for number, index in enumerate(spoken) if number in own)
