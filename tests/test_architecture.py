@@ -8,6 +8,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,3 +68,12 @@ def test_no_private_dagster_api() -> None:
     private = [str(path.relative_to(ROOT)) for path in sources
                if re.search(r"^\s*(from|import) dagster(_\w+)?\._", path.read_text(), re.M)]
     assert private == []
+
+
+def test_the_architecture_page_lists_every_launch_event() -> None:
+    from marl_pipeline.run import events
+
+    page = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| `run/events.py` |"))
+    documented = set(re.findall(r"`(\w+)`", row.split("|")[2]))
+    assert documented == {kind.__name__ for kind in typing.get_args(events.LaunchEvent)}
