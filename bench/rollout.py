@@ -213,8 +213,9 @@ class ThreeTurns:
 
 
 def long_tail(ray, model_dir: str, args) -> dict[str, float]:
+    from bench.turn_batched import rollout_micro_batch
     from marl_pipeline.config import RolloutConfig
-    from marl_pipeline.stages.rollout import RolloutSettings, rollout_micro_batch
+    from marl_pipeline.stages.rollout import RolloutSettings
     from marl_pipeline.stages.trajectories import rollout_trajectories
     from marl_pipeline.store import MicroBatchKey
 

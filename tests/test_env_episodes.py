@@ -15,18 +15,20 @@ import pytest
 from environments.code_tester import CodeOptions, CodeWriterTester
 from environments.math_verifier import MathOptions, MathSolverVerifier
 from marl_pipeline.actions.pool import ActionPool
-from marl_pipeline.config import GRPOAdvantage, PoolSettings
+from marl_pipeline.config import GRPOAdvantage, PoolSettings, RolloutConfig
 from marl_pipeline.environment import ActionResult, Turn
-from marl_pipeline.inference.engine import ENGINE_ENV, RolloutEngine
+from marl_pipeline.inference.async_engine import AsyncRolloutEngine
+from marl_pipeline.inference.engine import ENGINE_ENV
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.reward import score_micro_batch
-from marl_pipeline.stages.rollout import RolloutSettings, rollout_micro_batch
+from marl_pipeline.stages.rollout import RolloutSettings
+from marl_pipeline.stages.trajectories import rollout_trajectories
 from marl_pipeline.store import MicroBatchKey
 
 
 @pytest.fixture(scope="module")
 def engine(local_ray, tiny_model_dir):
-    actor = local_ray.remote(RolloutEngine).options(num_cpus=0.5, runtime_env={"env_vars": ENGINE_ENV})
+    actor = local_ray.remote(AsyncRolloutEngine).options(num_cpus=0.5, runtime_env={"env_vars": ENGINE_ENV})
     handle = actor.remote(str(tiny_model_dir), 0, gpu_memory_utilization=0.08, max_model_len=256, dtype="float32",
                           seed=0)
     yield handle
@@ -37,7 +39,8 @@ SETTINGS = RolloutSettings(seed=0, prompts_per_micro_batch=2, samples_per_prompt
 
 
 def _episode(env, engine, pool):
-    rollouts = rollout_micro_batch(env, {role: engine for role in env.turn_order}, MicroBatchKey("t", 0, 0), SETTINGS)
+    rollouts = rollout_trajectories(env, {role: engine for role in env.turn_order}, MicroBatchKey("t", 0, 0), SETTINGS,
+                                    RolloutConfig())
     results = execute_micro_batch(env, rollouts, pool=pool)
     rewards = score_micro_batch(env, rollouts, results, advantage=GRPOAdvantage(eps=1e-6))
     return rollouts, results, rewards

@@ -59,7 +59,7 @@ def test_a_replica_killed_mid_run_loses_nothing_and_the_run_finishes(local_ray, 
                              prompts_per_micro_batch=PROMPTS, samples_per_prompt=SAMPLES, staleness=STALENESS)
     data["environment"] = {"name": "arithmetic_solo", "options": copy.deepcopy(data["environment"].get("options", {}))}
     solver = data["agents"]["solver"]
-    solver["engine"] = {"replicas": 2, "gpu_memory_utilization": 0.04}
+    solver["engine"] = {"replicas": 2, "kv_cache_gib": 0.05}  # a share of memory would count the engine process too
     data["pipeline"]["rollout"] = {"rebalance_replicas": True}  # one agent: the split is 2, run between steps
     data["agents"] = {"solver": solver}
     data["ray"]["keep_actors"] = False  # this test checks that the run's shutdown leaves no replica behind

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from bench.turn_batched import rollout_micro_batch  # the baseline the trajectory rollout is compared with
 from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig, GRPOAdvantage, RolloutConfig
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.reward import score_micro_batch
-from marl_pipeline.stages.rollout import RolloutSettings, rollout_micro_batch
+from marl_pipeline.stages.rollout import RolloutSettings
 from marl_pipeline.stages.trajectories import rollout_trajectories
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import with_stage_timing
@@ -106,8 +107,8 @@ def test_observe_on_the_action_pool_needs_a_pool(engines) -> None:
                              RolloutConfig(observe_on="action_pool"))
 
 
-def test_a_time_limit_or_pool_replies_need_trajectory_mode() -> None:
-    with pytest.raises(ValueError, match="episode_timeout_s and observe_on apply to mode 'trajectory' only"):
-        RolloutConfig(mode="turn_batched", episode_timeout_s=5.0)
+def test_rollout_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"pipeline\.rollout\.mode is gone: trajectory-level rollout is the one"):
+        RolloutConfig.model_validate({"mode": "turn_batched"})
     with pytest.raises(ValueError, match="greater than 0"):
         RolloutConfig(episode_timeout_s=0)

@@ -108,7 +108,7 @@ def _placement() -> dict[str, list[set[str]]]:
     resources = {node["NodeID"]: {r for r in node["Resources"] if r in ("engines", "trainers")} for node in ray.nodes()}
     placed: dict[str, list[set[str]]] = {"Engine": [], "Trainer": []}
     for actor in ray._private.state.actors(actor_state_name="ALIVE").values():
-        kind = next((k for k in placed if actor["ActorClassName"].endswith(k)), None)  # StoreEngine, StoreAsyncEngine
+        kind = next((k for k in placed if actor["ActorClassName"].endswith(k)), None)  # StoreAsyncEngine, StoreTrainer
         if kind is not None:
             placed[kind].append(resources[actor["Address"]["NodeID"]])
     return placed

@@ -7,7 +7,7 @@
 classes stay plain Python and run in-process in a script or a test just as well.
 
 An actor may run on another node than the driver, so it is handed the store's settings, not a path: it fetches
-the policy version it starts from into its own node's cache (:class:`StoreEngine`, :class:`StoreTrainer`), and a
+the policy version it starts from into its own node's cache (:class:`StoreAsyncEngine`, :class:`StoreTrainer`), and a
 trainer uploads each new version to the store itself. Weights for an engine's reload go through Ray's object
 store (the orchestrator passes the trainer's ``named_weights`` reference to the engine), which Ray moves between
 nodes; the store is the durable copy, written once per version, read by whoever starts from it.
@@ -97,28 +97,16 @@ def trainer_reservations(config: ExperimentConfig, resource: str) -> list[float]
     return [max(asked)] * config.ray.resident_trainers if swapping(config) else asked
 
 
-class StoreEngine(RolloutEngine):
-    """A rollout engine that starts from a policy version in the store, fetched on the node it runs on."""
-
-    def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
-        model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
-        super().__init__(model_dir, version, adapter_dir=adapter_dir, **options)
-
-    def restart(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> bool:
-        """Serve a stored version as a new engine with these arguments would (``RolloutEngine.restart``)."""
-        model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
-        return super().restart(model_dir, version, adapter_dir=adapter_dir, **options)
-
-
 class StoreAsyncEngine(AsyncRolloutEngine):
-    """The asynchronous engine (trajectory-level rollout), started from the store as :class:`StoreEngine` is."""
+    """A run's engine: the asynchronous engine, started from a policy version in the store, fetched on the node it
+    runs on."""
 
     def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
         model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
         super().__init__(model_dir, version, adapter_dir=adapter_dir, **options)
 
     async def restart(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> bool:
-        """As :meth:`StoreEngine.restart`, through the engine thread."""
+        """Serve a stored version as a new engine with these arguments would (``RolloutEngine.restart``)."""
         model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
         return await super().restart(model_dir, version, adapter_dir=adapter_dir, **options)
 
@@ -144,8 +132,8 @@ class StoreTrainer(PolicyTrainer):
 def engine_actor(engine: EngineConfig, resources: dict[str, float] | None = None,
                  actor_class: type = RolloutEngine):
     """The Ray actor class of a rollout engine, with the engine's resources (custom ones pin it to the nodes that
-    have them) and environment; :class:`StoreEngine` (or :class:`StoreAsyncEngine`, requests one at a time for
-    trajectory-level rollout) for a run's engines, plain ``RolloutEngine`` from a path."""
+    have them) and environment; :class:`StoreAsyncEngine` for a run's engines, ``AsyncRolloutEngine`` or the
+    batched ``RolloutEngine`` from a path (tests, benchmarks)."""
     return ray.remote(actor_class).options(name=None, num_cpus=engine.num_cpus, num_gpus=engine.num_gpus,
                                            resources=dict(resources or {}), runtime_env={"env_vars": ENGINE_ENV})
 
@@ -170,18 +158,17 @@ def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, vers
                           replicas: int | None = None) -> dict[str, EngineReplicas]:
     """Each agent's engine replicas (``agents.<name>.engine.replicas``, or ``replicas`` for every agent), serving the
     given policy version from the store; a replica that dies is restarted the same way (inference/replicas.py)."""
-    engine_class = StoreAsyncEngine if config.pipeline.rollout.mode == "trajectory" else StoreEngine
     rebalance = config.pipeline.rollout.rebalance_replicas
     budget = sum(agent.engine.replicas for agent in config.agents.values())
     sets = {}
     for index, (agent, agent_config) in enumerate(config.agents.items()):
         engine = agent_config.engine
-        actor = engine_actor(engine, config.ray.engine_resources, engine_class)
+        actor = engine_actor(engine, config.ray.engine_resources, StoreAsyncEngine)
         options = dict(gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
                        dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine),
                        kv_cache_gib=engine.kv_cache_gib)
         # What a kept engine must have been started with to be taken instead of a new one (warm_actors.py).
-        settings = ("engine", engine_class.__name__, engine.num_cpus, engine.num_gpus,
+        settings = ("engine", StoreAsyncEngine.__name__, engine.num_cpus, engine.num_gpus,
                     tuple(sorted(config.ray.engine_resources.items())), tuple(sorted(options.items())))
         spawn = partial(_spawn_engine, actor, settings, store.config, config.run, agent, options)
         # With rebalancing, any agent may come to hold every replica but one per other agent.

@@ -28,7 +28,7 @@ class EngineConfig(StrictModel):
     num_gpus: float = Field(0.0, ge=0)
     """Ray GPUs reserved for the engine actor (0 on CPU machines)."""
     replicas: int = Field(1, ge=1, le=64)
-    """Engine actors serving this agent (``trajectory`` rollout mode only), each reserving ``num_cpus``/``num_gpus``
+    """Engine actors serving this agent each reserving ``num_cpus``/``num_gpus``
     and its own ``gpu_memory_utilization``. A router (inference/router.py) keeps an episode on the replica that served
     its earlier turns and sends a new one to the least loaded; weights are synced to one replica at a time, and a
     replica that dies is restarted while the others serve (inference/replicas.py)."""

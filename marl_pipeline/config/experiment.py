@@ -88,12 +88,6 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
     missing = [role for role in roles if role not in config.agents]
     if missing:
         raise ConfigError(f"invalid config {source}:\n  agents: missing agent(s) {missing} required by the environment")
-    replicated = [name for name, agent in config.agents.items() if agent.engine.replicas > 1]
-    if replicated and config.pipeline.rollout.mode != "trajectory":
-        raise ConfigError(f"invalid config {source}:\n  agents.{replicated[0]}.engine.replicas: "
-                          f"{config.agents[replicated[0]].engine.replicas} replicas need pipeline.rollout.mode "
-                          f"'trajectory' (requests routed one at a time); mode "
-                          f"{config.pipeline.rollout.mode!r} sends each turn as one batch to one engine")
     if config.pipeline.rollout.rebalance_replicas:
         asks = {name: (agent.engine.num_cpus, agent.engine.num_gpus) for name, agent in config.agents.items()}
         if len(set(asks.values())) > 1:

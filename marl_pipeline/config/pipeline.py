@@ -59,18 +59,14 @@ class EnvironmentConfig(StrictModel):
 
 
 class RolloutConfig(StrictModel):
-    """How the rollout stage samples a micro-batch's episodes."""
-
-    mode: Literal["trajectory", "turn_batched"] = "trajectory"
-    """``trajectory``: every episode is its own task, its next turn requested as soon as its previous turn and the
-    environment's reply are done, on the asynchronous engine (stages/trajectories.py). ``turn_batched``: turn k of
-    every episode in one batched call, all waiting for the slowest (stages/rollout.py; the comparison baseline)."""
+    """How the rollout stage samples a micro-batch's episodes: every episode is its own task, its next turn requested
+    as soon as its previous turn and the environment's reply are done (stages/trajectories.py)."""
     episode_timeout_s: float | None = Field(None, gt=0)
     """An episode still unfinished this long after its micro-batch started is cut: its request aborted, its finished
     turns stored with status ``timeout``, and the environment stage records it failed (it earns nothing, and stays in
-    its GRPO group). None: no limit. ``trajectory`` mode only."""
+    its GRPO group). None: no limit."""
     observe_threads: int = Field(32, ge=1, le=256)
-    """Environment replies (``observe``) computed at once, each on a driver thread (``trajectory`` mode)."""
+    """Environment replies (``observe``) computed at once, each on a driver thread."""
     observe_on: Literal["thread", "action_pool"] = "thread"
     """Where a reply is computed: a driver thread, or the run's action pool (a reply that costs real time: running
     code, a tool; the plugin must then be an action environment, which has the pool, and picklable)."""
@@ -81,14 +77,13 @@ class RolloutConfig(StrictModel):
     (FlexMARL's inter-agent level; inference/router.py ``split_replicas``). Needs every agent's engine to ask for the
     same CPUs and GPUs, so that a replica moved from one agent to another fits where the old one was."""
 
-    @model_validator(mode="after")
-    def validate_trajectory_options(self) -> RolloutConfig:
-        if self.mode == "turn_batched" and (self.episode_timeout_s is not None or self.observe_on != "thread"
-                                            or self.rebalance_replicas):
-            raise ValueError("episode_timeout_s and observe_on apply to mode 'trajectory' only, as does "
-                             "rebalance_replicas: a turn-batched rollout cannot cut one episode, move its replies or "
-                             "route to replicas")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def validate_no_mode(cls, data: object) -> object:
+        if isinstance(data, dict) and "mode" in data:
+            raise ValueError("pipeline.rollout.mode is gone: trajectory-level rollout is the one rollout (the "
+                             "turn-batched baseline is bench/turn_batched.py); remove the key")
+        return data
 
 
 class PipelineConfig(StrictModel):

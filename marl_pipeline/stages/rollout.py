@@ -1,9 +1,8 @@
-"""Rollout stage: multi-turn episodes sampled from the agents' engines, one row per turn.
+"""What the rollout stage (stages/trajectories.py) is made of: the micro-batch's tasks, each request's seed, chat
+prompts, the environment's replies and one row per turn.
 
-Every episode of a micro-batch advances turn by turn: all episodes' prompts for the next turn go to
-that turn's agent engine in one batched call (parallel sampling of ``n`` episodes per task prompt),
-and each later agent's prompt is rendered from the transcript so far (who sees what is the plugin's
-call). After each turn, a plugin with ``observe`` replies to every episode (a tool's result, a check of
+Each agent's prompt is rendered from the transcript so far (who sees what is the plugin's
+call). After each turn, a plugin with ``observe`` replies to the episode (a tool's result, a check of
 the answer's format, a hidden state revealed bit by bit): the reply is stored with the turn and later
 turns see it as ``Turn.observation``, so an agent's next turn can depend on the environment's reply.
 A reply that raises marks that turn ``observe_failed`` (the error stored) and the episode goes on; the
@@ -21,10 +20,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 
 import numpy as np
-import pyarrow as pa
 import ray
 
 from marl_pipeline.config import ExperimentConfig
@@ -33,7 +31,6 @@ from marl_pipeline.hooks import hooks_of, taught_turn_indices
 from marl_pipeline.inference.chat import ChatSession, ChatTokenizer, fetched_chat_tokenizer
 from marl_pipeline.inference.engine import Completion
 from marl_pipeline.store import MicroBatchKey
-from marl_pipeline.store.schema import ROLLOUTS, with_agent
 
 
 @dataclass(frozen=True)
@@ -67,32 +64,6 @@ def episode_tasks(env: Environment, tasks: list[Task], samples_per_prompt: int) 
             for p, task in enumerate(tasks) for trajectory in range(samples_per_prompt)]
 
 
-def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHandle], key: MicroBatchKey,
-                        settings: RolloutSettings) -> pa.Table:
-    """Sample every episode of one micro-batch; returns the rollouts table (with an ``agent`` column)."""
-    episodes = episode_tasks(env, plan_tasks(env, key, settings.seed, settings.prompts_per_micro_batch),
-                             settings.samples_per_prompt)
-    transcripts: list[list[Turn]] = [[] for _ in episodes]
-    columns: dict[str, list] = {name: [] for name in ROLLOUTS.names + ["agent"]}
-    chats = engine_chat_session(env, engines)
-    taught = taught_turns(env)
-    for turn, role in enumerate(env.turn_order):
-        requests = [chats.request(e, role, turn, env.render_prompt(role, task, transcripts[e]))
-                    for e, (_, _, task) in enumerate(episodes)]
-        seeds = turn_seeds(settings.seed, key, turn, len(episodes))
-        start = datetime.now(UTC)
-        version, completions = ray.get(
-            engines[role].generate.remote(requests, seeds, settings.max_new_tokens, settings.temperature,
-                                          [turn in taught] * len(requests)))
-        for e, ((p, trajectory, task), request, completion) in enumerate(zip(episodes, requests, completions)):
-            chats.record(e, role, completion.text, completion.response_ids)
-            observation, error = observe_reply(env, role, task, [*transcripts[e], Turn(role, completion.text)])
-            transcripts[e].append(Turn(role, completion.text, observation))
-            append_turn(columns, key, task, p, trajectory, e, turn, role, chats.prompt_text(role, request),
-                        completion, version, start, datetime.now(UTC), observation, error)
-    return pa.table(columns, schema=with_agent(ROLLOUTS))
-
-
 def taught_turns(env: Environment) -> frozenset[int]:
     """The episode's turns that a separate warm-up taught (their agent's engine serves them with its adapters,
     where it has them: inference/engine.py)."""
@@ -101,7 +72,7 @@ def taught_turns(env: Environment) -> frozenset[int]:
 
 def turn_seeds(seed: int, key: MicroBatchKey, turn: int, episodes: int) -> list[int]:
     """Each episode's seed for one turn: a function of (run seed, step, micro-batch, turn, episode) only, never of
-    when the request runs, so both rollout modes send the same seeded requests."""
+    when the request runs (bench/turn_batched.py's baseline sends the same seeded requests)."""
     state = np.random.SeedSequence([seed, key.step, key.micro_batch, turn]).generate_state(episodes)
     return [int(s) for s in state]
 
@@ -137,7 +108,7 @@ def append_turn(columns: dict[str, list], key: MicroBatchKey, task: Task, prompt
                 start: datetime, end: datetime, observation: str | None, error: str | None,
                 status: str | None = None, engine: str | None = None) -> None:
     """One turn's row; ``status`` defaults to ``ok``, or ``observe_failed`` when there is an ``error``; ``engine``
-    names the replica that served it (default ``<role>/0``, the one engine of the turn-batched rollout)."""
+    names the replica that served it (default ``<role>/0``)."""
     input_id = f"{key.step}-{key.micro_batch}-{prompt_index}"  # the prompt's n episodes are its GRPO group
     row = {
         "sample_id": f"{input_id}_{turn}_{trajectory}", "episode": episode, "task_id": str(task["id"]),

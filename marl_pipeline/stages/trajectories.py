@@ -7,7 +7,7 @@ at each step (inference/async_engine.py). A reply (``observe``) runs on a driver
 pool when it costs real time (``pipeline.rollout.observe_on``). The micro-batch is committed once every
 episode has finished, or been cut at ``pipeline.rollout.episode_timeout_s``.
 
-What a stored micro-batch keeps, compared with the turn-batched rollout (stages/rollout.py), for the same
+What a stored micro-batch keeps, compared with the turn-batched baseline (bench/turn_batched.py), for the same
 weights: the same tasks, prompts and seeded requests (each request's seed is a function of run seed, step,
 micro-batch, turn and episode, never of timing), and the same rows in the same order. vLLM's seeded sampling
 draws each request's tokens from its own generator, so a request's tokens do not depend on which other requests
@@ -56,7 +56,6 @@ from marl_pipeline.stages.rollout import (
     episode_tasks,
     observe_reply,
     plan_tasks,
-    rollout_micro_batch,
     taught_turns,
     turn_seeds,
 )
@@ -72,11 +71,8 @@ SATURATED_POLL_S = 0.005
 
 def sample_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHandle | EngineReplicas],
                        key: MicroBatchKey, config: ExperimentConfig, pool: ActionPool | None = None) -> pa.Table:
-    """The rollouts table of one micro-batch, in the config's rollout mode (the train job and recomputation)."""
-    settings, options = RolloutSettings.from_config(config), config.pipeline.rollout
-    if options.mode == "turn_batched":
-        return rollout_micro_batch(env, {a: r.primary() for a, r in as_replicas(engines).items()}, key, settings)
-    return rollout_trajectories(env, engines, key, settings, options, pool)
+    """The rollouts table of one micro-batch (the train job and recomputation)."""
+    return rollout_trajectories(env, engines, key, RolloutSettings.from_config(config), config.pipeline.rollout, pool)
 
 
 def token_demand(rollouts: pa.Table, agents: list[str]) -> dict[str, int]:

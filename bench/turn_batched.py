@@ -1,0 +1,52 @@
+"""The turn-batched rollout, kept as the baseline trajectory-level rollout is compared with (tests/test_trajectories.py,
+bench/rollout.py): every episode of a micro-batch advances turn by turn, all episodes' prompts for the next turn
+in one batched ``generate`` call to that turn's agent engine, all waiting for the slowest. Same seeds, prompts and
+rows as the production rollout (stages/trajectories.py), so the two can be compared row for row.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pyarrow as pa
+import ray
+
+from marl_pipeline.environment import Environment, Turn
+from marl_pipeline.stages.rollout import (
+    RolloutSettings,
+    append_turn,
+    engine_chat_session,
+    episode_tasks,
+    observe_reply,
+    plan_tasks,
+    taught_turns,
+    turn_seeds,
+)
+from marl_pipeline.store import MicroBatchKey
+from marl_pipeline.store.schema import ROLLOUTS, with_agent
+
+
+def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHandle], key: MicroBatchKey,
+                        settings: RolloutSettings) -> pa.Table:
+    """Sample every episode of one micro-batch; returns the rollouts table (with an ``agent`` column)."""
+    episodes = episode_tasks(env, plan_tasks(env, key, settings.seed, settings.prompts_per_micro_batch),
+                             settings.samples_per_prompt)
+    transcripts: list[list[Turn]] = [[] for _ in episodes]
+    columns: dict[str, list] = {name: [] for name in ROLLOUTS.names + ["agent"]}
+    chats = engine_chat_session(env, engines)
+    taught = taught_turns(env)
+    for turn, role in enumerate(env.turn_order):
+        requests = [chats.request(e, role, turn, env.render_prompt(role, task, transcripts[e]))
+                    for e, (_, _, task) in enumerate(episodes)]
+        seeds = turn_seeds(settings.seed, key, turn, len(episodes))
+        start = datetime.now(UTC)
+        version, completions = ray.get(
+            engines[role].generate.remote(requests, seeds, settings.max_new_tokens, settings.temperature,
+                                          [turn in taught] * len(requests)))
+        for e, ((p, trajectory, task), request, completion) in enumerate(zip(episodes, requests, completions)):
+            chats.record(e, role, completion.text, completion.response_ids)
+            observation, error = observe_reply(env, role, task, [*transcripts[e], Turn(role, completion.text)])
+            transcripts[e].append(Turn(role, completion.text, observation))
+            append_turn(columns, key, task, p, trajectory, e, turn, role, chats.prompt_text(role, request),
+                        completion, version, start, datetime.now(UTC), observation, error)
+    return pa.table(columns, schema=with_agent(ROLLOUTS))
