@@ -133,8 +133,8 @@ def test_reward_model_config_errors(demo_config_data: dict, tmp_path: Path) -> N
         parse_config({**data, "reward_model": {"weight": 2}})
     code = {**data, "environment": {"name": "code_writer_tester"},
             "agents": {"writer": data["agents"]["solver"], "tester": data["agents"]["verifier"]}}
-    with pytest.raises(ConfigError, match=r"reward_model.model: environment 'code_writer_tester' has no "
-                                          r"reward_examples"):
+    with pytest.raises(ConfigError, match=r"'code_writer_tester' lacks what this config needs: reward_examples "
+                                          r"\(reward_model.model builtin:tiny\)"):
         parse_config({**code, "reward_model": {}})
 
 
