@@ -93,3 +93,33 @@ def test_pruning_removes_a_version_from_the_bucket_and_the_cache(store_config: S
     assert _other_node(store_config, tmp_path, "node-c").policy_versions("r", "solver") == [0, 2, 3]
     if not store.location.local:
         assert store.location.fs.find(f"{store.location.base}/run=r/policies/agent=solver/version=1") == []
+
+
+def test_the_runs_built_in_models_are_committed_like_policies(store_config: StoreConfig, demo_config_data: dict,
+                                                              tmp_path: Path) -> None:
+    # The built-in model and reward model of a run are committed in the store (the bucket for S3), so another node,
+    # or this one after losing its cache, reads the same directories back instead of training new ones.
+    from marl_pipeline.bootstrap.policies import prepare_base_policies
+    from marl_pipeline.bootstrap.reward_model import REWARD_MODEL, prepare_reward_model
+    from marl_pipeline.bootstrap.tiny_model import BUILTIN_MODEL
+    from marl_pipeline.config import parse_config
+    from marl_pipeline.environment import build_environment
+
+    data = {**demo_config_data, "store": store_config.model_dump(),
+            "reward_model": {"model": "builtin:tiny", "train_steps": 2}}
+    data["agents"] = {name: {**agent, "warmup": {"steps": 0}} for name, agent in data["agents"].items()}
+    config = parse_config(data)
+    env = build_environment(config.environment.name, config.environment.options)
+    writer = ExperienceStore(config.store)
+    prepare_base_policies(config, env, writer)
+    reward = prepare_reward_model(config, env, writer)
+    assert writer.models.versions(config.run, BUILTIN_MODEL) == [0] == writer.models.versions(config.run, REWARD_MODEL)
+    reader = _other_node(config.store, tmp_path, "node-b")
+    for name in (BUILTIN_MODEL, REWARD_MODEL):
+        ours, theirs = writer.models.fetch(config.run, name, 0), reader.models.fetch(config.run, name, 0)
+        assert (ours / "model.safetensors").read_bytes() == (theirs / "model.safetensors").read_bytes()
+    assert prepare_reward_model(config, env, reader) == reader.models.fetch(config.run, REWARD_MODEL, 0)
+    assert (reward / "config.json").is_file()
+    if config.store.uri.startswith("s3://"):  # nothing of the run is only in this node's cache
+        shutil.rmtree(config.store.policy_cache)
+        assert (ExperienceStore(config.store).models.fetch(config.run, REWARD_MODEL, 0) / "config.json").is_file()

@@ -10,7 +10,7 @@ import numpy as np
 
 from marl_pipeline.bootstrap.model_sources import resolve_model_source
 from marl_pipeline.bootstrap.own_replies import policy_replies
-from marl_pipeline.bootstrap.tiny_model import build_tiny_model
+from marl_pipeline.bootstrap.tiny_model import BUILTIN_MODEL, build_tiny_model
 from marl_pipeline.bootstrap.warmup import supervised_warmup
 from marl_pipeline.config import BUILTIN_TINY, AgentConfig, ExperimentConfig
 from marl_pipeline.environment import Environment
@@ -51,14 +51,14 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store: Exper
     torch.manual_seed(seed)
     source = agent_config.model
     if source == BUILTIN_TINY:
-        # Every agent of a run starts from the same built-in initial model (its own copy is then trained).
-        source_dir = store.root / f"run={config.run}" / "builtin_model"
-        if not (source_dir / "config.json").exists():
+        # Every agent of a run starts from the same built-in initial model (its own copy is then trained),
+        # committed in the store like a policy: durable in the bucket of an S3 store.
+        if 0 not in store.models.versions(config.run, BUILTIN_MODEL):
             corpus = env.text_corpus(np.random.default_rng(config.seed), 4000)
-            staging = store.root / f"run={config.run}" / "_staging-builtin_model"
+            staging = store.models.staging(config.run, BUILTIN_MODEL, 0)
             build_tiny_model(staging, corpus, seed=config.seed)
-            staging.rename(source_dir)
-        source = str(source_dir)
+            store.models.commit(staging, config.run, BUILTIN_MODEL, 0)
+        source = str(store.models.fetch(config.run, BUILTIN_MODEL, 0))
     model, tokenizer = load_policy(resolve_model_source(source))
     staging = store.staging_policy_dir(config.run, agent, 0)
     warmup_loss = None

@@ -5,42 +5,39 @@ built-in policy."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
 
-from marl_pipeline.bootstrap.tiny_model import TINY_ARCHITECTURE, train_tokenizer
+from marl_pipeline.bootstrap.tiny_model import BUILTIN_MODEL, TINY_ARCHITECTURE, train_tokenizer
 from marl_pipeline.config import BUILTIN_TINY, ExperimentConfig
 from marl_pipeline.policy.checkpoint import save_policy
 
-
-def reward_model_dir(config: ExperimentConfig, store) -> Path:
-    """Where the run's reward model is: the configured directory, or the built-in one in the store."""
-    assert config.reward_model is not None
-    if config.reward_model.model != BUILTIN_TINY:
-        return Path(config.reward_model.model)
-    return store.root / f"run={config.run}" / "reward_model"
+REWARD_MODEL = "reward"
+"""The built-in reward model's name among the run's models in the store (``run=R/models/name=reward``)."""
 
 
 def prepare_reward_model(config: ExperimentConfig, env, store) -> Path | None:
-    """The run's reward model directory, training the built-in one on first use; None without a reward model."""
+    """The run's reward model directory (the built-in one trained and committed in the store on first use, then
+    fetched into this node's cache); None without a reward model."""
     if config.reward_model is None:
         return None
-    directory = reward_model_dir(config, store)
     if config.reward_model.model != BUILTIN_TINY:
+        directory = Path(config.reward_model.model)
         if not (directory / "config.json").is_file():
             raise FileNotFoundError(f"reward_model.model {str(directory)!r} is not a Hugging Face model directory "
                                     f"(no config.json)")
         return directory
-    if not (directory / "config.json").exists():
+    if 0 not in store.models.versions(config.run, REWARD_MODEL):
         examples = env.reward_examples(np.random.default_rng([config.seed, 1]), 4000)
-        tokenizer_dir = store.root / f"run={config.run}" / "builtin_model"
-        staging = directory.with_name(f"_staging-reward_model-{time.time_ns()}")
+        # The run's built-in tokenizer, where its agents are on the built-in model (else one trained on the examples)
+        builtin = (store.models.fetch(config.run, BUILTIN_MODEL, 0)
+                   if 0 in store.models.versions(config.run, BUILTIN_MODEL) else None)
+        staging = store.models.staging(config.run, REWARD_MODEL, 0)
         train_tiny_reward_model(staging, examples, steps=config.reward_model.train_steps, seed=config.seed,
-                                tokenizer_dir=tokenizer_dir if (tokenizer_dir / "tokenizer.json").exists() else None)
-        staging.rename(directory)
-    return directory
+                                tokenizer_dir=builtin)
+        store.models.commit(staging, config.run, REWARD_MODEL, 0)
+    return store.models.fetch(config.run, REWARD_MODEL, 0)
 
 
 def train_tiny_reward_model(directory: Path, examples: list[tuple[str, str, float]], *, steps: int, seed: int,

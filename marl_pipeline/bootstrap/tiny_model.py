@@ -10,6 +10,8 @@ from pathlib import Path
 
 from marl_pipeline.policy.checkpoint import save_policy
 
+BUILTIN_MODEL = "builtin"
+"""The built-in model's name among the run's models in the store (``run=R/models/name=builtin``)."""
 EOS_TOKEN = "<|endoftext|>"
 TINY_ARCHITECTURE = {
     "hidden_size": 128,

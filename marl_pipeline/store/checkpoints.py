@@ -15,6 +15,9 @@ from a local path (:meth:`PolicyCheckpoints.fetch`). Where the committed copy li
 
 The writer of a version (the agent's trainer, on whatever node it runs) uploads it (:meth:`upload`); the driver
 makes it visible (:meth:`publish`) after the engine has loaded it, adding its own files (``timing.json``).
+
+The run's other model directories (the built-in model, the built-in reward model) are committed the same way
+under ``run=R/models/name=N/version=0`` (``PolicyCheckpoints(..., folder="models", key="name")``).
 """
 
 from __future__ import annotations
@@ -58,18 +61,20 @@ class PolicyUpload:
 class PolicyCheckpoints:
     """Policy versions under one store root: committed in the store (local) or the bucket (S3), read locally."""
 
-    def __init__(self, location: Location, cache: Path) -> None:
+    def __init__(self, location: Location, cache: Path, folder: str = "policies", key: str = "agent") -> None:
         self.location = location
         self.cache = cache
         """Local directory: the store itself, or this node's cache of an S3 store."""
+        self.folder, self.key = folder, key
+        """``run=R/<folder>/<key>=A/version=V``: policies by agent, or the run's other models by name."""
 
     # -- paths ------------------------------------------------------------------------------------
     def local_dir(self, run: str, agent: str, version: int) -> Path:
         """Where ``version`` is (local store) or is cached (S3) on this node; it may not exist yet."""
-        return self.cache / f"run={run}" / "policies" / f"agent={agent}" / f"version={version}"
+        return self.cache / f"run={run}" / self.folder / f"{self.key}={agent}" / f"version={version}"
 
     def _remote_dir(self, run: str, agent: str, version: int | None = None) -> str:
-        agent_dir = self.location.path(f"run={run}", "policies", f"agent={agent}")
+        agent_dir = self.location.path(f"run={run}", self.folder, f"{self.key}={agent}")
         return agent_dir if version is None else f"{agent_dir}/version={version}"
 
     # -- listing ----------------------------------------------------------------------------------
@@ -179,7 +184,8 @@ class PolicyCheckpoints:
     def _missing(self, run: str, agent: str, version: int) -> CheckpointError:
         where = self.location.uri_of(self._remote_dir(run, agent, version)) if not self.location.local \
             else self.local_dir(run, agent, version)
-        return CheckpointError(f"policy version {version} of agent {agent!r} in run {run!r} is not stored "
+        noun = "policy" if self.folder == "policies" else self.folder.removesuffix("s")
+        return CheckpointError(f"{noun} version {version} of {self.key} {agent!r} in run {run!r} is not stored "
                                f"({where}): it was pruned by store.retention or never committed "
                                f"(kept versions: {self.versions(run, agent)})")
 
@@ -203,11 +209,11 @@ class PolicyCheckpoints:
     def garbage(self, older_than: float) -> list[str]:
         """Leftovers older than ``older_than`` seconds: local staging directories, and on S3 uploaded attempts
         that no manifest names (a trainer or driver that died before the commit point)."""
-        local = [str(p) for p in self.cache.glob("run=*/policies/agent=*/_staging-*")
+        local = [str(p) for p in self.cache.glob(f"run=*/{self.folder}/{self.key}=*/_staging-*")
                  if _is_old(p.name, older_than)]
         remote: list[str] = []
         if not self.location.local:
-            pattern = self.location.path("run=*", "policies", "agent=*", "version=*", "*")
+            pattern = self.location.path("run=*", self.folder, f"{self.key}=*", "version=*", "*")
             for path in self.location.fs.glob(pattern):
                 directory, name = path.rsplit("/", 1)
                 if name == MANIFEST or not _is_old(name, older_than):

@@ -82,6 +82,8 @@ class ExperienceStore:
         self.root = policy_root(self.config, self.location)
         """Local directory: the store itself, or this node's policy cache of an S3 store."""
         self.checkpoints = PolicyCheckpoints(self.location, self.root)
+        self.models = PolicyCheckpoints(self.location, self.root, folder="models", key="name")
+        """The run's built-in model and reward model, committed as policies are (version 0 of each name)."""
         self._format = ds.ParquetFileFormat()
 
     def __repr__(self) -> str:
@@ -174,7 +176,8 @@ class ExperienceStore:
 
     def vacuum(self, older_than: float = commits.GRACE_SECONDS) -> list[str]:
         """Delete leftovers of dead writers older than ``older_than`` seconds; returns the deleted paths."""
-        return commits.collect_garbage(self.location, older_than) + self.checkpoints.garbage(older_than)
+        return (commits.collect_garbage(self.location, older_than) + self.checkpoints.garbage(older_than)
+                + self.models.garbage(older_than))
 
     # -- reads ------------------------------------------------------------------------------------
     def manifest(self, stage: str, key: MicroBatchKey) -> Manifest | None:
