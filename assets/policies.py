@@ -4,7 +4,7 @@
 import dagster as dg
 
 from assets.partitions import AGENTS
-from resources import ExperienceStoreResource, ExperimentResource
+from resources import ExperienceStoreResource, ExperimentResource, RayCluster
 
 
 def base_policy_metadata(base_policies) -> dict[str, dg.MetadataValue]:
@@ -19,8 +19,10 @@ def base_policy_metadata(base_policies) -> dict[str, dg.MetadataValue]:
 
 
 @dg.asset(group_name="policies", kinds={"torch"})
-def base_policies(experiment: ExperimentResource, store: ExperienceStoreResource) -> dg.MaterializeResult:
-    """Version 0 of every agent: the configured model (built-in tiny one by default) after its warm-up.
+def base_policies(experiment: ExperimentResource, store: ExperienceStoreResource, ray: RayCluster
+                  ) -> dg.MaterializeResult:
+    """Version 0 of every agent: the configured model (built-in tiny one by default) after its warm-up, prepared on
+    Ray with each agent's trainer resources (the code a launch runs when a version 0 is missing).
 
     Already committed versions are kept: a run's lineage is never overwritten.
     """
@@ -30,7 +32,7 @@ def base_policies(experiment: ExperimentResource, store: ExperienceStoreResource
     config = experiment.load()
     env = build_environment(config.environment.name, config.environment.options)
     return dg.MaterializeResult(metadata=base_policy_metadata(
-        prepare_base_policies(config, env, store.open())))
+        prepare_base_policies(config, env, store.open(), on_ray=True)))
 
 
 # Recorded by the train job after each optimizer step (with lineage to the stage partitions that

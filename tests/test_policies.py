@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
+
 from marl_pipeline.bootstrap.policies import latest_versions, prepare_base_policies
 from marl_pipeline.config import parse_config
 from marl_pipeline.environment import build_environment
@@ -26,8 +28,11 @@ def test_builtin_model_is_built_warmed_up_and_kept(small_config) -> None:
     assert latest_versions(store, small_config.run, ["solver", "verifier"]) == {"solver": 0, "verifier": 0}
 
 
-def test_a_local_hugging_face_directory_loads_the_same_way(demo_config_data, tiny_model_dir: Path,
-                                                           tmp_path: Path) -> None:
+@pytest.mark.parametrize("on_ray", [False, True], ids=["in-process", "ray-tasks"])
+def test_a_local_hugging_face_directory_loads_the_same_way(demo_config_data, tiny_model_dir: Path, tmp_path: Path,
+                                                           on_ray: bool, request) -> None:
+    if on_ray:
+        request.getfixturevalue("local_ray")  # each agent's version 0 in a Ray task, as a launch prepares it
     data = copy.deepcopy(demo_config_data)
     data["store"] = str(tmp_path / "store")
     for agent in data["agents"].values():
@@ -35,11 +40,13 @@ def test_a_local_hugging_face_directory_loads_the_same_way(demo_config_data, tin
     config = parse_config(data)
     env = build_environment(config.environment.name, config.environment.options)
     store = ExperienceStore(config.store)
-    policies = prepare_base_policies(config, env, store)
+    policies = prepare_base_policies(config, env, store, on_ray=on_ray)
+    assert [(p.agent, p.created) for p in policies] == [("solver", True), ("verifier", True)]
     original, _ = load_policy(str(tiny_model_dir))
-    copied, _ = load_policy(str(policies[0].path))
-    for (name, a), (_, b) in zip(original.state_dict().items(), copied.state_dict().items()):
-        assert a.equal(b), name  # no warm-up: version 0 is the given model
+    for policy in policies:
+        copied, _ = load_policy(str(policy.path))
+        for (name, a), (_, b) in zip(original.state_dict().items(), copied.state_dict().items()):
+            assert a.equal(b), name  # no warm-up: version 0 is the given model
 
 
 def test_a_lora_warm_up_is_merged_into_a_plain_version_0(demo_config_data, tiny_model_dir: Path,

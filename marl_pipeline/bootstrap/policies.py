@@ -12,7 +12,7 @@ from marl_pipeline.bootstrap.model_sources import resolve_model_source
 from marl_pipeline.bootstrap.own_replies import policy_replies
 from marl_pipeline.bootstrap.tiny_model import BUILTIN_MODEL, build_tiny_model
 from marl_pipeline.bootstrap.warmup import supervised_warmup
-from marl_pipeline.config import BUILTIN_TINY, AgentConfig, ExperimentConfig
+from marl_pipeline.config import BUILTIN_TINY, AgentConfig, ExperimentConfig, StoreConfig
 from marl_pipeline.environment import Environment
 from marl_pipeline.hooks import hooks_of, taught_own_turns
 from marl_pipeline.policy.checkpoint import load_policy, save_policy
@@ -33,31 +33,65 @@ class BasePolicy:
     """First and last warm-up loss, when it was created now."""
 
 
-def prepare_base_policies(config: ExperimentConfig, env: Environment, store: ExperienceStore) -> list[BasePolicy]:
-    """Make sure every agent has a committed version 0; build and warm up the ones that lack it."""
-    policies = []
-    for index, (agent, agent_config) in enumerate(config.agents.items()):
-        if store.policy_versions(config.run, agent):
-            policies.append(BasePolicy(agent, store.policy_dir(config.run, agent, 0), created=False))
-            continue
-        policies.append(_create_base_policy(config, env, store, agent, agent_config, seed=config.seed + index))
-    return policies
+def prepare_base_policies(config: ExperimentConfig, env: Environment, store: ExperienceStore,
+                          on_ray: bool = False) -> list[BasePolicy]:
+    """Make sure every agent has a committed version 0; build and warm up the ones that lack it.
+
+    With ``on_ray`` (a launch, the ``base_policies`` asset) each missing version 0 is prepared in a Ray task with
+    the agent's trainer resources, all at once, each using its share of the cluster's cores; in-process otherwise
+    (tests, scripts without Ray). The built-in model they start from is built first, once."""
+    existing = {agent: BasePolicy(agent, store.policy_dir(config.run, agent, 0), created=False)
+                for agent in config.agents if store.policy_versions(config.run, agent)}
+    missing = [(agent, agent_config, config.seed + index) for index, (agent, agent_config)
+               in enumerate(config.agents.items()) if agent not in existing]
+    if not missing:
+        return list(existing.values())
+    builtin = any(agent_config.model == BUILTIN_TINY for _, agent_config, _ in missing)
+    if on_ray:
+        import ray
+
+        if builtin:
+            ray.get(ray.remote(ensure_builtin_model).options(num_cpus=0).remote(config, env, store.config))
+        threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // len(missing))
+        tasks = [ray.remote(_create_base_policy).options(
+                     num_cpus=agent_config.trainer.num_cpus, num_gpus=agent_config.trainer.num_gpus,
+                     resources=dict(config.ray.trainer_resources)).remote(
+                     config, env, store.config, agent, agent_config, seed, threads)
+                 for agent, agent_config, seed in missing]
+        created = ray.get(tasks)
+    else:
+        if builtin:
+            ensure_builtin_model(config, env, store.config)
+        created = [_create_base_policy(config, env, store.config, agent, agent_config, seed)
+                   for agent, agent_config, seed in missing]
+    created_by_agent = {policy.agent: policy for policy in created}
+    return [existing.get(agent) or created_by_agent[agent] for agent in config.agents]
 
 
-def _create_base_policy(config: ExperimentConfig, env: Environment, store: ExperienceStore, agent: str,
-                        agent_config: AgentConfig, seed: int) -> BasePolicy:
+def ensure_builtin_model(config: ExperimentConfig, env: Environment, store_config: StoreConfig) -> Path:
+    """The run's built-in initial model (every agent on ``builtin:tiny`` starts from it, its own copy then trained),
+    built from the plugin's text on first use and committed in the store like a policy: durable in the bucket of an
+    S3 store."""
+    store = ExperienceStore(store_config)
+    if 0 not in store.models.versions(config.run, BUILTIN_MODEL):
+        corpus = env.text_corpus(np.random.default_rng(config.seed), 4000)
+        staging = store.models.staging(config.run, BUILTIN_MODEL, 0)
+        build_tiny_model(staging, corpus, seed=config.seed)
+        store.models.commit(staging, config.run, BUILTIN_MODEL, 0)
+    return store.models.fetch(config.run, BUILTIN_MODEL, 0)
+
+
+def _create_base_policy(config: ExperimentConfig, env: Environment, store_config: StoreConfig, agent: str,
+                        agent_config: AgentConfig, seed: int, threads: int | None = None) -> BasePolicy:
+    """One agent's version 0: its model (the run's built-in one for ``builtin:tiny``), warmed up, committed."""
     import torch
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     torch.manual_seed(seed)
+    store = ExperienceStore(store_config)
     source = agent_config.model
     if source == BUILTIN_TINY:
-        # Every agent of a run starts from the same built-in initial model (its own copy is then trained),
-        # committed in the store like a policy: durable in the bucket of an S3 store.
-        if 0 not in store.models.versions(config.run, BUILTIN_MODEL):
-            corpus = env.text_corpus(np.random.default_rng(config.seed), 4000)
-            staging = store.models.staging(config.run, BUILTIN_MODEL, 0)
-            build_tiny_model(staging, corpus, seed=config.seed)
-            store.models.commit(staging, config.run, BUILTIN_MODEL, 0)
         source = str(store.models.fetch(config.run, BUILTIN_MODEL, 0))
     model, tokenizer = load_policy(resolve_model_source(source))
     staging = store.staging_policy_dir(config.run, agent, 0)

@@ -31,7 +31,7 @@ def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
     config = placement.fitted(config)
     env = build_environment(config.environment.name, config.environment.options)
     store = ExperienceStore(config.store)
-    base_policies = prepare_base_policies(config, env, store)
+    base_policies = prepare_base_policies(config, env, store, on_ray=True)  # only the missing ones
     reward_model = prepare_reward_model(config, env, store)  # after the policies: the built-in shares their tokenizer
     plan = plan_launch(store, config)
     workers = start_workers(config, store, plan.versions, reward_model,
