@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
-from marl_pipeline.bootstrap.reward_model import train_tiny_reward_model
+from marl_pipeline.bootstrap.reward_model import REWARD_MODEL, train_tiny_reward_model
 from marl_pipeline.config import ConfigError, GRPOAdvantage, RewardModelConfig, parse_config
 from marl_pipeline.inference.reward_model import RewardModelPool, RewardModelServer
 from marl_pipeline.stages.execution import execute_micro_batch
@@ -154,7 +154,8 @@ def test_training_launch_stores_and_replays_the_model_reward(local_ray, demo_con
     solver = [row for row in stored if row["agent"] == "solver"]
     assert solver and all(row["model_score"] is not None for row in solver)
     assert all(row["model_score"] is None for row in stored if row["agent"] == "verifier")
-    assert (store.root / f"run={config.run}" / "reward_model" / "config.json").is_file()
+    reward_dir = store.models.fetch(config.run, REWARD_MODEL, 0)  # committed in the store (bootstrap/reward_model.py)
+    assert (reward_dir / "config.json").is_file()
     _, replayed, _ = recompute_stage("rewards", config, store, key)
     replayed_rows = replayed.sort_by("sample_id").to_pylist()
     for before, after in zip(stored, replayed_rows, strict=True):
@@ -162,7 +163,7 @@ def test_training_launch_stores_and_replays_the_model_reward(local_ray, demo_con
         assert after["reward"] == pytest.approx(before["reward"], abs=1e-5)
         assert (after["model_score"] is None) == (before["model_score"] is None)
     assert ModelReward.from_settings(config.reward_model, RewardModelServer(
-        str(store.root / f"run={config.run}" / "reward_model"), "classifier").score).agents == frozenset({"solver"})
+        str(reward_dir), "classifier").score).agents == frozenset({"solver"})
 
 
 def test_reward_stage_refuses_scores_outside_0_1() -> None:

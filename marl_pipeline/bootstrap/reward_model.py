@@ -10,16 +10,18 @@ from pathlib import Path
 import numpy as np
 
 from marl_pipeline.bootstrap.tiny_model import BUILTIN_MODEL, TINY_ARCHITECTURE, train_tokenizer
-from marl_pipeline.config import BUILTIN_TINY, ExperimentConfig
+from marl_pipeline.config import BUILTIN_TINY, ExperimentConfig, StoreConfig
 from marl_pipeline.policy.checkpoint import save_policy
+from marl_pipeline.store import ExperienceStore
 
 REWARD_MODEL = "reward"
 """The built-in reward model's name among the run's models in the store (``run=R/models/name=reward``)."""
 
 
-def prepare_reward_model(config: ExperimentConfig, env, store) -> Path | None:
+def prepare_reward_model(config: ExperimentConfig, env, store, on_ray: bool = False) -> Path | None:
     """The run's reward model directory (the built-in one trained and committed in the store on first use, then
-    fetched into this node's cache); None without a reward model."""
+    fetched into this node's cache); None without a reward model. With ``on_ray`` the training runs in a Ray task
+    with the reward model's resources (a launch), else in-process."""
     if config.reward_model is None:
         return None
     if config.reward_model.model != BUILTIN_TINY:
@@ -29,15 +31,28 @@ def prepare_reward_model(config: ExperimentConfig, env, store) -> Path | None:
                                     f"(no config.json)")
         return directory
     if 0 not in store.models.versions(config.run, REWARD_MODEL):
-        examples = env.reward_examples(np.random.default_rng([config.seed, 1]), 4000)
-        # The run's built-in tokenizer, where its agents are on the built-in model (else one trained on the examples)
-        builtin = (store.models.fetch(config.run, BUILTIN_MODEL, 0)
-                   if 0 in store.models.versions(config.run, BUILTIN_MODEL) else None)
-        staging = store.models.staging(config.run, REWARD_MODEL, 0)
-        train_tiny_reward_model(staging, examples, steps=config.reward_model.train_steps, seed=config.seed,
-                                tokenizer_dir=builtin)
-        store.models.commit(staging, config.run, REWARD_MODEL, 0)
+        if on_ray:
+            import ray
+
+            settings = config.reward_model
+            ray.get(ray.remote(_train_builtin).options(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus)
+                    .remote(config, env, store.config))
+        else:
+            _train_builtin(config, env, store.config)
     return store.models.fetch(config.run, REWARD_MODEL, 0)
+
+
+def _train_builtin(config: ExperimentConfig, env, store_config: StoreConfig) -> None:
+    """Train the built-in reward model on the plugin's examples and commit it in the store."""
+    store = ExperienceStore(store_config)
+    examples = env.reward_examples(np.random.default_rng([config.seed, 1]), 4000)
+    # The run's built-in tokenizer, where its agents are on the built-in model (else one trained on the examples)
+    builtin = (store.models.fetch(config.run, BUILTIN_MODEL, 0)
+               if 0 in store.models.versions(config.run, BUILTIN_MODEL) else None)
+    staging = store.models.staging(config.run, REWARD_MODEL, 0)
+    train_tiny_reward_model(staging, examples, steps=config.reward_model.train_steps, seed=config.seed,
+                            tokenizer_dir=builtin)
+    store.models.commit(staging, config.run, REWARD_MODEL, 0)
 
 
 def train_tiny_reward_model(directory: Path, examples: list[tuple[str, str, float]], *, steps: int, seed: int,

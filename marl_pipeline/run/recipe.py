@@ -32,7 +32,7 @@ def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
     env = build_environment(config.environment.name, config.environment.options)
     store = ExperienceStore(config.store)
     base_policies = prepare_base_policies(config, env, store, on_ray=True)  # only the missing ones
-    reward_model = prepare_reward_model(config, env, store)  # after the policies: the built-in shares their tokenizer
+    reward_model = prepare_reward_model(config, env, store, on_ray=True)  # after the policies: shares their tokenizer
     plan = plan_launch(store, config)
     workers = start_workers(config, store, plan.versions, reward_model,
                             action_pool_settings(env, config.environment.pool))
