@@ -125,16 +125,6 @@ class Environment(Protocol):
     def score(self, task: Task, transcript: list[Turn], results: list[ActionResult]) -> dict[str, float]:
         """Reward in [0, 1] per role for one episode (the credit assignment)."""
 
-    def text_corpus(self, rng: np.random.Generator, count: int) -> list[str]:
-        """Text the built-in tokenizer is trained on: prompts and completions of every role."""
-
-    def warmup_examples(self, role: str, rng: np.random.Generator,
-                        count: int) -> list[tuple[str | ChatMessages, str | None]]:
-        """(prompt, completion) pairs for the supervised warm-up of ``role``'s base policy. A prompt given as chat
-        messages is rendered with the agent's chat template, as rollout renders it. A ``None`` completion rehearses
-        the policy's own reply to the prompt, sampled before warm-up as rollout samples: teaching one turn then
-        leaves that one as it was (``bootstrap/warmup.py``)."""
-
 
 @dataclass(frozen=True)
 class EvaluationCase:
@@ -171,6 +161,21 @@ class EvaluatedEnvironment(Environment, Protocol):
 
     def answer_of(self, role: str, response: str) -> str:
         """The answer a response gives, normalised (for the answer entropy and the collapse check)."""
+
+
+class WarmupEnvironment(Environment, Protocol):
+    """An environment whose agents can start from the built-in model or be warmed up (``hooks.HOOKS`` says which
+    config needs which)."""
+
+    def text_corpus(self, rng: np.random.Generator, count: int) -> list[str]:
+        """Text the built-in tokenizer is trained on: prompts and completions of every role."""
+
+    def warmup_examples(self, role: str, rng: np.random.Generator,
+                        count: int) -> list[tuple[str | ChatMessages, str | None]]:
+        """(prompt, completion) pairs for the supervised warm-up of ``role``'s base policy. A prompt given as chat
+        messages is rendered with the agent's chat template, as rollout renders it. A ``None`` completion rehearses
+        the policy's own reply to the prompt, sampled before warm-up as rollout samples: teaching one turn then
+        leaves that one as it was (``bootstrap/warmup.py``)."""
 
 
 class ActionEnvironment(Environment, Protocol):
