@@ -13,9 +13,7 @@ class EngineConfig(StrictModel):
     """Rollout engine (vLLM) settings for one agent."""
 
     gpu_memory_utilization: float = Field(0.15, gt=0, le=1)
-    """Share of device memory for weights + KV cache; on CPU a share of NUMA node 0's memory, of which what the
-    engine's process already holds (Python, torch, vLLM, the weights: ~1.1 GiB for the tiny model, 1.6 for
-    SmolLM2-135M in float32) is not KV cache; vLLM CPU refuses to start when that share is not free."""
+    """Share of device memory for weights + KV cache (CPU: of NUMA node 0's memory, engine process included)."""
     kv_cache_gib: float | None = Field(None, gt=0)
     """The KV cache's size in GiB (vLLM's ``kv_cache_memory_bytes``; ``gpu_memory_utilization`` is then ignored):
     exactly this much cache for the engine's sequences and the prefixes it keeps, whatever the process holds."""
@@ -28,17 +26,12 @@ class EngineConfig(StrictModel):
     num_gpus: float = Field(0.0, ge=0)
     """Ray GPUs reserved for the engine actor (0 on CPU machines)."""
     replicas: int = Field(1, ge=1, le=64)
-    """Engine actors serving this agent each reserving ``num_cpus``/``num_gpus``
-    and its own ``gpu_memory_utilization``. A router (inference/router.py) keeps an episode on the replica that served
-    its earlier turns and sends a new one to the least loaded; weights are synced to one replica at a time, and a
-    replica that dies is restarted while the others serve (inference/replicas.py)."""
+    """Engine actors serving this agent, each with these resources; routed per episode (inference/router.py)."""
     max_outstanding: int | None = Field(None, ge=1)
     """Requests in flight on one replica beyond which a new episode waits for room rather than join it (None: no
     limit). An episode's later turns still go to its own replica."""
     threads: int | None = Field(None, ge=1)
-    """CPU threads of the engine's forward passes. None: the cluster's CPUs shared among the run's engines and
-    trainers in proportion to their ``num_cpus``, at least 1 and at most one node's CPUs (``cluster/spawn.py``).
-    Set it because Ray would give an actor with fractional ``num_cpus`` a single thread."""
+    """CPU threads of the engine's forward passes; None: its share of the cluster's CPUs (cluster/spawn.py)."""
 
 
 class TrainerConfig(StrictModel):
@@ -62,13 +55,9 @@ class TrainerConfig(StrictModel):
     """CPU threads of the trainer's forward and backward passes; None as for ``EngineConfig.threads`` (for the
     trainer actor; a trainer built in-process, as a recomputation's, keeps its process's threads)."""
     chunk_tokens: int = Field(2048, ge=1)
-    """Padded tokens (rows x longest row) per forward/backward pass: a micro-batch's rows are sorted by length and
-    cut into passes under this budget, so little padding is computed and the logits stay small (a row longer than
-    the budget gets a pass of its own). The gradients add up to the same update whatever the budget."""
+    """Padded tokens per forward/backward pass: rows sorted by length, cut under it (same gradient)."""
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
-    """Trainer precision: ``bfloat16`` runs forward and backward under bf16 autocast with float32 master weights
-    and optimizer state; ``auto`` is bfloat16 where the hardware has it (CPU with AMX or AVX512-BF16, CUDA with
-    bf16 support), float32 elsewhere."""
+    """``float32``, ``bfloat16`` (autocast over float32 weights), or ``auto`` (bf16 where the hardware has it)."""
 
 
 class LoraAdapterConfig(StrictModel):
@@ -107,17 +96,9 @@ class WarmupConfig(StrictModel):
     """Also hold the agent's own earlier replies that a chat example's prompt shows as assistant messages where the
     model had them: the KL from the starting model at their positions (``bootstrap/warmup.py``)."""
     lora: LoraAdapterConfig | None = None
-    """Warm up LoRA adapters (peft) instead of every weight, then merge them into version 0 (None: every weight),
-    or keep them apart (``separate``). A step is cheaper (no gradients or AdamW moments for the frozen weights).
-    Merged, they spared the turns they did not teach no better than a full fine-tune: after SmolLM2's verdict cold
-    start, RL's working was right in 1 of 288 samples over 6 steps, against 0 after a full fine-tune and 10 for the
-    pretrained solver on the same prompts (BENCHMARKS.md, session 14)."""
+    """Warm up LoRA adapters (peft) instead of every weight, merged into version 0 (None: every weight)."""
     separate: bool = False
-    """With ``lora``: keep the warm-up's adapters apart instead of merging them. Version 0 is then the model as
-    loaded, with the adapters beside it (``warmup_adapter/``), frozen, applied by engine and trainer on the turns
-    the environment's ``taught_turns`` names and on no other. A turn the warm-up did not teach starts exactly as the
-    model was: merged, a verdict cold start cut SmolLM2's right workings at temperature 1 by half and RL's working
-    stopped learning (BENCHMARKS.md). Needs the agent's own ``lora`` (RL's adapters, trained on every turn)."""
+    """Keep the warm-up's ``lora`` adapters apart, used only on the turns ``taught_turns`` names."""
 
     @model_validator(mode="after")
     def _separate_needs_lora(self) -> WarmupConfig:
@@ -131,16 +112,12 @@ class AgentConfig(StrictModel):
     """One role of the workflow, with its own policy."""
 
     model: str = BUILTIN_TINY
-    """``builtin:tiny`` (built locally), a local Hugging Face model directory, a hub id, a ``.gguf`` file
-    (dequantized once into a cached directory), or a packaged model's short name (``smollm2-135m-instruct``,
-    the ``models`` extra); see ``bootstrap/model_sources.py``."""
+    """``builtin:tiny``, a HF directory or hub id, a ``.gguf`` file, or a packaged short name."""
     engine: EngineConfig = EngineConfig()
     trainer: TrainerConfig = TrainerConfig()
     warmup: WarmupConfig = WarmupConfig()
     lora: LoraAdapterConfig | None = None
-    """LoRA adapters trained in place of the full weights (None: full fine-tuning). The warm-up, when there is
-    one, makes version 0, the base these adapters are added to (every weight changed, or ``warmup.lora``'s own
-    adapters merged in, or kept apart: ``warmup.separate``)."""
+    """LoRA adapters trained over version 0 in place of the full weights (None: full fine-tuning)."""
 
     @model_validator(mode="after")
     def _separate_warmup_needs_lora(self) -> AgentConfig:

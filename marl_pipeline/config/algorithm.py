@@ -60,16 +60,12 @@ class AlgorithmConfig(StrictModel):
     entropy_coef: float = Field(0.0, ge=0)
     """Weight of the entropy bonus (full-vocabulary entropy at each response token), subtracted from the loss."""
     drop_zero_advantage_groups: bool = False
-    """Dynamic sampling (DAPO's filter, without re-sampling): leave out of the step an agent's groups whose episodes
-    all earned it the same reward (zero advantage), so that they do not dilute the token- or sequence-normalised
-    gradient of the informative ones; counted in ``policy_updates.dropped_rows``."""
+    """Leave out an agent's groups whose episodes all earned the same reward (DAPO's filter)."""
     loss_normalization: Literal["token", "sequence"] = "token"
     """``token``: the step's summed token loss over its response-token count; ``sequence``: each sequence's mean
     token loss, averaged over the step's sequences."""
     tis_cap: float | None = Field(None, ge=1)
-    """Truncated importance sampling: weight each token's policy-gradient term by min(trainer/engine ratio, cap)
-    to correct the engine-vs-trainer mismatch; the PPO clip then uses the trainer's own ratio pi/sg(pi)
-    (``training/losses.clipped_pg_token_loss``). None: off, the clip uses pi/pi_engine."""
+    """Truncated importance sampling: weight each token by min(trainer/engine ratio, cap); None: off."""
 
 
 

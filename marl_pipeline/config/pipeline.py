@@ -62,9 +62,7 @@ class RolloutConfig(StrictModel):
     """How the rollout stage samples a micro-batch's episodes: every episode is its own task, its next turn requested
     as soon as its previous turn and the environment's reply are done (stages/trajectories.py)."""
     episode_timeout_s: float | None = Field(None, gt=0)
-    """An episode still unfinished this long after its micro-batch started is cut: its request aborted, its finished
-    turns stored with status ``timeout``, and the environment stage records it failed (it earns nothing, and stays in
-    its GRPO group). None: no limit."""
+    """Cut an episode still running this long after its micro-batch started (stored failed); None: no limit."""
     observe_threads: int = Field(32, ge=1, le=256)
     """Environment replies (``observe``) computed at once, each on a driver thread."""
     observe_on: Literal["thread", "action_pool"] = "thread"
@@ -72,10 +70,7 @@ class RolloutConfig(StrictModel):
     code, a tool; the plugin must then be an action environment, which has the pool, and picklable)."""
 
     rebalance_replicas: bool = False
-    """Between steps, split the agents' engine replicas (their ``engine.replicas`` summed: the budget the placement
-    plan reserved) in proportion to each agent's tokens (prompt + response) in the step before, at least one each
-    (FlexMARL's inter-agent level; inference/router.py ``split_replicas``). Needs every agent's engine to ask for the
-    same CPUs and GPUs, so that a replica moved from one agent to another fits where the old one was."""
+    """Between steps, split the engine replicas by each agent's tokens (needs equal engine resources)."""
 
     @model_validator(mode="before")
     @classmethod

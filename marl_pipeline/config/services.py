@@ -14,9 +14,7 @@ class RewardModelConfig(StrictModel):
     """A model-based reward mixed into the environment's rule-based one, served by a pool of Ray actors."""
 
     model: str = BUILTIN_TINY
-    """``builtin:tiny`` (a tiny classifier trained at launch on the environment's ``reward_examples``, for CPU
-    runs and tests) or a local Hugging Face model directory (sequence classification for ``classifier``, a
-    causal LM for ``judge``)."""
+    """``builtin:tiny`` (trained at launch on ``reward_examples``) or a HF directory (classifier or judge)."""
     kind: Literal["classifier", "judge"] = "classifier"
     """``classifier``: the score is sigmoid of a one-logit head (softmax of the last label with several);
     ``judge``: a causal LM asked ``judge_template``, the score is P(judge_yes) / (P(judge_yes) + P(judge_no))."""
@@ -83,21 +81,14 @@ class RayConfig(StrictModel):
     num_cpus: int | None = None
     """CPUs of the embedded local Ray (None: all of the machine's)."""
     resident_trainers: int | None = Field(None, ge=1)
-    """Trainer budget: at most this many trainers hold their state in memory at once. Fewer than the agents: that
-    many trainer worker actors serve every agent, each agent's parameters and optimizer state swapped in for its
-    calls and out to the Ray object store between them (``training/swap.py``). None: every trainer resident where
-    the plan fits the cluster, else the most workers that fit (``cluster/placement.py``)."""
+    """Most trainers held in memory; fewer than the agents swaps their state through Ray (training/swap.py)."""
     engine_resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each agent's engine asks for besides its CPUs and GPUs, e.g. ``{engines: 1}``: it then
     runs only on nodes started with them (``ray start --resources '{"engines": 4}'``). Empty: any node."""
     trainer_resources: dict[str, float] = Field(default_factory=dict)
     """The same for each agent's trainer, e.g. ``{trainers: 1}``."""
     keep_actors: bool = False
-    """Keep a launch's engines and trainers alive when it ends cleanly, for the next launch in the same process (a
-    script, notebook or sweep calling ``train`` again; the test suite): it takes those started with the same
-    settings, restarted at its own starting versions (a trainer rebuilt, an engine's weights reloaded), instead of
-    starting new ones (~15-25 s each on a CPU, most of it imports). Until then they hold their CPUs and memory; a
-    launch stops the kept ones it does not take (``cluster/warm_actors.py``)."""
+    """Keep a clean launch's engines and trainers for the next launch in this process (warm_actors.py)."""
 
     @field_validator("engine_resources", "trainer_resources")
     @classmethod
