@@ -213,7 +213,8 @@ class ThreeTurns:
 
 
 def long_tail(ray, model_dir: str, args) -> dict[str, float]:
-    from bench.turn_batched import rollout_micro_batch
+    from turn_batched import rollout_micro_batch  # bench/ is on the path
+
     from marl_pipeline.config import RolloutConfig
     from marl_pipeline.stages.rollout import RolloutSettings
     from marl_pipeline.stages.trajectories import rollout_trajectories
@@ -273,6 +274,8 @@ def routing_cache_gib(model_dir: str, args) -> float | None:
 
 
 def routing(ray, model_dir: str, args) -> dict[str, dict[str, float]]:
+    from round_robin import RoundRobinRouter  # bench/ is on the path
+
     from marl_pipeline.cluster.spawn import engine_actor
     from marl_pipeline.config import EngineConfig
     from marl_pipeline.inference.router import Router
@@ -301,7 +304,7 @@ def routing(ray, model_dir: str, args) -> dict[str, dict[str, float]]:
         return generated
 
     async def run_pass(policy: str, n: int) -> int:
-        router = Router(2, policy=policy)
+        router = RoundRobinRouter(2) if policy == "round_robin" else Router(2)
         return sum(await asyncio.gather(*[episode(router, e, np.random.default_rng([SEED, n, e]), f"{policy}-{n}")
                                           for e in range(args.route_episodes)]))
 

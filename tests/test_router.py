@@ -8,6 +8,7 @@ import copy
 import pyarrow as pa
 import pytest
 
+from bench.round_robin import RoundRobinRouter
 from marl_pipeline.cluster.placement import PlacementError, plan_placement
 from marl_pipeline.config import ConfigError, parse_config
 from marl_pipeline.inference.router import NoReplica, Router, split_replicas
@@ -61,15 +62,15 @@ def test_a_draining_replica_takes_no_new_episode_but_keeps_its_own() -> None:
     assert router.acquire("e") == 0
 
 
-def test_round_robin_ignores_episodes() -> None:
-    router = Router(2, policy="round_robin")
+def test_the_round_robin_baseline_ignores_episodes() -> None:
+    router = RoundRobinRouter(2)  # bench/rollout.py's baseline
     assert [router.acquire("a") for _ in range(4)] == [0, 1, 0, 1]
+    assert router.outstanding() == [2, 2]
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"replicas": 0}, "replicas must be an int >= 1"),
     ({"replicas": 2, "max_outstanding": 0}, "max_outstanding must be >= 1"),
-    ({"replicas": 2, "policy": "random"}, "policy must be 'sticky' or 'round_robin'"),
 ])
 def test_bad_router_settings_are_named(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import ray
 
-from marl_pipeline.inference.router import Policy, Router
+from marl_pipeline.inference.router import Router
 
 Spawn = Callable[[int, int], "ray.actor.ActorHandle"]
 """(replica index, stored policy version) -> a new engine actor starting from that version (not yet ready)."""
@@ -51,7 +51,7 @@ class EngineReplicas:
     """
 
     def __init__(self, agent: str, handles: list, version: int | None = None, spawn: Spawn | None = None,
-                 max_outstanding: int | None = None, policy: Policy = "sticky", base_version: int = 0,
+                 max_outstanding: int | None = None, base_version: int = 0,
                  capacity: int | None = None, release: Release = kill) -> None:
         if not handles:
             raise ValueError(f"{agent}: an engine replica set needs at least one engine handle")
@@ -59,7 +59,7 @@ class EngineReplicas:
         if capacity < len(handles):
             raise ValueError(f"{agent}: capacity {capacity} is below the {len(handles)} replicas given")
         self.agent, self.spawn, self.release, self.base_version = agent, spawn, release, base_version
-        self.router = Router(capacity, max_outstanding, policy)
+        self.router = Router(capacity, max_outstanding)
         self._handles = [*handles, *[None] * (capacity - len(handles))]
         self._retired = set(range(len(handles), capacity))  # slots without a replica (resize)
         for slot in self._retired:

@@ -8,8 +8,6 @@
 - *Down / draining*: a replica that died (or is restarting) takes nothing; one loading new weights takes no new
   episode (its sticky episodes still come: the engine holds them until the reload is done).
 
-``round_robin`` is the comparison baseline (bench/rollout.py): every request to the next replica in turn.
-
 One router serves an agent for the whole run, from the rollout thread and a replica's restart thread at once,
 so its state is behind a lock.
 """
@@ -18,9 +16,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable
-from typing import Literal
-
-Policy = Literal["sticky", "round_robin"]
 
 
 class NoReplica(RuntimeError):
@@ -30,20 +25,17 @@ class NoReplica(RuntimeError):
 class Router:
     """Routes requests of episodes (any hashable key) to replicas ``0 .. replicas - 1``."""
 
-    def __init__(self, replicas: int, max_outstanding: int | None = None, policy: Policy = "sticky") -> None:
+    def __init__(self, replicas: int, max_outstanding: int | None = None) -> None:
         if not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
         if max_outstanding is not None and max_outstanding < 1:
             raise ValueError(f"max_outstanding must be >= 1 or None (no limit), got {max_outstanding!r}")
-        if policy not in ("sticky", "round_robin"):
-            raise ValueError(f"policy must be 'sticky' or 'round_robin', got {policy!r}")
-        self.replicas, self.max_outstanding, self.policy = replicas, max_outstanding, policy
+        self.replicas, self.max_outstanding = replicas, max_outstanding
         self._lock = threading.Lock()
         self._outstanding = [0] * replicas
         self._home: dict[Hashable, int] = {}
         self._down: set[int] = set()
         self._draining: set[int] = set()
-        self._next = 0
 
     def acquire(self, episode: Hashable) -> int | None:
         """The replica for ``episode``'s next request, counted outstanding until :meth:`release`; None when every
@@ -56,19 +48,21 @@ class Router:
             live = [i for i in range(self.replicas) if i not in self._down]
             if not live:
                 raise NoReplica(f"all {self.replicas} replicas are down")
-            if self.policy == "round_robin":
-                chosen = live[self._next % len(live)]
-                self._next += 1
-            elif (home := self._home.get(episode)) is not None and home not in self._down:
-                chosen = home  # its earlier turns' blocks are in this replica's prefix cache
-            else:
-                open_ = [i for i in live if i not in self._draining] or live  # all draining: they hold, not refuse
-                chosen = min(open_, key=lambda i: (self._outstanding[i], i))
-                if self.max_outstanding is not None and self._outstanding[chosen] >= self.max_outstanding:
-                    return None
-                self._home[episode] = chosen
-            self._outstanding[chosen] += 1
+            chosen = self._choose(episode, live)
+            if chosen is not None:
+                self._outstanding[chosen] += 1
             return chosen
+
+    def _choose(self, episode: Hashable, live: list[int]) -> int | None:
+        """Sticky, else least outstanding (under the lock); a subclass may route otherwise (bench's round robin)."""
+        if (home := self._home.get(episode)) is not None and home not in self._down:
+            return home  # its earlier turns' blocks are in this replica's prefix cache
+        open_ = [i for i in live if i not in self._draining] or live  # all draining: they hold, not refuse
+        chosen = min(open_, key=lambda i: (self._outstanding[i], i))
+        if self.max_outstanding is not None and self._outstanding[chosen] >= self.max_outstanding:
+            return None
+        self._home[episode] = chosen
+        return chosen
 
     def release(self, replica: int) -> None:
         """A request acquired on ``replica`` finished (or failed)."""
