@@ -12,6 +12,7 @@ import ray
 
 from marl_pipeline.bootstrap.policies import prepare_base_policies
 from marl_pipeline.bootstrap.reward_model import prepare_reward_model
+from marl_pipeline.cluster import warm_actors
 from marl_pipeline.cluster.placement import plan_placement
 from marl_pipeline.cluster.spawn import start_workers
 from marl_pipeline.config import ExperimentConfig
@@ -31,7 +32,8 @@ def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
     config = placement.fitted(config)
     env = build_environment(config.environment.name, config.environment.options)
     store = ExperienceStore(config.store)
-    base_policies = prepare_base_policies(config, env, store, on_ray=True)  # only the missing ones
+    # Only the missing ones; idle actors kept from the last launch in this process hold the resources they'd reserve.
+    base_policies = prepare_base_policies(config, env, store, on_ray=True, reserve=not warm_actors.idle_count())
     reward_model = prepare_reward_model(config, env, store, on_ray=True)  # after the policies: shares their tokenizer
     plan = plan_launch(store, config)
     workers = start_workers(config, store, plan.versions, reward_model,
