@@ -34,14 +34,12 @@ class BasePolicy:
 
 
 def prepare_base_policies(config: ExperimentConfig, env: Environment, store: ExperienceStore,
-                          on_ray: bool = False, reserve: bool = True) -> list[BasePolicy]:
+                          on_ray: bool = False) -> list[BasePolicy]:
     """Make sure every agent has a committed version 0; build and warm up the ones that lack it.
 
-    With ``on_ray`` (a launch, the ``base_policies`` asset) each missing version 0 is prepared in a Ray task, all at
-    once, each using its share of the cluster's cores; in-process otherwise (tests, scripts without Ray). The tasks
-    reserve the agent's trainer resources, unless ``reserve`` is False: idle actors a launch keeps for the next one
-    (``ray.keep_actors``) hold those resources, and the tasks would wait for them for ever. The built-in model they
-    start from is built first, once."""
+    With ``on_ray`` (the ``base_policies`` asset) each missing version 0 is prepared in a Ray task with the agent's
+    trainer resources, all at once, each using its share of the cluster's cores; in-process otherwise (a launch,
+    tests, scripts without Ray). The built-in model they start from is built first, once."""
     existing = {agent: BasePolicy(agent, store.policy_dir(config.run, agent, 0), created=False)
                 for agent in config.agents if store.policy_versions(config.run, agent)}
     missing = [(agent, agent_config, config.seed + index) for index, (agent, agent_config)
@@ -56,9 +54,8 @@ def prepare_base_policies(config: ExperimentConfig, env: Environment, store: Exp
             ray.get(ray.remote(ensure_builtin_model).options(num_cpus=0).remote(config, env, store.config))
         threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // len(missing))
         tasks = [ray.remote(_create_base_policy).options(
-                     num_cpus=agent_config.trainer.num_cpus if reserve else 0,
-                     num_gpus=agent_config.trainer.num_gpus if reserve else 0,
-                     resources=dict(config.ray.trainer_resources) if reserve else {}).remote(
+                     num_cpus=agent_config.trainer.num_cpus, num_gpus=agent_config.trainer.num_gpus,
+                     resources=dict(config.ray.trainer_resources)).remote(
                      config, env, store.config, agent, agent_config, seed, threads)
                  for agent, agent_config, seed in missing]
         created = ray.get(tasks)

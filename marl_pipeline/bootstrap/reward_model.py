@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from marl_pipeline.bootstrap.tiny_model import BUILTIN_MODEL, TINY_ARCHITECTURE, train_tokenizer
-from marl_pipeline.config import BUILTIN_TINY, ExperimentConfig, StoreConfig
+from marl_pipeline.config import BUILTIN_TINY, ExperimentConfig
 from marl_pipeline.policy.checkpoint import save_policy
 from marl_pipeline.store import ExperienceStore
 
@@ -18,10 +18,9 @@ REWARD_MODEL = "reward"
 """The built-in reward model's name among the run's models in the store (``run=R/models/name=reward``)."""
 
 
-def prepare_reward_model(config: ExperimentConfig, env, store, on_ray: bool = False) -> Path | None:
+def prepare_reward_model(config: ExperimentConfig, env, store) -> Path | None:
     """The run's reward model directory (the built-in one trained and committed in the store on first use, then
-    fetched into this node's cache); None without a reward model. With ``on_ray`` the training runs in a Ray task
-    with the reward model's resources (a launch), else in-process."""
+    fetched into this node's cache); None without a reward model."""
     if config.reward_model is None:
         return None
     if config.reward_model.model != BUILTIN_TINY:
@@ -31,20 +30,12 @@ def prepare_reward_model(config: ExperimentConfig, env, store, on_ray: bool = Fa
                                     f"(no config.json)")
         return directory
     if 0 not in store.models.versions(config.run, REWARD_MODEL):
-        if on_ray:
-            import ray
-
-            settings = config.reward_model
-            ray.get(ray.remote(_train_builtin).options(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus)
-                    .remote(config, env, store.config))
-        else:
-            _train_builtin(config, env, store.config)
+        _train_builtin(config, env, store)
     return store.models.fetch(config.run, REWARD_MODEL, 0)
 
 
-def _train_builtin(config: ExperimentConfig, env, store_config: StoreConfig) -> None:
+def _train_builtin(config: ExperimentConfig, env, store: ExperienceStore) -> None:
     """Train the built-in reward model on the plugin's examples and commit it in the store."""
-    store = ExperienceStore(store_config)
     examples = env.reward_examples(np.random.default_rng([config.seed, 1]), 4000)
     # The run's built-in tokenizer, where its agents are on the built-in model (else one trained on the examples)
     builtin = (store.models.fetch(config.run, BUILTIN_MODEL, 0)

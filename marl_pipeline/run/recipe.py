@@ -12,7 +12,6 @@ import ray
 
 from marl_pipeline.bootstrap.policies import prepare_base_policies
 from marl_pipeline.bootstrap.reward_model import prepare_reward_model
-from marl_pipeline.cluster import warm_actors
 from marl_pipeline.cluster.placement import plan_placement
 from marl_pipeline.cluster.spawn import start_workers
 from marl_pipeline.config import ExperimentConfig
@@ -32,9 +31,10 @@ def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
     config = placement.fitted(config)
     env = build_environment(config.environment.name, config.environment.options)
     store = ExperienceStore(config.store)
-    # Only the missing ones; idle actors kept from the last launch in this process hold the resources they'd reserve.
-    base_policies = prepare_base_policies(config, env, store, on_ray=True, reserve=not warm_actors.idle_count())
-    reward_model = prepare_reward_model(config, env, store, on_ray=True)  # after the policies: shares their tokenizer
+    # In-process, only what is missing: a Ray task's fresh worker re-imports torch and transformers, 10-30 s a launch
+    # in the suite (docs/ARCHITECTURE.md); the base_policies asset runs the same code on Ray.
+    base_policies = prepare_base_policies(config, env, store)
+    reward_model = prepare_reward_model(config, env, store)  # after the policies: the built-in shares their tokenizer
     plan = plan_launch(store, config)
     workers = start_workers(config, store, plan.versions, reward_model,
                             action_pool_settings(env, config.environment.pool))
