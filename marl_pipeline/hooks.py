@@ -60,7 +60,7 @@ HOOKS: tuple[Hook, ...] = (
 def missing_hooks(env_class: type, *, builtin_model: bool = False, warmup: bool = False,
                   builtin_reward_model: bool = False, evaluation: bool = False) -> list[str]:
     """What ``env_class`` lacks for a run that uses the given features, each as ``name (why)``."""
-    actions = all(hasattr(env_class, name) for name in ("actions", "run_action"))
+    actions = _has(env_class, "with actions")
     needed = {"always": True, "without actions": not actions, "with actions": False, "built-in model": builtin_model,
               "warm-up": warmup, "built-in reward model": builtin_reward_model, "evaluation": evaluation,
               "optional": False}
@@ -91,6 +91,11 @@ class PluginHooks:
     """Whether it measures its agents on held-out cases (``evaluation_cases``, ``evaluate``, ``answer_of``)."""
 
 
+def _has(env: object, need: Need) -> bool:
+    """Whether ``env`` (an instance or class) defines every hook of ``need`` (the pair, the evaluation trio)."""
+    return all(hasattr(env, hook.name) for hook in HOOKS if hook.need == need)
+
+
 _resolved: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -106,8 +111,7 @@ def hooks_of(env: object) -> PluginHooks:
                                                         "pool_settings")},
         team_reward_weight=float(getattr(env, "team_reward_weight", 0.0)),
         max_action_bytes=int(getattr(env, "max_action_bytes", MAX_ACTION_BYTES)),
-        uses_actions=hasattr(env, "actions") and hasattr(env, "run_action"),
-        evaluated=all(hasattr(env, name) for name in ("evaluation_cases", "evaluate", "answer_of")))
+        uses_actions=_has(env, "with actions"), evaluated=_has(env, "evaluation"))
     try:
         _resolved[env] = hooks
     except TypeError:

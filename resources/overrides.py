@@ -53,29 +53,26 @@ def _override_type(annotation: Any) -> Any:
 @functools.cache
 def overrides_of(model: type[BaseModel]) -> type[dg.Config]:
     """A ``dg.Config`` class with one optional field per field of ``model``, each None (not overridden) by default."""
-    fields = {}
-    for name, field in model.model_fields.items():
-        kind = _override_type(field.annotation)
-        fields[name] = (kind if kind is Any else Optional[kind],  # noqa: UP045 (Dagster reads Optional[...])
-                        Field(None, description=field.description))
-    return create_model(f"{model.__name__}Overrides", __base__=dg.Config, __doc__=f"Overrides of {model.__name__}.",
-                        **fields)
+    return _overrides_class((model,), f"{model.__name__}Overrides", f"Overrides of {model.__name__}.")
 
 
 @functools.cache
 def overrides_of_variants(models: tuple[type[BaseModel], ...]) -> type[dg.Config]:
     """One ``dg.Config`` class for a union of models (variants named by a ``type`` field): every field of any variant,
     optional. The variant chosen validates what is set when the experiment loads."""
+    names = "Or".join(model.__name__ for model in models)
+    return _overrides_class(models, f"{names}Overrides", f"Overrides of one of {names}.")
+
+
+def _overrides_class(models: tuple[type[BaseModel], ...], name: str, doc: str) -> type[dg.Config]:
     fields = {}
     for model in models:
-        for name, field in model.model_fields.items():
-            if name not in fields:
+        for field_name, field in model.model_fields.items():
+            if field_name not in fields:  # a field several variants share: the first one's type and description
                 kind = _override_type(field.annotation)
-                fields[name] = (kind if kind is Any else Optional[kind],  # noqa: UP045
-                                Field(None, description=field.description))
-    names = "Or".join(model.__name__ for model in models)
-    return create_model(f"{names}Overrides", __base__=dg.Config, __doc__="Overrides of one of " + names + ".",
-                        **fields)
+                fields[field_name] = (kind if kind is Any else Optional[kind],  # noqa: UP045 (Dagster reads Optional)
+                                      Field(None, description=field.description))
+    return create_model(name, __base__=dg.Config, __doc__=doc, **fields)
 
 
 AgentOverrides = overrides_of(AgentConfig)

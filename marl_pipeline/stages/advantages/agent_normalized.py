@@ -4,8 +4,7 @@ agent's own centred rewards over the whole micro-batch.
 Why: agents of a team earn rewards of different spread (a verifier's verdict is right far more often than a
 solver's answer). One scale for every agent lets the widest set the size of every update; a scale per group, as in
 GRPO, blows a group of nearly equal rewards up to +-1. Here each agent's advantages have unit spread over the
-micro-batch, whatever the other agents' rewards and whatever one group's spread; with team rewards (every agent
-the same reward) they still differ by agent where the agents' groups differ.
+micro-batch, whatever the other agents' rewards and whatever one group's spread.
 """
 
 from __future__ import annotations

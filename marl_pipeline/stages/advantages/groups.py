@@ -47,10 +47,15 @@ def group_size(groups: np.ndarray) -> np.ndarray:
 
 def group_mean(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
     """The mean of each row's group, per row."""
-    return group_sum(values, groups) / group_size(groups)
+    return _mean(values, labels(groups))
 
 
 def group_std(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
     """The population std (numpy's default, ddof 0) of each row's group, per row."""
-    centred = values - group_mean(values, groups)
-    return np.sqrt(group_mean(centred * centred, groups))
+    index = labels(groups)  # once for both means
+    centred = values - _mean(values, index)
+    return np.sqrt(_mean(centred * centred, index))
+
+
+def _mean(values: np.ndarray, index: np.ndarray) -> np.ndarray:
+    return (np.bincount(index, weights=values) / np.bincount(index))[index]
