@@ -19,7 +19,7 @@ import os
 import statistics
 import time
 
-from marl_pipeline.inference.engine import ENGINE_ENV
+from marl_pipeline.inference.engine import ENGINE_ENV, GenerationRequest
 
 GPU_MEMORY_UTILIZATION, MAX_MODEL_LEN, SEED = 0.15, 256, 0
 
@@ -60,7 +60,8 @@ def run_ours(model_dir: str, prompts, seeds, args, threads: int | None) -> tuple
     print(f"  started in {time.perf_counter() - start:.0f} s", flush=True)
 
     def generate() -> int:
-        _, completions = ray.get(actor.generate.remote(prompts, seeds, args.max_tokens, 1.0))
+        _, completions = ray.get(actor.generate.remote([GenerationRequest(prompt, seed, args.max_tokens, 1.0)
+                                                        for prompt, seed in zip(prompts, seeds)]))
         return sum(len(c.response_ids) for c in completions)
 
     try:

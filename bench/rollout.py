@@ -41,6 +41,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -48,7 +49,7 @@ import numpy as np
 from engine_throughput import timed  # bench/ is on the path when a bench script runs
 
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine
-from marl_pipeline.inference.engine import ENGINE_ENV, MAX_NUM_SEQS
+from marl_pipeline.inference.engine import ENGINE_ENV, MAX_NUM_SEQS, GenerationRequest
 
 GPU_MEMORY_UTILIZATION, SEED = 0.04, 0  # about 1 GiB each; the tiny model's KV cache needs far less
 ROUTING_MEMORY = 0.04
@@ -101,7 +102,8 @@ def overhead_side_by_side(ray, model_dir: str, args) -> dict[str, tuple[list[flo
 
     def ours() -> int:
         n = next(passes)
-        refs = [actor.generate_one.remote(f"{n}-{i}", prompt, seed, args.max_tokens, 1.0, True)
+        refs = [actor.generate_one.remote(f"{n}-{i}", GenerationRequest(prompt, seed, args.max_tokens, 1.0,
+                                                                          ignore_eos=True))
                 for i, (prompt, seed) in enumerate(requests)]
         return sum(len(s.completion.response_ids) for s in ray.get(refs))
 
@@ -182,11 +184,10 @@ class LognormalLengths(AsyncRolloutEngine):
         super().__init__(*args, **kwargs)
         self.median, self.sigma, self.cap = median, sigma, cap
 
-    async def generate_one(self, request_id, prompt, seed, max_tokens, temperature, ignore_eos=False, taught=False):
-        z = np.random.default_rng(seed).standard_normal()
+    async def generate_one(self, request_id, request):
+        z = np.random.default_rng(request.seed).standard_normal()
         length = int(np.clip(round(self.median * np.exp(self.sigma * z)), 1, self.cap))
-        return await super().generate_one(request_id, prompt, seed, length, temperature, ignore_eos=True,
-                                          taught=taught)
+        return await super().generate_one(request_id, replace(request, max_tokens=length, ignore_eos=True))
 
 
 class ThreeTurns:
@@ -294,8 +295,9 @@ def routing(ray, model_dir: str, args) -> dict[str, dict[str, float]]:
             while (replica := router.acquire(e)) is None:
                 await asyncio.sleep(0.005)
             try:
-                sampled = await replicas[replica].generate_one.remote(f"{tag}-{e}-{turn}", prompt, e * 100 + turn,
-                                                                      args.route_tokens, 1.0, True)
+                sampled = await replicas[replica].generate_one.remote(
+                    f"{tag}-{e}-{turn}", GenerationRequest(prompt, e * 100 + turn, args.route_tokens, 1.0,
+                                                           ignore_eos=True))
             finally:
                 router.release(replica)
             response = sampled.completion.response_ids

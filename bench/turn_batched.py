@@ -19,7 +19,6 @@ from marl_pipeline.stages.rollout import (
     episode_tasks,
     observe_reply,
     plan_tasks,
-    taught_turns,
     turn_seeds,
 )
 from marl_pipeline.store import MicroBatchKey
@@ -34,19 +33,18 @@ def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHand
     transcripts: list[list[Turn]] = [[] for _ in episodes]
     columns: dict[str, list] = {name: [] for name in ROLLOUTS.names + ["agent"]}
     chats = engine_chat_session(env, engines)
-    taught = taught_turns(env)
+    adapters = settings.episode_adapters(env.turn_order)
     for turn, role in enumerate(env.turn_order):
         requests = [chats.request(e, role, turn, env.render_prompt(role, task, transcripts[e]))
                     for e, (_, _, task) in enumerate(episodes)]
         seeds = turn_seeds(settings.seed, key, turn, len(episodes))
         start = datetime.now(UTC)
-        version, completions = ray.get(
-            engines[role].generate.remote(requests, seeds, settings.max_new_tokens, settings.temperature,
-                                          [turn in taught] * len(requests)))
+        version, completions = ray.get(engines[role].generate.remote(
+            [settings.request(request, seed, adapters[turn]) for request, seed in zip(requests, seeds)]))
         for e, ((p, trajectory, task), request, completion) in enumerate(zip(episodes, requests, completions)):
             chats.record(e, role, completion.text, completion.response_ids)
             observation, error = observe_reply(env, role, task, [*transcripts[e], Turn(role, completion.text)])
             transcripts[e].append(Turn(role, completion.text, observation))
             append_turn(columns, key, task, p, trajectory, e, turn, role, chats.prompt_text(role, request),
-                        completion, version, start, datetime.now(UTC), observation, error)
+                        completion, version, start, datetime.now(UTC), observation, error, adapter=adapters[turn])
     return pa.table(columns, schema=with_agent(ROLLOUTS))

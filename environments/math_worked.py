@@ -211,12 +211,6 @@ class MathChatWorked(MathChat):
         return {**metrics, "working_accuracy": float(np.mean(right)) if right else 0.0,
                 "agreement": float(np.mean(agrees)) if agrees else 0.0}
 
-    def taught_turns(self, role: str) -> tuple[int, ...]:
-        """``warmup_turns: verdict`` teaches the verifier's second turn, its verdict; ``both`` teaches both."""
-        if role != "verifier":
-            return ()
-        return (1,) if self.options.warmup_turns == "verdict" else (0, 1)
-
     # -- warm-up: both verifier turns on plain text (the tiny model), or the verdict alone (a chat model) ---------
     def warmup_examples(self, role: str, rng: np.random.Generator,
                         count: int) -> list[tuple[str | list[Message], str]]:

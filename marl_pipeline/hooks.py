@@ -53,7 +53,6 @@ HOOKS: tuple[Hook, ...] = (
     Hook("max_action_bytes", "max_action_bytes: int", "optional"),
     Hook("own_reply_warmup_examples", "own_reply_warmup_examples(role, rng, count, replies) -> list | None",
          "optional"),
-    Hook("taught_turns", "taught_turns(role) -> tuple[int, ...]", "optional"),
 )
 
 
@@ -80,7 +79,6 @@ class PluginHooks:
     score_turns: Callable | None
     turn_weights: Callable | None
     own_reply_warmup_examples: Callable | None
-    taught_turns: Callable | None
     team_reward_weight: float
     pool_settings: Any
     """The plugin's ``PoolSettings`` for its action pool, or None."""
@@ -107,7 +105,7 @@ def hooks_of(env: object) -> PluginHooks:
         pass
     hooks = PluginHooks(
         **{name: getattr(env, name, None) for name in ("episode_task", "observe", "score_turns", "turn_weights",
-                                                        "own_reply_warmup_examples", "taught_turns",
+                                                        "own_reply_warmup_examples",
                                                         "pool_settings")},
         team_reward_weight=float(getattr(env, "team_reward_weight", 0.0)),
         max_action_bytes=int(getattr(env, "max_action_bytes", MAX_ACTION_BYTES)),
@@ -117,18 +115,3 @@ def hooks_of(env: object) -> PluginHooks:
     except TypeError:
         pass
     return hooks
-
-
-def taught_own_turns(env: object, role: str) -> frozenset[int]:
-    """``role``'s own turns (0: its first in an episode) that its warm-up teaches: the plugin's optional
-    ``taught_turns``; empty without it."""
-    taught = hooks_of(env).taught_turns
-    return frozenset(taught(role)) if taught is not None else frozenset()
-
-
-def taught_turn_indices(env: object, role: str) -> frozenset[int]:
-    """The episode turn indices (positions in ``turn_order``) at which ``role`` speaks a turn its warm-up
-    teaches (:func:`taught_own_turns`)."""
-    own = taught_own_turns(env, role)
-    spoken = [index for index, speaker in enumerate(env.turn_order) if speaker == role]
-    return frozenset(index for number, index in enumerate(spoken) if number in own)

@@ -11,8 +11,10 @@ import pytest
 from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine, RequestAborted
+from marl_pipeline.inference.engine import GenerationRequest
 from marl_pipeline.policy.checkpoint import kv_cache_bytes_per_token
 from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
+from tests.sampling import requests
 
 LOGPROB_TOLERANCE = 1e-4
 PROMPT = [17, 11, 18, 29]
@@ -29,9 +31,10 @@ def engine(local_ray, tiny_model_dir: Path):
 
 
 def test_a_request_samples_the_same_alone_or_among_others(local_ray, engine, tiny_model_dir: Path) -> None:
-    alone = local_ray.get(engine.generate_one.remote("alone", PROMPT, 7, 12, 1.0))
-    crowd = [engine.generate_one.remote(f"crowd-{i}", [17, 11, 18 + i % 3, 29], 100 + i, 12, 1.0) for i in range(16)]
-    among = local_ray.get(engine.generate_one.remote("among", PROMPT, 7, 12, 1.0))
+    alone = local_ray.get(engine.generate_one.remote("alone", GenerationRequest(PROMPT, 7, 12, 1.0)))
+    crowd = [engine.generate_one.remote(f"crowd-{i}", GenerationRequest([17, 11, 18 + i % 3, 29], 100 + i, 12, 1.0))
+             for i in range(16)]
+    among = local_ray.get(engine.generate_one.remote("among", GenerationRequest(PROMPT, 7, 12, 1.0)))
     local_ray.get(crowd)
     assert alone.version == among.version == 0
     assert alone.completion.response_ids == among.completion.response_ids
@@ -43,18 +46,18 @@ def test_a_request_samples_the_same_alone_or_among_others(local_ray, engine, tin
 
 
 def test_the_batched_call_keeps_the_batch_engines_contract(local_ray, engine) -> None:
-    version, completions = local_ray.get(engine.generate.remote(["1+2=", PROMPT], [1, 7], 12, 1.0))
+    version, completions = local_ray.get(engine.generate.remote(requests(["1+2=", PROMPT], [1, 7], 12, 1.0)))
     assert version == 0 and len(completions) == 2
-    single = local_ray.get(engine.generate_one.remote("again", PROMPT, 7, 12, 1.0))
+    single = local_ray.get(engine.generate_one.remote("again", GenerationRequest(PROMPT, 7, 12, 1.0)))
     assert completions[1].response_ids == single.completion.response_ids
     with pytest.raises(Exception, match="prompt 1: expected a str or a non-empty list of int token ids"):
-        local_ray.get(engine.generate.remote(["1+2=", []], [1, 2], 4, 1.0))
+        local_ray.get(engine.generate.remote(requests(["1+2=", []], [1, 2], 4, 1.0)))
 
 
 def test_an_aborted_or_cancelled_request_leaves_the_engine_and_the_others_finish(local_ray, engine) -> None:
-    others = [engine.generate_one.remote(f"other-{i}", PROMPT, i, 100, 1.0) for i in range(4)]
-    doomed = engine.generate_one.remote("doomed", PROMPT, 99, 100, 1.0)
-    cancelled = engine.generate_one.remote("cancelled", PROMPT, 98, 100, 1.0)
+    others = [engine.generate_one.remote(f"other-{i}", GenerationRequest(PROMPT, i, 100, 1.0)) for i in range(4)]
+    doomed = engine.generate_one.remote("doomed", GenerationRequest(PROMPT, 99, 100, 1.0))
+    cancelled = engine.generate_one.remote("cancelled", GenerationRequest(PROMPT, 98, 100, 1.0))
     time.sleep(0.05)
     local_ray.get(engine.abort.remote(["doomed", "never-sent"]))
     local_ray.cancel(cancelled)
@@ -80,7 +83,7 @@ def test_a_weight_reload_waits_for_requests_in_flight_and_later_ones_use_the_new
     new.apply_step()
     weights = local_ray.put(new.named_weights())
 
-    in_flight = [engine.generate_one.remote(f"old-{i}", PROMPT, i, 60, 1.0) for i in range(4)]
+    in_flight = [engine.generate_one.remote(f"old-{i}", GenerationRequest(PROMPT, i, 60, 1.0)) for i in range(4)]
     time.sleep(0.05)
     assert local_ray.get(engine.load_weights.remote(weights, 1)) == 1
     # Sampled wholly by the old weights: the reload waited for them instead of landing mid-generation.
@@ -89,7 +92,7 @@ def test_a_weight_reload_waits_for_requests_in_flight_and_later_ones_use_the_new
         response = sampled.completion.response_ids
         assert sampled.completion.logprobs == pytest.approx(old.completion_logprobs(PROMPT, response),
                                                             abs=LOGPROB_TOLERANCE)
-    later = local_ray.get(engine.generate_one.remote("new", PROMPT, 1, 8, 1.0))
+    later = local_ray.get(engine.generate_one.remote("new", GenerationRequest(PROMPT, 1, 8, 1.0)))
     assert later.version == 1
     assert later.completion.logprobs == pytest.approx(new.completion_logprobs(PROMPT, later.completion.response_ids),
                                                       abs=LOGPROB_TOLERANCE)

@@ -13,6 +13,7 @@ from pathlib import Path
 from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig
 from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
+from tests.sampling import requests
 from tests.test_model_sources import needs_smollm2
 
 BF16_TOLERANCE = 0.15
@@ -43,7 +44,7 @@ def test_bf16_weight_sync_serves_the_trainers_policy(local_ray, smollm2_dir: Pat
         prompt = trainer.tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 5?"}],
                                                        add_generation_prompt=True, tokenize=False)
         # A few tokens only: bf16 matmuls are emulated on a CPU without AVX512-BF16 or AMX.
-        version, (sample,) = local_ray.get(engine.generate.remote([prompt], [3], 4, 1.0))
+        version, (sample,) = local_ray.get(engine.generate.remote(requests([prompt], [3], 4, 1.0)))
         assert version == 0 and len(sample.response_ids) == 4
         trainer_before = trainer.completion_logprobs(sample.prompt_ids, sample.response_ids)
         worst, mean = _distance(sample.logprobs, trainer_before)  # what the loss compares: sampling vs trainer

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 from marl_pipeline.environment import ActionResult, EvaluationCase, register_environment
 from marl_pipeline.inference.chat import ChatPromptError, ChatSession, ChatTokenizer, load_chat_tokenizer
 from marl_pipeline.store import MicroBatchKey
+from tests.sampling import requests
 from tests.test_model_sources import needs_smollm2
 
 SYSTEM = {"role": "system", "content": "Answer with one number."}
@@ -258,19 +259,19 @@ def test_evaluation_tokenizes_chat_cases_once_and_plain_strings_still_work(chat_
             assert row["prompt_text"] == tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                                        tokenize=False)
         # A plain string is tokenized by vLLM as before; Completion.prompt_ids are the ids it used.
-        _, (completion,) = ray.get(engine.generate.remote(["What is 2 + 2?"], [0], 4, 0.0))
+        _, (completion,) = ray.get(engine.generate.remote(requests(["What is 2 + 2?"], [0], 4, 0.0)))
         assert completion.prompt_ids == tokenizer("What is 2 + 2?")["input_ids"]
         with pytest.raises(TypeError, match=r"prompt 1: expected a str or a non-empty list of int token ids"):
-            ray.get(engine.generate.remote(["ok", []], [0, 1], 4, 0.0))
+            ray.get(engine.generate.remote(requests(["ok", []], [0, 1], 4, 0.0)))
     finally:
         warm_actors.release(engine, keep=False)  # started through the kept-actor registry: leave it, not just kill
 
 
 def test_engine_prompts_are_checked_before_vllm() -> None:
-    from marl_pipeline.inference.engine import _engine_prompt
+    from marl_pipeline.inference.engine import engine_prompt
 
-    assert _engine_prompt(0, "text") == "text"
-    assert _engine_prompt(0, [1, 2]) == {"prompt_token_ids": [1, 2]}
+    assert engine_prompt("prompt 0", "text") == "text"
+    assert engine_prompt("prompt 0", [1, 2]) == {"prompt_token_ids": [1, 2]}
     for bad in ([], [1, "2"], [1.0], (1, 2), None):
         with pytest.raises(TypeError, match=r"prompt 3: expected a str or a non-empty list of int token ids"):
-            _engine_prompt(3, bad)
+            engine_prompt("prompt 3", bad)

@@ -60,3 +60,22 @@ def test_cli_rejects_bad_config_before_writing_anything(demo_config_data: dict, 
     assert "agents.critic: unknown agent" in result.stdout + result.stderr
     assert not (tmp_path / "store").exists()
     assert not (tmp_path / ".dagster_home").exists()
+
+
+@pytest.mark.parametrize(
+    ("verifier", "message"),
+    [
+        ({"turn_adapters": {"verdict": [1]}}, "turn_adapters needs the agent's lora"),
+        ({"lora": {}, "turn_adapters": {"a": [1], "b": [1]}}, "a turn is served by one adapter at most"),
+        ({"lora": {}, "turn_adapters": {"default": [1]}}, "'default' is the name of the RL adapters"),
+        ({"lora": {}, "turn_adapters": {"two words": [1]}}, "String should match pattern"),
+        ({"lora": {}, "warmup": {"steps": 4, "lora": {}, "adapter": "verdict"}}, "warmup.adapter 'verdict' serves no"),
+        ({"warmup": {"steps": 4, "adapter": "verdict"}}, "it needs warmup.lora"),
+        ({"warmup": {"steps": 4, "lora": {}, "separate": True}}, "warmup.separate is now warmup.adapter"),
+    ],
+)
+def test_named_adapter_settings_are_checked(demo_config_data: dict, verifier: dict, message: str) -> None:
+    data = copy.deepcopy(demo_config_data)
+    data["agents"]["verifier"].update(verifier)
+    with pytest.raises(ConfigError, match=message):
+        parse_config(data)

@@ -13,7 +13,7 @@ from marl_pipeline.environment import Action, Turn
 from marl_pipeline.stages.credit import assign_credit
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.reward import score_micro_batch
-from marl_pipeline.store.schema import ROLLOUTS, with_agent
+from marl_pipeline.store.schema import ROLLOUTS, SCHEMA_VERSION, with_agent
 
 GRPO = GRPOAdvantage(eps=1e-9)
 
@@ -249,7 +249,7 @@ def test_a_version_4_partition_is_re_scored_with_the_same_groups(small_config) -
     for row in rescored.to_pylist():
         assert (row["group_id"], row["reward"], row["advantage"]) == tuple(
             before[row["sample_id"]][name] for name in ("group_id", "reward", "advantage"))
-    assert store.manifest("rewards", key).schema_version == 5
+    assert store.manifest("rewards", key).schema_version == SCHEMA_VERSION
     assert store.dataset(key.run, "rewards").to_table(columns=["group_id"]).column("group_id").null_count == 0
 
 

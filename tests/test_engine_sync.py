@@ -8,6 +8,7 @@ import pytest
 
 from marl_pipeline.inference.engine import ENGINE_ENV, RolloutEngine
 from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
+from tests.sampling import requests
 
 # Engine and trainer both run the model in float32; they differ only in kernels and summation order.
 LOGPROB_TOLERANCE = 1e-4
@@ -25,7 +26,7 @@ def engine(local_ray, tiny_model_dir: Path):
 def test_rollout_logprobs_match_the_trainer(local_ray, engine, tiny_model_dir: Path) -> None:
     trainer = PolicyTrainer(str(tiny_model_dir), 0, lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2,
                             seed=0, num_threads=1)
-    version, completions = local_ray.get(engine.generate.remote(["1+2=", "3+3="], [1, 2], 6, 1.0))
+    version, completions = local_ray.get(engine.generate.remote(requests(["1+2=", "3+3="], [1, 2], 6, 1.0)))
     assert version == 0 and len(completions) == 2
     for completion in completions:
         assert 1 <= len(completion.response_ids) <= 6 and len(completion.logprobs) == len(completion.response_ids)
@@ -34,8 +35,8 @@ def test_rollout_logprobs_match_the_trainer(local_ray, engine, tiny_model_dir: P
 
 
 def test_same_seed_same_sample(local_ray, engine) -> None:
-    first = local_ray.get(engine.generate.remote(["2+2="] * 2, [5, 6], 6, 1.0))[1]
-    again = local_ray.get(engine.generate.remote(["2+2="] * 2, [5, 6], 6, 1.0))[1]
+    first = local_ray.get(engine.generate.remote(requests(["2+2="] * 2, [5, 6], 6, 1.0)))[1]
+    again = local_ray.get(engine.generate.remote(requests(["2+2="] * 2, [5, 6], 6, 1.0)))[1]
     assert [c.response_ids for c in first] == [c.response_ids for c in again]
 
 
@@ -62,6 +63,6 @@ def test_a_seeded_batch_past_vllms_default_token_budget_samples(local_ray, engin
     # 120 prompts of ~60 tokens: 7,000+ prompt tokens, past vLLM's default 4,096 a step, where its CPU sampler used to
     # fail on seeded requests whose prompts were prefilled in chunks ("CPU Generator does not use offset").
     prompts = [" ".join(f"{(i + j) % 7}+{j % 4}=" for j in range(20)) for i in range(120)]
-    _, completions = local_ray.get(engine.generate.remote(prompts, list(range(120)), 4, 1.0))
+    _, completions = local_ray.get(engine.generate.remote(requests(prompts, list(range(120)), 4, 1.0)))
     assert sum(len(c.prompt_ids) for c in completions) > 4096
     assert all(c.response_ids for c in completions)

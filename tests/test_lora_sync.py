@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig, LoraAdapterConfig
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine
-from marl_pipeline.inference.engine import RolloutEngine
-from marl_pipeline.policy.lora import TAUGHT, WARMUP_ADAPTER
+from marl_pipeline.inference.engine import GenerationRequest, RolloutEngine
+from marl_pipeline.policy.lora import NAMED_ADAPTERS
 from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
 from tests.test_model_sources import needs_smollm2
 
@@ -31,9 +33,12 @@ def _engine(local_ray, model_dir: Path, version: int, adapter_dir: str | None = 
                                          threads=settings.threads, adapter_dir=adapter_dir)
 
 
-def _version_0_with_warmup_adapters(smollm2_dir: Path, directory: Path) -> Path:
+ADAPTER = "verdict"
+
+
+def _version_0_with_named_adapters(smollm2_dir: Path, directory: Path) -> Path:
     """SmolLM2 as version 0 of an agent whose warm-up was kept apart: the model, and beside it rank-8 adapters
-    whose B is random (a warm-up that moved the policy)."""
+    named ``verdict`` whose B is random (a warm-up that moved the policy)."""
     import peft
     import torch
 
@@ -49,63 +54,69 @@ def _version_0_with_warmup_adapters(smollm2_dir: Path, directory: Path) -> Path:
     for name, param in warmed.named_parameters():
         if "lora_B" in name:
             param.data.normal_(0, 0.02)
-    warmed.save_pretrained(str(directory / WARMUP_ADAPTER))
+    warmed.save_pretrained(str(directory / NAMED_ADAPTERS / ADAPTER))
     return directory
 
 
 @needs_smollm2
-def test_a_lora_engine_serves_the_trainers_policy_and_separate_warm_up_adapters_on_their_turns(
+def test_a_lora_engine_serves_the_trainers_policy_and_a_named_adapter_on_the_requests_that_name_it(
         local_ray, smollm2_dir: Path, tmp_path: Path) -> None:
-    """The engine serves RL's merged adapters on every request and, with ``warmup.separate``, the warm-up's adapters
-    (vLLM's LoRA) on a taught turn's request only; the trainer computes each row the way its request was served,
-    before and after RL steps, and never changes the warm-up's adapters. An engine started later from the stored
-    adapters serves the same policy. One engine alive at a time (two engines cost a SmolLM2 start each)."""
-    base = _version_0_with_warmup_adapters(smollm2_dir, tmp_path / "version=0")
+    """The engine serves RL's merged adapters on every request and version 0's named adapter (vLLM's LoRA) on the
+    requests that name it only; the trainer computes each row with the adapter its row names, before and after RL
+    steps, and never changes the named adapter. An unknown name is refused by both. An engine started later from
+    the stored adapters serves the same policy. One engine alive at a time (two engines cost a SmolLM2 start
+    each)."""
+    base = _version_0_with_named_adapters(smollm2_dir, tmp_path / "version=0")
     trainer = PolicyTrainer(str(base), 0, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, seed=0,
                             num_threads=2, lora=LoraAdapterConfig().model_dump(), base_dir=str(base))
-    frozen = {name: param.detach().clone() for name, param in trainer.model.named_parameters() if f".{TAUGHT}." in name}
-    assert frozen and trainer.has_taught
+    frozen = {name: param.detach().clone() for name, param in trainer.model.named_parameters()
+              if f".{ADAPTER}." in name}
+    assert frozen and trainer.named_adapters == {ADAPTER}
     prompt = trainer.tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 5?"}],
                                                    add_generation_prompt=True, tokenize=False)
     engine = _engine(local_ray, base, 0, actor_class=AsyncRolloutEngine)
 
-    def served(on, sample, taught: bool) -> list[float]:
-        return local_ray.get(on.completion_logprobs.remote(sample.prompt_ids, sample.response_ids, taught))
+    def served(on, sample, adapter: str | None) -> list[float]:
+        return local_ray.get(on.completion_logprobs.remote(sample.prompt_ids, sample.response_ids, adapter))
 
-    def trained(sample, taught: bool) -> list[float]:
-        return trainer.completion_logprobs(sample.prompt_ids, sample.response_ids, taught=taught)
+    def trained(sample, adapter: str | None) -> list[float]:
+        return trainer.completion_logprobs(sample.prompt_ids, sample.response_ids, adapter=adapter)
 
     try:
-        # one batch mixing a taught turn's request and another's: each gets its own adapters
-        version, (plain, taught) = local_ray.get(engine.generate.remote([prompt, prompt], [3, 3], 6, 1.0,
-                                                                         [False, True]))
+        # one batch mixing a request that names the adapter and one that does not: each gets its own
+        version, (plain, adapted) = local_ray.get(engine.generate.remote(
+            [GenerationRequest(prompt, 3, 6, 1.0), GenerationRequest(prompt, 3, 6, 1.0, adapter=ADAPTER)]))
         assert version == 0 and len(plain.response_ids) == 6
         # version 0 of a LoRA agent is its base (B = 0): the engine, which loaded the base alone, agrees
-        assert _distance(plain.logprobs, trained(plain, False)) <= LOGPROB_TOLERANCE
-        assert _distance(taught.logprobs, trained(taught, True)) <= LOGPROB_TOLERANCE
-        assert _distance(trained(taught, False), taught.logprobs) > 0.01  # the warm-up's adapters matter
-        before = served(engine, plain, False)
+        assert _distance(plain.logprobs, trained(plain, None)) <= LOGPROB_TOLERANCE
+        assert _distance(adapted.logprobs, trained(adapted, ADAPTER)) <= LOGPROB_TOLERANCE
+        assert _distance(trained(adapted, None), adapted.logprobs) > 0.01  # the named adapter matters
+        with pytest.raises(ValueError, match=r"adapter 'working'.*\['verdict'\]"):
+            local_ray.get(engine.generate.remote([GenerationRequest(prompt, 3, 6, 1.0, adapter="working")]))
+        with pytest.raises(ValueError, match=r"adapter 'working'.*\['verdict'\]"):
+            trainer.completion_logprobs(plain.prompt_ids, plain.response_ids, adapter="working")
+        before = served(engine, plain, None)
         for _ in range(2):
-            trainer.accumulate(TrainBatch([plain.prompt_ids, taught.prompt_ids],
-                                          [plain.response_ids, taught.response_ids],
-                                          [plain.logprobs, taught.logprobs], [1.0, 1.0], taught=[False, True]))
+            trainer.accumulate(TrainBatch([plain.prompt_ids, adapted.prompt_ids],
+                                          [plain.response_ids, adapted.response_ids],
+                                          [plain.logprobs, adapted.logprobs], [1.0, 1.0], adapters=[None, ADAPTER]))
             trainer.apply_step()
         assert local_ray.get(engine.load_weights.remote(local_ray.put(trainer.named_weights()), 2)) == 2
-        assert _distance(served(engine, plain, False), before) > 0.05  # RL's adapters moved the policy
-        assert _distance(served(engine, plain, False), trained(plain, False)) <= LOGPROB_TOLERANCE
-        assert _distance(served(engine, taught, True), trained(taught, True)) <= LOGPROB_TOLERANCE
+        assert _distance(served(engine, plain, None), before) > 0.05  # RL's adapters moved the policy
+        assert _distance(served(engine, plain, None), trained(plain, None)) <= LOGPROB_TOLERANCE
+        assert _distance(served(engine, adapted, ADAPTER), trained(adapted, ADAPTER)) <= LOGPROB_TOLERANCE
     finally:
         local_ray.kill(engine)
     assert all(frozen[name].equal(param) for name, param in trainer.model.named_parameters() if name in frozen)
 
     trainer.save(str(tmp_path / "version=2"))
     assert not (tmp_path / "version=2" / "model.safetensors").exists()  # adapters only
-    assert not (tmp_path / "version=2" / TAUGHT).exists()  # RL's; the warm-up's stay in version 0 alone
+    assert not (tmp_path / "version=2" / NAMED_ADAPTERS).exists()  # RL's; the named ones stay in version 0 alone
     restarted = _engine(local_ray, base, 2, adapter_dir=str(tmp_path / "version=2"), actor_class=AsyncRolloutEngine)
     try:
         assert local_ray.get(restarted.policy_version.remote()) == 2
-        assert _distance(served(restarted, plain, False), trained(plain, False)) <= LOGPROB_TOLERANCE
-        assert _distance(served(restarted, taught, True), trained(taught, True)) <= LOGPROB_TOLERANCE
+        assert _distance(served(restarted, plain, None), trained(plain, None)) <= LOGPROB_TOLERANCE
+        assert _distance(served(restarted, adapted, ADAPTER), trained(adapted, ADAPTER)) <= LOGPROB_TOLERANCE
         assert local_ray.get(restarted.model_directory.remote()) == str(base)  # the base: its tokenizer
     finally:
         local_ray.kill(restarted)

@@ -300,8 +300,9 @@ def test_smollm2_config_loads() -> None:
     # The solver is the pretrained model; the verifier's verdict has a cold start kept apart from its working.
     assert config.agents["solver"].warmup.steps == 0
     cold_start = config.agents["verifier"].warmup
-    assert cold_start.steps > 0 and cold_start.separate and cold_start.lora is not None
+    assert cold_start.steps > 0 and cold_start.adapter is not None and cold_start.lora is not None
     assert config.evaluation.every is not None
     env = build_environment(config.environment.name, config.environment.options)
     assert env.options.prompt_format == "chat" and env.options.shown_answers == "working"
-    assert env.options.warmup_turns == "verdict" and env.taught_turns("verifier") == (1,)
+    assert env.options.warmup_turns == "verdict"
+    assert config.agents["verifier"].turn_adapters == {cold_start.adapter: [1]}  # the verdict, its second turn

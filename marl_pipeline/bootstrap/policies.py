@@ -14,9 +14,9 @@ from marl_pipeline.bootstrap.tiny_model import BUILTIN_MODEL, build_tiny_model
 from marl_pipeline.bootstrap.warmup import supervised_warmup
 from marl_pipeline.config import BUILTIN_TINY, AgentConfig, ExperimentConfig, StoreConfig
 from marl_pipeline.environment import Environment
-from marl_pipeline.hooks import hooks_of, taught_own_turns
+from marl_pipeline.hooks import hooks_of
 from marl_pipeline.policy.checkpoint import load_policy, save_policy
-from marl_pipeline.policy.lora import WARMUP_ADAPTER, with_adapters
+from marl_pipeline.policy.lora import NAMED_ADAPTERS, named_adapter_dirs, with_adapters
 from marl_pipeline.policy.precision import resolve_dtype
 from marl_pipeline.store import ExperienceStore
 
@@ -44,28 +44,44 @@ def prepare_base_policies(config: ExperimentConfig, env: Environment, store: Exp
                 for agent in config.agents if store.policy_versions(config.run, agent)}
     missing = [(agent, agent_config, config.seed + index) for index, (agent, agent_config)
                in enumerate(config.agents.items()) if agent not in existing]
-    if not missing:
-        return list(existing.values())
-    builtin = any(agent_config.model == BUILTIN_TINY for _, agent_config, _ in missing)
-    if on_ray:
-        import ray
+    created = _create_base_policies(config, env, store, missing, on_ray) if missing else []
+    created_by_agent = {policy.agent: policy for policy in created}
+    policies = [existing.get(agent) or created_by_agent[agent] for agent in config.agents]
+    for agent, agent_config in config.agents.items():
+        _require_turn_adapters(store, config.run, agent, agent_config)
+    return policies
 
-        if builtin:
-            ray.get(ray.remote(ensure_builtin_model).options(num_cpus=0).remote(config, env, store.config))
-        threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // len(missing))
-        tasks = [ray.remote(_create_base_policy).options(
-                     num_cpus=agent_config.trainer.num_cpus, num_gpus=agent_config.trainer.num_gpus,
-                     resources=dict(config.ray.trainer_resources)).remote(
-                     config, env, store.config, agent, agent_config, seed, threads)
-                 for agent, agent_config, seed in missing]
-        created = ray.get(tasks)
-    else:
+
+def _create_base_policies(config: ExperimentConfig, env: Environment, store: ExperienceStore,
+                          missing: list[tuple[str, AgentConfig, int]], on_ray: bool) -> list[BasePolicy]:
+    builtin = any(agent_config.model == BUILTIN_TINY for _, agent_config, _ in missing)
+    if not on_ray:
         if builtin:
             ensure_builtin_model(config, env, store.config)
-        created = [_create_base_policy(config, env, store.config, agent, agent_config, seed)
-                   for agent, agent_config, seed in missing]
-    created_by_agent = {policy.agent: policy for policy in created}
-    return [existing.get(agent) or created_by_agent[agent] for agent in config.agents]
+        return [_create_base_policy(config, env, store.config, agent, agent_config, seed)
+                for agent, agent_config, seed in missing]
+    import ray
+
+    if builtin:
+        ray.get(ray.remote(ensure_builtin_model).options(num_cpus=0).remote(config, env, store.config))
+    threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // len(missing))
+    return ray.get([ray.remote(_create_base_policy).options(
+                        num_cpus=agent_config.trainer.num_cpus, num_gpus=agent_config.trainer.num_gpus,
+                        resources=dict(config.ray.trainer_resources)).remote(
+                        config, env, store.config, agent, agent_config, seed, threads)
+                    for agent, agent_config, seed in missing])
+
+
+def _require_turn_adapters(store: ExperienceStore, run: str, agent: str, agent_config: AgentConfig) -> None:
+    """Refuse an agent whose ``turn_adapters`` name an adapter its version 0 does not hold."""
+    if not agent_config.turn_adapters:
+        return
+    path = store.require_policy(run, agent, 0)
+    held = named_adapter_dirs(path)
+    missing = sorted(set(agent_config.turn_adapters) - set(held))
+    if missing:
+        raise ValueError(f"agent {agent!r}: turn_adapters names {missing}, but its version 0 ({path}) holds "
+                         f"{sorted(held) or 'no named adapters'} (a warm-up writes one with warmup.adapter)")
 
 
 def ensure_builtin_model(config: ExperimentConfig, env: Environment, store_config: StoreConfig) -> Path:
@@ -96,9 +112,6 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store_config
     model, tokenizer = load_policy(resolve_model_source(source))
     staging = store.staging_policy_dir(config.run, agent, 0)
     warmup_loss = None
-    if agent_config.warmup.separate and not taught_own_turns(env, agent):
-        raise ValueError(f"agent {agent!r} has warmup.separate, but environment {env.name!r} names none of its "
-                         f"turns as taught (its taught_turns hook): its warm-up's adapters would never be used")
     if agent_config.warmup.steps:
         warmup, algorithm = agent_config.warmup, config.algorithm
         rng, examples = np.random.default_rng(seed), None
@@ -117,8 +130,8 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store_config
                                    chunk_tokens=agent_config.trainer.chunk_tokens,
                                    rehearse_context=warmup.rehearse_context)
         warmup_loss = (losses[0], losses[-1])
-        if warmup.separate:
-            model.save_pretrained(str(staging / WARMUP_ADAPTER))  # apart, frozen (policy/lora.py)
+        if warmup.adapter:
+            model.save_pretrained(str(staging / NAMED_ADAPTERS / warmup.adapter))  # apart, frozen (policy/lora.py)
             model = model.unload()  # the model as loaded: the adapters never touched its weights
         elif warmup.lora is not None:
             model = model.merge_and_unload()

@@ -1,24 +1,14 @@
 """Supervised warm-up: teaches a base policy the environment's turn format before RL starts.
 
-Rehearsal: an example whose completion is ``None`` keeps the policy's reply to its prompt as it was. Fine-tuning a
-chat model on one turn alone moves its other turns: 30 steps on "Yes"/"No" verdicts made SmolLM2-135M answer "No"
-to "What is 25 + 5?" too (BENCHMARKS.md). Its own reply is sampled before warm-up as rollout samples (temperature,
-no top-k or top-p) and kept as ids; at each of its positions the loss is the KL from the policy as it started (a
-frozen copy) to the policy now, over the whole vocabulary. The sampled tokens' own likelihood has the same
-gradient in expectation but one token's worth of it, far noisier: trained on it at lr 5e-5, SmolLM2's working
-drifted to the verdict's first word; with the KL (and its own workings in the verdict examples) it moved 0.06 nats
-a token (bench/verdict_cold_start.py, BENCHMARKS.md). A ``Rehearsal`` completion is held the same way along the
-path it gives, and its own tokens' log-probabilities held to where they started as well (a squared difference): one
-sample per question holds its likely paths, mostly wrong for a small model, and the KL barely holds a token the
-model rarely samples, such as the digit of a rare right answer RL starts from.
-
-Rehearsal in context (``rehearse_context``): a chat example's prompt may hold the agent's own earlier reply as an
-assistant message (a verdict example holds the working it follows). Those positions are context, never taught; with
-``rehearse_context`` they are scored by the same KL, so every such example also holds the earlier turn where it
-was. Tried on SmolLM2's verdict cold start, which halved its working's right answers at temperature 1 (3.5% -> 1.5%
-of samples on the training questions) while its greedy working stayed: it did not give RL more right workings (1
-in 336 samples over 7 steps, against 0 without it and 15 for the pretrained model; BENCHMARKS.md), so it is off by
-default.
+Rehearsal: an example whose completion is ``None`` keeps the policy's reply to its prompt as it was, so that
+teaching one turn leaves the others where they were. Its own reply is sampled before warm-up as rollout samples
+(temperature, no top-k or top-p) and kept as ids; at each of its positions the loss is the KL from the policy as it
+started (a frozen copy) to the policy now, over the whole vocabulary: the sampled tokens' own likelihood has the
+same gradient in expectation but far noisier. A ``Rehearsal`` completion is held the same way along the path it
+gives, and its own tokens' log-probabilities held to where they started as well (a squared difference), which the
+KL alone barely does for a token the model rarely samples. With ``rehearse_context``, the agent's own earlier
+replies that a chat example's prompt holds are scored by the same KL. Why each, with the measurements:
+docs/ARCHITECTURE.md, "Warm-up rehearsal".
 """
 
 from __future__ import annotations
@@ -102,8 +92,7 @@ def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages,
 
 def _chunks(rows: list[int], lengths: list[int], chunk_tokens: int) -> list[list[int]]:
     """Consecutive rows in passes of at most ``chunk_tokens`` tokens (a longer row alone): the logits of a pass
-    (tokens x vocabulary, float32) stay small, which trains several times more tokens a second on a CPU
-    (BENCHMARKS.md, trainer precision), with the same gradient as one pass."""
+    (tokens x vocabulary, float32) stay small, with the same gradient as one pass."""
     chunks: list[list[int]] = [[]]
     used = 0
     for row, length in zip(rows, lengths):

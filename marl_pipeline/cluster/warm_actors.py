@@ -1,12 +1,10 @@
 """Engine and trainer actors kept alive between the launches of one driver process (``ray.keep_actors``).
 
-Why: starting an actor is most of a short launch. An engine's process imports vLLM (15 s on the 2-core CPU, most of
-it torch's compiler and vLLM's config modules) and builds its engine; a trainer's imports torch and transformers.
-A launch of two agents spent 25 s starting its four actors and 1 s training two steps (BENCHMARKS.md, "Test suite
-time"). A script, notebook or sweep that calls ``train`` again in the same process, and the test suite, pays that
-at every launch. With ``ray.keep_actors`` a launch that ends cleanly leaves its engines and trainers idle here, and
-the next launch takes the ones started with the same settings and restarts them in place at its own starting
-versions:
+Why: starting an actor is most of a short launch. An engine's process imports vLLM and builds its engine; a
+trainer's imports torch and transformers (figures: BENCHMARKS.md, "Test suite time"). A script, notebook or sweep
+that calls ``train`` again in the same process, and the test suite, pays that at every launch. With
+``ray.keep_actors`` a launch that ends cleanly leaves its engines and trainers idle here, and the next launch
+takes the ones started with the same settings and restarts them in place at its own starting versions:
 
 - a trainer is rebuilt in its process (``PolicyTrainer.restart``: a fresh ``__init__``, so its weights, optimizer,
   seed and options are exactly a new actor's), paying only the model load;

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from marl_pipeline.config.base import BUILTIN_TINY, StrictModel
+
+ADAPTER_NAME = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"  # a folder name and peft adapter name ("default" is RL's own)
+
+
+def adapter_of_turn(turn_adapters: dict[str, list[int]], own_turn: int) -> str | None:
+    """The named adapter of an agent's ``turn_adapters`` that serves its ``own_turn`` (0: its first), or None."""
+    return next((name for name, turns in turn_adapters.items() if own_turn in turns), None)
 
 
 class EngineConfig(StrictModel):
@@ -86,6 +93,10 @@ class LoraAdapterConfig(StrictModel):
 class WarmupConfig(StrictModel):
     """Supervised warm-up of the base policy (version 0), before any RL step."""
 
+    removed_keys: ClassVar[dict[str, str]] = {
+        "separate": "warmup.separate is now warmup.adapter: NAME, with the turns it serves in the agent's "
+                    "turn_adapters: {NAME: [own turns]}"}
+
     steps: int = Field(150, ge=0)
     """Optimizer steps of warm-up; 0 uses the model as loaded."""
     batch_size: int = Field(32, ge=1)
@@ -97,13 +108,13 @@ class WarmupConfig(StrictModel):
     model had them: the KL from the starting model at their positions (``bootstrap/warmup.py``)."""
     lora: LoraAdapterConfig | None = None
     """Warm up LoRA adapters (peft) instead of every weight, merged into version 0 (None: every weight)."""
-    separate: bool = False
-    """Keep the warm-up's ``lora`` adapters apart, used only on the turns ``taught_turns`` names."""
+    adapter: str | None = Field(None, pattern=ADAPTER_NAME)
+    """Keep the warm-up's ``lora`` adapters apart as version 0's adapter of this name (``turn_adapters``)."""
 
     @model_validator(mode="after")
-    def _separate_needs_lora(self) -> WarmupConfig:
-        if self.separate and (self.lora is None or self.steps == 0):
-            raise ValueError("warmup.separate keeps the warm-up's LoRA adapters apart: it needs warmup.lora and "
+    def _adapter_needs_lora(self) -> WarmupConfig:
+        if self.adapter and (self.lora is None or self.steps == 0):
+            raise ValueError("warmup.adapter keeps the warm-up's LoRA adapters apart: it needs warmup.lora and "
                              "warmup.steps > 0")
         return self
 
@@ -118,12 +129,23 @@ class AgentConfig(StrictModel):
     warmup: WarmupConfig = WarmupConfig()
     lora: LoraAdapterConfig | None = None
     """LoRA adapters trained over version 0 in place of the full weights (None: full fine-tuning)."""
+    turn_adapters: dict[Annotated[str, Field(pattern=ADAPTER_NAME)], list[Annotated[int, Field(ge=0)]]] = Field(
+        default_factory=dict)
+    """Version 0's named frozen adapters and the agent's own turns (0: its first) each serves over the RL weights."""
 
     @model_validator(mode="after")
-    def _separate_warmup_needs_lora(self) -> AgentConfig:
-        if self.warmup.separate and self.lora is None:
-            raise ValueError("warmup.separate needs the agent's lora: its RL adapters are trained beside the "
-                             "warm-up's, which engines serve per request (vLLM's LoRA) over merged RL weights")
+    def _turn_adapters_need_lora(self) -> AgentConfig:
+        if self.turn_adapters and self.lora is None:
+            raise ValueError("turn_adapters needs the agent's lora: its RL adapters are trained beside the named "
+                             "ones, which engines serve per request (vLLM's LoRA) over the merged RL weights")
+        if "default" in self.turn_adapters:
+            raise ValueError("turn_adapters: 'default' is the name of the RL adapters; name the frozen one otherwise")
+        turns = [turn for served in self.turn_adapters.values() for turn in served]
+        if len(turns) != len(set(turns)):
+            raise ValueError(f"turn_adapters {self.turn_adapters}: a turn is served by one adapter at most")
+        if self.warmup.adapter and self.warmup.adapter not in self.turn_adapters:
+            raise ValueError(f"warmup.adapter {self.warmup.adapter!r} serves no turn: name the turns it serves in "
+                             f"turn_adapters: {{{self.warmup.adapter}: [own turns]}}")
         return self
 
 

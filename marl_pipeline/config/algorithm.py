@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from marl_pipeline.config.base import StrictModel
 
@@ -46,6 +46,9 @@ Advantage = Annotated[GRPOAdvantage | DrGRPOAdvantage | RLOOAdvantage | AgentNor
 class AlgorithmConfig(StrictModel):
     """Policy-gradient settings shared by every agent."""
 
+    removed_keys: ClassVar[dict[str, str]] = {
+        "advantage_eps": "algorithm.advantage_eps is now algorithm.advantage.eps (with advantage.type: grpo)"}
+
     clip_eps: float = Field(0.2, gt=0)
     """PPO-style ratio clipping range."""
     temperature: float = Field(1.0, gt=0)
@@ -69,9 +72,3 @@ class AlgorithmConfig(StrictModel):
 
 
 
-    @model_validator(mode="before")
-    @classmethod
-    def validate_no_advantage_eps(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "advantage_eps" in data:
-            raise ValueError("algorithm.advantage_eps is now algorithm.advantage.eps (with advantage.type: grpo)")
-        return data

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -61,6 +61,10 @@ class EnvironmentConfig(StrictModel):
 class RolloutConfig(StrictModel):
     """How the rollout stage samples a micro-batch's episodes: every episode is its own task, its next turn requested
     as soon as its previous turn and the environment's reply are done (stages/trajectories.py)."""
+
+    removed_keys: ClassVar[dict[str, str]] = {
+        "mode": "pipeline.rollout.mode is gone: trajectory-level rollout is the one rollout (the turn-batched "
+                "baseline is bench/turn_batched.py); remove the key"}
     episode_timeout_s: float | None = Field(None, gt=0)
     """Cut an episode still running this long after its micro-batch started (stored failed); None: no limit."""
     observe_threads: int = Field(32, ge=1, le=256)
@@ -72,13 +76,6 @@ class RolloutConfig(StrictModel):
     rebalance_replicas: bool = False
     """Between steps, split the engine replicas by each agent's tokens (needs equal engine resources)."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def validate_no_mode(cls, data: object) -> object:
-        if isinstance(data, dict) and "mode" in data:
-            raise ValueError("pipeline.rollout.mode is gone: trajectory-level rollout is the one rollout (the "
-                             "turn-batched baseline is bench/turn_batched.py); remove the key")
-        return data
 
 
 class PipelineConfig(StrictModel):

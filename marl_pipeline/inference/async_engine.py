@@ -25,7 +25,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from marl_pipeline.inference.engine import Completion, RolloutEngine
+from marl_pipeline.inference.engine import (
+    Completion,
+    GenerationRequest,
+    RolloutEngine,
+    completion_of,
+    engine_prompt,
+)
 
 
 class RequestAborted(RuntimeError):
@@ -51,7 +57,7 @@ class _Request:
     """Called on the engine thread with a vLLM ``RequestOutput`` or an exception."""
     version: int = -1
     lora: object = None
-    """vLLM's ``LoRARequest`` of a turn a separate warm-up taught (inference/engine.py), else None."""
+    """vLLM's ``LoRARequest`` of the request's named adapter (inference/engine.py), else None."""
 
 
 @dataclass
@@ -93,43 +99,30 @@ class AsyncRolloutEngine:
         self._params, self._final_only = SamplingParams, RequestOutputKind.FINAL_ONLY
 
     # -- requests ---------------------------------------------------------------------------------
-    async def generate_one(self, request_id: str, prompt: str | list[int], seed: int, max_tokens: int,
-                           temperature: float, ignore_eos: bool = False, taught: bool = False) -> Sampled:
-        """Sample one completion, seeded; a cancelled call aborts its request in the engine. ``ignore_eos`` samples
-        exactly ``max_tokens`` tokens (benchmarks that set response lengths); ``taught`` as in
-        ``RolloutEngine.generate``."""
-        params = self._params(max_tokens=max_tokens, temperature=temperature, seed=seed, logprobs=0,
-                              ignore_eos=ignore_eos)
-        output, version = await self._submit(request_id, _checked_prompt(f"request {request_id!r}", prompt), params,
-                                             self._engine.taught_request(taught))
-        sample = output.outputs[0]
-        # logprobs=0 returns exactly the sampled token's logprob at each position.
-        logprobs = [entry[token].logprob for token, entry in zip(sample.token_ids, sample.logprobs)]
-        completion = Completion(list(output.prompt_token_ids), list(sample.token_ids), logprobs, sample.text,
-                                str(sample.finish_reason))
-        return Sampled(completion, version)
+    async def generate_one(self, request_id: str, request: GenerationRequest) -> Sampled:
+        """Sample one completion, seeded; a cancelled call aborts its request in the engine."""
+        output, version = await self._submit(request_id, engine_prompt(f"request {request_id!r}", request.prompt),
+                                             self._engine.sampling_params(request),
+                                             self._engine.lora_request(request.adapter))
+        return Sampled(completion_of(output), version)
 
-    async def generate(self, prompts: list[str | list[int]], seeds: list[int], max_tokens: int,
-                       temperature: float, taught: list[bool] | None = None) -> tuple[int, list[Completion]]:
-        """``RolloutEngine.generate``'s contract (a batch in, the version and completions out), so the turn-batched
-        rollout and the evaluations run on this engine unchanged. The version is the oldest of the batch's."""
-        if len(prompts) != len(seeds):
-            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds: one seed per prompt")
-        if taught is not None and len(taught) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(taught)} taught flags: one per prompt")
+    async def generate(self, requests: list[GenerationRequest]) -> tuple[int, list[Completion]]:
+        """``RolloutEngine.generate``'s contract (a batch in, the version and completions out), so evaluations and
+        benchmarks run on this engine unchanged. The version is the oldest of the batch's."""
+        for i, request in enumerate(requests):  # before any is sent, naming the bad one by its index
+            engine_prompt(f"prompt {i}", request.prompt)
         batch = next(self._ids)
-        sampled = await asyncio.gather(*[
-            self.generate_one(f"batch-{batch}-{i}", _checked_prompt(f"prompt {i}", prompt), seed, max_tokens,
-                              temperature, taught=bool(taught and taught[i]))
-            for i, (prompt, seed) in enumerate(zip(prompts, seeds))])
+        sampled = await asyncio.gather(*[self.generate_one(f"batch-{batch}-{i}", request)
+                                         for i, request in enumerate(requests)])
         return min(s.version for s in sampled), [s.completion for s in sampled]
 
     async def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int],
-                                  taught: bool = False) -> list[float]:
-        """The engine's logprob of each response token given the prompt (teacher forcing)."""
+                                  adapter: str | None = None) -> list[float]:
+        """The engine's logprob of each response token given the prompt (teacher forcing), with ``adapter``."""
         ids = list(prompt_ids) + list(response_ids)
         params = self._params(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        output, _ = await self._submit(f"score-{next(self._ids)}", ids, params, self._engine.taught_request(taught))
+        output, _ = await self._submit(f"score-{next(self._ids)}", {"prompt_token_ids": ids}, params,
+                                       self._engine.lora_request(adapter))
         return [output.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt_ids), len(ids))]
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -198,11 +191,11 @@ class AsyncRolloutEngine:
         self._command(lambda: command(deliver))
         return await future
 
-    async def _submit(self, request_id: str, prompt: str | list[int], params, lora=None) -> tuple[object, int]:
+    async def _submit(self, request_id: str, prompt: str | dict, params, lora=None) -> tuple[object, int]:
+        """``prompt`` as vLLM takes it (``engine_prompt``)."""
         params.output_kind = self._final_only  # one output per request, when it finishes
-        engine_prompt = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
         try:
-            result = await self._call(lambda deliver: self._add(_Request(request_id, engine_prompt, params, deliver,
+            result = await self._call(lambda deliver: self._add(_Request(request_id, prompt, params, deliver,
                                                                          lora=lora)))
         except asyncio.CancelledError:
             # The caller gave up (ray.cancel, a timed-out episode): free the engine's batch slot now.
@@ -302,13 +295,3 @@ class AsyncRolloutEngine:
 def _settle(future: asyncio.Future, value: object) -> None:
     if not future.done():
         future.set_result(value)
-
-
-def _checked_prompt(where: str, prompt: object) -> str | list[int]:
-    """A prompt as the engine takes it: text, or a non-empty list of int token ids (checked here, where the
-    request is still known by its index, rather than deep inside vLLM)."""
-    if isinstance(prompt, str):
-        return prompt
-    if not isinstance(prompt, list) or not prompt or not all(type(token) is int for token in prompt):
-        raise TypeError(f"{where}: expected a str or a non-empty list of int token ids, got {prompt!r:.80}")
-    return prompt

@@ -1,20 +1,13 @@
-"""vLLM 0.32's CPU LoRA ops, grouped by adapter: what an engine serving a warm-up's adapters on some turns runs.
+"""vLLM 0.32's CPU LoRA ops, grouped by adapter: what an engine serving named adapters on some requests runs.
 
-vLLM's CPU path (``PunicaWrapperCPU`` over ``vllm.lora.ops.torch_ops``) computes each token's LoRA product by
-gathering that token's adapter weights, ``weights[index]``: a rank x hidden copy per token and layer, for every
-token of every request in a batch once LoRA is enabled. Two consequences for an engine that serves one adapter on
-some requests (inference/engine.py, docs/ARCHITECTURE.md "A warm-up kept apart"):
-
-- speed: in SmolLM2 verifier's RL steps, its untaught turns (workings) took about twice and its taught turns
-  (verdicts) three to five times as long as on an engine without LoRA (BENCHMARKS.md, session 14);
-- a request without an adapter has index -1, and ``weights[-1]`` is the last slot: with one slot, the served
-  adapter, so every request of a batch that mixed taught and untaught turns got it (``tests/test_lora_sync.py``
-  has such a batch).
-
-The replacements below do one matrix product per adapter present in the batch, over that adapter's tokens, and
-add nothing for index -1 (what vLLM's GPU kernels do). Their signatures and writes to ``output_tensor`` are the
-originals'. They are installed into both modules that hold the names (``sgmv_*`` call ``bgmv_*`` through the ops
-module; the wrapper imported all six), once per process, before an engine with LoRA is built.
+vLLM's CPU path (``PunicaWrapperCPU`` over ``vllm.lora.ops.torch_ops``) gathers each token's adapter weights,
+``weights[index]``, a rank x hidden copy per token and layer, for every token of a batch once LoRA is enabled; and
+a request without an adapter has index -1, whose ``weights[-1]`` is the last slot's adapter, so a batch mixing
+requests with and without an adapter applies it to all (``tests/test_lora_sync.py`` has such a batch; the cost is
+in docs/ARCHITECTURE.md, "Named adapters"). The replacements below do one matrix product per adapter present, over
+that adapter's tokens, and add nothing for index -1 (what vLLM's GPU kernels do). Their signatures and writes to
+``output_tensor`` are the originals'; :func:`install` puts them into both modules that hold the names, once per
+process, before an engine with LoRA is built.
 """
 
 from __future__ import annotations

@@ -56,6 +56,22 @@ def engine_device() -> str:
 
 
 @dataclass(frozen=True)
+class GenerationRequest:
+    """One completion to sample: what crosses the engine boundary (rollout, evaluation, benchmarks)."""
+
+    prompt: str | list[int]
+    """Text (vLLM tokenizes it with the model's tokenizer) or token ids, sent as they are (a chat prompt the driver
+    tokenized: inference/chat.py)."""
+    seed: int
+    max_tokens: int
+    temperature: float
+    adapter: str | None = None
+    """The named adapter of the agent's version 0 that serves it over the policy's weights (policy/lora.py)."""
+    ignore_eos: bool = False
+    """Sample exactly ``max_tokens`` tokens (benchmarks that set response lengths)."""
+
+
+@dataclass(frozen=True)
 class Completion:
     """One sampled completion, produced by the engine and consumed by the rollout stage."""
 
@@ -80,16 +96,17 @@ class RolloutEngine:
         from vllm import LLM, SamplingParams
 
         self._sampling_params = SamplingParams
-        # A warm-up kept apart (policy/lora.py): its adapters served by vLLM's LoRA on the taught turns' requests
-        # only, over the merged RL weights every request gets (reload_weights works with LoRA enabled).
-        self._taught = warmup_lora_request(model_dir)
-        lora = {} if self._taught is None else {"enable_lora": True, "max_loras": 1,
-                                                "max_lora_rank": lora_rank_bound(self._taught.lora_path)}
+        # Version 0's named adapters (policy/lora.py): served by vLLM's LoRA on the requests that name them, over the
+        # merged RL weights every request gets (reload_weights works with LoRA enabled).
+        self._adapters = named_lora_requests(model_dir)
+        lora = {} if not self._adapters else {
+            "enable_lora": True, "max_loras": len(self._adapters),
+            "max_lora_rank": max(lora_rank_bound(request.lora_path) for request in self._adapters.values())}
         if lora and engine_device() == "cpu":
             from marl_pipeline.inference.cpu_lora_ops import install
 
             # vLLM's own CPU LoRA ops copy every token's adapter weights, and give a request without an adapter
-            # the last slot's, here the warm-up's (inference/cpu_lora_ops.py).
+            # the last slot's (inference/cpu_lora_ops.py).
             install()
         self.llm = LLM(model=model_dir, **lora, dtype=engine_dtype(dtype),
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
@@ -114,50 +131,39 @@ class RolloutEngine:
         # first 128-request batch, measured by bench/pipeline.py): pay them now, not in step 0. Two tokens take
         # each batch through a prefill and a decode step; eight took SmolLM2 15 s more here, for nothing.
         for batch in (1, 16, 256):
-            self.generate(["warm-up"] * batch, list(range(batch)), max_tokens=2, temperature=1.0)
+            self.generate([GenerationRequest("warm-up", seed, max_tokens=2, temperature=1.0) for seed in range(batch)])
 
-    def generate(self, prompts: list[str | list[int]], seeds: list[int], max_tokens: int,
-                 temperature: float, taught: list[bool] | None = None) -> tuple[int, list[Completion]]:
-        """Sample one completion per prompt; each request has its own seed, so sampling is reproducible.
+    def generate(self, requests: list[GenerationRequest]) -> tuple[int, list[Completion]]:
+        """Sample one completion per request, each with its own seed, so sampling is reproducible;
+        ``Completion.prompt_ids`` are the ids the engine sampled from. Returns the policy version that produced the
+        completions, and the completions."""
+        prompts = [engine_prompt(f"prompt {i}", request.prompt) for i, request in enumerate(requests)]
+        outputs = self.llm.generate(prompts, [self.sampling_params(request) for request in requests], use_tqdm=False,
+                                    lora_request=[self.lora_request(request.adapter) for request in requests]
+                                    if any(request.adapter for request in requests) else None)
+        return self.version, [completion_of(output) for output in outputs]
 
-        A prompt is text (vLLM tokenizes it with the model's tokenizer) or token ids, sent as they are
-        (``prompt_token_ids``: a chat prompt tokenized by the driver, inference/chat.py); either way
-        ``Completion.prompt_ids`` are the ids the engine sampled from.
-        ``taught`` marks the prompts of turns a separate warm-up taught (served with its adapters, where the
-        engine has them). Returns the policy version that produced the completions, and the completions.
-        """
-        params = [self._sampling_params(max_tokens=max_tokens, temperature=temperature, seed=seed, logprobs=0)
-                  for seed in seeds]
-        outputs = self.llm.generate([_engine_prompt(i, prompt) for i, prompt in enumerate(prompts)], params,
-                                    use_tqdm=False, lora_request=self.lora_requests(taught, len(prompts)))
-        completions = []
-        for output in outputs:
-            sample = output.outputs[0]
-            # logprobs=0 returns exactly the sampled token's logprob at each position.
-            logprobs = [entry[token].logprob for token, entry in zip(sample.token_ids, sample.logprobs)]
-            completions.append(Completion(list(output.prompt_token_ids), list(sample.token_ids), logprobs,
-                                          sample.text, str(sample.finish_reason)))
-        return self.version, completions
+    def sampling_params(self, request: GenerationRequest):
+        """vLLM's ``SamplingParams`` of a request; ``logprobs=0`` returns exactly the sampled token's logprob."""
+        return self._sampling_params(max_tokens=request.max_tokens, temperature=request.temperature,
+                                     seed=request.seed, logprobs=0, ignore_eos=request.ignore_eos)
 
-    def lora_requests(self, taught: list[bool] | None, count: int) -> list | None:
-        """vLLM's ``lora_request`` for ``count`` prompts: the warm-up's adapters where ``taught`` (None: none)."""
-        if taught is None or self._taught is None:
+    def lora_request(self, adapter: str | None):
+        """vLLM's ``LoRARequest`` of a named adapter (None: the policy's merged weights alone)."""
+        if adapter is None:
             return None
-        if len(taught) != count:
-            raise ValueError(f"{count} prompts but {len(taught)} taught flags: one per prompt")
-        return [self._taught if flag else None for flag in taught]
+        if adapter not in self._adapters:
+            raise ValueError(f"adapter {adapter!r}: the engine's version 0 ({self.model_dir}) has "
+                             f"{sorted(self._adapters) or 'no named adapters'}")
+        return self._adapters[adapter]
 
-    def taught_request(self, taught: bool):
-        """The ``LoRARequest`` of one request (None: the merged weights alone)."""
-        return self._taught if taught else None
-
-    def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int], taught: bool = False) -> list[float]:
-        """The engine's logprob of each response token given the prompt (teacher forcing); ``taught`` as in
-        :meth:`generate`."""
+    def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int],
+                            adapter: str | None = None) -> list[float]:
+        """The engine's logprob of each response token given the prompt (teacher forcing), with ``adapter``."""
         ids = list(prompt_ids) + list(response_ids)
         params = self._sampling_params(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         output = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False,
-                                   lora_request=self.taught_request(taught))[0]
+                                   lora_request=self.lora_request(adapter))[0]
         return [output.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt_ids), len(ids))]
 
     def model_directory(self) -> str:
@@ -197,8 +203,8 @@ class RolloutEngine:
         """The weights :meth:`restart` reloads, or None where this engine cannot serve ``model_dir``."""
         if settings != self._settings or model_fingerprint(model_dir) != self._fingerprint:
             return None
-        if self._taught is not None or warmup_lora_request(model_dir) is not None:
-            return None  # the warm-up's adapters are the run's own: a new engine loads them
+        if self._adapters or named_lora_requests(model_dir):
+            return None  # named adapters are the run's own: a new engine loads them
         if adapter_dir is not None:
             from marl_pipeline.policy.lora import merged_checkpoint
 
@@ -206,16 +212,25 @@ class RolloutEngine:
         return checkpoint_weights(model_dir)
 
 
-def warmup_lora_request(model_dir: str):
-    """vLLM's ``LoRARequest`` for the separate warm-up adapters of an agent's version 0 (``model_dir``), or None."""
-    from marl_pipeline.policy.lora import warmup_adapter_dir
+def completion_of(output) -> Completion:
+    """One vLLM ``RequestOutput`` (sampled with ``logprobs=0``) as a :class:`Completion`."""
+    sample = output.outputs[0]
+    logprobs = [entry[token].logprob for token, entry in zip(sample.token_ids, sample.logprobs)]
+    return Completion(list(output.prompt_token_ids), list(sample.token_ids), logprobs, sample.text,
+                      str(sample.finish_reason))
 
-    directory = warmup_adapter_dir(model_dir)
-    if directory is None:
-        return None
+
+def named_lora_requests(model_dir: str) -> dict:
+    """vLLM's ``LoRARequest`` of each named adapter of an agent's version 0 (``model_dir``), by name."""
+    from marl_pipeline.policy.lora import named_adapter_dirs
+
+    adapters = named_adapter_dirs(model_dir)
+    if not adapters:
+        return {}
     from vllm.lora.request import LoRARequest
 
-    return LoRARequest("warmup", 1, str(directory))
+    return {name: LoRARequest(name, number, str(directory))
+            for number, (name, directory) in enumerate(adapters.items(), start=1)}
 
 
 def lora_rank_bound(adapter_dir: str) -> int:
@@ -255,11 +270,11 @@ def checkpoint_weights(model_dir: str) -> list | None:
     return [item for file in files for item in load_file(file).items()] if files else None
 
 
-def _engine_prompt(index: int, prompt: str | list[int]) -> str | dict[str, list[int]]:
-    """One prompt as vLLM takes it; token ids must be a non-empty list of ints (checked here, where the
-    request is still known by its index, rather than deep inside vLLM)."""
+def engine_prompt(where: str, prompt: object) -> str | dict[str, list[int]]:
+    """A prompt as vLLM takes it; token ids must be a non-empty list of ints (checked here, where the request is
+    still known, ``where``, rather than deep inside vLLM)."""
     if isinstance(prompt, str):
         return prompt
     if not isinstance(prompt, list) or not prompt or not all(type(token) is int for token in prompt):
-        raise TypeError(f"prompt {index}: expected a str or a non-empty list of int token ids, got {prompt!r:.80}")
+        raise TypeError(f"{where}: expected a str or a non-empty list of int token ids, got {prompt!r:.80}")
     return {"prompt_token_ids": prompt}

@@ -10,6 +10,11 @@ the same ``reload_weights`` path as a fully fine-tuned agent. Why not vLLM's own
 vLLM 0.32 does run on CPU: each version would have to reach the engine as a file before it could serve it, every
 request would carry a ``LoRARequest``, and each token pays the adapters' extra matmuls (BENCHMARKS.md, "LoRA");
 merged weights cost nothing at serving time and keep one sync path for both kinds of agent.
+
+Named adapters. Version 0 may also hold frozen adapters by name (``adapters/<name>/``; a warm-up with
+``warmup.adapter`` writes one) that serve only the turns ``agents.<a>.turn_adapters`` gives them: an engine serves
+each by vLLM's per-request LoRA over the merged RL weights, the row records its name, and the trainer computes
+that row with the named adapter active beside the RL ones (:func:`use_adapter`).
 """
 
 from __future__ import annotations
@@ -18,12 +23,11 @@ from pathlib import Path
 
 ADAPTER_CONFIG = "adapter_config.json"
 """peft's file in a directory that holds adapters: how a LoRA checkpoint is told from a full one."""
-WARMUP_ADAPTER = "warmup_adapter"
-"""Version 0's subdirectory with the adapters of a warm-up kept apart (``warmup.separate``), in peft's format."""
+NAMED_ADAPTERS = "adapters"
+"""Version 0's subdirectory of named frozen adapters (``adapters/<name>/``, peft's format; ``warmup.adapter``)."""
+_LEGACY_ADAPTERS = {"warmup_adapter": "warmup"}  # where runs before named adapters kept a separate warm-up's
 POLICY = "default"
 """peft's name of the adapters RL trains (every version's)."""
-TAUGHT = "taught"
-"""The trainer's name for the warm-up's adapters: frozen, active on the turns the warm-up taught only."""
 
 
 class LoraCheckpointError(ValueError):
@@ -70,27 +74,31 @@ def with_adapters(model, *, rank: int, alpha: float, target_modules: str | list[
     return peft.get_peft_model(model, settings)
 
 
-def warmup_adapter_dir(base_dir: str | Path | None) -> Path | None:
-    """The separate warm-up adapters of a version 0 directory, if it has any."""
+def named_adapter_dirs(base_dir: str | Path | None) -> dict[str, Path]:
+    """The named frozen adapters of a version 0 directory, by name (none for a full version 0 without them)."""
     if base_dir is None:
-        return None
-    directory = Path(base_dir) / WARMUP_ADAPTER
-    return directory if is_adapter_checkpoint(directory) else None
+        return {}
+    base = Path(base_dir)
+    found = {name: base / folder for folder, name in _LEGACY_ADAPTERS.items() if is_adapter_checkpoint(base / folder)}
+    if (base / NAMED_ADAPTERS).is_dir():
+        found |= {path.name: path for path in sorted((base / NAMED_ADAPTERS).iterdir()) if is_adapter_checkpoint(path)}
+    return found
 
 
-def add_taught_adapter(model, adapter_dir: Path) -> None:
-    """Load a separate warm-up's adapters into a peft model beside its RL adapters, frozen and inactive."""
-    model.load_adapter(str(adapter_dir), adapter_name=TAUGHT, is_trainable=False)
+def add_named_adapters(model, adapter_dirs: dict[str, Path]) -> None:
+    """Load named adapters into a peft model beside its RL adapters, frozen and inactive."""
+    for name, directory in adapter_dirs.items():
+        model.load_adapter(str(directory), adapter_name=name, is_trainable=False)
     model.base_model.set_adapter(POLICY)
 
 
-def use_taught_adapter(model, taught: bool) -> None:
-    """Compute with the RL adapters alone, or (``taught``) with the warm-up's added to them, as the engine serves a
-    taught turn: its ``LoRARequest`` over the merged RL weights. The warm-up's stay frozen either way."""
-    model.base_model.set_adapter([POLICY, TAUGHT] if taught else POLICY)
-    if taught:  # peft makes every active adapter trainable
-        for name, param in model.named_parameters():
-            if f".{TAUGHT}." in name:
+def use_adapter(model, name: str | None) -> None:
+    """Compute with the RL adapters alone (None), or with the named adapter added to them, as the engine serves a
+    request that names it: its ``LoRARequest`` over the merged RL weights. The named one stays frozen either way."""
+    model.base_model.set_adapter([POLICY, name] if name else POLICY)
+    if name:  # peft makes every active adapter trainable
+        for parameter_name, param in model.named_parameters():
+            if f".{name}." in parameter_name:
                 param.requires_grad_(False)
 
 

@@ -1,10 +1,9 @@
 """Trainer precision: float32, or bfloat16 autocast over float32 master weights where the hardware has bf16.
 
-Autocast rather than pure-bf16 parameters (BENCHMARKS.md, "Trainer precision"): its logprobs are closer to
-float32 (mean error 0.009 against 0.012 nats on SmolLM2-135M), and the parameters, gradients and AdamW state
-stay float32, so an update smaller than 2^-8 of a weight is not rounded away and weight sync and checkpoints
-are unchanged. On a CPU without AMX or AVX512-BF16 bf16 matmuls are emulated (8-30x slower, measured), which
-is why ``auto`` asks the hardware.
+Autocast rather than pure-bf16 parameters: its logprobs are closer to float32, and the parameters, gradients and
+AdamW state stay float32, so an update smaller than 2^-8 of a weight is not rounded away and weight sync and
+checkpoints are unchanged. On a CPU without AMX or AVX512-BF16 bf16 matmuls are emulated and several times slower,
+which is why ``auto`` asks the hardware (figures: BENCHMARKS.md, "Trainer precision").
 """
 
 from __future__ import annotations

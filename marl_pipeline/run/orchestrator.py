@@ -35,7 +35,6 @@ import ray
 from marl_pipeline.cluster.spawn import Workers
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import Environment
-from marl_pipeline.hooks import taught_turn_indices
 from marl_pipeline.inference.router import split_replicas
 from marl_pipeline.run.evaluations import EvaluationRounds
 from marl_pipeline.run.events import (
@@ -228,8 +227,7 @@ class Orchestrator:
                     if not self._run_stage(
                             "policy_updates", key,
                             partial(train_micro_batch, self.store, trainers={a: trainers[a] for a in learners},
-                                    drop_zero_advantage_groups=self.config.algorithm.drop_zero_advantage_groups,
-                                    taught_turns={a: taught_turn_indices(self.env, a) for a in learners}),
+                                    drop_zero_advantage_groups=self.config.algorithm.drop_zero_advantage_groups),
                             recompute_if_committed=bool(learners)):
                         return  # no optimizer step on a partly accumulated gradient
                 for agent in learners:

@@ -19,16 +19,17 @@ from __future__ import annotations
 import json
 import zlib
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import ray
 
 from marl_pipeline.config import ExperimentConfig
+from marl_pipeline.config.agent import adapter_of_turn
 from marl_pipeline.environment import Environment, EvaluationCase, Turn
-from marl_pipeline.hooks import hooks_of, taught_own_turns
-from marl_pipeline.inference.engine import Completion
+from marl_pipeline.hooks import hooks_of
+from marl_pipeline.inference.engine import Completion, GenerationRequest
 from marl_pipeline.stages.rollout import engine_chat_session
 from marl_pipeline.store.schema import EVALUATIONS, with_agent
 
@@ -46,12 +47,15 @@ class EvaluationSettings:
     seed: int
     cases_per_agent: int
     max_new_tokens: int
+    turn_adapters: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    """Per agent, its ``turn_adapters``: named adapters and the own turns they serve."""
 
     @classmethod
     def from_config(cls, config: ExperimentConfig) -> EvaluationSettings:
         evaluation = config.evaluation
         return cls(config.seed, evaluation.cases_per_agent,
-                   evaluation.max_new_tokens or config.algorithm.max_new_tokens)
+                   evaluation.max_new_tokens or config.algorithm.max_new_tokens,
+                   {agent: dict(a.turn_adapters) for agent, a in config.agents.items() if a.turn_adapters})
 
 
 def is_evaluated(env: Environment) -> bool:
@@ -73,16 +77,16 @@ def evaluate_agent(env: Environment, role: str, engine: ray.actor.ActorHandle,
     cases = evaluation_cases(env, role, settings)
     chats = engine_chat_session(env, {role: engine})
     transcripts = [list(case.transcript) for case in cases]
-    taught = taught_own_turns(env, role)  # served with a separate warm-up's adapters (inference/engine.py)
+    served = settings.turn_adapters.get(role, {})
     last: dict[int, tuple[str | list[int], Completion]] = {}
     versions = set()
     for turn in range(max((case.turns for case in cases), default=0)):
         playing = [index for index, case in enumerate(cases) if turn < case.turns]
         requests = [chats.request(index, role, len(transcripts[index]),
                                   env.render_prompt(role, cases[index].task, transcripts[index])) for index in playing]
-        version, completions = ray.get(engine.generate.remote(requests, [0] * len(requests),
-                                                              settings.max_new_tokens, 0.0,
-                                                              [turn in taught] * len(requests)))
+        adapter = adapter_of_turn(served, turn)
+        version, completions = ray.get(engine.generate.remote(
+            [GenerationRequest(request, 0, settings.max_new_tokens, 0.0, adapter) for request in requests]))
         versions.add(version)
         for index, request, completion in zip(playing, requests, completions):
             chats.record(index, role, completion.text, completion.response_ids)

@@ -21,7 +21,6 @@ from marl_pipeline.bootstrap.reward_model import prepare_reward_model
 from marl_pipeline.cluster.spawn import trainer_options, with_local_base
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import build_environment
-from marl_pipeline.hooks import taught_turn_indices
 from marl_pipeline.inference.reward_model import RewardModelServer
 from marl_pipeline.stages.evaluation import EvaluationSettings, evaluate_agent, is_evaluated, with_metrics
 from marl_pipeline.stages.execution import action_pool_settings, execute_micro_batch
@@ -136,7 +135,6 @@ def _policy_updates(config: ExperimentConfig, env, store: ExperienceStore, key: 
         trainer = PolicyTrainer(str(store.require_policy(config.run, agent, version)), version,
                                 **with_local_base(store, config.run, agent, trainer_options(config, agent, store)))
         stats[agent] = trainer.accumulate(train_batch_for(store, key, agent,
-                                                          config.algorithm.drop_zero_advantage_groups,
-                                                          taught_turn_indices(env, agent)))
+                                                          config.algorithm.drop_zero_advantage_groups))
         trainer.discard_gradients()
     return updates_table(stats)

@@ -19,17 +19,18 @@ then the ids decoded, for display only.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import numpy as np
 import ray
 
 from marl_pipeline.config import ExperimentConfig
+from marl_pipeline.config.agent import adapter_of_turn
 from marl_pipeline.environment import Environment, Task, Turn
-from marl_pipeline.hooks import hooks_of, taught_turn_indices
+from marl_pipeline.hooks import hooks_of
 from marl_pipeline.inference.chat import ChatSession, ChatTokenizer, fetched_chat_tokenizer
-from marl_pipeline.inference.engine import Completion
+from marl_pipeline.inference.engine import Completion, GenerationRequest
 from marl_pipeline.store import MicroBatchKey
 
 
@@ -42,13 +43,29 @@ class RolloutSettings:
     samples_per_prompt: int
     max_new_tokens: int
     temperature: float
+    turn_adapters: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    """Per agent, its ``turn_adapters``: named adapters and the own turns they serve."""
 
     @classmethod
     def from_config(cls, config: ExperimentConfig) -> RolloutSettings:
         """The one place the rollout settings are cut from the config (the train job and recomputation alike)."""
         pipeline, algorithm = config.pipeline, config.algorithm
         return cls(config.seed, pipeline.prompts_per_micro_batch, pipeline.samples_per_prompt,
-                   algorithm.max_new_tokens, algorithm.temperature)
+                   algorithm.max_new_tokens, algorithm.temperature,
+                   {agent: dict(a.turn_adapters) for agent, a in config.agents.items() if a.turn_adapters})
+
+    def request(self, prompt: str | list[int], seed: int, adapter: str | None = None) -> GenerationRequest:
+        """A turn's sampling request."""
+        return GenerationRequest(prompt, seed, self.max_new_tokens, self.temperature, adapter)
+
+    def episode_adapters(self, turn_order: list[str]) -> list[str | None]:
+        """The named adapter that serves each turn of an episode (None: the policy's weights alone)."""
+        spoken: dict[str, int] = {}
+        adapters = []
+        for role in turn_order:
+            own = spoken[role] = spoken.get(role, -1) + 1
+            adapters.append(adapter_of_turn(self.turn_adapters.get(role, {}), own))
+        return adapters
 
 
 def plan_tasks(env: Environment, key: MicroBatchKey, seed: int, count: int) -> list[Task]:
@@ -62,12 +79,6 @@ def episode_tasks(env: Environment, tasks: list[Task], samples_per_prompt: int) 
     vary = hooks_of(env).episode_task
     return [(p, trajectory, vary(task, trajectory) if vary is not None else task)
             for p, task in enumerate(tasks) for trajectory in range(samples_per_prompt)]
-
-
-def taught_turns(env: Environment) -> frozenset[int]:
-    """The episode's turns that a separate warm-up taught (their agent's engine serves them with its adapters,
-    where it has them: inference/engine.py)."""
-    return frozenset().union(*(taught_turn_indices(env, role) for role in set(env.turn_order)))
 
 
 def turn_seeds(seed: int, key: MicroBatchKey, turn: int, episodes: int) -> list[int]:
@@ -106,14 +117,14 @@ def observe_reply(env: Environment, role: str, task: Task, transcript: list[Turn
 def append_turn(columns: dict[str, list], key: MicroBatchKey, task: Task, prompt_index: int, trajectory: int,
                 episode: int, turn: int, role: str, prompt: str, completion: Completion, version: int,
                 start: datetime, end: datetime, observation: str | None, error: str | None,
-                status: str | None = None, engine: str | None = None) -> None:
+                status: str | None = None, engine: str | None = None, adapter: str | None = None) -> None:
     """One turn's row; ``status`` defaults to ``ok``, or ``observe_failed`` when there is an ``error``; ``engine``
-    names the replica that served it (default ``<role>/0``)."""
+    names the replica that served it (default ``<role>/0``), ``adapter`` the named adapter it used."""
     input_id = f"{key.step}-{key.micro_batch}-{prompt_index}"  # the prompt's n episodes are its GRPO group
     row = {
         "sample_id": f"{input_id}_{turn}_{trajectory}", "episode": episode, "task_id": str(task["id"]),
         "group_id": input_id, "trajectory": trajectory, "role": role, "turn": turn, "task": json.dumps(task),
-        "policy_version": version, "engine": engine or f"{role}/0", "prompt_text": prompt,
+        "policy_version": version, "engine": engine or f"{role}/0", "adapter": adapter, "prompt_text": prompt,
         "response_text": completion.text,
         "prompt_ids": completion.prompt_ids, "response_ids": completion.response_ids,
         "logprobs": completion.logprobs, "finish_reason": completion.finish_reason, "observation": observation,

@@ -22,11 +22,10 @@ from marl_pipeline.training.trainer import TrainBatch
 
 
 def train_batch_for(store: ExperienceStore, key: MicroBatchKey, agent: str,
-                    drop_zero_advantage_groups: bool = False, taught_turns: frozenset[int] = frozenset()) -> TrainBatch:
-    """One agent's shard of a micro-batch, in ``sample_id`` order (so recomputations sum in the same order);
-    ``taught_turns``: the episode turns a separate warm-up taught (``environment.taught_turn_indices``)."""
+                    drop_zero_advantage_groups: bool = False) -> TrainBatch:
+    """One agent's shard of a micro-batch, in ``sample_id`` order (so recomputations sum in the same order)."""
     rollouts = store.read("rollouts", key, agent=agent,
-                          columns=["sample_id", "turn", "prompt_ids", "response_ids", "logprobs"])
+                          columns=["sample_id", "adapter", "prompt_ids", "response_ids", "logprobs"])
     rewards = store.read("rewards", key, agent=agent, columns=["sample_id", "group_id", "advantage", "status"])
     # Arrow joins do not carry list columns: align the reward rows to the rollout rows by index instead.
     position = pc.index_in(rollouts.column("sample_id"), value_set=rewards.column("sample_id"))
@@ -46,7 +45,7 @@ def train_batch_for(store: ExperienceStore, key: MicroBatchKey, agent: str,
         old_logprobs=joined.column("logprobs").to_pylist(),
         advantages=joined.column("advantage").to_pylist(),
         dropped_rows=dropped,
-        taught=[turn in taught_turns for turn in joined.column("turn").to_pylist()] if taught_turns else None,
+        adapters=adapters.to_pylist() if (adapters := joined.column("adapter")).null_count < len(adapters) else None,
     )
 
 
@@ -68,12 +67,9 @@ def issue_order(agents: list[str], micro_batch: int) -> list[str]:
 
 
 def train_micro_batch(store: ExperienceStore, key: MicroBatchKey, trainers: dict[str, ray.actor.ActorHandle],
-                      drop_zero_advantage_groups: bool = False,
-                      taught_turns: dict[str, frozenset[int]] | None = None) -> pa.Table:
+                      drop_zero_advantage_groups: bool = False) -> pa.Table:
     """Accumulate every agent's gradient for one micro-batch (in parallel); one stats row per agent."""
-    taught_turns = taught_turns or {}
-    refs = {agent: trainers[agent].accumulate.remote(train_batch_for(store, key, agent, drop_zero_advantage_groups,
-                                                                     taught_turns.get(agent, frozenset())))
+    refs = {agent: trainers[agent].accumulate.remote(train_batch_for(store, key, agent, drop_zero_advantage_groups))
             for agent in issue_order(list(trainers), key.micro_batch)}
     stats = dict(zip(refs, ray.get(list(refs.values()))))
     return updates_table({agent: stats[agent] for agent in trainers})  # rows in the agents' order, as before

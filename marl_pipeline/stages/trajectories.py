@@ -47,6 +47,7 @@ from marl_pipeline.actions.worker import Job
 from marl_pipeline.config import ExperimentConfig, RolloutConfig
 from marl_pipeline.environment import Environment, Turn
 from marl_pipeline.hooks import hooks_of
+from marl_pipeline.inference.engine import GenerationRequest
 from marl_pipeline.inference.replicas import EngineReplicas, as_replicas
 from marl_pipeline.inference.router import NoReplica
 from marl_pipeline.stages.rollout import (
@@ -56,7 +57,6 @@ from marl_pipeline.stages.rollout import (
     episode_tasks,
     observe_reply,
     plan_tasks,
-    taught_turns,
     turn_seeds,
 )
 from marl_pipeline.store import MicroBatchKey
@@ -108,7 +108,7 @@ class _MicroBatch:
         self.episodes = episode_tasks(env, plan_tasks(env, key, settings.seed, settings.prompts_per_micro_batch),
                                       settings.samples_per_prompt)  # per episode: (prompt, trajectory, task)
         self.seeds = [turn_seeds(settings.seed, key, turn, len(self.episodes)) for turn in range(len(env.turn_order))]
-        self.taught = taught_turns(env)  # turns served with a separate warm-up's adapters (inference/engine.py)
+        self.adapters = settings.episode_adapters(env.turn_order)  # per turn: the named adapter serving it
         self.chats = engine_chat_session(env, {agent: r.primary() for agent, r in self.engines.items()})
         self.finished: list[list[tuple]] = [[] for _ in self.episodes]  # per episode: its finished turns' fields
         self.in_flight: dict[int, tuple[ray.actor.ActorHandle, str]] = {}  # per episode: (engine, request id)
@@ -157,8 +157,8 @@ class _MicroBatch:
             request = self.chats.request(e, role, turn, self.env.render_prompt(role, task, transcript))
             request_id = f"{self.key.run}/{self.key.step}/{self.key.micro_batch}/{e}/{turn}"
             start = datetime.now(UTC)
-            sampled, replica = await self._generate(e, role, request_id, request, self.seeds[turn][e],
-                                                    turn in self.taught)
+            sampled, replica = await self._generate(
+                e, role, request_id, self.settings.request(request, self.seeds[turn][e], self.adapters[turn]))
             completion = sampled.completion
             self.chats.record(e, role, completion.text, completion.response_ids)
             # Kept before the reply comes: a turn sampled and then cut while its reply ran is stored too.
@@ -170,8 +170,8 @@ class _MicroBatch:
             self.finished[e][-1] = (*fields, datetime.now(UTC), observation, error)
             self.replied[e] += 1
 
-    async def _generate(self, e: int, role: str, request_id: str, request, seed: int,
-                        taught: bool) -> tuple[object, int]:
+    async def _generate(self, e: int, role: str, request_id: str,
+                        request: GenerationRequest) -> tuple[object, int]:
         """One turn's request on the replica the router picks; sent again (same id and seed) to another replica
         when its replica dies. -> (Sampled, the replica that served it)."""
         replicas, failures = self.engines[role], []
@@ -180,8 +180,7 @@ class _MicroBatch:
             handle = replicas.handle(replica)
             self.in_flight[e] = (handle, request_id)
             try:
-                sampled = await handle.generate_one.remote(request_id, request, seed, self.settings.max_new_tokens,
-                                                           self.settings.temperature, taught=taught)
+                sampled = await handle.generate_one.remote(request_id, request)
             except ray.exceptions.RayActorError as error:
                 # Died, or unreachable (ActorUnavailableError is one too): Ray never restarts our engine actors, so
                 # an unreachable replica is treated as lost, replaced, and the request goes elsewhere.
@@ -241,5 +240,5 @@ class _MicroBatch:
             timed_out = self.timed_out.get(e)
             append_turn(columns, self.key, task, p, trajectory, e, turn, role, prompt, completion, version,
                         start, end, observation, error or timed_out, status="timeout" if timed_out else None,
-                        engine=engine)
+                        engine=engine, adapter=self.adapters[turn])
         return pa.table(columns, schema=with_agent(ROLLOUTS))

@@ -20,16 +20,17 @@ from collections.abc import Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 SCHEMA_CHANGES = {
     1: "first version",
     2: "environment_start/environment_end and reward_start/reward_end: timestamps of every stage",
     3: "stage_enqueued/stage_started/stage_ended on every stage: the orchestrator's timing of the micro-batch",
     4: "rollouts.observation: the environment's reply to a turn (observe); rewards.model_score: the reward model's",
     5: "group_id on every turn: the GRPO group, stored instead of parsed out of sample_id (derived so for older files)",
+    6: "rollouts.adapter: the named adapter of version 0 that served the turn (agents.<a>.turn_adapters); null: none",
 }
 # Versions whose files this code reads: each change so far only added columns, null or derived in older files.
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)
 SCHEMA_VERSION_KEY = b"marl_pipeline.schema_version"
 
 PARTITION_SCHEMA = pa.schema(
@@ -56,6 +57,7 @@ ROLLOUTS = pa.schema(
         pa.field("task", pa.string()),  # the task as JSON, so later stages need nothing else
         pa.field("policy_version", pa.int32()),
         pa.field("engine", pa.string()),
+        pa.field("adapter", pa.string()),  # the named adapter that served the turn (policy/lora.py); null: none
         pa.field("prompt_text", pa.string()),
         pa.field("response_text", pa.string()),
         pa.field("prompt_ids", pa.list_(pa.int32())),
@@ -125,7 +127,7 @@ STAGE_TIMING = [pa.field(name, pa.timestamp("us", tz="UTC"))
 # policy-update rows made before the mismatch statistics (or dynamic sampling) existed have none.
 OPTIONAL_COLUMNS = frozenset([field.name for field in STAGE_TIMING]
                              + ["observation", "model_score", "mismatch_abs_logprob", "mismatch_ratio_std",
-                                "dropped_rows"])
+                                "dropped_rows", "adapter"])
 # Columns a commit refuses null values in: a reader takes a null group_id for a row written before it existed.
 NON_NULL_COLUMNS = frozenset(["group_id"])
 

@@ -22,11 +22,11 @@ import torch
 from marl_pipeline.policy.checkpoint import load_policy, save_policy
 from marl_pipeline.policy.lora import (
     POLICY,
-    add_taught_adapter,
+    add_named_adapters,
     lora_policy,
     merged_weights,
-    use_taught_adapter,
-    warmup_adapter_dir,
+    named_adapter_dirs,
+    use_adapter,
 )
 from marl_pipeline.policy.precision import autocast, resolve_dtype
 from marl_pipeline.training.losses import (
@@ -56,9 +56,9 @@ class TrainBatch:
     advantages: list[float]
     dropped_rows: int = 0
     """Rows the stage left out as uninformative (zero-advantage groups); reported, not trained on."""
-    taught: list[bool] | None = None
-    """Per row, whether its turn is one a separate warm-up taught: computed with its adapters too, as the engine
-    sampled it (policy/lora.py). None: no such rows."""
+    adapters: list[str | None] | None = None
+    """Per row, the named adapter that served its turn (the rollout row's ``adapter``): computed with it active too,
+    as the engine sampled it (policy/lora.py). None: no such rows."""
 
 
 @dataclass(frozen=True)
@@ -110,11 +110,10 @@ class PolicyTrainer:
         self.lora = lora is not None
         self.model, self.tokenizer = (lora_policy(model_dir, version, base_dir, **lora) if self.lora
                                       else load_policy(model_dir))
-        # A separate warm-up's adapters (version 0's ``warmup_adapter/``), frozen: on for its taught turns' rows.
-        taught_dir = warmup_adapter_dir(base_dir) if self.lora else None
-        self.has_taught = taught_dir is not None
-        if self.has_taught:
-            add_taught_adapter(self.model, taught_dir)
+        # Version 0's named adapters (``adapters/<name>/``), frozen: on for the rows whose turns they served.
+        self.named_adapters = set(named_adapter_dirs(base_dir)) if self.lora else set()
+        if self.named_adapters:
+            add_named_adapters(self.model, named_adapter_dirs(base_dir))
         self.model.train()
         self.device_type = next(self.model.parameters()).device.type
         self.dtype = resolve_dtype(dtype, self.device_type)
@@ -160,11 +159,11 @@ class PolicyTrainer:
                     "dropped_rows": batch.dropped_rows}
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         passes = []
-        for taught, rows in self._rows_by_adapters(batch):  # a pass computes with one set of adapters
-            self._use_taught(taught)
+        for adapter, rows in self._rows_by_adapter(batch):  # a pass computes with one set of adapters
+            self._use_adapter(adapter)
             chunks = length_chunks([lengths[row] for row in rows], self.chunk_tokens)
             passes += [self._accumulate_rows(batch, [rows[i] for i in chunk]) for chunk in chunks]
-        self._use_taught(False)
+        self._use_adapter(None)
         # Statistics over the response tokens of every pass, as if the micro-batch had been one tensor.
         logprobs, engine, ratio = (torch.cat([p[i] for p in passes])[None] for i in range(3))
         every = torch.ones_like(logprobs)
@@ -176,20 +175,24 @@ class PolicyTrainer:
                 "clip_fraction": clip_fraction(ratio, every, self.clip_eps),
                 **mismatch_stats(logprobs, engine, every)}
 
-    def _rows_by_adapters(self, batch: TrainBatch) -> list[tuple[bool, list[int]]]:
-        """The batch's rows split by whether they are computed with the warm-up's adapters (only a trainer that has
-        them does so), each part in row order."""
+    def _rows_by_adapter(self, batch: TrainBatch) -> list[tuple[str | None, list[int]]]:
+        """The batch's rows split by the named adapter they are computed with (None first), each part in row
+        order."""
         rows = range(len(batch.prompt_ids))
-        if not self.has_taught or not batch.taught:
-            return [(False, list(rows))]
-        if len(batch.taught) != len(batch.prompt_ids):
-            raise ValueError(f"{len(batch.prompt_ids)} rows but {len(batch.taught)} taught flags: one per row")
-        parts = [(flag, [row for row in rows if batch.taught[row] == flag]) for flag in (False, True)]
-        return [(flag, part) for flag, part in parts if part]
+        if not batch.adapters or not any(batch.adapters):
+            return [(None, list(rows))]
+        if len(batch.adapters) != len(batch.prompt_ids):
+            raise ValueError(f"{len(batch.prompt_ids)} rows but {len(batch.adapters)} adapter names: one per row")
+        names = sorted({name for name in batch.adapters if name})
+        parts = [(name, [row for row in rows if batch.adapters[row] == name]) for name in [None, *names]]
+        return [(name, part) for name, part in parts if part]
 
-    def _use_taught(self, taught: bool) -> None:
-        if self.has_taught:
-            use_taught_adapter(self.model, taught)
+    def _use_adapter(self, adapter: str | None) -> None:
+        if adapter is not None and adapter not in self.named_adapters:
+            raise ValueError(f"adapter {adapter!r}: the trainer's version 0 has "
+                             f"{sorted(self.named_adapters) or 'no named adapters'}")
+        if self.named_adapters:
+            use_adapter(self.model, adapter)
 
     def _accumulate_rows(self, batch: TrainBatch, rows: list[int]):
         """One forward/backward pass over some rows of a micro-batch, padded to the longest of them. Returns the
@@ -281,16 +284,16 @@ class PolicyTrainer:
         return True
 
     @torch.no_grad()
-    def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int], taught: bool = False) -> list[float]:
-        """The trainer's logprob of each response token given the prompt (``taught``: with the warm-up's adapters,
-        where the trainer has them)."""
+    def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int],
+                            adapter: str | None = None) -> list[float]:
+        """The trainer's logprob of each response token given the prompt, with the named ``adapter`` active too."""
         input_ids, attention_mask, mask = pad_sequences([prompt_ids], [response_ids], self.pad_id)
-        self._use_taught(taught)
+        self._use_adapter(adapter)
         try:
             with autocast(self.dtype, self.device_type):
                 logprobs = token_logprobs(self.model, input_ids, attention_mask)
         finally:
-            self._use_taught(False)
+            self._use_adapter(None)
         return logprobs[0][mask[0].bool()].tolist()
 
     def policy_version(self) -> int:
