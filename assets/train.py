@@ -24,6 +24,9 @@ from assets.policies import base_policy_metadata
 from assets.previews import PREVIEW_COLUMNS
 from resources import ExperimentResource, RayCluster
 
+SETUP_PREFIX = "set-up: "
+"""What a launch's set-up phases start with in the run's log: the ``marl`` CLI prints those lines as they come."""
+
 
 @dg.op(description="Stream micro-batches through rollout, environment, reward and train on Ray.",
        out=dg.Out(dict, description="Run-level pipeline figures of the launch."))
@@ -34,6 +37,7 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
         ReplicaChanged,
         RunFinished,
         RunStarted,
+        SetupPhase,
         StageCommitted,
         StepFinished,
         mean_reward,
@@ -72,6 +76,8 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
                              f"{event.seconds:.2f} s")
         elif isinstance(event, ReplicaChanged):
             _log_replica(context, event)
+        elif isinstance(event, SetupPhase):
+            context.log.info(f"{SETUP_PREFIX}{event.name} ({event.seconds:.1f} s)")
         elif isinstance(event, RunStarted):
             _log_start(context, config, event)
         elif isinstance(event, RunFinished):

@@ -198,3 +198,18 @@ def test_the_run_and_its_partitions_show_plots_and_conversations(trained) -> Non
     rewards = instance.fetch_materializations(dg.AssetKey("rewards"), limit=1).records[0].asset_materialization
     assert re.search(r"\*\*solver\*\* \(turn 0, policy v\d, reward -?\d\.\d{3}, advantage [+-]\d\.\d{3}\)",
                      rewards.metadata["episodes"].value)
+
+
+def test_each_set_up_phase_is_in_the_runs_log_as_it_ends(trained) -> None:
+    """The launch's set-up shows in the run's log, phase by phase with its seconds, before the first stage commits
+    (what the ``marl`` CLI prints while the progress bar says "setting up")."""
+    from assets.train import SETUP_PREFIX
+
+    entries = trained["instance"].all_logs(trained["result"].run_id)
+    lines = [entry.user_message for entry in entries if entry.user_message.startswith(SETUP_PREFIX)]
+    assert [line.split(" (")[0].removeprefix(SETUP_PREFIX).split(" ")[0] for line in lines] == [
+        "placement", "version", "engines"], lines
+    assert all(re.search(r"\(\d+\.\d s\)$", line) for line in lines), lines
+    first_commit = next(i for i, entry in enumerate(entries)
+                        if entry.dagster_event is not None and entry.dagster_event.is_step_materialization)
+    assert max(i for i, entry in enumerate(entries) if entry.user_message in lines) < first_commit

@@ -1,6 +1,6 @@
 """What a training launch tells its caller as it goes (the Dagster op, the CLI, benchmarks, tests).
 
-Produced by ``recipe.train`` (``RunStarted``, ``RunFinished``) and the orchestrator (the rest); consumed
+Produced by ``recipe.train`` (``SetupPhase``, ``RunStarted``, ``RunFinished``) and the orchestrator (the rest); consumed
 by ``assets/train.py`` (materializations, logs) and ``pipeline_metrics`` (run-level figures).
 """
 
@@ -71,6 +71,14 @@ class StepFinished:
 
 
 @dataclass(frozen=True)
+class SetupPhase:
+    """One part of a launch's set-up is done, before ``RunStarted``: what was done, and its seconds."""
+
+    name: str
+    seconds: float
+
+
+@dataclass(frozen=True)
 class RunStarted:
     """Base policies are ready and the workers are up."""
 
@@ -118,7 +126,7 @@ class ReplicaChanged:
 Event = StageCommitted | PolicyCommitted | StepFinished | EvaluationCommitted | ReplicaChanged
 """What the orchestrator yields."""
 
-LaunchEvent = RunStarted | Event | RunFinished
+LaunchEvent = SetupPhase | RunStarted | Event | RunFinished
 """What ``recipe.train`` yields."""
 
 
