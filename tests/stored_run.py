@@ -44,6 +44,7 @@ def write_run(store: ExperienceStore, run: str = "r", steps: int = 2, micro_batc
             failed = [failed_episode is not None and e == failed_episode and step == 0 and micro_batch == 0
                       for e, _, _ in turns]
             rollouts = {**common, "task": ["{}"] * n, "policy_version": [max(step - 1, 0)] * n, "engine": ["e0"] * n,
+                        "adapter": [None] * n,
                         "prompt_text": [f"What is {e}+{e}?" for e, _, _ in turns],
                         "response_text": [f"{2 * e}" if a == "solver" else "correct" for e, _, a in turns],
                         "prompt_ids": [list(rng.integers(0, VOCAB, 5)) for _ in turns],
