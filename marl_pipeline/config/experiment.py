@@ -49,6 +49,10 @@ class ExperimentConfig(StrictModel):
             raise ValueError("at least one agent is required")
         return agents
 
+    def turn_adapters(self) -> dict[str, dict[str, list[int]]]:
+        """Per agent that has them, its ``turn_adapters``: named adapters and the own turns they serve."""
+        return {agent: dict(a.turn_adapters) for agent, a in self.agents.items() if a.turn_adapters}
+
 
 def _format_validation_error(error: ValidationError, source: str) -> str:
     lines = [f"invalid config {source}:"]

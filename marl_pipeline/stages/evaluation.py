@@ -55,7 +55,7 @@ class EvaluationSettings:
         evaluation = config.evaluation
         return cls(config.seed, evaluation.cases_per_agent,
                    evaluation.max_new_tokens or config.algorithm.max_new_tokens,
-                   {agent: dict(a.turn_adapters) for agent, a in config.agents.items() if a.turn_adapters})
+                   config.turn_adapters())
 
 
 def is_evaluated(env: Environment) -> bool:

@@ -52,7 +52,7 @@ class RolloutSettings:
         pipeline, algorithm = config.pipeline, config.algorithm
         return cls(config.seed, pipeline.prompts_per_micro_batch, pipeline.samples_per_prompt,
                    algorithm.max_new_tokens, algorithm.temperature,
-                   {agent: dict(a.turn_adapters) for agent, a in config.agents.items() if a.turn_adapters})
+                   config.turn_adapters())
 
     def request(self, prompt: str | list[int], seed: int, adapter: str | None = None) -> GenerationRequest:
         """A turn's sampling request."""

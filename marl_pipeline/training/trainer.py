@@ -111,9 +111,10 @@ class PolicyTrainer:
         self.model, self.tokenizer = (lora_policy(model_dir, version, base_dir, **lora) if self.lora
                                       else load_policy(model_dir))
         # Version 0's named adapters (``adapters/<name>/``), frozen: on for the rows whose turns they served.
-        self.named_adapters = set(named_adapter_dirs(base_dir)) if self.lora else set()
-        if self.named_adapters:
-            add_named_adapters(self.model, named_adapter_dirs(base_dir))
+        adapter_dirs = named_adapter_dirs(base_dir) if self.lora else {}
+        self.named_adapters = set(adapter_dirs)
+        if adapter_dirs:
+            add_named_adapters(self.model, adapter_dirs)
         self.model.train()
         self.device_type = next(self.model.parameters()).device.type
         self.dtype = resolve_dtype(dtype, self.device_type)
