@@ -13,7 +13,6 @@ starting skills.
 from __future__ import annotations
 
 import argparse
-import copy
 import itertools
 import time
 from dataclasses import replace
@@ -24,12 +23,11 @@ import torch
 from environments.math_answers import same_answer, stated_answer
 from marl_pipeline.bootstrap.model_sources import resolve_model_source
 from marl_pipeline.bootstrap.own_replies import sample_replies
-from marl_pipeline.bootstrap.warmup import supervised_warmup
+from marl_pipeline.bootstrap.warmup import supervised_warmup, warmup_trainer
 from marl_pipeline.config import load_config
 from marl_pipeline.environment import Turn, build_environment
 from marl_pipeline.inference.chat import ChatTokenizer
 from marl_pipeline.policy.checkpoint import load_policy
-from marl_pipeline.policy.precision import resolve_dtype
 from marl_pipeline.stages.evaluation import EvaluationSettings, evaluation_cases
 from marl_pipeline.training.losses import pad_sequences, token_logprobs
 
@@ -132,17 +130,17 @@ def main() -> None:
     chat = ChatTokenizer(tokenizer, "the verifier")
     env = build_environment(config.environment.name, options)
     rows = [] if args.no_base else [("base", measure(base, env, chat, settings, args.samples), 0.0)]
-    dtype = resolve_dtype(config.agents["verifier"].trainer.dtype, "cpu")
     for share, lr in itertools.product(args.rehearse, args.lr):
         env = build_environment(config.environment.name, {**options, "rehearse_working": share})
-        model = copy.deepcopy(base)
+        trainer = warmup_trainer(str(resolve_model_source(config.agents["verifier"].model)), lr=lr, seed=1,
+                                 dtype=config.agents["verifier"].trainer.dtype,
+                                 chunk_tokens=config.agents["verifier"].trainer.chunk_tokens)
+        model = trainer.model
         torch.manual_seed(config.seed)
         start = time.perf_counter()
         examples = (_own_working_examples(model, env, chat, config, count=600, share=share) if args.own_workings
                     else env.warmup_examples("verifier", np.random.default_rng(1), 4000))
-        losses = supervised_warmup(model, tokenizer, examples,
-                                   steps=args.steps, batch_size=args.batch_size, lr=lr, seed=1, dtype=dtype,
-                                   chunk_tokens=config.agents["verifier"].trainer.chunk_tokens,
+        losses = supervised_warmup(trainer, examples, steps=args.steps, batch_size=args.batch_size, seed=1,
                                    max_new_tokens=config.algorithm.max_new_tokens,
                                    temperature=config.algorithm.temperature)
         seconds = time.perf_counter() - start

@@ -76,8 +76,9 @@ class MathChatWorkedOptions(MathChatOptions):
     """``warmup_turns: verdict``: for each rehearsed question, sample this many of the verifier's own workings and
     hold a right one where there is one (a ``Rehearsal``), else a sampled one as before. The KL along one sampled
     working a question held SmolLM2's greedy working but not its right answers at temperature 1 (3.5% -> 1.5%).
-    With 8 tries (and ``rehearse_context``), RL's working was right in 6 of 336 samples over 7 steps, against 0-1
-    without and 15 for the solver, but agreed less with its verdicts (BENCHMARKS.md); off by default."""
+    With 8 tries (and the since-removed ``rehearse_context``), RL's working was right in 6 of 336 samples over 7
+    steps, against 0-1 without and 15 for the solver, but agreed less with its verdicts (BENCHMARKS.md); off by
+    default."""
     verdict_weight: float = Field(1.0, ge=0)
     """``turn_credit``: the verdict turn's advantages scaled by this (``turn_weights``). Both verifier turns train
     one set of weights with one AdamW: after a cold start for the comparison, the verdict has advantages in most

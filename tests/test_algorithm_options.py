@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +17,6 @@ from marl_pipeline.training.losses import (
     loss_units,
     mismatch_stats,
     summed_loss,
-    token_logprobs_and_entropy,
     truncated_is_weights,
 )
 from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
@@ -41,20 +39,6 @@ def test_entropy_by_hand() -> None:
     log_probs = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.25, 0.25, 0.25, 0.25]]))
     # 0.5 ln2 + 0.25 * 2 ln2 + 2 * 0.125 * 3 ln2 = 1.75 ln2 ; uniform over 4: ln4
     assert entropy_from_log_probs(log_probs).tolist() == pytest.approx([1.75 * LN2, 2 * LN2], abs=1e-6)
-
-
-def test_logprobs_and_entropy_come_from_one_forward_pass() -> None:
-    calls = []
-
-    def model(input_ids, attention_mask):
-        calls.append(input_ids)
-        logits = torch.log(torch.tensor([[[0.5, 0.25, 0.25], [1 / 3, 1 / 3, 1 / 3], [0.1, 0.1, 0.8]]]))
-        return SimpleNamespace(logits=logits)
-
-    logprobs, entropy = token_logprobs_and_entropy(model, torch.tensor([[0, 1, 2]]), torch.ones(1, 3))
-    assert len(calls) == 1
-    assert logprobs.tolist()[0] == pytest.approx([math.log(0.25), math.log(1 / 3)], abs=1e-6)
-    assert entropy.tolist()[0] == pytest.approx([1.5 * LN2, math.log(3)], abs=1e-6)
 
 
 def _two_sequences():

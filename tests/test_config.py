@@ -72,6 +72,7 @@ def test_cli_rejects_bad_config_before_writing_anything(demo_config_data: dict, 
         ({"lora": {}, "warmup": {"steps": 4, "lora": {}, "adapter": "verdict"}}, "warmup.adapter 'verdict' serves no"),
         ({"warmup": {"steps": 4, "adapter": "verdict"}}, "it needs warmup.lora"),
         ({"warmup": {"steps": 4, "lora": {}, "separate": True}}, "warmup.separate is now warmup.adapter"),
+        ({"warmup": {"steps": 4, "rehearse_context": True}}, "warmup.rehearse_context was removed"),
     ],
 )
 def test_named_adapter_settings_are_checked(demo_config_data: dict, verifier: dict, message: str) -> None:

@@ -122,3 +122,13 @@ def test_passes_under_a_token_budget_give_the_one_pass_update(tiny_model_dir: Pa
 def test_a_token_budget_below_one_is_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="chunk_tokens 0: expected a positive token budget"):
         _trainer(tiny_model_dir, chunk_tokens=0)
+
+
+def test_activation_checkpointing_gives_the_same_gradient(tiny_model_dir: Path) -> None:
+    batch = _random_batch(np.random.default_rng(3), rows=8, vocab=200)
+    plain, recomputed = _trainer(tiny_model_dir), _trainer(tiny_model_dir, activation_checkpointing=True)
+    assert recomputed.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing
+    for trainer in (plain, recomputed):
+        trainer.accumulate(batch)
+    for a, b in zip(plain.model.parameters(), recomputed.model.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=0, atol=1e-6)

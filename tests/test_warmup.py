@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
 from marl_pipeline.bootstrap.own_replies import policy_replies, sample_replies, warmup_prompt_ids
-from marl_pipeline.bootstrap.warmup import supervised_warmup
+from marl_pipeline.bootstrap.warmup import supervised_warmup, warmup_trainer
 from marl_pipeline.policy.checkpoint import load_policy
 from marl_pipeline.training.losses import pad_sequences, token_logprobs
 
@@ -53,62 +53,12 @@ def test_rehearsal_keeps_the_turn_that_warm_up_does_not_teach(tiny_model_dir: Pa
     after = {}
     for name, examples in {"taught alone": taught,
                            "rehearsed": taught + [(q, None) for q in questions[64:]]}.items():
-        model = copy.deepcopy(base)
-        torch.manual_seed(0)
-        losses = supervised_warmup(model, tokenizer, examples, steps=20, batch_size=8, lr=3e-3, seed=0,
-                                   max_new_tokens=6)
+        trainer = warmup_trainer(str(tiny_model_dir), lr=3e-3, seed=0)
+        losses = supervised_warmup(trainer, examples, steps=20, batch_size=8, seed=0, max_new_tokens=6)
         assert losses[-1] < losses[0]
-        after[name] = _mean_logprob(model, prompt_ids, own, eos)
+        after[name] = _mean_logprob(trainer.model, prompt_ids, own, eos)
     assert after["taught alone"] < before - 0.5  # the drift rehearsal is for
     assert after["rehearsed"] > after["taught alone"] + 0.5 and after["rehearsed"] > before - 1.0
-
-
-CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-def test_context_positions_are_the_earlier_replies_and_rehearsing_them_keeps_them(tiny_model_dir: Path) -> None:
-    """A verdict example's prompt holds the agent's own earlier reply as an assistant message: its positions are
-    found in the template's ids, and with ``rehearse_context`` the KL there keeps that turn where it started while
-    the verdict is taught; without it, the turn drifts."""
-    from marl_pipeline.bootstrap.own_replies import context_reply_positions
-    from marl_pipeline.inference.chat import ChatTokenizer
-
-    base, tokenizer = load_policy(str(tiny_model_dir))
-    tokenizer.chat_template = CHATML
-    env = ArithmeticCheck(ArithmeticOptions())
-    rng = np.random.default_rng(0)
-    questions = [[{"role": "user", "content": prompt}]
-                 for prompt, _ in env.warmup_examples("solver", rng, 160)]
-    eos = tokenizer.eos_token_id
-    prompt_ids = warmup_prompt_ids(tokenizer, questions, "the solver")
-    torch.manual_seed(1)
-    own = sample_replies(base, prompt_ids, max_new_tokens=6, temperature=1.0, eos=eos, pad=eos)
-    texts = [tokenizer.decode(reply, skip_special_tokens=True) for reply in own]
-    verdicts = [[*question, {"role": "assistant", "content": text}, {"role": "user", "content": "ok?"}]
-                for question, text in zip(questions, texts)]
-    positions = context_reply_positions(tokenizer, verdicts + ["1 + 2 ="], "the verifier")
-    assert positions[-1] == []  # a text prompt holds no reply
-    ids = warmup_prompt_ids(tokenizer, verdicts[:3], "the verifier")
-    end_of_turn = ChatTokenizer(tokenizer, "the verifier").end_of_turn
-    for row, found, text in zip(ids, positions[:3], texts[:3]):
-        assert found == list(range(found[0], found[-1] + 1))  # one span: the reply, then its end of turn
-        assert row[found[-1]] == end_of_turn
-        assert tokenizer.decode([row[p] for p in found[:-1]]) == tokenizer.decode(
-            tokenizer(text, add_special_tokens=False)["input_ids"])
-    held_out = slice(0, 64)
-    before = _mean_logprob(base, prompt_ids[held_out], own[held_out], eos)
-    taught = [(prompt, "yes") for prompt in verdicts[64:]]
-    after = {}
-    for rehearse in (False, True):
-        model = copy.deepcopy(base)
-        torch.manual_seed(0)
-        losses = supervised_warmup(model, tokenizer, taught, steps=20, batch_size=8, lr=3e-3, seed=0,
-                                   max_new_tokens=6, rehearse_context=rehearse)
-        assert losses[-1] < losses[0]
-        after[rehearse] = _mean_logprob(model, prompt_ids[held_out], own[held_out], eos)
-    assert after[False] < before - 0.5  # taught "yes" after its reply, the reply itself drifts
-    assert after[True] > after[False] + 0.5 and after[True] > before - 1.0, (before, after)
 
 
 def test_a_rehearsal_holds_the_path_it_gives(tiny_model_dir: Path) -> None:
@@ -128,9 +78,47 @@ def test_a_rehearsal_holds_the_path_it_gives(tiny_model_dir: Path) -> None:
     after = {}
     for name, examples in {"taught alone": taught,
                            "held": taught + [(q, Rehearsal(answer)) for q, answer in solved]}.items():
-        model = copy.deepcopy(base)
-        torch.manual_seed(0)
-        supervised_warmup(model, tokenizer, examples, steps=20, batch_size=8, lr=3e-3, seed=0, max_new_tokens=6)
-        after[name] = _mean_logprob(model, prompt_ids, paths, eos)
+        trainer = warmup_trainer(str(tiny_model_dir), lr=3e-3, seed=0)
+        supervised_warmup(trainer, examples, steps=20, batch_size=8, seed=0, max_new_tokens=6)
+        after[name] = _mean_logprob(trainer.model, prompt_ids, paths, eos)
     assert after["taught alone"] < before - 0.5
     assert abs(after["held"] - before) < 0.5 < after["held"] - after["taught alone"], (before, after)
+
+
+def test_a_warmup_step_is_the_plain_step_on_the_supervised_loss(tiny_model_dir: Path) -> None:
+    """The warm-up trains through the RL trainer: one step over taught, kept and path-held rows, in passes of a few
+    tokens, has the gradient of the batch's mean over its completion tokens of cross-entropy, KL from the start and
+    the held path's squared difference, computed here from the full logits."""
+    from marl_pipeline.training.trainer import SupervisedBatch
+
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    trainer = warmup_trainer(str(tiny_model_dir), lr=1e-2, seed=0, chunk_tokens=12)
+    with torch.no_grad():  # both start off the base, so the KL and the held path have a gradient
+        for mine, theirs in zip(trainer.model.parameters(), model.parameters()):
+            mine.add_(0.05 * torch.randn_like(mine))
+            theirs.copy_(mine)
+    start, _ = load_policy(str(tiny_model_dir))
+    trainer.reference = start.eval().requires_grad_(False)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompts = [encode("1 + 2 ="), encode("30 + 4 ="), encode("5 + 5 =")]
+    responses = [encode(" 3"), encode(" 34 yes"), encode(" 10")]
+    terms = ["teach", "keep", "keep_path"]
+    stats = trainer.accumulate_supervised(SupervisedBatch(prompts, responses, terms))
+
+    input_ids, attention_mask, mask = pad_sequences(prompts, responses, tokenizer.eos_token_id)
+    log_probs = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].log_softmax(-1)
+    with torch.no_grad():
+        start_log_probs = start(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].log_softmax(-1)
+    taken = log_probs.gather(2, input_ids[:, 1:, None]).squeeze(-1)
+    start_taken = start_log_probs.gather(2, input_ids[:, 1:, None]).squeeze(-1)
+    kl = (start_log_probs.exp() * (start_log_probs - log_probs)).sum(-1)
+    token_loss = torch.stack([-taken[0], kl[1], kl[2] + (taken[2] - start_taken[2]) ** 2])
+    loss = (token_loss * mask).sum() / mask.sum()
+    assert stats["tokens"] == int(mask.sum())
+    assert stats["loss_sum"] / stats["tokens"] == pytest.approx(loss.item(), rel=1e-5)
+    loss.backward()
+    for mine, theirs in zip(trainer.model.parameters(), model.parameters()):  # the step divides by the tokens
+        scale = float(theirs.grad.abs().max())
+        assert torch.allclose(mine.grad / stats["tokens"], theirs.grad, rtol=0, atol=1e-5 * scale)
+    result = trainer.apply_step()
+    assert (result.tokens, result.lr, result.policy_version) == (stats["tokens"], 1e-2, 1)

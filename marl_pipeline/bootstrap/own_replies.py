@@ -1,6 +1,6 @@
 """The policy's own replies for warm-up, as rollout would send and sample them: each prompt's ids (text as it is,
-chat messages through the agent's chat template), replies sampled from the model itself, and the positions of the
-earlier replies a chat prompt holds (what ``bootstrap/warmup.py`` rehearses)."""
+chat messages through the agent's chat template), and replies sampled from the model itself (what
+``bootstrap/warmup.py`` rehearses)."""
 
 from __future__ import annotations
 
@@ -23,31 +23,6 @@ def warmup_prompt_ids(tokenizer, prompts: list[str | ChatMessages], source: str)
     return ids
 
 
-def context_reply_positions(tokenizer, prompts: list[str | ChatMessages], source: str) -> list[list[int]]:
-    """For each prompt, the token positions of its assistant messages (their content and end-of-turn token) in the
-    ids ``warmup_prompt_ids`` gives it: the agent's earlier replies the prompt holds as context. Empty for a text
-    prompt; a template that renders an earlier part of the conversation differently once more follows is an error."""
-    chat, positions = None, []
-    for prompt in prompts:
-        found: list[int] = []
-        if not isinstance(prompt, str):
-            chat = chat or ChatTokenizer(tokenizer, source)
-            full = chat.first_ids(prompt)
-            for index, message in enumerate(prompt):
-                if message["role"] != "assistant":
-                    continue
-                before = chat.first_ids(prompt[:index])  # up to the assistant's header
-                through = chat.first_ids(prompt[:index + 1])  # ... and the reply, then the next header
-                end = len(before) + through[len(before):].index(chat.end_of_turn) if (
-                    chat.end_of_turn in through[len(before):]) else -1
-                if full[:len(before)] != before or end < 0 or full[:end + 1] != through[:end + 1]:
-                    raise ValueError(f"the chat template of {source} renders message {index} of a warm-up prompt "
-                                     "differently once more messages follow, so its reply cannot be rehearsed")
-                found.extend(range(len(before), end + 1))
-        positions.append(found)
-    return positions
-
-
 @torch.no_grad()
 def sample_replies(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, eos: int, pad: int,
                    batch_size: int = 32) -> list[list[int]]:
@@ -63,8 +38,9 @@ def sample_replies(model, prompts: list[list[int]], *, max_new_tokens: int, temp
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start:start + batch_size]
         width = max(len(ids) for ids in batch)
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])  # left-padded: replies align
-        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch],  # left-padded: replies align
+                                 device=model.device)
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=model.device)
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation)
         for row in output[:, width:].tolist():
             replies.append(row[:row.index(eos) + 1] if eos in row else row)

@@ -11,13 +11,12 @@ import numpy as np
 from marl_pipeline.bootstrap.model_sources import resolve_model_source
 from marl_pipeline.bootstrap.own_replies import policy_replies
 from marl_pipeline.bootstrap.tiny_model import BUILTIN_MODEL, build_tiny_model
-from marl_pipeline.bootstrap.warmup import supervised_warmup
+from marl_pipeline.bootstrap.warmup import supervised_warmup, warmup_trainer
 from marl_pipeline.config import BUILTIN_TINY, AgentConfig, ExperimentConfig, StoreConfig
 from marl_pipeline.environment import Environment
 from marl_pipeline.hooks import hooks_of
 from marl_pipeline.policy.checkpoint import load_policy, save_policy
-from marl_pipeline.policy.lora import NAMED_ADAPTERS, named_adapter_dirs, with_adapters
-from marl_pipeline.policy.precision import resolve_dtype
+from marl_pipeline.policy.lora import NAMED_ADAPTERS, named_adapter_dirs
 from marl_pipeline.store import ExperienceStore
 
 
@@ -109,11 +108,18 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store_config
     source = agent_config.model
     if source == BUILTIN_TINY:
         source = str(store.models.fetch(config.run, BUILTIN_MODEL, 0))
-    model, tokenizer = load_policy(resolve_model_source(source))
+    source = str(resolve_model_source(source))
     staging = store.staging_policy_dir(config.run, agent, 0)
-    warmup_loss = None
-    if agent_config.warmup.steps:
-        warmup, algorithm = agent_config.warmup, config.algorithm
+    warmup, warmup_loss = agent_config.warmup, None
+    if not warmup.steps:
+        model, tokenizer = load_policy(source)
+    else:
+        algorithm = config.algorithm
+        trainer = warmup_trainer(source, lr=warmup.lr, seed=seed,
+                                 lora=None if warmup.lora is None else warmup.lora.model_dump(),
+                                 dtype=agent_config.trainer.dtype, chunk_tokens=agent_config.trainer.chunk_tokens,
+                                 activation_checkpointing=agent_config.trainer.activation_checkpointing)
+        model, tokenizer = trainer.model, trainer.tokenizer
         rng, examples = np.random.default_rng(seed), None
         if hooks_of(env).own_reply_warmup_examples is not None:
             replies = functools.partial(policy_replies, model, tokenizer, source=f"agent {agent!r}",
@@ -121,19 +127,15 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store_config
             examples = env.own_reply_warmup_examples(agent, rng, warmup.steps * warmup.batch_size, replies)
         if examples is None:
             examples = env.warmup_examples(agent, rng, 4000)
-        if warmup.lora is not None:  # adapters trained, then merged: version 0 stays a plain model
-            model = with_adapters(model, **warmup.lora.model_dump())
-        losses = supervised_warmup(model, tokenizer, examples, steps=warmup.steps, batch_size=warmup.batch_size,
-                                   lr=warmup.lr, seed=seed, source=f"agent {agent!r}",
-                                   max_new_tokens=algorithm.max_new_tokens, temperature=algorithm.temperature,
-                                   dtype=resolve_dtype(agent_config.trainer.dtype, "cpu"),
-                                   chunk_tokens=agent_config.trainer.chunk_tokens,
-                                   rehearse_context=warmup.rehearse_context)
+        losses = supervised_warmup(trainer, examples, steps=warmup.steps, batch_size=warmup.batch_size, seed=seed,
+                                   source=f"agent {agent!r}", max_new_tokens=algorithm.max_new_tokens,
+                                   temperature=algorithm.temperature)
         warmup_loss = (losses[0], losses[-1])
+        del trainer  # its AdamW moments and start copy, before the model is saved
         if warmup.adapter:
             model.save_pretrained(str(staging / NAMED_ADAPTERS / warmup.adapter))  # apart, frozen (policy/lora.py)
             model = model.unload()  # the model as loaded: the adapters never touched its weights
-        elif warmup.lora is not None:
+        elif warmup.lora is not None:  # adapters trained, then merged: version 0 stays a plain model
             model = model.merge_and_unload()
     save_policy(model, tokenizer, staging)  # save_pretrained carries the source's generation_config along
     path = store.commit_policy(staging, config.run, agent, 0)

@@ -1,4 +1,5 @@
-"""Supervised warm-up: teaches a base policy the environment's turn format before RL starts.
+"""Supervised warm-up: teaches a base policy the environment's turn format before RL starts, through the agent's
+own trainer (``training/trainer.py``: its passes, precision and device; a constant learning rate, no clipping).
 
 Rehearsal: an example whose completion is ``None`` keeps the policy's reply to its prompt as it was, so that
 teaching one turn leaves the others where they were. Its own reply is sampled before warm-up as rollout samples
@@ -6,39 +7,40 @@ teaching one turn leaves the others where they were. Its own reply is sampled be
 started (a frozen copy) to the policy now, over the whole vocabulary: the sampled tokens' own likelihood has the
 same gradient in expectation but far noisier. A ``Rehearsal`` completion is held the same way along the path it
 gives, and its own tokens' log-probabilities held to where they started as well (a squared difference), which the
-KL alone barely does for a token the model rarely samples. With ``rehearse_context``, the agent's own earlier
-replies that a chat example's prompt holds are scored by the same KL. Why each, with the measurements:
-docs/ARCHITECTURE.md, "Warm-up rehearsal".
+KL alone barely does for a token the model rarely samples. Why each, with the measurements: docs/ARCHITECTURE.md,
+"Warm-up rehearsal".
 """
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
-import torch
 
-from marl_pipeline.bootstrap.own_replies import context_reply_positions, sample_replies, warmup_prompt_ids
+from marl_pipeline.bootstrap.own_replies import sample_replies, warmup_prompt_ids
 from marl_pipeline.environment import ChatMessages, Rehearsal
-from marl_pipeline.policy.precision import autocast
-from marl_pipeline.training.losses import next_token_log_probs, pad_sequences
+from marl_pipeline.training.trainer import PolicyTrainer, SupervisedBatch
+
+WARMUP_WEIGHT_DECAY = 0.01  # torch's AdamW default, what the warm-up has always used
 
 
-def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages, str | Rehearsal | None]], *,
-                      steps: int, batch_size: int, lr: float, seed: int, source: str = "the policy",
-                      max_new_tokens: int = 16, temperature: float = 1.0, dtype: torch.dtype = torch.float32,
-                      chunk_tokens: int = 512, rehearse_context: bool = False) -> list[float]:
-    """Fine-tune ``model`` on (prompt, completion) pairs, loss on the completion and its EOS only.
+def warmup_trainer(model_dir: str, *, lr: float, seed: int, lora: dict | None = None, **options) -> PolicyTrainer:
+    """A trainer for the warm-up of the policy in ``model_dir``: every weight, or fresh ``lora`` adapters over it;
+    ``options`` are the agent's trainer settings (threads, dtype, chunk_tokens)."""
+    return PolicyTrainer(model_dir, 0, lr=lr, weight_decay=WARMUP_WEIGHT_DECAY, max_grad_norm=float("inf"),
+                         clip_eps=0.0, seed=seed, lora=lora, base_dir=model_dir if lora else None, **options)
+
+
+def supervised_warmup(trainer: PolicyTrainer, examples: list[tuple[str | ChatMessages, str | Rehearsal | None]], *,
+                      steps: int, batch_size: int, seed: int, source: str = "the policy", max_new_tokens: int = 16,
+                      temperature: float = 1.0) -> list[float]:
+    """Fine-tune the trainer's policy on (prompt, completion) pairs, loss on the completion and its EOS only.
 
     Prompt and completion are tokenized separately and concatenated, as the rollout engine sees them (the prompt's
     ids as rollout sends them: ``warmup_prompt_ids``; sampled tokens follow). A ``None`` completion is rehearsal:
     the model's own reply (``sample_replies``, ``max_new_tokens`` at ``temperature``), drawn once for each such
     example a batch uses, before the first step, and scored by the KL from the starting policy at its positions.
-    Forward passes run in ``dtype`` autocast (the agent's trainer precision: bf16 where the hardware has it,
-    float32 master weights), over passes of at most ``chunk_tokens`` tokens (the agent's trainer setting) whose
-    gradients add up to the batch's. ``rehearse_context``: the KL also at the positions of the assistant messages a
-    chat prompt holds (``context_reply_positions``). Returns the loss of each step (the mean over scored positions).
+    Each step is the batch's mean over its completion tokens. Returns the loss of each step.
     """
+    tokenizer = trainer.tokenizer
     rng = np.random.default_rng(seed)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -46,59 +48,21 @@ def supervised_warmup(model, tokenizer, examples: list[tuple[str | ChatMessages,
     prompts = warmup_prompt_ids(tokenizer, [p for p, _ in examples], source)
     completions = {i: tokenizer(c if isinstance(c, str) else c.text, add_special_tokens=False)["input_ids"] + [eos]
                    for i, (_, c) in enumerate(examples) if c is not None}  # a Rehearsal's path is given
-    context = (context_reply_positions(tokenizer, [p for p, _ in examples], source) if rehearse_context
-               else [[] for _ in examples])
     rehearsed = sorted({int(i) for i in batches.flat} - completions.keys())
-    own = sample_replies(model, [prompts[i] for i in rehearsed], max_new_tokens=max_new_tokens,
+    own = sample_replies(trainer.model, [prompts[i] for i in rehearsed], max_new_tokens=max_new_tokens,
                          temperature=temperature, eos=eos, pad=pad)
     completions.update(zip(rehearsed, own))
-    held = any(not isinstance(examples[int(i)][1], str) for i in batches.flat) or any(context)
-    reference = copy.deepcopy(model).eval() if held else None  # the policy as it started, frozen
-    optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=lr)
-    model.train()
+    terms = ["teach" if isinstance(c, str) else "keep_path" if isinstance(c, Rehearsal) else "keep"
+             for _, c in examples]
+    if any(terms[int(i)] != "teach" for i in batches.flat):
+        trainer.keep_start_copy()  # the policy as it started, frozen
+    trainer.model.train()
     losses = []
     for rows in batches:
-        targets = sum(len(completions[i]) + len(context[i]) for i in rows)
-        loss = 0.0
-        for chunk in _chunks([int(i) for i in rows], [len(prompts[i]) + len(completions[i]) for i in rows],
-                             chunk_tokens):
-            input_ids, attention_mask, mask = pad_sequences([prompts[i] for i in chunk],
-                                                            [completions[i] for i in chunk], pad)
-            taught = torch.tensor([isinstance(examples[i][1], str) for i in chunk])[:, None] * mask
-            kept = mask - taught  # rehearsed completions, and the replies in context: scored by the KL
-            for row, i in enumerate(chunk):
-                kept[row, [position - 1 for position in context[i]]] = 1.0  # the logits at t predict token t + 1
-            with autocast(dtype, "cpu"):
-                log_probs = next_token_log_probs(model, input_ids, attention_mask)
-            taken = torch.gather(log_probs, 2, input_ids[:, 1:, None]).squeeze(-1)
-            chunk_loss = -(taken * taught).sum()  # cross-entropy on the taught completions
-            if kept.any():
-                with torch.no_grad(), autocast(dtype, "cpu"):
-                    start = next_token_log_probs(reference, input_ids, attention_mask)
-                chunk_loss = chunk_loss + ((start.exp() * (start - log_probs)).sum(-1) * kept).sum()
-                # A given path's own tokens held too: the KL weighs a token by its starting probability, so it
-                # barely holds a rare one (a small model's right answer), which is what a Rehearsal is given for.
-                path = torch.tensor([isinstance(examples[i][1], Rehearsal) for i in chunk])[:, None] * mask
-                start_taken = torch.gather(start, 2, input_ids[:, 1:, None]).squeeze(-1)
-                chunk_loss = chunk_loss + ((taken - start_taken) ** 2 * path).sum()
-            chunk_loss = chunk_loss / targets  # the batch's mean over its target tokens
-            chunk_loss.backward()
-            loss += float(chunk_loss.detach())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss)
+        rows = [int(i) for i in rows]
+        stats = trainer.accumulate_supervised(SupervisedBatch([prompts[i] for i in rows],
+                                                              [completions[i] for i in rows],
+                                                              [terms[i] for i in rows]))
+        trainer.apply_step()
+        losses.append(stats["loss_sum"] / max(stats["tokens"], 1))
     return losses
-
-
-def _chunks(rows: list[int], lengths: list[int], chunk_tokens: int) -> list[list[int]]:
-    """Consecutive rows in passes of at most ``chunk_tokens`` tokens (a longer row alone): the logits of a pass
-    (tokens x vocabulary, float32) stay small, with the same gradient as one pass."""
-    chunks: list[list[int]] = [[]]
-    used = 0
-    for row, length in zip(rows, lengths):
-        if chunks[-1] and used + length > chunk_tokens:
-            chunks.append([])
-            used = 0
-        chunks[-1].append(row)
-        used += length
-    return chunks

@@ -220,7 +220,7 @@ def trainer_options(config: ExperimentConfig, agent: str, store: ExperienceStore
                 kl_coef=algorithm.kl_coef, reference_dir=reference_dir, entropy_coef=algorithm.entropy_coef,
                 loss_normalization=algorithm.loss_normalization, tis_cap=algorithm.tis_cap, dtype=trainer.dtype,
                 chunk_tokens=trainer.chunk_tokens, lora=None if lora is None else lora.model_dump(),
-                base_dir=None if lora is None else base_dir)
+                base_dir=None if lora is None else base_dir, activation_checkpointing=trainer.activation_checkpointing)
 
 
 def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:

@@ -65,6 +65,8 @@ class TrainerConfig(StrictModel):
     """Padded tokens per forward/backward pass: rows sorted by length, cut under it (same gradient)."""
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     """``float32``, ``bfloat16`` (autocast over float32 weights), or ``auto`` (bf16 where the hardware has it)."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them: less memory, more compute."""
 
 
 class LoraAdapterConfig(StrictModel):
@@ -95,7 +97,9 @@ class WarmupConfig(StrictModel):
 
     removed_keys: ClassVar[dict[str, str]] = {
         "separate": "warmup.separate is now warmup.adapter: NAME, with the turns it serves in the agent's "
-                    "turn_adapters: {NAME: [own turns]}"}
+                    "turn_adapters: {NAME: [own turns]}",
+        "rehearse_context": "warmup.rehearse_context was removed: measured on SmolLM2's verdict cold start, it gave "
+                            "RL no more right workings (BENCHMARKS.md)"}
 
     steps: int = Field(150, ge=0)
     """Optimizer steps of warm-up; 0 uses the model as loaded."""
@@ -103,9 +107,6 @@ class WarmupConfig(StrictModel):
     """Examples per warm-up step."""
     lr: float = Field(3e-3, gt=0)
     """Warm-up learning rate."""
-    rehearse_context: bool = False
-    """Also hold the agent's own earlier replies that a chat example's prompt shows as assistant messages where the
-    model had them: the KL from the starting model at their positions (``bootstrap/warmup.py``)."""
     lora: LoraAdapterConfig | None = None
     """Warm up LoRA adapters (peft) instead of every weight, merged into version 0 (None: every weight)."""
     adapter: str | None = Field(None, pattern=ADAPTER_NAME)

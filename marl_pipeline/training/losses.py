@@ -6,7 +6,11 @@ way the step normalises them (by tokens or by sequences), so the trainer divides
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def pad_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int):
@@ -28,24 +32,90 @@ def pad_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]], pa
     return input_ids, attention_mask, response_mask
 
 
-def next_token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """log p(v | tokens <= t) for every position t and vocabulary entry v, in float32: [batch, length - 1, vocab]."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    return torch.log_softmax(logits, dim=-1)
+LOGIT_CHUNK = 1024
+"""Positions whose logits are computed at once: the pass's peak grows by at most four [1024 x vocabulary] float32
+tensors (the logits, their log-softmax and both gradients: 800 MB for SmolLM2's 49k vocabulary), however long the
+batch."""
+_SCALED_HEADS = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # more than a linear output head
+
+
+@dataclass(frozen=True)
+class TokenTerms:
+    """What the loss needs at each scored position, flat in row-major order of the positions mask
+    (:func:`scored_token_terms`)."""
+
+    logprobs: torch.Tensor
+    """log p(the next token), [N]."""
+    entropy: torch.Tensor | None = None
+    """The full-vocabulary entropy, [N] (asked for with ``entropy``)."""
+    start_logprobs: torch.Tensor | None = None
+    """The ``start`` model's log p(the next token), [N], no gradient."""
+    start_kl: torch.Tensor | None = None
+    """KL(start || model) over the vocabulary, [N]."""
+
+    def scattered(self, name: str, positions: torch.Tensor) -> torch.Tensor:
+        """One term as [batch, length - 1], zero where ``positions`` is False (the layout the per-token losses use)."""
+        return torch.zeros(positions.shape, dtype=torch.float32, device=positions.device).masked_scatter(
+            positions, getattr(self, name))
+
+
+def scored_token_terms(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, *,
+                       entropy: bool = False, start=None, chunk: int = LOGIT_CHUNK) -> TokenTerms:
+    """The next-token terms at the ``positions`` ([batch, length - 1], bool; position t predicts token t + 1).
+
+    The output head runs on the scored positions alone, ``chunk`` of them at a time, each chunk's logits recomputed in
+    the backward pass rather than kept (activation checkpointing): a [tokens x vocabulary] float32 tensor never exists
+    for the whole pass, and prompt positions cost no head at all. ``start``: a frozen model whose log-probabilities
+    and KL from which are wanted too (the warm-up's rehearsal)."""
+    targets = input_ids[:, 1:][positions]
+    features, head = _features(model, input_ids, attention_mask, positions)
+    start_features = start_head = None
+    if start is not None:
+        with torch.no_grad():
+            start_features, start_head = _features(start, input_ids, attention_mask, positions)
+    columns = []
+    for low in range(0, len(targets), chunk):
+        part = slice(low, low + chunk)
+        terms = functools.partial(_chunk_terms, head, start_head, entropy)
+        args = (features[part], targets[part], None if start is None else start_features[part])
+        if torch.is_grad_enabled() and features.requires_grad:
+            columns.append(checkpoint(terms, *args, use_reentrant=False))
+        else:
+            columns.append(terms(*args))
+    values = torch.cat(columns) if columns else features.new_zeros((0, 1 + entropy + 2 * (start is not None)))
+    values = values.float().unbind(-1)
+    return TokenTerms(values[0], values[1] if entropy else None, *(values[-2:] if start is not None else (None, None)))
+
+
+def _features(model, input_ids, attention_mask, positions):
+    """The last hidden state at the scored positions and the output head that maps it to logits; for a model whose
+    head is more than a linear layer, its own logits there and no head."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if any(getattr(base.config, name, None) for name in _SCALED_HEADS):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        return logits[:, :-1][positions], None
+    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return hidden[:, :-1][positions], base.get_output_embeddings()
+
+
+def _chunk_terms(head, start_head, entropy: bool, features, targets, start_features) -> torch.Tensor:
+    """[n, k]: the log-probability of each target, then its entropy, start log-probability and KL as asked."""
+    log_probs = (features if head is None else head(features)).float().log_softmax(-1)
+    columns = [log_probs.gather(1, targets[:, None]).squeeze(1)]
+    if entropy:
+        columns.append(entropy_from_log_probs(log_probs))
+    if start_features is not None:
+        with torch.no_grad():
+            start = (start_features if start_head is None else start_head(start_features)).float().log_softmax(-1)
+        columns.append(start.gather(1, targets[:, None]).squeeze(1))
+        columns.append((start.exp() * (start - log_probs)).sum(-1))
+    return torch.stack(columns, -1)
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """log p(token t+1 | tokens <= t) for every position: shape [batch, length - 1]."""
-    return torch.gather(next_token_log_probs(model, input_ids, attention_mask), 2, input_ids[:, 1:, None]).squeeze(-1)
-
-
-def token_logprobs_and_entropy(model, input_ids: torch.Tensor,
-                               attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`token_logprobs` and the full-vocabulary entropy at every position, from the same log-softmax
-    (one forward pass; the [batch, length, vocab] probabilities are one more tensor of the logits' size)."""
-    log_probs = next_token_log_probs(model, input_ids, attention_mask)
-    taken = torch.gather(log_probs, 2, input_ids[:, 1:, None]).squeeze(-1)
-    return taken, entropy_from_log_probs(log_probs)
+    every = torch.ones(input_ids.shape[0], input_ids.shape[1] - 1, dtype=torch.bool, device=input_ids.device)
+    return scored_token_terms(model, input_ids, attention_mask, every).scattered("logprobs", every)
 
 
 def entropy_from_log_probs(log_probs: torch.Tensor) -> torch.Tensor:

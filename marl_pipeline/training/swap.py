@@ -35,14 +35,19 @@ from marl_pipeline.training.trainer import PolicyTrainer
 
 
 def _to_bytes(tensor: torch.Tensor) -> tuple[np.ndarray, torch.dtype, tuple[int, ...]]:
-    """A view of the tensor's bytes (no copy), with what restores it."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape)
+    """A view of the tensor's bytes (no copy on the CPU; a GPU's tensor is copied to host memory), with what restores
+    it."""
+    return (tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy(), tensor.dtype,
+            tuple(tensor.shape))
 
 
-def _from_bytes(packed: tuple[np.ndarray, torch.dtype, tuple[int, ...]]) -> torch.Tensor:
-    """A new tensor, owning a copy of the packed bytes (the object store's buffer is read-only and shared)."""
+def _from_bytes(packed: tuple[np.ndarray, torch.dtype, tuple[int, ...]], device: torch.device) -> torch.Tensor:
+    """A new tensor on ``device``, owning a copy of the packed bytes (the object store's buffer is read-only and
+    shared)."""
     data, dtype, shape = packed
-    return torch.from_numpy(data.copy()).view(dtype).reshape(shape)
+    if device.type == "cpu":
+        return torch.from_numpy(data.copy()).view(dtype).reshape(shape)
+    return torch.from_numpy(data).to(device).view(dtype).reshape(shape)  # the copy is the move
 
 
 def pack_state(trainer: PolicyTrainer) -> dict:
@@ -66,26 +71,28 @@ def release_state(trainer: PolicyTrainer) -> None:
     """Drop ``trainer``'s tensors (its shell keeps the modules with empty parameters)."""
     for model in (trainer.model, trainer.reference):
         for param in model.parameters() if model is not None else ():
-            param.data = torch.empty(0, dtype=param.dtype)
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
             param.grad = None
     trainer.optimizer.state.clear()
 
 
 def unpack_state(trainer: PolicyTrainer, tensors: dict) -> None:
     """Put a packed state back into ``trainer``'s shell."""
+    cpu = torch.device("cpu")
     params = list(trainer.model.parameters())
     for i, param in enumerate(params):
-        param.data = _from_bytes(tensors[f"param.{i}"])
+        param.data = _from_bytes(tensors[f"param.{i}"], trainer.device)
         if f"grad.{i}" in tensors:
-            param.grad = _from_bytes(tensors[f"grad.{i}"])
+            param.grad = _from_bytes(tensors[f"grad.{i}"], trainer.device)
         prefix = f"optim.{i}."
-        moments = {key[len(prefix):]: _from_bytes(value) for key, value in tensors.items() if key.startswith(prefix)}
+        moments = {key[len(prefix):]: _from_bytes(value, cpu if key == f"{prefix}step" else trainer.device)
+                   for key, value in tensors.items() if key.startswith(prefix)}  # AdamW counts steps on the CPU
         if moments:
             trainer.optimizer.state[param] = moments
     if trainer.reference is not None:
         for i, param in enumerate(trainer.reference.parameters()):
-            param.data = _from_bytes(tensors[f"reference.{i}"])
-    torch.set_rng_state(_from_bytes(tensors["rng"]))
+            param.data = _from_bytes(tensors[f"reference.{i}"], trainer.device)
+    torch.set_rng_state(_from_bytes(tensors["rng"], cpu))
 
 
 def state_bytes(tensors: dict) -> int:

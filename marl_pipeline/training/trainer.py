@@ -1,4 +1,6 @@
-"""Policy trainer: one agent's torch model and AdamW optimizer; run in-process or as a Ray actor.
+"""Policy trainer: one agent's torch model and AdamW optimizer, on the device its Ray resources give it (CUDA with a
+GPU, else the CPU); run in-process or as a Ray actor. The one training loop: RL's micro-batches and the warm-up's
+supervised batches (:class:`SupervisedBatch`) go through the same passes, precision and step.
 
 One optimizer step = one RL step. Micro-batches arrive one at a time through :meth:`accumulate`
 (summed loss, backward, gradients add up); :meth:`apply_step` divides the gradients by the step's
@@ -13,6 +15,7 @@ gradients add up to the micro-batch's.
 
 from __future__ import annotations
 
+import copy
 import gc
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,9 +38,8 @@ from marl_pipeline.training.losses import (
     loss_units,
     mismatch_stats,
     pad_sequences,
+    scored_token_terms,
     summed_loss,
-    token_logprobs,
-    token_logprobs_and_entropy,
 )
 
 TRAINER_STATE = "trainer_state.pt"
@@ -59,6 +61,24 @@ class TrainBatch:
     adapters: list[str | None] | None = None
     """Per row, the named adapter that served its turn (the rollout row's ``adapter``): computed with it active too,
     as the engine sampled it (policy/lora.py). None: no such rows."""
+
+
+SUPERVISED_TERMS = ("teach", "keep", "keep_path")
+"""What a supervised row's response is trained to: ``teach`` its tokens (cross-entropy); ``keep`` the reference
+model's distribution at its positions (KL from the reference over the vocabulary); ``keep_path`` that and its own
+tokens' log-probabilities where the reference has them (a squared difference), which the KL barely holds for a
+token the reference rarely samples."""
+
+
+@dataclass(frozen=True)
+class SupervisedBatch:
+    """Supervised rows (the warm-up's, bootstrap/warmup.py): trained by the same passes, precision, device and
+    step as RL's, with a per-row term instead of an advantage."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    terms: list[str]
+    """Per row, one of :data:`SUPERVISED_TERMS`."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +119,8 @@ class PolicyTrainer:
                  min_lr_ratio: float = 0.1, kl_coef: float = 0.0, reference_dir: str | None = None,
                  entropy_coef: float = 0.0, loss_normalization: str = "token", tis_cap: float | None = None,
                  dtype: str = "float32", chunk_tokens: int = 2048, lora: dict | None = None,
-                 base_dir: str | None = None) -> None:
+                 base_dir: str | None = None, activation_checkpointing: bool = False,
+                 device: str | None = None) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens {chunk_tokens}: expected a positive token budget per pass")
         self.chunk_tokens = chunk_tokens
@@ -115,12 +136,18 @@ class PolicyTrainer:
         self.named_adapters = set(adapter_dirs)
         if adapter_dirs:
             add_named_adapters(self.model, adapter_dirs)
-        self.model.train()
-        self.device_type = next(self.model.parameters()).device.type
+        # None: the device the actor's Ray resources give it (Ray hides every GPU from an actor without num_gpus).
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device_type = self.device.type
+        self.model.to(self.device).train()
+        if activation_checkpointing:  # layer activations recomputed in the backward pass: memory for compute
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.dtype = resolve_dtype(dtype, self.device_type)
         # Only the trainable parameters (all of them, or a LoRA agent's adapters): AdamW keeps moments for these.
         trainable = [param for param in self.model.parameters() if param.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
+        # Fused on a GPU: one kernel, and no parameter-sized temporaries in the step (training/memory.py).
+        self.optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay,
+                                           fused=True if self.device_type == "cuda" else None)
         self.resumed_optimizer = self._load_state(Path(model_dir) / TRAINER_STATE, version)
         self.lr, self.lr_decay_steps, self.min_lr_ratio = lr, lr_decay_steps, min_lr_ratio
         self.max_grad_norm = max_grad_norm
@@ -137,7 +164,7 @@ class PolicyTrainer:
             # own float32 weights, gradients and AdamW moments (16 bytes per parameter); and one more forward
             # pass (no backward) per micro-batch.
             self.reference, _ = load_policy(reference_dir)
-            self.reference.eval().requires_grad_(False)
+            self.reference.to(self.device).eval().requires_grad_(False)
         self.version = version
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._step_tokens = 0
@@ -207,23 +234,66 @@ class PolicyTrainer:
             logprobs = batch.old_logprobs[row]
             engine[position, len(prompt) - 1 : len(prompt) - 1 + len(logprobs)] = torch.tensor(logprobs)
         advantages = torch.tensor([batch.advantages[row] for row in rows], dtype=torch.float32)
+        input_ids, attention_mask, mask, engine, advantages = (
+            tensor.to(self.device) for tensor in (input_ids, attention_mask, mask, engine, advantages))
+        taken = mask.bool()
         entropy = ref_logprobs = None
         with autocast(self.dtype, self.device_type):
-            if self.entropy_coef > 0:
-                logprobs, entropy = token_logprobs_and_entropy(self.model, input_ids, attention_mask)
-            else:
-                logprobs = token_logprobs(self.model, input_ids, attention_mask)
+            terms = scored_token_terms(self.model, input_ids, attention_mask, taken, entropy=self.entropy_coef > 0)
             if self.reference is not None:
                 with torch.no_grad():
-                    ref_logprobs = token_logprobs(self.reference, input_ids, attention_mask)
+                    ref_logprobs = scored_token_terms(self.reference, input_ids, attention_mask,
+                                                      taken).scattered("logprobs", taken)
+        logprobs = terms.scattered("logprobs", taken)
+        if terms.entropy is not None:
+            entropy = terms.scattered("entropy", taken)
         token_loss, ratio = grpo_token_loss(logprobs, engine, advantages, self.clip_eps, tis_cap=self.tis_cap,
                                             ref_logprobs=ref_logprobs, kl_coef=self.kl_coef, entropy=entropy,
                                             entropy_coef=self.entropy_coef)
         loss_sum = summed_loss(token_loss, mask, self.loss_normalization)
         loss_sum.backward()
-        taken = mask.bool()
         return (logprobs.detach()[taken], engine[taken], ratio.detach()[taken], int(mask.sum()),
                 loss_units(mask, "sequence"), float(loss_sum.detach()))
+
+    def keep_start_copy(self) -> None:
+        """Freeze a copy of the policy as it is now as the reference (a warm-up's rehearsal keeps to where it
+        started)."""
+        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+
+    def accumulate_supervised(self, batch: SupervisedBatch) -> dict[str, float]:
+        """Add one supervised batch's gradient of its summed loss (every response token counts in the step's
+        token total), in the same length-sorted passes as :meth:`accumulate`; returns its token count and loss."""
+        unknown = sorted(set(batch.terms) - set(SUPERVISED_TERMS))
+        if unknown or len(batch.terms) != len(batch.prompt_ids):
+            raise ValueError(f"supervised terms {unknown or len(batch.terms)}: expected one of {SUPERVISED_TERMS} "
+                             f"per row ({len(batch.prompt_ids)} rows)")
+        if self.reference is None and set(batch.terms) - {"teach"}:
+            raise ValueError("a supervised batch that keeps rows needs the reference model (keep_start_copy)")
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        tokens, loss = 0, 0.0
+        for chunk in length_chunks(lengths, self.chunk_tokens):
+            input_ids, attention_mask, mask = pad_sequences([batch.prompt_ids[row] for row in chunk],
+                                                            [batch.response_ids[row] for row in chunk], self.pad_id)
+            input_ids, attention_mask, mask = (tensor.to(self.device) for tensor in (input_ids, attention_mask, mask))
+            taken = mask.bool()
+            kept = [batch.terms[row] != "teach" for row in chunk]
+            with autocast(self.dtype, self.device_type):
+                terms = scored_token_terms(self.model, input_ids, attention_mask, taken,
+                                           start=self.reference if any(kept) else None)
+            weight = {name: mask * torch.tensor([[batch.terms[row] == name] for row in chunk], device=self.device)
+                      for name in SUPERVISED_TERMS}
+            token_loss = -terms.scattered("logprobs", taken) * weight["teach"]
+            if any(kept):
+                path = terms.scattered("logprobs", taken) - terms.scattered("start_logprobs", taken)
+                token_loss = token_loss + terms.scattered("start_kl", taken) * (weight["keep"] + weight["keep_path"])
+                token_loss = token_loss + path ** 2 * weight["keep_path"]
+            chunk_loss = token_loss.sum()
+            chunk_loss.backward()
+            tokens += int(mask.sum())
+            loss += float(chunk_loss.detach())
+        self._step_tokens += tokens
+        self._step_sequences += len(batch.prompt_ids)
+        return {"rows": len(batch.prompt_ids), "tokens": tokens, "loss_sum": loss}
 
     def apply_step(self) -> StepResult:
         """Turn the accumulated gradients into one optimizer step; the policy version goes up by one."""
@@ -257,9 +327,9 @@ class PolicyTrainer:
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """Detached copies of the parameters in Hugging Face naming, ready for an engine's reload (a LoRA agent's
         with its adapters merged in)."""
-        if self.lora:
-            return merged_weights(self.model)
-        return [(name, tensor.detach().clone()) for name, tensor in self.model.state_dict().items()]
+        if self.lora:  # fresh tensors already: on the CPU, no second copy
+            return [(name, tensor.to("cpu")) for name, tensor in merged_weights(self.model)]
+        return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in self.model.state_dict().items()]
 
     def save(self, directory: str) -> None:
         """The policy (Hugging Face format, what engines load; a LoRA agent's adapters only) and the trainer state
@@ -269,7 +339,8 @@ class PolicyTrainer:
             self.model.save_pretrained(directory, selected_adapters=[POLICY])
         else:
             save_policy(self.model, self.tokenizer, Path(directory))
-        torch.save({"version": self.version, "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()},
+        torch.save({"version": self.version, "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state(),
+                    **({"cuda_rng": torch.cuda.get_rng_state()} if self.device_type == "cuda" else {})},
                    Path(directory) / TRAINER_STATE)
 
     def _load_state(self, path: Path, version: int) -> bool:
@@ -277,25 +348,27 @@ class PolicyTrainer:
         saved before complete checkpoints), and AdamW starts fresh."""
         if not path.exists():
             return False
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)  # AdamW's load moves it to the parameters
         if state["version"] != version:
             raise ValueError(f"{path} holds the trainer state of version {state['version']}, not {version}")
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
+        if "cuda_rng" in state and self.device_type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"])
         return True
 
     @torch.no_grad()
     def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int],
                             adapter: str | None = None) -> list[float]:
         """The trainer's logprob of each response token given the prompt, with the named ``adapter`` active too."""
-        input_ids, attention_mask, mask = pad_sequences([prompt_ids], [response_ids], self.pad_id)
+        input_ids, attention_mask, mask = (tensor.to(self.device) for tensor in
+                                           pad_sequences([prompt_ids], [response_ids], self.pad_id))
         self._use_adapter(adapter)
         try:
             with autocast(self.dtype, self.device_type):
-                logprobs = token_logprobs(self.model, input_ids, attention_mask)
+                return scored_token_terms(self.model, input_ids, attention_mask, mask.bool()).logprobs.tolist()
         finally:
             self._use_adapter(None)
-        return logprobs[0][mask[0].bool()].tolist()
 
     def policy_version(self) -> int:
         return self.version
