@@ -105,24 +105,25 @@ class _PolicyProgress:
         self.instance, self.run_id = instance, run_id
         self.total: int | None = None
         self.done = 0
-        self.setup: list[str] = []
-        """The launch's set-up phases logged since the last poll (``assets.train.SETUP_PREFIX`` lines)."""
+        self.lines: list[str] = []
+        """The launch's set-up phases and finished steps logged since the last poll (``assets.train.SETUP_PREFIX``
+        and ``STEP_PREFIX`` lines)."""
         self._cursor: str | None = None
 
     def poll(self) -> int:
         """Read the records logged since the last poll; returns how many there were."""
         import dagster as dg
 
-        from assets.train import SETUP_PREFIX
+        from assets.train import SETUP_PREFIX, STEP_PREFIX
 
         connection = self.instance.get_records_for_run(self.run_id, cursor=self._cursor)
-        self.setup = []
+        self.lines = []
         for record in connection.records:
             entry = record.event_log_entry
             event = entry.dagster_event
             if event is None:
-                if entry.user_message.startswith(SETUP_PREFIX):
-                    self.setup.append(entry.user_message)
+                if entry.user_message.startswith((SETUP_PREFIX, STEP_PREFIX)):
+                    self.lines.append(entry.user_message)
                 continue
             if not (event.is_asset_observation or event.is_step_materialization) or (
                     event.asset_key != dg.AssetKey("policies")):
@@ -146,7 +147,7 @@ def _follow(instance, run_id: str, run: str, worker: threading.Thread) -> None:
         while True:
             finished = not worker.is_alive()  # checked before the last poll, so that poll sees every event
             followed.poll()
-            for line in followed.setup:
+            for line in followed.lines:
                 progress.console.print(line)
             if followed.total is not None:
                 progress.update(task, total=followed.total, completed=followed.done,

@@ -90,6 +90,15 @@ def run_report(finished, timeline) -> tuple[dict, dict[str, dg.MetadataValue]]:
     metadata: dict[str, dg.MetadataValue] = {
         name: dg.MetadataValue.float(value) for name, value in report.items() if isinstance(value, float)}
     metadata["staleness_histogram"] = dg.MetadataValue.json(report["staleness_histogram"])
+    if timeline.step_times:  # step time: between consecutive step ends; span: a step's first rollout to its commit
+        _, seconds, spans = zip(*timeline.step_times)
+        report["mean_step_seconds"] = sum(seconds) / len(seconds)
+        report["mean_step_span_seconds"] = sum(spans) / len(spans)
+        metadata["step_times"] = dg.MetadataValue.md(
+            "| step | step time (s) | first rollout to commit (s) |\n| ---: | ---: | ---: |\n"
+            + "\n".join(f"| {step} | {second:.2f} | {span:.2f} |" for step, second, span in timeline.step_times))
+        metadata["mean_step_seconds"] = dg.MetadataValue.float(report["mean_step_seconds"])
+        metadata["mean_step_span_seconds"] = dg.MetadataValue.float(report["mean_step_span_seconds"])
     metadata["resumed"] = dg.MetadataValue.bool(plan.resumed)
     metadata["placement"] = dg.MetadataValue.json(finished.placement.summary())
     return report, metadata

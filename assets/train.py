@@ -26,6 +26,8 @@ from resources import ExperimentResource, RayCluster
 
 SETUP_PREFIX = "set-up: "
 """What a launch's set-up phases start with in the run's log: the ``marl`` CLI prints those lines as they come."""
+STEP_PREFIX = "step "
+"""What a finished step's line starts with in the run's log: the ``marl`` CLI prints those too."""
 
 
 @dg.op(description="Stream micro-batches through rollout, environment, reward and train on Ray.",
@@ -72,8 +74,9 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
             _log_evaluation(context, config, event)
         elif isinstance(event, StepFinished):
             rewards = ", ".join(f"{agent} {value:.3f}" for agent, value in event.mean_reward.items())
-            context.log.info(f"step {event.step}: mean reward {mean_reward(event.mean_reward):.3f} ({rewards}), "
-                             f"{event.seconds:.2f} s")
+            context.log.info(f"{STEP_PREFIX}{event.step}: mean reward {mean_reward(event.mean_reward):.3f} "
+                             f"({rewards}); step time {event.seconds:.2f} s, first rollout to commit "
+                             f"{event.span_seconds:.2f} s")
         elif isinstance(event, ReplicaChanged):
             _log_replica(context, event)
         elif isinstance(event, SetupPhase):

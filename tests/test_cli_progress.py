@@ -1,5 +1,5 @@
-"""The CLI's progress follower on a real Dagster instance: totals from the op's launch plan, set-up lines from the
-run's log, reads by cursor.
+"""The CLI's progress follower on a real Dagster instance: totals from the op's launch plan, set-up and step lines
+from the run's log, reads by cursor.
 
 No ``from __future__ import annotations``: Dagster checks the op's ``context`` annotation as an evaluated type.
 """
@@ -11,7 +11,7 @@ import dagster as dg
 
 from assets.cli import _PolicyProgress
 from assets.partitions import agent_key, stage_partition
-from assets.train import SETUP_PREFIX, plan_observations
+from assets.train import SETUP_PREFIX, STEP_PREFIX, plan_observations
 from marl_pipeline.run.launches import LaunchPlan
 
 # A resumed launch: it ends after step 4, the solver already holds version 3, the verifier version 2, so it
@@ -35,6 +35,7 @@ def test_progress_total_comes_from_the_launch_plan_and_polls_read_only_new_recor
         assert go_on.wait(60)
         for agent in ("solver", "verifier"):
             context.log_event(dg.AssetMaterialization("policies", partition=agent_key("r", agent)))
+        context.log.info(f"{STEP_PREFIX}2: mean reward 0.500; step time 1.00 s, first rollout to commit 2.00 s")
 
     @dg.job
     def launch_job() -> None:
@@ -49,11 +50,12 @@ def test_progress_total_comes_from_the_launch_plan_and_polls_read_only_new_recor
         progress = _PolicyProgress(instance, run_id)
         assert progress.poll() >= 6  # the set-up lines, 2 plan observations, 2 materializations, the run's events
         assert (progress.total, progress.done) == (5, 1)
-        assert progress.setup == [f"{SETUP_PREFIX}version 0 found in the store (0.1 s)"]
+        assert progress.lines == [f"{SETUP_PREFIX}version 0 found in the store (0.1 s)"]
         assert progress.poll() == 0  # nothing new since the cursor
-        assert (progress.total, progress.done, progress.setup) == (5, 1, [])
+        assert (progress.total, progress.done, progress.lines) == (5, 1, [])
     finally:
         go_on.set()
         worker.join()
-    assert progress.poll() >= 2
+    assert progress.poll() >= 3
     assert (progress.total, progress.done) == (5, 3)
+    assert progress.lines == [f"{STEP_PREFIX}2: mean reward 0.500; step time 1.00 s, first rollout to commit 2.00 s"]

@@ -67,7 +67,12 @@ def test_streaming_s0_ends_with_the_synchronous_parameters(local_ray, demo_confi
 def test_staleness_1_never_trains_on_older_samples(local_ray, demo_config_data, tmp_path: Path) -> None:
     config = parse_config(small_config_data(demo_config_data, tmp_path / "store", steps=4, micro_batches_per_step=2,
                                             staleness=1))
-    _run(config)
+    steps = [event for event in _run(config) if isinstance(event, StepFinished)]
+    # Step time runs from one step's end to the next; a step's span from its first rollout, which at staleness 1
+    # comes before the previous step ends: the spans overlap, the step times add up to the launch.
+    assert [step.step for step in steps] == [0, 1, 2, 3]
+    assert steps[0].seconds == steps[0].span_seconds
+    assert all(step.span_seconds > step.seconds > 0 for step in steps[2:]), steps
     store = ExperienceStore(config.store)
     rollouts = store.read_stage("demo", "rollouts", columns=["step", "policy_version", "agent"])
     staleness = pc.subtract(rollouts.column("step"), rollouts.column("policy_version")).to_pylist()

@@ -58,3 +58,27 @@ def test_overhead_excludes_the_trainers_optimizer_step_and_the_synchronous_barri
              Span("environment_results", 0, 0, 2, 2.5, 3)]
     assert orchestrator_overhead(spans, synchronous=True) == pytest.approx(0.25)
     assert orchestrator_overhead(spans) == pytest.approx(0.75)
+
+
+def test_step_times_reach_the_run_report() -> None:
+    """Each step's time (end to end of consecutive steps) and span (first rollout to commit) as reported, and their
+    means in the run's metadata, as a table too."""
+    from types import SimpleNamespace
+
+    from assets.metadata import run_report
+    from marl_pipeline.cluster.placement import PlacementPlan
+    from marl_pipeline.run.events import StepFinished
+    from marl_pipeline.run.launches import LaunchPlan
+    from marl_pipeline.run.pipeline_metrics import TimelineRecorder
+
+    recorder = TimelineRecorder()
+    recorder.add(StepFinished(0, {"solver": 1.0}, 4.0, 4.0))
+    recorder.add(StepFinished(1, {"solver": 1.0}, 2.0, 6.0))
+    timeline = recorder.timeline()
+    assert timeline.step_times == ((0, 4.0, 4.0), (1, 2.0, 6.0))
+    finished = SimpleNamespace(plan=LaunchPlan(0, 1, {"solver": 0}, False, {}), started=0.0, ended=6.0,
+                               placement=PlacementPlan([], {}))
+    report, metadata = run_report(finished, timeline)
+    assert (report["mean_step_seconds"], report["mean_step_span_seconds"]) == (3.0, 5.0)
+    assert metadata["mean_step_seconds"].value == 3.0
+    assert "| 1 | 2.00 | 6.00 |" in metadata["step_times"].value

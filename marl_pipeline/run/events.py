@@ -63,11 +63,15 @@ class PolicyCommitted:
 
 @dataclass(frozen=True)
 class StepFinished:
-    """Every agent has stepped past ``step``: its reward summary, for progress displays."""
+    """Every agent has stepped past ``step``: its reward summary and times, for progress displays."""
 
     step: int
     mean_reward: dict[str, float]
     seconds: float
+    """Since the previous step finished (the launch's first step: since its first rollout): the step time that
+    throughput is, overlap included."""
+    span_seconds: float
+    """From the step's first rollout to its last commit: longer than ``seconds`` when steps overlap (staleness)."""
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,7 @@ class Orchestrator:
         self._served_changed = threading.Condition()
         self._ready_at: dict[tuple[str, MicroBatchKey], float] = {}
         self._step_started: dict[int, float] = {}
+        self._last_step_end: float | None = None  # when the previous StepFinished was put (None: none yet)
         for agent, replicas in workers.engines.items():  # a replica's death and restart, to the caller's log
             replicas.listener = partial(self._replica_changed, agent)
 
@@ -263,8 +264,14 @@ class Orchestrator:
                 self._served_changed.notify_all()
                 everyone_past = min(self._served.values()) > pending.step
             if everyone_past:
-                self._events.put(StepFinished(pending.step, self.step_rewards(pending.step),
-                                              time.time() - self._step_started.get(pending.step, started)))
+                self._events.put(self._step_finished(pending.step, started))
+
+    def _step_finished(self, step: int, fallback_start: float) -> StepFinished:
+        with self._served_changed:  # publishers of several agents may finish steps at once
+            now, first_rollout = time.time(), self._step_started.get(step, fallback_start)
+            since = now - (self._last_step_end if self._last_step_end is not None else first_rollout)
+            self._last_step_end = now
+        return StepFinished(step, self.step_rewards(step), since, now - first_rollout)
 
     def _evaluate_if_due(self, agent: str, version: int) -> None:
         if self.evaluations is not None and self.evaluations.due(version):

@@ -12,7 +12,7 @@ from itertools import pairwise
 
 import pyarrow.compute as pc
 
-from marl_pipeline.run.events import PolicyCommitted, StageCommitted
+from marl_pipeline.run.events import PolicyCommitted, StageCommitted, StepFinished
 
 # Which resource a stage occupies: rollout engines, environment workers, the reward scorer, the trainers.
 RESOURCE_OF_STAGE = {"rollouts": "engines", "environment_results": "environment", "rewards": "reward",
@@ -41,6 +41,9 @@ class LaunchTimeline:
     tokens: int
     staleness: dict[int, int]
     """Turns sampled at each staleness (step - policy version)."""
+    step_times: tuple[tuple[int, float, float], ...] = ()
+    """Per finished step: (step, seconds since the previous one finished, seconds from its first rollout to its last
+    commit), as ``StepFinished`` reports them."""
 
 
 class TimelineRecorder:
@@ -52,6 +55,7 @@ class TimelineRecorder:
         self.episodes = self.tokens = 0
         self._steps: list[int] = []
         self._versions: list[int] = []
+        self._step_times: list[tuple[int, float, float]] = []
 
     def add(self, event: object) -> None:
         if isinstance(event, StageCommitted):
@@ -67,10 +71,12 @@ class TimelineRecorder:
         elif isinstance(event, PolicyCommitted):
             t = event.timing
             self.spans.append(Span("optimizer_step", event.step, -1, t.enqueued, t.started, t.ended))
+        elif isinstance(event, StepFinished):
+            self._step_times.append((event.step, event.seconds, event.span_seconds))
 
     def timeline(self) -> LaunchTimeline:
         return LaunchTimeline(list(self.spans), self.episodes, self.tokens,
-                              staleness_histogram(self._steps, self._versions))
+                              staleness_histogram(self._steps, self._versions), tuple(self._step_times))
 
 
 def timeline_from_events(events) -> LaunchTimeline:
