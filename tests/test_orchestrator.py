@@ -158,10 +158,21 @@ def test_killed_three_times_and_resumed_commits_every_micro_batch_once(uninterru
         process.wait()
     before = _committed(store)
     assert before < total
+    # What a killed launch may leave half-written (whether these kills did depends on their timing), and another
+    # run's staging, which may be a live writer's: the resuming launch removes the first, never the second.
+    attempt = f"{time.time_ns() - 10**10:016x}-0000dead"
+    dead = [tmp_path / "store" / "run=demo" / "stage=rewards" / "step=0" / f"_staging-micro_batch=0-{attempt}",
+            tmp_path / "store" / "run=demo" / "policies" / "agent=solver" / f"_staging-version=9-{attempt}"]
+    alive = tmp_path / "store" / "run=other" / "stage=rewards" / "step=0" / f"_staging-micro_batch=0-{attempt}"
+    for directory in [*dead, alive]:
+        directory.mkdir(parents=True)
+        (directory / "part.parquet").write_bytes(b"half")
     process = _launch(config_path, tmp_path)
     output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output
     assert "mean reward per step" in output
+    assert "uncommitted leftovers of the launch that died" in output
+    assert not list((tmp_path / "store" / "run=demo").rglob("_staging-*")) and alive.exists()
 
     assert_every_micro_batch_once(store, steps, micro_batches)
     # and it ends where a launch never killed ends: the same parameters, AdamW's moments restored on each resume

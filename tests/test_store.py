@@ -182,7 +182,8 @@ def test_a_writer_killed_before_its_commit_leaves_nothing_visible(store_config: 
             assert set(store.read("rewards", key).column("reward").to_pylist()) == {1.0}
         assert 9.0 not in store.read_stage("r", "rewards").column("reward").to_pylist()
         assert store.vacuum(older_than=3600) == []  # too young: it could be a writer still at work
-        removed = store.vacuum(older_than=0)
+        assert store.vacuum(older_than=0, run="other") == []  # another run's leftovers only
+        removed = store.vacuum(older_than=0, run="r")
         assert removed and all(any(r in left or left.startswith(r) for r in removed) for left in leftovers)
         assert _everything(store) == before
     assert store.read_stage("r", "rewards").num_rows == 6

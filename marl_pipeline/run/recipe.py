@@ -26,6 +26,7 @@ from marl_pipeline.store import ExperienceStore
 def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
     """Run one launch: resume an unfinished one, or add ``pipeline.steps`` steps after the newest policies."""
     started = phase = time.perf_counter()
+    launched = time.time()
 
     def done(name: str) -> SetupPhase:
         nonlocal phase
@@ -48,6 +49,9 @@ def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
     if reward_model is not None:
         yield done("reward model ready")
     plan = plan_launch(store, config)
+    if plan.resumed:  # what the launch that died left half-written (older than this launch: none of its own)
+        if removed := store.vacuum(older_than=time.time() - launched, run=config.run):
+            yield done(f"removed {len(removed)} uncommitted leftovers of the launch that died")
     workers = start_workers(config, store, plan.versions, reward_model,
                             action_pool_settings(env, config.environment.pool))
     replicas = sum(agent.engine.replicas for agent in config.agents.values())

@@ -206,14 +206,14 @@ class PolicyCheckpoints:
             shutil.rmtree(self.local_dir(run, agent, version), ignore_errors=True)
         return doomed
 
-    def garbage(self, older_than: float) -> list[str]:
-        """Leftovers older than ``older_than`` seconds: local staging directories, and on S3 uploaded attempts
-        that no manifest names (a trainer or driver that died before the commit point)."""
-        local = [str(p) for p in self.cache.glob(f"run=*/{self.folder}/{self.key}=*/_staging-*")
+    def garbage(self, older_than: float, run: str = "*") -> list[str]:
+        """Leftovers older than ``older_than`` seconds (of ``run``, or of every run): local staging directories,
+        and on S3 uploaded attempts that no manifest names (a trainer or driver that died before the commit point)."""
+        local = [str(p) for p in self.cache.glob(f"run={run}/{self.folder}/{self.key}=*/_staging-*")
                  if _is_old(p.name, older_than)]
         remote: list[str] = []
         if not self.location.local:
-            pattern = self.location.path("run=*", self.folder, f"{self.key}=*", "version=*", "*")
+            pattern = self.location.path(f"run={run}", self.folder, f"{self.key}=*", "version=*", "*")
             for path in self.location.fs.glob(pattern):
                 directory, name = path.rsplit("/", 1)
                 if name == MANIFEST or not _is_old(name, older_than):

@@ -156,15 +156,15 @@ def partition_garbage(location: Location, partition: str, manifest: Manifest | N
     return [p for p in paths if p.endswith(".parquet") and p not in keep and _is_old(p.rsplit("/", 1)[1], older_than)]
 
 
-def collect_garbage(location: Location, older_than: float) -> list[str]:
-    """Delete every stage-partition leftover older than ``older_than`` seconds; returns what was deleted (policy
-    checkpoints' leftovers are ``PolicyCheckpoints.garbage``'s)."""
+def collect_garbage(location: Location, older_than: float, run: str = "*") -> list[str]:
+    """Delete every stage-partition leftover older than ``older_than`` seconds (of ``run``, or of every run); returns
+    what was deleted (policy checkpoints' leftovers are ``PolicyCheckpoints.garbage``'s)."""
     garbage: list[str] = []
     if location.local:
-        for pattern in ("run=*/stage=*/step=*/_staging-*", "run=*/stage=*/step=*/_replaced-*"):
+        for pattern in (f"run={run}/stage=*/step=*/_staging-*", f"run={run}/stage=*/step=*/_replaced-*"):
             garbage += [str(p) for p in Path(location.base).glob(pattern) if _is_old(p.name, older_than)]
     else:
-        files = location.fs.glob(location.path("run=*/stage=*/step=*/micro_batch=*/agent=*/*.parquet"))
+        files = location.fs.glob(location.path(f"run={run}/stage=*/step=*/micro_batch=*/agent=*/*.parquet"))
         for partition in sorted({path.rsplit("/", 2)[0] for path in files}):
             garbage += partition_garbage(location, partition, read_manifest(location, partition), older_than)
     remove(location, garbage)

@@ -174,10 +174,11 @@ class ExperienceStore:
             commits.remove(self.location, [f"{directory}/{f}" for f in files.values()
                                            if self.location.fs.exists(f"{directory}/{f}")])
 
-    def vacuum(self, older_than: float = commits.GRACE_SECONDS) -> list[str]:
-        """Delete leftovers of dead writers older than ``older_than`` seconds; returns the deleted paths."""
-        return (commits.collect_garbage(self.location, older_than) + self.checkpoints.garbage(older_than)
-                + self.models.garbage(older_than))
+    def vacuum(self, older_than: float = commits.GRACE_SECONDS, run: str = "*") -> list[str]:
+        """Delete leftovers of dead writers older than ``older_than`` seconds (of ``run``, or of every run); returns
+        the deleted paths."""
+        return (commits.collect_garbage(self.location, older_than, run) + self.checkpoints.garbage(older_than, run)
+                + self.models.garbage(older_than, run))
 
     # -- reads ------------------------------------------------------------------------------------
     def manifest(self, stage: str, key: MicroBatchKey) -> Manifest | None:
