@@ -53,6 +53,7 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     import dagster as dg
 
     from assets.definitions import defs
+    from assets.train import RUN_TAG
 
     instance = dg.DagsterInstance.get()
     run_id = str(uuid.uuid4())  # what Dagster's own run ids are; the CLI needs it before the run starts
@@ -67,7 +68,8 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     def execute() -> None:
         try:
             outcome["result"] = defs.get_job_def("train").execute_in_process(
-                run_config=run_config, instance=instance, run_id=run_id, raise_on_error=False)
+                run_config=run_config, instance=instance, run_id=run_id, raise_on_error=False,
+                tags={RUN_TAG: config.run})  # from the start: a launch killed before its op began is found too
         except BaseException as error:
             outcome["error"] = error
 

@@ -26,6 +26,8 @@ from resources import ExperimentResource, RayCluster
 
 SETUP_PREFIX = "set-up: "
 """What a launch's set-up phases start with in the run's log: the ``marl`` CLI prints those lines as they come."""
+RUN_TAG = "marl/run"
+"""The Dagster tag that names the training run a launch belongs to."""
 STEP_PREFIX = "step "
 """What a finished step's line starts with in the run's log: the ``marl`` CLI prints those too."""
 
@@ -51,6 +53,7 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
     config = experiment.load()
     store = ExperienceStore(config.store)  # read-only here: the previews' rollouts and the run's plots
     instance = context.instance
+    instance.add_run_tags(context.run_id, {RUN_TAG: config.run})  # how the next launch of the run finds this one
     instance.add_dynamic_partitions(AGENTS.name, [agent_key(config.run, agent) for agent in config.agents])
     instance.add_dynamic_partitions(RUNS.name, [config.run])
     timeline = TimelineRecorder()  # what the run report needs of each event; the events themselves are dropped
@@ -82,6 +85,7 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
         elif isinstance(event, SetupPhase):
             context.log.info(f"{SETUP_PREFIX}{event.name} ({event.seconds:.1f} s)")
         elif isinstance(event, RunStarted):
+            _fail_dead_predecessors(context, config.run, event.plan.resumed)
             _log_start(context, config, event)
         elif isinstance(event, RunFinished):
             launch = timeline.timeline()
@@ -91,6 +95,21 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
                                                       metadata={"plots": plots, **metadata}))
             return dg.Output(report, metadata=metadata)
     raise RuntimeError("the training launch ended without finishing")  # unreachable: train() raises first
+
+
+def _fail_dead_predecessors(context: dg.OpExecutionContext, run: str, resumed: bool) -> None:
+    """Mark failed every earlier Dagster run of this training run still shown as started: its process died (a
+    kill -9 leaves no failure event), since a run's launches never overlap (each plans from the launch record)."""
+    stale = context.instance.get_runs(filters=dg.RunsFilter(
+        tags={RUN_TAG: run}, statuses=[dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING]))
+    for dagster_run in stale:
+        if dagster_run.run_id == context.run_id:
+            continue
+        what = "resumed" if resumed else "followed"
+        context.instance.report_run_failed(dagster_run, message=f"its process died: run {run!r} was {what} by Dagster "
+                                                                f"run {context.run_id}")
+        context.log.warning(f"Dagster run {dagster_run.run_id} of run {run!r} was shown as started, but its process "
+                            f"died; marked failed")
 
 
 def _log_evaluation(context: dg.OpExecutionContext, config, event) -> None:

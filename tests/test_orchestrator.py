@@ -173,6 +173,17 @@ def test_killed_three_times_and_resumed_commits_every_micro_batch_once(uninterru
     assert "mean reward per step" in output
     assert "uncommitted leftovers of the launch that died" in output
     assert not list((tmp_path / "store" / "run=demo").rglob("_staging-*")) and alive.exists()
+    # The killed launches' Dagster runs are marked failed by the launches that followed them, not left started.
+    import dagster as dg
+
+    with dg.DagsterInstance.from_config(str(tmp_path / "dagster_home")) as instance:
+        runs = instance.get_runs(filters=dg.RunsFilter(job_name="train"))  # newest first
+        statuses = [run.status.value for run in runs]
+        assert len(runs) >= 2 and statuses == ["SUCCESS"] + ["FAILURE"] * (len(runs) - 1), statuses
+        failures = [record.event_log_entry.dagster_event.message
+                    for record in instance.get_records_for_run(runs[1].run_id).records
+                    if record.event_log_entry.dagster_event and record.event_log_entry.dagster_event.is_run_failure]
+        assert failures and "its process died" in failures[-1] and "resumed by Dagster run" in failures[-1]
 
     assert_every_micro_batch_once(store, steps, micro_batches)
     # and it ends where a launch never killed ends: the same parameters, AdamW's moments restored on each resume
