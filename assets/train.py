@@ -5,6 +5,8 @@ turns each commit into an ``AssetMaterialization`` of that stage partition (abou
 moment it lands, so the UI's partition grid fills in live.
 """
 
+import os
+import socket
 
 import dagster as dg
 
@@ -28,6 +30,8 @@ SETUP_PREFIX = "set-up: "
 """What a launch's set-up phases start with in the run's log: the ``marl`` CLI prints those lines as they come."""
 RUN_TAG = "marl/run"
 """The Dagster tag that names the training run a launch belongs to."""
+PROCESS_TAG = "marl/process"
+"""The Dagster tag that names the host and process id a launch's op runs in."""
 STEP_PREFIX = "step "
 """What a finished step's line starts with in the run's log: the ``marl`` CLI prints those too."""
 
@@ -53,7 +57,8 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
     config = experiment.load()
     store = ExperienceStore(config.store)  # read-only here: the previews' rollouts and the run's plots
     instance = context.instance
-    instance.add_run_tags(context.run_id, {RUN_TAG: config.run})  # how the next launch of the run finds this one
+    # How the next launch of the run finds this one, and tells whether its process still lives.
+    instance.add_run_tags(context.run_id, {RUN_TAG: config.run, PROCESS_TAG: f"{socket.gethostname()}:{os.getpid()}"})
     instance.add_dynamic_partitions(AGENTS.name, [agent_key(config.run, agent) for agent in config.agents])
     instance.add_dynamic_partitions(RUNS.name, [config.run])
     timeline = TimelineRecorder()  # what the run report needs of each event; the events themselves are dropped
@@ -105,11 +110,26 @@ def _fail_dead_predecessors(context: dg.OpExecutionContext, run: str, resumed: b
     for dagster_run in stale:
         if dagster_run.run_id == context.run_id:
             continue
+        host, _, pid = dagster_run.tags.get(PROCESS_TAG, "").partition(":")
+        if host == socket.gethostname() and _alive(int(pid)):
+            context.log.warning(f"Dagster run {dagster_run.run_id} of run {run!r} is still running (process {pid}): "
+                                f"two launches of one run at once write over each other's plan")
+            continue
         what = "resumed" if resumed else "followed"
         context.instance.report_run_failed(dagster_run, message=f"its process died: run {run!r} was {what} by Dagster "
                                                                 f"run {context.run_id}")
         context.log.warning(f"Dagster run {dagster_run.run_id} of run {run!r} was shown as started, but its process "
                             f"died; marked failed")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # no signal sent: only whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
 
 
 def _log_evaluation(context: dg.OpExecutionContext, config, event) -> None:

@@ -59,3 +59,40 @@ def test_progress_total_comes_from_the_launch_plan_and_polls_read_only_new_recor
     assert progress.poll() >= 3
     assert (progress.total, progress.done) == (5, 3)
     assert progress.lines == [f"{STEP_PREFIX}2: mean reward 0.500; step time 1.00 s, first rollout to commit 2.00 s"]
+
+
+def test_a_launch_marks_failed_the_earlier_runs_whose_process_died_and_only_those(tmp_path: Path) -> None:
+    """Runs shown as started: one whose process is gone (a kill -9 of `marl train`) is marked failed with the
+    launch that followed it named; one whose process still runs is left alone. The real kill is in
+    test_orchestrator.py's kill-and-resume test."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from assets.train import PROCESS_TAG, RUN_TAG, _fail_dead_predecessors
+
+    instance = dg.DagsterInstance.local_temp(str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = socket.gethostname()
+    for run_id, pid in (("0000dead-0000-4000-8000-000000000001", gone.pid),
+                        ("0000a11e-0000-4000-8000-000000000002", os.getpid())):
+        instance.add_run(dg.DagsterRun(job_name="train", run_id=run_id, status=dg.DagsterRunStatus.STARTED,
+                                       tags={RUN_TAG: "r", PROCESS_TAG: f"{host}:{pid}"}))
+
+    @dg.op
+    def launch(context: dg.OpExecutionContext) -> None:
+        _fail_dead_predecessors(context, "r", resumed=True)
+
+    @dg.job
+    def launch_job() -> None:
+        launch()
+
+    result = launch_job.execute_in_process(instance=instance, tags={RUN_TAG: "r"})
+    dead, alive = (instance.get_run_by_id(run_id) for run_id in ("0000dead-0000-4000-8000-000000000001",
+                                                                   "0000a11e-0000-4000-8000-000000000002"))
+    assert (dead.status, alive.status) == (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.STARTED)
+    messages = [record.event_log_entry.dagster_event.message for record in
+                instance.get_records_for_run(dead.run_id).records if record.event_log_entry.dagster_event]
+    assert any(f"resumed by Dagster run {result.run_id}" in (message or "") for message in messages)
