@@ -282,9 +282,10 @@ class PolicyTrainer:
                                            start=self.reference if any(kept) else None)
             weight = {name: mask * torch.tensor([[batch.terms[row] == name] for row in chunk], device=self.device)
                       for name in SUPERVISED_TERMS}
-            token_loss = -terms.scattered("logprobs", taken) * weight["teach"]
+            logprobs = terms.scattered("logprobs", taken)
+            token_loss = -logprobs * weight["teach"]
             if any(kept):
-                path = terms.scattered("logprobs", taken) - terms.scattered("start_logprobs", taken)
+                path = logprobs - terms.scattered("start_logprobs", taken)
                 token_loss = token_loss + terms.scattered("start_kl", taken) * (weight["keep"] + weight["keep_path"])
                 token_loss = token_loss + path ** 2 * weight["keep_path"]
             chunk_loss = token_loss.sum()
