@@ -17,8 +17,10 @@ read from a local directory, a copy in ``StoreConfig.policy_cache`` for S3 (marl
 from __future__ import annotations
 
 import os
+import random
 import re
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,8 +47,17 @@ from marl_pipeline.store.schema import (
 from marl_pipeline.store.storage import open_location, policy_root, read_json, write_json
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-_READ_ATTEMPTS = 5
+_READ_ATTEMPTS = 10
 """A read retries when a re-commit replaced the files it was reading (it then reads the new commit)."""
+
+
+def _read_attempts() -> Iterator[int]:
+    """Attempt numbers of a read that re-commits may race. A jittered pause between attempts (growing to 50 ms)
+    lets a writer's swap finish: 5 immediate retries lost to back-to-back S3 re-commits (1 CI run in ~20)."""
+    for attempt in range(_READ_ATTEMPTS):
+        if attempt:
+            time.sleep(random.uniform(0, min(0.05, 0.005 * 2 ** attempt)))
+        yield attempt
 
 
 class StoreError(RuntimeError):
@@ -225,7 +236,7 @@ class ExperienceStore:
         null, or derived from the columns they have (``schema.DERIVED_COLUMNS``: ``group_id``).
         """
         partition = self.partition_path(stage, key)
-        for _ in range(_READ_ATTEMPTS):
+        for _ in _read_attempts():
             manifest = self.manifest(stage, key)
             if manifest is None:
                 raise StoreError(f"{stage} {key} is not committed (no {self.location.uri_of(partition)})")
@@ -245,7 +256,7 @@ class ExperienceStore:
 
         Filters on step, micro_batch or agent prune files; DuckDB and Polars query it directly (docs/store.md).
         """
-        for _ in range(_READ_ATTEMPTS):
+        for _ in _read_attempts():
             try:
                 return self._committed_dataset(run, stage)
             except FileNotFoundError:
@@ -279,7 +290,7 @@ class ExperienceStore:
         ``group_id`` of a row written before schema 5 is null there).
         """
         levels = ("step", "micro_batch", "agent")
-        for _ in range(_READ_ATTEMPTS):
+        for _ in _read_attempts():
             dataset = self.dataset(run, stage)
             try:
                 return upgraded(dataset.to_table(columns=columns_to_read(columns), filter=filter), columns)
