@@ -27,8 +27,8 @@ import time
 import numpy as np
 import torch
 
+from marl_pipeline.training.batches import TrainBatch
 from marl_pipeline.training.losses import pad_sequences
-from marl_pipeline.training.trainer import TrainBatch
 
 LR, CLIP_EPS, MAX_GRAD_NORM = 1e-6, 0.2, 1.0
 

@@ -41,7 +41,8 @@ import numpy as np
 import torch
 
 from marl_pipeline.stages.training import issue_order
-from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
+from marl_pipeline.training.batches import TrainBatch
+from marl_pipeline.training.trainer import PolicyTrainer
 
 OPTIONS = dict(lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, seed=0)
 

@@ -46,7 +46,8 @@ def _tensor_bytes(tensors) -> int:
 def _one_rep(model_dir: str, lora: dict | None, rows: int, tokens: int, threads: int, out) -> None:
     import torch
 
-    from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
+    from marl_pipeline.training.batches import TrainBatch
+    from marl_pipeline.training.trainer import PolicyTrainer
 
     started = time.perf_counter()
     trainer = PolicyTrainer(model_dir, 0, lr=1e-4, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, seed=0,

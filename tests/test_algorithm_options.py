@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from marl_pipeline.policy import precision
+from marl_pipeline.training.batches import TrainBatch
 from marl_pipeline.training.losses import (
     entropy_from_log_probs,
     grpo_token_loss,
@@ -19,7 +20,7 @@ from marl_pipeline.training.losses import (
     summed_loss,
     truncated_is_weights,
 )
-from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
+from marl_pipeline.training.trainer import PolicyTrainer
 
 LN2 = math.log(2)
 

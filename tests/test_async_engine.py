@@ -13,7 +13,8 @@ from marl_pipeline.config import EngineConfig
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine, RequestAborted
 from marl_pipeline.inference.engine import GenerationRequest
 from marl_pipeline.policy.checkpoint import kv_cache_bytes_per_token
-from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
+from marl_pipeline.training.batches import TrainBatch
+from marl_pipeline.training.trainer import PolicyTrainer
 from tests.sampling import requests
 
 LOGPROB_TOLERANCE = 1e-4

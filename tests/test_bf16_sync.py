@@ -12,7 +12,8 @@ from pathlib import Path
 
 from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig
-from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
+from marl_pipeline.training.batches import TrainBatch
+from marl_pipeline.training.trainer import PolicyTrainer
 from tests.sampling import requests
 from tests.test_model_sources import needs_smollm2
 

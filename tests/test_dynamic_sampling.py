@@ -12,7 +12,8 @@ import pytest
 from marl_pipeline.stages.training import train_batch_for, updates_table
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.summaries import stage_summary
-from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
+from marl_pipeline.training.batches import TrainBatch
+from marl_pipeline.training.trainer import PolicyTrainer
 from tests.stored_run import write_run
 
 # Per agent and group (write_run: 4 episodes, groups of 2): the advantages each group's two episodes get.

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from marl_pipeline.inference.engine import ENGINE_ENV, RolloutEngine
-from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
+from marl_pipeline.training.batches import TrainBatch
+from marl_pipeline.training.trainer import PolicyTrainer
 from tests.sampling import requests
 
 # Engine and trainer both run the model in float32; they differ only in kernels and summation order.

@@ -17,8 +17,9 @@ from marl_pipeline.policy.checkpoint import load_policy
 from marl_pipeline.policy.lora import LoraCheckpointError, merged_checkpoint
 from marl_pipeline.store import ExperienceStore
 from marl_pipeline.store.experience import StoreError
+from marl_pipeline.training.batches import TrainBatch
 from marl_pipeline.training.losses import pad_sequences, token_logprobs
-from marl_pipeline.training.trainer import TRAINER_STATE, PolicyTrainer, TrainBatch
+from marl_pipeline.training.trainer import TRAINER_STATE, PolicyTrainer
 from tests.conftest import small_config_data
 
 PROMPT, RESPONSE = [5, 6, 7, 1], [8, 9, 2, 2]

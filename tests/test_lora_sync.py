@@ -14,7 +14,8 @@ from marl_pipeline.config import EngineConfig, LoraAdapterConfig
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine
 from marl_pipeline.inference.engine import GenerationRequest, RolloutEngine
 from marl_pipeline.policy.lora import NAMED_ADAPTERS
-from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
+from marl_pipeline.training.batches import TrainBatch
+from marl_pipeline.training.trainer import PolicyTrainer
 from tests.test_model_sources import needs_smollm2
 
 LOGPROB_TOLERANCE = 1e-4

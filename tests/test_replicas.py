@@ -25,7 +25,8 @@ from marl_pipeline.stages.rollout import RolloutSettings
 from marl_pipeline.stages.trajectories import rollout_trajectories
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import with_stage_timing
-from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
+from marl_pipeline.training.batches import TrainBatch
+from marl_pipeline.training.trainer import PolicyTrainer
 from tests.timed_replies import TimedReplies
 
 LOGPROB_TOLERANCE = 1e-4

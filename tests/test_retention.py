@@ -13,7 +13,8 @@ from marl_pipeline.stages.recompute import recompute_stage
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.experience import StoreError
 from marl_pipeline.store.retention import retained_versions
-from marl_pipeline.training.trainer import TRAINER_STATE, PolicyTrainer, TrainBatch
+from marl_pipeline.training.batches import TrainBatch
+from marl_pipeline.training.trainer import TRAINER_STATE, PolicyTrainer
 from tests.stored_run import write_run
 
 

@@ -12,8 +12,9 @@ import pytest
 import ray
 import torch
 
+from marl_pipeline.training.batches import TrainBatch
 from marl_pipeline.training.swap import AgentSpec, SwappedTrainer, TrainerWorker, actor_handles
-from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
+from marl_pipeline.training.trainer import PolicyTrainer
 
 OPTIONS = {  # agents that differ, so a state landing in the wrong shell would show
     "a": dict(lr=1e-2, seed=0),

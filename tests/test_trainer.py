@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch, length_chunks
+from marl_pipeline.training.batches import TrainBatch, length_chunks
+from marl_pipeline.training.trainer import PolicyTrainer
 
 
 def _random_batch(rng: np.random.Generator, rows: int, vocab: int) -> TrainBatch:

@@ -89,7 +89,7 @@ def test_a_warmup_step_is_the_plain_step_on_the_supervised_loss(tiny_model_dir: 
     """The warm-up trains through the RL trainer: one step over taught, kept and path-held rows, in passes of a few
     tokens, has the gradient of the batch's mean over its completion tokens of cross-entropy, KL from the start and
     the held path's squared difference, computed here from the full logits."""
-    from marl_pipeline.training.trainer import SupervisedBatch
+    from marl_pipeline.training.batches import SupervisedBatch
 
     model, tokenizer = load_policy(str(tiny_model_dir))
     trainer = warmup_trainer(str(tiny_model_dir), lr=1e-2, seed=0, chunk_tokens=12)

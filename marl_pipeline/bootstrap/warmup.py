@@ -17,7 +17,8 @@ import numpy as np
 
 from marl_pipeline.bootstrap.own_replies import sample_replies, warmup_prompt_ids
 from marl_pipeline.environment import ChatMessages, Rehearsal
-from marl_pipeline.training.trainer import PolicyTrainer, SupervisedBatch
+from marl_pipeline.training.batches import SupervisedBatch
+from marl_pipeline.training.trainer import PolicyTrainer
 
 WARMUP_WEIGHT_DECAY = 0.01  # torch's AdamW default, what the warm-up has always used
 

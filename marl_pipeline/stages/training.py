@@ -18,7 +18,7 @@ import ray
 
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import POLICY_UPDATES, with_agent
-from marl_pipeline.training.trainer import TrainBatch
+from marl_pipeline.training.batches import TrainBatch
 
 
 def train_batch_for(store: ExperienceStore, key: MicroBatchKey, agent: str,

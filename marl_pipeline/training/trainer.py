@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import gc
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ from marl_pipeline.policy.lora import (
     use_adapter,
 )
 from marl_pipeline.policy.precision import autocast, resolve_dtype
+from marl_pipeline.training.batches import SUPERVISED_TERMS, StepResult, SupervisedBatch, TrainBatch, length_chunks
 from marl_pipeline.training.losses import (
     clip_fraction,
     grpo_token_loss,
@@ -46,68 +46,6 @@ TRAINER_STATE = "trainer_state.pt"
 """Saved beside a policy version's weights: what a resumed launch needs to continue exactly (AdamW's moments and
 step counts, torch's RNG state, the version it belongs to). The learning-rate schedule is a function of the
 version, so the version restores it."""
-
-
-@dataclass(frozen=True)
-class TrainBatch:
-    """One agent's shard of one micro-batch: built by the train stage from the store, consumed here."""
-
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    old_logprobs: list[list[float]]
-    advantages: list[float]
-    dropped_rows: int = 0
-    """Rows the stage left out as uninformative (zero-advantage groups); reported, not trained on."""
-    adapters: list[str | None] | None = None
-    """Per row, the named adapter that served its turn (the rollout row's ``adapter``): computed with it active too,
-    as the engine sampled it (policy/lora.py). None: no such rows."""
-
-
-SUPERVISED_TERMS = ("teach", "keep", "keep_path")
-"""What a supervised row's response is trained to: ``teach`` its tokens (cross-entropy); ``keep`` the reference
-model's distribution at its positions (KL from the reference over the vocabulary); ``keep_path`` that and its own
-tokens' log-probabilities where the reference has them (a squared difference), which the KL barely holds for a
-token the reference rarely samples."""
-
-
-@dataclass(frozen=True)
-class SupervisedBatch:
-    """Supervised rows (the warm-up's, bootstrap/warmup.py): trained by the same passes, precision, device and
-    step as RL's, with a per-row term instead of an advantage."""
-
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    terms: list[str]
-    """Per row, one of :data:`SUPERVISED_TERMS`."""
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """One optimizer step of one agent: produced by :meth:`PolicyTrainer.apply_step`, consumed by the
-    orchestrator's publisher (stored in the version's ``timing.json``)."""
-
-    policy_version: int
-    """The version the step produced."""
-    tokens: int
-    """Response tokens of the step."""
-    sequences: int
-    """Sequences of the step with at least one response token."""
-    grad_norm: float
-    """Gradient norm before clipping."""
-    lr: float
-    """Learning rate of the step."""
-
-
-def length_chunks(lengths: list[int], budget: int) -> list[list[int]]:
-    """Row indices sorted by length and cut so that each chunk's rows x longest row stays within ``budget``
-    (a row longer than the budget is a chunk of its own). Equal lengths keep their order."""
-    chunks: list[list[int]] = []
-    for row in sorted(range(len(lengths)), key=lengths.__getitem__):
-        if chunks and (len(chunks[-1]) + 1) * lengths[row] <= budget:
-            chunks[-1].append(row)
-        else:
-            chunks.append([row])
-    return chunks
 
 
 class PolicyTrainer:

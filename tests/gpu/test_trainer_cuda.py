@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from marl_pipeline.training.batches import TrainBatch
 from marl_pipeline.training.losses import pad_sequences
 from marl_pipeline.training.memory import trainer_peak_bytes
-from marl_pipeline.training.trainer import PolicyTrainer, TrainBatch
+from marl_pipeline.training.trainer import PolicyTrainer
 
 ROWS, PROMPT, RESPONSE = 16, 96, 64
 
