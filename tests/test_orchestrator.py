@@ -28,6 +28,13 @@ from tests.conftest import small_config_data
 PARAMETER_TOLERANCE = 1e-6
 
 
+def _sharded_data(demo_config_data: dict, store: Path, **pipeline) -> dict:
+    """The small demo with the solver trained on 2 workers (FSDP2 over gloo, training/sharded.py)."""
+    data = small_config_data(demo_config_data, store, **pipeline)
+    data["agents"]["solver"].setdefault("trainer", {})["workers"] = 2
+    return data
+
+
 def _run(config) -> list:
     return list(train(config))
 
@@ -38,10 +45,10 @@ def _weights(store: ExperienceStore, run: str, agent: str, version: int) -> dict
 
 @pytest.fixture(scope="module")
 def uninterrupted(local_ray, demo_config_data, tmp_path_factory) -> ExperienceStore:
-    """One launch of 4 steps x 2 micro-batches, never interrupted: what the resumed launches below must end equal
-    to (run once for the module, as each run costs engines and trainers)."""
-    config = parse_config(small_config_data(demo_config_data, tmp_path_factory.mktemp("uninterrupted") / "store",
-                                            steps=4, micro_batches_per_step=2))
+    """One launch of 4 steps x 2 micro-batches, the solver on 2 workers, never interrupted: what the resumed
+    launches below must end equal to (run once for the module, as each run costs engines and trainers)."""
+    config = parse_config(_sharded_data(demo_config_data, tmp_path_factory.mktemp("uninterrupted") / "store",
+                                        steps=4, micro_batches_per_step=2))
     _run(config)
     return ExperienceStore(config.store)
 
@@ -105,7 +112,7 @@ def test_a_dead_trainer_stops_the_launch_before_anything_is_sampled_past_the_sta
 
 def test_two_launches_end_with_the_parameters_of_one_adamw_included(uninterrupted, demo_config_data,
                                                                    tmp_path) -> None:
-    config = parse_config(small_config_data(demo_config_data, tmp_path / "two", steps=2, micro_batches_per_step=2))
+    config = parse_config(_sharded_data(demo_config_data, tmp_path / "two", steps=2, micro_batches_per_step=2))
     for _ in range(2):  # the second launch continues from version 2, its AdamW state restored from the checkpoint
         _run(config)
     two = ExperienceStore(config.store)
@@ -140,7 +147,7 @@ def _launch(config_path: Path, cwd: Path) -> subprocess.Popen:
 def test_killed_three_times_and_resumed_commits_every_micro_batch_once(uninterrupted, demo_config_data,
                                                                        tmp_path: Path) -> None:
     steps, micro_batches = 4, 2
-    data = small_config_data(demo_config_data, tmp_path / "store", steps=steps, micro_batches_per_step=micro_batches)
+    data = _sharded_data(demo_config_data, tmp_path / "store", steps=steps, micro_batches_per_step=micro_batches)
     config_path = tmp_path / "experiment.yaml"
     config_path.write_text(yaml.safe_dump(data))
     store = ExperienceStore(data["store"])
@@ -187,7 +194,7 @@ def test_killed_three_times_and_resumed_commits_every_micro_batch_once(uninterru
 
     assert_every_micro_batch_once(store, steps, micro_batches)
     # and it ends where a launch never killed ends: the same parameters, AdamW's moments restored on each resume
-    assert small_config_data(demo_config_data, Path("."), steps=4, micro_batches_per_step=2) == {**data, "store": "."}
+    assert _sharded_data(demo_config_data, Path("."), steps=4, micro_batches_per_step=2) == {**data, "store": "."}
     for agent in ("solver", "verifier"):
         killed, straight = _weights(store, "demo", agent, steps), _weights(uninterrupted, "demo", agent, steps)
         assert max((straight[n] - killed[n]).abs().max().item() for n in straight) <= PARAMETER_TOLERANCE, agent

@@ -105,6 +105,34 @@ def test_a_trainer_budget_swaps_even_where_resident_trainers_fit(tmp_path: Path)
     assert sum(a.cpus for a in small.actors) <= 2.0 and all(a.fitted for a in small.actors)
 
 
+def test_a_trainer_on_several_workers_reserves_each_and_is_never_swapped(tmp_path: Path) -> None:
+    sharded = {"relay": {"trainer": {"workers": 4, "num_cpus": 1.0, "num_gpus": 1.0}}}
+    config = _config(tmp_path, sharded, engine={"num_cpus": 0.5, "num_gpus": 0.5}, trainer={"num_cpus": 0.5})
+    plan = plan_placement(config, [{"CPU": 8.0, "GPU": 4.0}, {"CPU": 8.0, "GPU": 2.0}])  # GPUs as Ray declares them
+    relay = [a for a in plan.actors if a.name.startswith("relay/trainer")]
+    assert [a.name for a in relay] == ["relay/trainer", "relay/trainer.1", "relay/trainer.2", "relay/trainer.3"]
+    assert all((a.cpus, a.gpus) == (1.0, 1.0) for a in relay) and plan.resident_trainers == [
+        "sender/trainer", "relay/trainer", "receiver/trainer"]
+    assert plan.summary()["total"] == "6.5 of 16 CPU, 5.5 of 6 GPU"
+    # 4 worker GPUs and 3 engine halves are more than 5 GPUs: the arithmetic names the workers
+    with pytest.raises(PlacementError, match=r"need 5.5 GPUs \(sender: engine 0.5 \+ trainer 0; relay: engine 0.5 "
+                                             r"\+ trainer 4 workers x 1; .*the cluster has 5"):
+        plan_placement(config, [{"CPU": 8.0, "GPU": 5.0}])
+    # swapping cannot move a sharded trainer: a budget that asks for it is refused, and so is falling back on it
+    with pytest.raises(PlacementError, match=r"agents \['relay'\] train on several workers .* swapping cannot move"):
+        plan_placement(_config(tmp_path, sharded, ray={"resident_trainers": 2}), [{"CPU": 8.0, "GPU": 4.0}])
+    cpus = {"relay": {"trainer": {"workers": 2, "num_cpus": 1.0}}}
+    with pytest.raises(PlacementError, match=r"Swapping the trainers cannot help: agents \['relay'\]"):
+        plan_placement(_config(tmp_path, cpus, engine={"num_cpus": 0.5}, trainer={"num_cpus": 0.5}), TWO_CPUS)
+
+
+def test_trainer_workers_config_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="LoRA agent's adapters are small enough for one worker"):
+        _config(tmp_path, {"relay": {"trainer": {"workers": 2}, "lora": {"rank": 4}}})
+    with pytest.raises(ValueError, match="placement group bundle, which cannot be empty"):
+        _config(tmp_path, {"relay": {"trainer": {"workers": 2, "num_cpus": 0}}})
+
+
 def test_defaults_are_fitted_to_the_machine(tmp_path: Path) -> None:
     plan = plan_placement(_config(tmp_path), TWO_CPUS)
     assert all(actor.fitted and actor.cpus == pytest.approx(1 / 3, abs=1e-4) for actor in plan.actors)

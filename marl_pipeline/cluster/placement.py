@@ -31,6 +31,12 @@ DECIMALS = 4
 WORKER = "trainer-worker-{}"
 
 
+def trainer_name(agent: str, rank: int = 0) -> str:
+    """A resident trainer actor's name in the plan: ``<agent>/trainer``, and ``<agent>/trainer.<rank>`` for the
+    other ranks of a trainer on several workers."""
+    return f"{agent}/trainer" + (f".{rank}" if rank else "")
+
+
 class PlacementError(RuntimeError):
     """The run's actors cannot be placed on the cluster; the message has the arithmetic."""
 
@@ -122,11 +128,19 @@ def plan_placement(config: ExperimentConfig, nodes: list[dict[str, float]]) -> P
     """
     agents = len(config.agents)
     budget = config.ray.resident_trainers
+    sharded = [agent for agent, agent_config in config.agents.items() if agent_config.trainer.workers > 1]
+    if sharded and budget is not None and budget < agents:
+        raise PlacementError(f"agents {sharded} train on several workers (trainer.workers), which swapping cannot "
+                             f"move: set ray.resident_trainers to {agents} (or leave it unset), or their "
+                             f"trainer.workers to 1")
     if budget is not None:
         return _plan(config, nodes, min(budget, agents))
     try:
         return _plan(config, nodes, agents)
     except PlacementError as resident:
+        if sharded:
+            raise PlacementError(f"{resident} Swapping the trainers cannot help: agents {sharded} train on several "
+                                 f"workers (trainer.workers).") from None
         for workers in range(agents - 1, 0, -1):  # the most trainer workers that fit: the least swapping
             try:
                 return _plan(config, nodes, workers)
@@ -145,8 +159,9 @@ def _plan(config: ExperimentConfig, nodes: list[dict[str, float]], workers: int)
     for agent, agent_config in config.agents.items():
         engine = agent_config.engine
         parts = [(name, "engine", engine) for name in engine_names(agent, engine.replicas)]
-        if resident:
-            parts.append((f"{agent}/trainer", "trainer", agent_config.trainer))
+        if resident:  # one actor per worker: rank 0 is the agent's trainer, the others its ranks
+            ranks = range(agent_config.trainer.workers)
+            parts += [(trainer_name(agent, rank), "trainer", agent_config.trainer) for rank in ranks]
         for name, role, settings in parts:
             requests.append((ActorRequest(name, settings.num_cpus, settings.num_gpus, resources=custom[role]),
                              "num_cpus" in settings.model_fields_set))
@@ -186,7 +201,7 @@ def _check_totals(config: ExperimentConfig, actors: list[ActorRequest], cluster:
             if workers >= len(config.agents):
                 per_agent = "; ".join(
                     f"{agent}: engine {_engines(config, actors, agent, resource)} + trainer "
-                    f"{_amount(actors, f'{agent}/trainer', resource):g}" for agent in config.agents)
+                    f"{_trainers(config, actors, agent, resource)}" for agent in config.agents)
                 needs = f"{len(config.agents)} agents need"
             else:
                 per_agent = "; ".join(f"{agent}: engine {_engines(config, actors, agent, resource)}"
@@ -204,6 +219,12 @@ def _engines(config: ExperimentConfig, actors: list[ActorRequest], agent: str, r
     names = engine_names(agent, config.agents[agent].engine.replicas)
     amount = f"{_amount(actors, names[0], resource):g}"
     return amount if len(names) == 1 else f"{len(names)} replicas x {amount}"
+
+
+def _trainers(config: ExperimentConfig, actors: list[ActorRequest], agent: str, resource: str) -> str:
+    """An agent's resident trainer request in an error: ``0.5``, or ``2 workers x 0.5``."""
+    workers, amount = config.agents[agent].trainer.workers, f"{_amount(actors, trainer_name(agent), resource):g}"
+    return amount if workers == 1 else f"{workers} workers x {amount}"
 
 
 def _amount(actors: list[ActorRequest], name: str, resource: str) -> float:

@@ -15,7 +15,7 @@ nodes; the store is the durable copy, written once per version, read by whoever 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -24,6 +24,7 @@ import ray
 from marl_pipeline.actions.pool import ActionPool
 from marl_pipeline.cluster import warm_actors
 from marl_pipeline.cluster.placement import assign_workers
+from marl_pipeline.cluster.trainers import StoreTrainer, start_sharded_trainer
 from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, StoreConfig, TrainerConfig
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine
 from marl_pipeline.inference.engine import ENGINE_ENV, RolloutEngine
@@ -31,7 +32,6 @@ from marl_pipeline.inference.replicas import EngineReplicas
 from marl_pipeline.inference.reward_model import RewardModelPool
 from marl_pipeline.policy.lora import is_adapter_checkpoint
 from marl_pipeline.store import ExperienceStore
-from marl_pipeline.store.checkpoints import PolicyUpload
 from marl_pipeline.training.swap import AgentSpec, SwappedTrainer, TrainerWorker, actor_handles
 from marl_pipeline.training.trainer import PolicyTrainer
 
@@ -48,6 +48,8 @@ class Workers:
     """Replicas of the run's reward model (None: rule-based reward only)."""
     action_pool: ActionPool | None = None
     """The environment stage's action workers (None: the plugin runs no actions)."""
+    placement_groups: list = field(default_factory=list)
+    """Those of the trainers on several workers (removed with the run: their ranks stop)."""
 
     def shutdown(self, keep: bool = False) -> None:
         """Stop the run's actors; with ``keep``, leave its engines and resident trainers idle for the next launch
@@ -56,6 +58,8 @@ class Workers:
             replicas.shutdown(keep)
         for handle in actor_handles(self.trainers):
             warm_actors.release(handle, keep)  # swapped trainers' workers are never kept: not started through it
+        for group in self.placement_groups:
+            ray.util.remove_placement_group(group)
         for pool in (self.reward_pool, self.action_pool):
             if pool is not None:
                 pool.shutdown()
@@ -92,8 +96,9 @@ def swapping(config: ExperimentConfig) -> bool:
 
 def trainer_reservations(config: ExperimentConfig, resource: str) -> list[float]:
     """What the trainer actors reserve of ``resource`` (``cpus`` or ``gpus``), as the placement plan reserves it:
-    one per agent, or with swapping one per trainer worker, each the largest agent's request."""
-    asked = [getattr(agent.trainer, f"num_{resource}") for agent in config.agents.values()]
+    one per agent's worker, or with swapping one per trainer worker, each the largest agent's request."""
+    asked = [getattr(agent.trainer, f"num_{resource}") for agent in config.agents.values()
+             for _ in range(agent.trainer.workers)]
     return [max(asked)] * config.ray.resident_trainers if swapping(config) else asked
 
 
@@ -109,24 +114,6 @@ class StoreAsyncEngine(AsyncRolloutEngine):
         """Serve a stored version as a new engine with these arguments would (``RolloutEngine.restart``)."""
         model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
         return await super().restart(model_dir, version, adapter_dir=adapter_dir, **options)
-
-
-class StoreTrainer(PolicyTrainer):
-    """A policy trainer that starts from a version in the store (and its KL reference, version 0), fetched on the
-    node it runs on, and uploads each new version to the store from there (:meth:`save_version`)."""
-
-    def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
-        self.store, self.run, self.agent = ExperienceStore(store), run, agent
-        super().__init__(str(self.store.require_policy(run, agent, version)), version,
-                         **with_local_base(self.store, run, agent, options))
-
-    def save_version(self, version: int) -> PolicyUpload:
-        """Save the version just stepped to and upload it; the driver publishes it once the engine serves it."""
-        if version != self.version:
-            raise ValueError(f"{self.agent}: asked to save version {version}, the trainer holds {self.version}")
-        staging = self.store.staging_policy_dir(self.run, self.agent, version)
-        self.save(str(staging))
-        return self.store.upload_policy(staging, self.run, self.agent, version)
 
 
 def engine_actor(engine: EngineConfig, resources: dict[str, float] | None = None,
@@ -186,13 +173,6 @@ def _spawn_engine(actor, settings: tuple, store: StoreConfig, run: str, agent: s
     return warm_actors.start(actor, settings, store, run, agent, version, **options)
 
 
-def with_local_base(store: ExperienceStore, run: str, agent: str, options: dict) -> dict:
-    """``trainer_options`` with the base version it names (the KL reference, a LoRA agent's base: version 0) fetched
-    into this node's cache, for a trainer built here (an actor on its node, a recomputation in the driver)."""
-    return {**options, **{name: str(store.require_policy(run, agent, 0))
-                          for name in ("reference_dir", "base_dir") if options.get(name) is not None}}
-
-
 def engine_dirs(store: ExperienceStore, run: str, agent: str, version: int) -> tuple[str, str | None]:
     """What an engine loads for a stored version: its directory, or for LoRA adapters (policy/lora.py) the
     agent's base (version 0, which retention keeps) and the adapters' directory. Told by the checkpoint's
@@ -223,15 +203,25 @@ def trainer_options(config: ExperimentConfig, agent: str, store: ExperienceStore
                 base_dir=None if lora is None else base_dir, activation_checkpointing=trainer.activation_checkpointing)
 
 
-def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
-    """One torch trainer actor per agent, starting from the given policy version in the store; with a trainer
-    budget below the number of agents, that many trainer workers, each serving its agents by swapping."""
+def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int],
+                   placement_groups: list | None = None) -> dict:
+    """One torch trainer actor per agent (rank 0 of ``trainer.workers``, its placement group appended to
+    ``placement_groups``), starting from the given policy version in the store; with a trainer budget below the
+    number of agents, that many trainer workers, each serving its agents by swapping."""
     if swapping(config):
         return start_swapped_trainers(config, store, versions)
     trainers = {}
     for agent, agent_config in config.agents.items():
         trainer = agent_config.trainer
         options = {**trainer_options(config, agent, store), "num_threads": actor_threads(config, trainer)}
+        if trainer.workers > 1:  # never kept: its ranks meet once, in a placement group of their own
+            trainers[agent], group = start_sharded_trainer(trainer, config.ray.trainer_resources, store.config,
+                                                           config.run, agent, versions[agent], **options)
+            if placement_groups is None:
+                raise ValueError(f"{agent} trains on {trainer.workers} workers: pass placement_groups, to remove "
+                                 f"theirs with the run")
+            placement_groups.append(group)
+            continue
         # A kept trainer is rebuilt whatever its options were (PolicyTrainer.restart): only its resources must match.
         settings = ("trainer", trainer.num_cpus, trainer.num_gpus, tuple(sorted(config.ray.trainer_resources.items())))
         trainers[agent] = warm_actors.start(trainer_actor(trainer, config.ray.trainer_resources, StoreTrainer),
@@ -288,7 +278,9 @@ def start_workers(config: ExperimentConfig, store: ExperienceStore, versions: di
                   reward_model: Path | None = None, action_pool: PoolSettings | None = None) -> Workers:
     """Engines and trainers of every agent, the reward model's pool and the action pool when the run has them;
     returns once the engines, trainers and reward-model replicas are ready. The pools live as long as the run."""
-    workers = Workers(start_engine_replicas(config, store, versions), start_trainers(config, store, versions))
+    groups: list = []
+    workers = Workers(start_engine_replicas(config, store, versions), start_trainers(config, store, versions, groups),
+                      placement_groups=groups)
     try:
         if action_pool is not None:
             workers.action_pool = ActionPool(action_pool)

@@ -67,6 +67,16 @@ class TrainerConfig(StrictModel):
     """``float32``, ``bfloat16`` (autocast over float32 weights), or ``auto`` (bf16 where the hardware has it)."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them: less memory, more compute."""
+    workers: int = Field(1, ge=1, le=1024)
+    """Ray actors training this agent together, each with these resources: FSDP2 shards its weights, gradients and
+    AdamW state over them (training/sharded.py). Full fine-tuning only, never swapped."""
+
+    @model_validator(mode="after")
+    def _workers_reserve_something(self) -> TrainerConfig:
+        if self.workers > 1 and self.num_cpus == 0 and self.num_gpus == 0:
+            raise ValueError(f"trainer.workers {self.workers}: each worker is a placement group bundle, which cannot "
+                             f"be empty: set num_cpus or num_gpus above 0")
+        return self
 
 
 class LoraAdapterConfig(StrictModel):
@@ -133,6 +143,13 @@ class AgentConfig(StrictModel):
     turn_adapters: dict[Annotated[str, Field(pattern=ADAPTER_NAME)], list[Annotated[int, Field(ge=0)]]] = Field(
         default_factory=dict)
     """Version 0's named frozen adapters and the agent's own turns (0: its first) each serves over the RL weights."""
+
+    @model_validator(mode="after")
+    def _workers_train_full_weights(self) -> AgentConfig:
+        if self.trainer.workers > 1 and self.lora is not None:
+            raise ValueError(f"trainer.workers {self.trainer.workers} shards full fine-tuning; a LoRA agent's "
+                             f"adapters are small enough for one worker: set trainer.workers: 1 or remove lora")
+        return self
 
     @model_validator(mode="after")
     def _turn_adapters_need_lora(self) -> AgentConfig:

@@ -21,10 +21,11 @@ def load_policy(model: str):
     return policy, tokenizer
 
 
-def save_policy(model, tokenizer, directory: Path) -> None:
-    """Save a policy in Hugging Face format (safetensors), readable by vLLM and transformers."""
+def save_policy(model, tokenizer, directory: Path, state_dict: dict | None = None) -> None:
+    """Save a policy in Hugging Face format (safetensors), readable by vLLM and transformers; ``state_dict``: weights
+    to save in place of the model's own (a sharded trainer's, gathered)."""
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
+    model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(directory)
 
 

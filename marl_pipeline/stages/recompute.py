@@ -18,7 +18,8 @@ import pyarrow as pa
 
 from marl_pipeline.actions.pool import shared_pool
 from marl_pipeline.bootstrap.reward_model import prepare_reward_model
-from marl_pipeline.cluster.spawn import trainer_options, with_local_base
+from marl_pipeline.cluster.spawn import trainer_options
+from marl_pipeline.cluster.trainers import with_local_base
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import build_environment
 from marl_pipeline.inference.reward_model import RewardModelServer

@@ -31,8 +31,10 @@ from marl_pipeline.policy.lora import (
     use_adapter,
 )
 from marl_pipeline.policy.precision import autocast, resolve_dtype
+from marl_pipeline.training import sharded
 from marl_pipeline.training.batches import SUPERVISED_TERMS, StepResult, SupervisedBatch, TrainBatch, length_chunks
 from marl_pipeline.training.losses import (
+    TokenTerms,
     clip_fraction,
     grpo_token_loss,
     loss_units,
@@ -52,13 +54,16 @@ class PolicyTrainer:
     """Holds one agent's policy (float32 weights) and updates it with GRPO's clipped policy-gradient loss, plus
     optional KL-to-reference and entropy terms."""
 
+    load = staticmethod(load_policy)
+    """How a full policy is read, (model, tokenizer): float32 (exactness tests read it in float64)."""
+
     def __init__(self, model_dir: str, version: int, *, lr: float, weight_decay: float, max_grad_norm: float,
                  clip_eps: float, seed: int, num_threads: int | None = None, lr_decay_steps: int | None = None,
                  min_lr_ratio: float = 0.1, kl_coef: float = 0.0, reference_dir: str | None = None,
                  entropy_coef: float = 0.0, loss_normalization: str = "token", tis_cap: float | None = None,
                  dtype: str = "float32", chunk_tokens: int = 2048, lora: dict | None = None,
                  base_dir: str | None = None, activation_checkpointing: bool = False,
-                 device: str | None = None) -> None:
+                 device: str | None = None, rank: sharded.Rank | None = None) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens {chunk_tokens}: expected a positive token budget per pass")
         self.chunk_tokens = chunk_tokens
@@ -68,7 +73,7 @@ class PolicyTrainer:
         # LoRA (policy/lora.py): ``lora`` is the agent's LoraAdapterConfig as a dict; ``base_dir`` its version 0.
         self.lora = lora is not None
         self.model, self.tokenizer = (lora_policy(model_dir, version, base_dir, **lora) if self.lora
-                                      else load_policy(model_dir))
+                                      else self.load(model_dir))
         # Version 0's named adapters (``adapters/<name>/``), frozen: on for the rows whose turns they served.
         adapter_dirs = named_adapter_dirs(base_dir) if self.lora else {}
         self.named_adapters = set(adapter_dirs)
@@ -80,6 +85,13 @@ class PolicyTrainer:
         self.model.to(self.device).train()
         if activation_checkpointing:  # layer activations recomputed in the backward pass: memory for compute
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # One of the agent's ``trainer.workers`` (training/sharded.py): the weights sharded over them by FSDP2.
+        self.rank, self.scorer = rank, None
+        if rank is not None:
+            if self.lora:
+                raise ValueError("a LoRA agent trains on one worker (its adapters are small): set trainer.workers: 1")
+            sharded.join(rank, self.device)
+            self.scorer = sharded.shard(self.model)
         self.dtype = resolve_dtype(dtype, self.device_type)
         # Only the trainable parameters (all of them, or a LoRA agent's adapters): AdamW keeps moments for these.
         trainable = [param for param in self.model.parameters() if param.requires_grad]
@@ -101,7 +113,7 @@ class PolicyTrainer:
             # A second, frozen copy of the weights: + 4 bytes per parameter, a quarter more than the policy's
             # own float32 weights, gradients and AdamW moments (16 bytes per parameter); and one more forward
             # pass (no backward) per micro-batch.
-            self.reference, _ = load_policy(reference_dir)
+            self.reference, _ = self.load(reference_dir)
             self.reference.to(self.device).eval().requires_grad_(False)
         self.version = version
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -120,16 +132,21 @@ class PolicyTrainer:
         """Add one micro-batch's gradient of the summed loss, in passes of at most ``chunk_tokens`` padded
         tokens; returns its statistics."""
         if not batch.prompt_ids:
+            self._idle_passes(self._passes_short(0))
             return {"rows": 0, "tokens": 0, "loss_sum": 0.0, "clip_fraction": 0.0, "mean_ratio": 1.0,
                     "mismatch_abs_logprob": 0.0, "mismatch_ratio_std": 0.0, "policy_version": self.version,
                     "dropped_rows": batch.dropped_rows}
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        plan = [(adapter, [rows[i] for i in chunk])  # a pass computes with one set of adapters
+                for adapter, rows in self._rows_by_adapter(batch)
+                for chunk in length_chunks([lengths[row] for row in rows], self.chunk_tokens)]
+        idle = self._passes_short(len(plan))
         passes = []
-        for adapter, rows in self._rows_by_adapter(batch):  # a pass computes with one set of adapters
+        for adapter, rows in plan:
             self._use_adapter(adapter)
-            chunks = length_chunks([lengths[row] for row in rows], self.chunk_tokens)
-            passes += [self._accumulate_rows(batch, [rows[i] for i in chunk]) for chunk in chunks]
+            passes.append(self._accumulate_rows(batch, rows))
         self._use_adapter(None)
+        self._idle_passes(idle)
         # Statistics over the response tokens of every pass, as if the micro-batch had been one tensor.
         logprobs, engine, ratio = (torch.cat([p[i] for p in passes])[None] for i in range(3))
         every = torch.ones_like(logprobs)
@@ -140,6 +157,20 @@ class PolicyTrainer:
                 "policy_version": self.version, "dropped_rows": batch.dropped_rows,
                 "clip_fraction": clip_fraction(ratio, every, self.clip_eps),
                 **mismatch_stats(logprobs, engine, every)}
+
+    def _passes_short(self, passes: int) -> int:
+        # FSDP's collectives run per pass: every rank runs as many (training/sharded.py)
+        return 0 if self.scorer is None else sharded.passes_short(passes)
+
+    def _idle_passes(self, count: int) -> None:
+        for _ in range(count):
+            sharded.idle_pass(self.scorer, self.pad_id, self.device)
+
+    def _terms(self, *args, **kwargs) -> TokenTerms:
+        """The policy's token terms (``scored_token_terms``), through FSDP's root on a sharded trainer."""
+        if self.scorer is not None:
+            return self.scorer.terms(*args, **kwargs)
+        return scored_token_terms(self.model, *args, **kwargs)
 
     def _rows_by_adapter(self, batch: TrainBatch) -> list[tuple[str | None, list[int]]]:
         """The batch's rows split by the named adapter they are computed with (None first), each part in row
@@ -177,7 +208,7 @@ class PolicyTrainer:
         taken = mask.bool()
         entropy = ref_logprobs = None
         with autocast(self.dtype, self.device_type):
-            terms = scored_token_terms(self.model, input_ids, attention_mask, taken, entropy=self.entropy_coef > 0)
+            terms = self._terms(input_ids, attention_mask, taken, entropy=self.entropy_coef > 0)
             if self.reference is not None:
                 with torch.no_grad():
                     ref_logprobs = scored_token_terms(self.reference, input_ids, attention_mask,
@@ -216,8 +247,7 @@ class PolicyTrainer:
             taken = mask.bool()
             kept = [batch.terms[row] != "teach" for row in chunk]
             with autocast(self.dtype, self.device_type):
-                terms = scored_token_terms(self.model, input_ids, attention_mask, taken,
-                                           start=self.reference if any(kept) else None)
+                terms = self._terms(input_ids, attention_mask, taken, start=self.reference if any(kept) else None)
             weight = {name: mask * torch.tensor([[batch.terms[row] == name] for row in chunk], device=self.device)
                       for name in SUPERVISED_TERMS}
             logprobs = terms.scattered("logprobs", taken)
@@ -236,12 +266,14 @@ class PolicyTrainer:
 
     def apply_step(self) -> StepResult:
         """Turn the accumulated gradients into one optimizer step; the policy version goes up by one."""
+        if self.rank is not None:  # every rank divides by the step's counts over all of them
+            self._step_tokens, self._step_sequences = sharded.summed(self._step_tokens, self._step_sequences)
         units = self._step_tokens if self.loss_normalization == "token" else self._step_sequences
         units = max(units, 1)
         for param in self.model.parameters():
             if param.grad is not None:
                 param.grad.div_(units)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        grad_norm = sharded.full_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(self.version)
         self.optimizer.step()
@@ -265,20 +297,28 @@ class PolicyTrainer:
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """Detached copies of the parameters in Hugging Face naming, ready for an engine's reload (a LoRA agent's
-        with its adapters merged in)."""
+        with its adapters merged in); on a sharded trainer, rank 0 gets them all and the other ranks none."""
+        if self.scorer is not None:
+            return list(sharded.gathered_weights(self.model).items())
         if self.lora:  # fresh tensors already: on the CPU, no second copy
             return [(name, tensor.to("cpu")) for name, tensor in merged_weights(self.model)]
         return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in self.model.state_dict().items()]
 
     def save(self, directory: str) -> None:
         """The policy (Hugging Face format, what engines load; a LoRA agent's adapters only) and the trainer state
-        a resumed launch needs."""
+        a resumed launch needs. A sharded trainer's ranks gather both to rank 0, which writes them as one worker
+        does."""
+        weights = None if self.scorer is None else sharded.gathered_weights(self.model)
+        optimizer = (self.optimizer.state_dict() if self.scorer is None
+                     else sharded.gathered_optimizer_state(self.scorer, self.optimizer))
+        if self.rank is not None and self.rank.rank:
+            return
         if self.lora:
             # A PeftModel saves its adapters, not the frozen base; the warm-up's stay in version 0 alone.
             self.model.save_pretrained(directory, selected_adapters=[POLICY])
         else:
-            save_policy(self.model, self.tokenizer, Path(directory))
-        torch.save({"version": self.version, "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state(),
+            save_policy(self.model, self.tokenizer, Path(directory), state_dict=weights)
+        torch.save({"version": self.version, "optimizer": optimizer, "rng": torch.get_rng_state(),
                     **({"cuda_rng": torch.cuda.get_rng_state()} if self.device_type == "cuda" else {})},
                    Path(directory) / TRAINER_STATE)
 
@@ -290,7 +330,10 @@ class PolicyTrainer:
         state = torch.load(path, map_location="cpu", weights_only=True)  # AdamW's load moves it to the parameters
         if state["version"] != version:
             raise ValueError(f"{path} holds the trainer state of version {state['version']}, not {version}")
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scorer is None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            sharded.load_optimizer_state(self.scorer, self.optimizer, state["optimizer"])
         torch.set_rng_state(state["rng"])
         if "cuda_rng" in state and self.device_type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"])
@@ -305,7 +348,7 @@ class PolicyTrainer:
         self._use_adapter(adapter)
         try:
             with autocast(self.dtype, self.device_type):
-                return scored_token_terms(self.model, input_ids, attention_mask, mask.bool()).logprobs.tolist()
+                return self._terms(input_ids, attention_mask, mask.bool()).logprobs.tolist()
         finally:
             self._use_adapter(None)
 

@@ -1,0 +1,131 @@
+"""A run's trainer actors: a trainer that starts from a version in the store and uploads the versions it makes
+(:class:`StoreTrainer`), and an agent's trainer on several workers (:class:`ShardedTrainer`, ``trainer.workers``).
+
+A sharded trainer is one Ray actor per torch.distributed rank in a placement group (training/sharded.py is the
+torch side). Rank 0 leads: the run calls it as it calls a one-worker trainer. It deals each micro-batch's rows to the
+ranks by token count, makes the same call on every other rank (submitted before it computes its own share) and
+merges what they return; a rank runs its calls in the order rank 0 submits them, so their collectives line up.
+Rank 0 starts the other ranks itself, so they share its fate: when it is killed or dies, they stop too.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import replace
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from marl_pipeline.config import StoreConfig, TrainerConfig
+from marl_pipeline.store import ExperienceStore
+from marl_pipeline.store.checkpoints import PolicyUpload
+from marl_pipeline.training.batches import TrainBatch
+from marl_pipeline.training.sharded import Rank, deal, merged_stats
+from marl_pipeline.training.trainer import PolicyTrainer
+
+
+class StoreTrainer(PolicyTrainer):
+    """A policy trainer that starts from a version in the store (and its KL reference, version 0), fetched on the
+    node it runs on, and uploads each new version to the store from there (:meth:`save_version`)."""
+
+    def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
+        self.store, self.run, self.agent = ExperienceStore(store), run, agent
+        super().__init__(str(self.store.require_policy(run, agent, version)), version,
+                         **with_local_base(self.store, run, agent, options))
+
+    def save_version(self, version: int) -> PolicyUpload:
+        """Save the version just stepped to and upload it; the driver publishes it once the engine serves it."""
+        if version != self.version:
+            raise ValueError(f"{self.agent}: asked to save version {version}, the trainer holds {self.version}")
+        staging = self.store.staging_policy_dir(self.run, self.agent, version)
+        self.save(str(staging))
+        return self.store.upload_policy(staging, self.run, self.agent, version)
+
+
+def with_local_base(store: ExperienceStore, run: str, agent: str, options: dict) -> dict:
+    """``trainer_options`` with the base version it names (the KL reference, a LoRA agent's base: version 0) fetched
+    into this node's cache, for a trainer built here (an actor on its node, a recomputation in the driver)."""
+    return {**options, **{name: str(store.require_policy(run, agent, 0))
+                          for name in ("reference_dir", "base_dir") if options.get(name) is not None}}
+
+
+def bundle(trainer: TrainerConfig, resources: dict[str, float]) -> dict[str, float]:
+    """What one worker of a sharded trainer reserves: its placement group bundle."""
+    return {name: amount for name, amount in {"CPU": trainer.num_cpus, "GPU": trainer.num_gpus, **resources}.items()
+            if amount > 0}
+
+
+def start_sharded_trainer(trainer: TrainerConfig, resources: dict[str, float], store: StoreConfig, run: str,
+                          agent: str, version: int, **options) -> tuple[ray.actor.ActorHandle, PlacementGroup]:
+    """An agent's trainer on ``trainer.workers`` actors, one bundle each (packed on as few nodes as fit); returns
+    rank 0, which starts the others, and the placement group (removing it stops them all)."""
+    group = ray.util.placement_group([bundle(trainer, resources)] * trainer.workers, strategy="PACK")
+    leader = _rank_actor(trainer, resources, group, 0).remote(trainer, resources, group, store, run, agent, version,
+                                                              **options)
+    return leader, group
+
+
+def _rank_actor(trainer: TrainerConfig, resources: dict[str, float], group: PlacementGroup, rank: int):
+    return ray.remote(ShardedTrainer).options(
+        num_cpus=trainer.num_cpus, num_gpus=trainer.num_gpus, resources=dict(resources),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank))
+
+
+class ShardedTrainer(StoreTrainer):
+    """One rank of an agent's trainer on several workers; rank 0, which the run calls, makes each call on all."""
+
+    def __init__(self, trainer: TrainerConfig, resources: dict[str, float], group: PlacementGroup,
+                 store: StoreConfig, run: str, agent: str, version: int, rank: Rank | None = None, **options) -> None:
+        self.followers = []
+        if rank is None:  # rank 0: where the ranks meet, then the others, each in its bundle
+            with socket.socket() as probe:
+                probe.bind(("", 0))
+                rank = Rank(0, trainer.workers, f"{ray.util.get_node_ip_address()}:{probe.getsockname()[1]}")
+            self.followers = [_rank_actor(trainer, resources, group, k).remote(
+                trainer, resources, group, store, run, agent, version, rank=replace(rank, rank=k), **options)
+                for k in range(1, trainer.workers)]
+        super().__init__(store, run, agent, version, rank=rank, **options)
+
+    def _on_every_rank(self, method: str, args: list[tuple] | None = None) -> list:
+        """``method`` on every rank (``args[k]`` for rank k; none by default), the others' submitted first."""
+        args = args or [()] * (len(self.followers) + 1)
+        refs = [getattr(follower, method).remote(*a) for follower, a in zip(self.followers, args[1:])]
+        own = getattr(super(), method)(*args[0])
+        return [own, *ray.get(refs)]
+
+    def accumulate(self, batch: TrainBatch) -> dict[str, float]:
+        if not self.followers:
+            return super().accumulate(batch)
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        shares = [(_rows(batch, rows, dropped=batch.dropped_rows if k == 0 else 0),)
+                  for k, rows in enumerate(deal(lengths, len(self.followers) + 1))]
+        return merged_stats(self._on_every_rank("accumulate", shares))
+
+    def apply_step(self):
+        return self._on_every_rank("apply_step")[0] if self.followers else super().apply_step()
+
+    def discard_gradients(self) -> None:
+        return self._on_every_rank("discard_gradients")[0] if self.followers else super().discard_gradients()
+
+    def named_weights(self):
+        return self._on_every_rank("named_weights")[0] if self.followers else super().named_weights()
+
+    def save(self, directory: str) -> None:
+        if not self.followers:
+            return super().save(directory)
+        self._on_every_rank("save", [(directory,)] * (len(self.followers) + 1))
+
+    def completion_logprobs(self, *args) -> list[float]:
+        if not self.followers:
+            return super().completion_logprobs(*args)
+        return self._on_every_rank("completion_logprobs", [args] * (len(self.followers) + 1))[0]
+
+
+def _rows(batch: TrainBatch, rows: list[int], dropped: int) -> TrainBatch:
+    """Some rows of a micro-batch, as a micro-batch of their own."""
+    def pick(values: list | None) -> list | None:
+        return None if values is None else [values[row] for row in rows]
+
+    return TrainBatch(pick(batch.prompt_ids), pick(batch.response_ids), pick(batch.old_logprobs),
+                      pick(batch.advantages), dropped_rows=dropped, adapters=pick(batch.adapters))
