@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from marl_pipeline.actions.pool import ActionPool
 from marl_pipeline.cluster import warm_actors
@@ -153,16 +154,22 @@ def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, vers
         actor = engine_actor(engine, config.ray.engine_resources, StoreAsyncEngine)
         options = dict(gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
                        dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine),
-                       kv_cache_gib=engine.kv_cache_gib)
+                       kv_cache_gib=engine.kv_cache_gib, tensor_parallel_size=engine.tensor_parallel_size)
         # What a kept engine must have been started with to be taken instead of a new one (warm_actors.py).
         settings = ("engine", StoreAsyncEngine.__name__, engine.num_cpus, engine.num_gpus,
                     tuple(sorted(config.ray.engine_resources.items())), tuple(sorted(options.items())))
         spawn = partial(_spawn_engine, actor, settings, store.config, config.run, agent, options)
+        release = warm_actors.release
+        if engine.tensor_parallel_size > 1:
+            groups: dict = {}
+            spawn = partial(_spawn_split_engine, actor, engine, config.ray.engine_resources, groups, store.config,
+                            config.run, agent, options)
+            release = partial(_release_split_engine, groups)
         # With rebalancing, any agent may come to hold every replica but one per other agent.
         capacity = (budget - len(config.agents) + 1) if rebalance and replicas is None else None
         sets[agent] = EngineReplicas(agent, [spawn(k, versions[agent]) for k in range(replicas or engine.replicas)],
                                      versions[agent], spawn, engine.max_outstanding, capacity=capacity,
-                                     release=warm_actors.release)
+                                     release=release)
     return sets
 
 
@@ -171,6 +178,35 @@ def _spawn_engine(actor, settings: tuple, store: StoreConfig, run: str, agent: s
     """One engine replica from the store (the replica index only names it: replicas are alike): a kept one
     restarted at ``version``, else a new one."""
     return warm_actors.start(actor, settings, store, run, agent, version, **options)
+
+
+def split_engine_bundles(engine: EngineConfig, resources: dict[str, float]) -> list[dict[str, float]]:
+    """The placement group of a replica split over ``tensor_parallel_size`` GPUs: one GPU per rank, the engine
+    actor's CPUs (and custom resources) beside the first."""
+    first = {"GPU": 1.0, **{name: amount for name, amount in {"CPU": engine.num_cpus, **resources}.items() if amount}}
+    return [first] + [{"GPU": 1.0}] * (engine.tensor_parallel_size - 1)
+
+
+def split_engine_options(engine: EngineConfig, group) -> dict:
+    """The engine actor's options in its placement group: no GPU of its own (vLLM's Ray workers take the bundles'
+    GPUs, as children of the actor placed in the group), its CPUs in bundle 0."""
+    return dict(num_gpus=0, num_cpus=engine.num_cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True))
+
+
+def _spawn_split_engine(actor, engine: EngineConfig, resources: dict[str, float], groups: dict, store: StoreConfig,
+                        run: str, agent: str, options: dict, replica: int, version: int):
+    """A replica over several GPUs of one node, in a placement group of its own; never kept (it holds whole GPUs)."""
+    group = ray.util.placement_group(split_engine_bundles(engine, resources), strategy="STRICT_PACK")
+    handle = actor.options(**split_engine_options(engine, group)).remote(store, run, agent, version, **options)
+    groups[handle._actor_id] = group
+    return handle
+
+
+def _release_split_engine(groups: dict, handle, keep: bool) -> None:
+    ray.kill(handle)
+    if (group := groups.pop(handle._actor_id, None)) is not None:
+        ray.util.remove_placement_group(group)
 
 
 def engine_dirs(store: ExperienceStore, run: str, agent: str, version: int) -> tuple[str, str | None]:

@@ -34,11 +34,22 @@ class EngineConfig(StrictModel):
     """Ray GPUs reserved for the engine actor (0 on CPU machines)."""
     replicas: int = Field(1, ge=1, le=64)
     """Engine actors serving this agent, each with these resources; routed per episode (inference/router.py)."""
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """GPUs of one node that one replica's model is split over (vLLM tensor parallelism): a placement group of one
+    GPU bundle per rank; ``num_gpus`` must equal it."""
     max_outstanding: int | None = Field(None, ge=1)
     """Requests in flight on one replica beyond which a new episode waits for room rather than join it (None: no
     limit). An episode's later turns still go to its own replica."""
     threads: int | None = Field(None, ge=1)
     """CPU threads of the engine's forward passes; None: its share of the cluster's CPUs (cluster/spawn.py)."""
+
+
+    @model_validator(mode="after")
+    def _tensor_parallel_on_whole_gpus(self) -> EngineConfig:
+        if self.tensor_parallel_size > 1 and self.num_gpus != self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} splits a replica over that many whole "
+                             f"GPUs: set num_gpus to {self.tensor_parallel_size} (it is {self.num_gpus:g})")
+        return self
 
 
 class TrainerConfig(StrictModel):

@@ -87,7 +87,7 @@ class RolloutEngine:
 
     def __init__(self, model_dir: str, version: int, *, gpu_memory_utilization: float, max_model_len: int,
                  dtype: str, seed: int, threads: int | None = None, adapter_dir: str | None = None,
-                 kv_cache_gib: float | None = None) -> None:
+                 kv_cache_gib: float | None = None, tensor_parallel_size: int = 1) -> None:
         """``model_dir`` is a full model; with ``adapter_dir`` (a LoRA agent's version after 0, policy/lora.py)
         ``model_dir`` is that agent's base and the engine serves the base with the adapters merged in."""
         os.environ.update(ENGINE_ENV)
@@ -111,6 +111,9 @@ class RolloutEngine:
         self.llm = LLM(model=model_dir, **lora, dtype=engine_dtype(dtype),
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                        enforce_eager=True, seed=seed, max_num_seqs=MAX_NUM_SEQS,
+                       # Over several GPUs: vLLM's Ray workers, in the placement group this actor runs in (spawn.py)
+                       tensor_parallel_size=tensor_parallel_size,
+                       distributed_executor_backend="ray" if tensor_parallel_size > 1 else None,
                        # vLLM 0.32's CPU sampler fails ("CPU Generator does not use offset") when a seeded
                        # request's prompt is prefilled in chunks, which happens once a batch's prompt tokens pass
                        # max_num_batched_tokens (4096 by default): with room for every sequence at full length,
@@ -121,7 +124,8 @@ class RolloutEngine:
         self.model_dir = model_dir
         # What a restart must match to reuse this engine (cluster/warm_actors.py).
         self._settings = dict(gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                              dtype=dtype, seed=seed, threads=threads, kv_cache_gib=kv_cache_gib)
+                              dtype=dtype, seed=seed, threads=threads, kv_cache_gib=kv_cache_gib,
+                              tensor_parallel_size=tensor_parallel_size)
         self._fingerprint = model_fingerprint(model_dir)
         if adapter_dir is not None:
             from marl_pipeline.policy.lora import merged_checkpoint

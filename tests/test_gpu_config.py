@@ -1,0 +1,100 @@
+"""GPU placement without a GPU: the 8-GPU example plans, split engines and sharded trainers get whole GPUs of their
+placement groups, checked on Ray's logical GPUs (``num_gpus`` declared on this CPU node)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from marl_pipeline.cluster.placement import PlacementError, plan_placement
+from marl_pipeline.cluster.spawn import split_engine_bundles, split_engine_options
+from marl_pipeline.config import EngineConfig, parse_config
+from marl_pipeline.environment import build_environment
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_8_gpu_example_parses_and_plans_on_one_node() -> None:
+    config = parse_config(yaml.safe_load((ROOT / "configs" / "gpu_8x_llama1b.yaml").read_text()))
+    build_environment(config.environment.name, config.environment.options)
+    plan = plan_placement(config, [{"CPU": 96.0, "GPU": 8.0}])
+    assert plan.summary()["total"] == "24 of 96 CPU, 8 of 8 GPU"
+    assert {actor.name: actor.gpus for actor in plan.actors} == {
+        "solver/engine": 2.0, "solver/trainer": 1.0, "solver/trainer.1": 1.0,
+        "verifier/engine": 2.0, "verifier/trainer": 1.0, "verifier/trainer.1": 1.0}
+    with pytest.raises(PlacementError, match=r"need 8 GPUs \(solver: engine 2 \+ trainer 2 workers x 1; .*has 7"):
+        plan_placement(config, [{"CPU": 96.0, "GPU": 7.0}])
+    # a split engine's GPUs are on one node: two nodes of 1 GPU each hold no 2-GPU engine
+    with pytest.raises(PlacementError, match="solver/engine needs 4 CPU and 2 GPU on one node"):
+        plan_placement(config, [{"CPU": 48.0, "GPU": 1.0}] * 8)
+
+
+def test_a_split_engine_reserves_whole_gpus_in_its_placement_group() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 splits a replica over that many whole GPUs: set "
+                                         "num_gpus to 2"):
+        EngineConfig(tensor_parallel_size=2, num_gpus=1)
+    engine = EngineConfig(tensor_parallel_size=4, num_gpus=4, num_cpus=2)
+    assert split_engine_bundles(engine, {"big_node": 1.0}) == [
+        {"GPU": 1.0, "CPU": 2.0, "big_node": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]
+    options = split_engine_options(engine, None)
+    assert options["num_gpus"] == 0 and options["scheduling_strategy"].placement_group_capture_child_tasks
+
+
+PROBE = textwrap.dedent("""
+    import json, os, shutil, sys
+    import ray
+    from marl_pipeline.cluster.spawn import split_engine_bundles, split_engine_options
+    from marl_pipeline.cluster.trainers import start_sharded_trainer
+    from marl_pipeline.config import EngineConfig, StoreConfig, TrainerConfig
+    from marl_pipeline.store import ExperienceStore
+
+    model, root = sys.argv[1], sys.argv[2]
+    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    store = ExperienceStore(StoreConfig(uri=root))
+    staging = store.staging_policy_dir("r", "solver", 0)
+    shutil.copytree(model, staging, dirs_exist_ok=True)
+    store.commit_policy(staging, "r", "solver", 0)
+    # A trainer on 2 workers of 1 GPU each: every rank sees its own GPU (and trains on the CPU: none is real)
+    trainer = TrainerConfig(workers=2, num_gpus=1, num_cpus=0.5)
+    leader, group = start_sharded_trainer(trainer, {}, store.config, "r", "solver", 0, lr=1e-3, weight_decay=0.0,
+                                          max_grad_norm=1.0, clip_eps=0.2, seed=0, num_threads=1)
+    devices = lambda actor: ray.get(actor.__ray_call__.remote(
+        lambda self: (os.environ["CUDA_VISIBLE_DEVICES"], str(self.device), ray.get_runtime_context().get_node_id())))
+    followers = ray.get(leader.__ray_call__.remote(lambda self: self.followers))
+    ranks = [devices(leader)] + [devices(f) for f in followers]
+    ray.util.remove_placement_group(group)
+    # A replica split over 2 GPUs: the engine actor is assigned no GPU, its children (vLLM's workers) one each
+    engine = EngineConfig(tensor_parallel_size=2, num_gpus=2, num_cpus=0.5)
+    split = ray.util.placement_group(split_engine_bundles(engine, {}), strategy="STRICT_PACK")
+
+    @ray.remote
+    class Engine:
+        def devices(self):
+            # as vLLM's Ray executor starts its workers: num_cpus=0, num_gpus=1, in the current placement group
+            worker = ray.remote(num_gpus=1, num_cpus=0)(lambda: os.environ["CUDA_VISIBLE_DEVICES"])
+            return ray.get_gpu_ids(), sorted(ray.get([worker.remote() for _ in range(2)]))
+
+    own, workers = ray.get(Engine.options(**split_engine_options(engine, split)).remote().devices.remote())
+    table = ray.util.placement_group_table(split)
+    print(json.dumps({"ranks": ranks, "engine": own, "workers": workers, "strategy": table["strategy"],
+                      "bundles": list(table["bundles"].values())}))
+""")
+
+
+def test_ranks_and_split_engine_workers_each_get_their_own_logical_gpu(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # Its own Ray instance (4 logical GPUs), in a child process: the suite's shared instance declares none.
+    result = subprocess.run([sys.executable, "-c", PROBE, str(tiny_model_dir), str(tmp_path / "store")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    visible = [rank[0] for rank in probe["ranks"]]
+    assert len(set(visible)) == 2 and all(v in {"0", "1", "2", "3"} for v in visible)
+    assert all(rank[1] == "cpu" for rank in probe["ranks"])  # logical GPUs: torch sees no CUDA, trains on the CPU
+    assert probe["engine"] == [] and len(set(probe["workers"])) == 2 and set(probe["workers"]) <= {"0", "1", "2", "3"}
+    assert probe["strategy"] == "STRICT_PACK" and probe["bundles"] == [{"GPU": 1.0, "CPU": 0.5}, {"GPU": 1.0}]
