@@ -1,4 +1,5 @@
-"""The ``marl`` command: ``train CONFIG`` runs the Dagster train job; ``inspect STORE`` summarises a stored run.
+"""The ``marl`` command: ``train CONFIG`` runs the Dagster train job; ``inspect STORE`` summarises a stored run;
+``runs STORE`` lists a store's runs; ``export STORE`` writes a policy version as a plain Hugging Face model.
 
 Heavy imports (Dagster, Ray, torch) happen after the arguments are parsed and the config validated.
 """
@@ -228,6 +229,69 @@ def inspect(store_uri: str = typer.Argument(..., help="Experience store: a direc
     except StoreError as error:
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(1) from None
+
+
+def _open_store(store_uri: str):
+    from marl_pipeline.store import ExperienceStore, StoreError
+
+    try:
+        return ExperienceStore(store_uri)
+    except StoreError as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def runs(store_uri: str = typer.Argument(".marl/store", help="Experience store: a directory or s3://bucket/prefix.",
+                                         metavar="STORE")) -> None:
+    """The runs in a store: each agent's newest policy version, the launch's target step and state, last activity."""
+    from datetime import datetime
+
+    from marl_pipeline.run.launches import run_overview
+
+    store = _open_store(store_uri)
+    names = store.runs()
+    if not names:
+        console.print(f"[yellow]no runs in {store.uri}[/yellow]")
+        raise typer.Exit(1)
+    table = Table(title=f"runs in {store.uri}")
+    for column in ("run", "newest versions", "target step", "state", "last version committed"):
+        table.add_column(column)
+    for name in names:
+        run = run_overview(store, name)
+        when = "-" if run.last_activity is None else datetime.fromtimestamp(run.last_activity).isoformat(" ", "seconds")
+        table.add_row(name, ", ".join(f"{a} v{v}" for a, v in run.versions.items()) or "-",
+                      "-" if run.target_step is None else str(run.target_step), run.state, when)
+    console.print(table)
+
+
+@app.command()
+def export(store_uri: str = typer.Argument(..., help="Experience store: a directory or s3://bucket/prefix.",
+                                           metavar="STORE"),
+           run: str = typer.Option(..., help="The run."), agent: str = typer.Option(..., help="The agent."),
+           out: Path = typer.Option(..., help="New directory to write the model to."),
+           version: int | None = typer.Option(None, help="Policy version (default: the newest)."),
+           merge: bool = typer.Option(True, help="Merge a LoRA version into a full model (else: its adapters).")
+           ) -> None:
+    """Write a policy version as a plain Hugging Face directory, loadable by transformers and vLLM."""
+    from marl_pipeline.policy.export import export_policy
+    from marl_pipeline.store import StoreError
+
+    store = _open_store(store_uri)
+    versions = store.policy_versions(run, agent)
+    if not versions:
+        console.print(f"[red]no policy versions of agent {agent!r} in run {run!r} of {store.uri} (agents there: "
+                      f"{store.checkpoints.agents(run) or 'none'})[/red]")
+        raise typer.Exit(1)
+    chosen = max(versions) if version is None else version
+    try:
+        directory = store.require_policy(run, agent, chosen)
+        base = store.require_policy(run, agent, 0) if chosen else directory
+        export_policy(directory, base, out, merge=merge)
+    except (StoreError, FileExistsError, FileNotFoundError) as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(1) from None
+    console.print(f"{run}/{agent} version {chosen} written to {out}")
 
 
 def _print_run(store, run: str, step: int | None, agent: str | None, sample: int) -> None:

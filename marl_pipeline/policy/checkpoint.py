@@ -5,6 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+TRAINER_STATE = "trainer_state.pt"
+"""Saved beside a policy version's weights: what a resumed launch needs to continue exactly (AdamW's moments and
+step counts, torch's RNG state, the version it belongs to). The learning-rate schedule is a function of the
+version, so the version restores it."""
+RECORD_FILES = (TRAINER_STATE, "timing.json")
+"""A stored version's files that are not the model: the trainer's state and the publisher's timing record."""
+
 
 def load_policy(model: str):
     """Load (model, tokenizer) in float32 from a local Hugging Face directory or a hub id."""

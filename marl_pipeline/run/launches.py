@@ -50,3 +50,29 @@ def plan_launch(store: ExperienceStore, config: ExperimentConfig) -> LaunchPlan:
 
 def finish_launch(store: ExperienceStore, run: str, last_step: int) -> None:
     store.write_record(run, RECORD, {"last_step": last_step, "finished": True})
+
+
+@dataclass(frozen=True)
+class RunOverview:
+    """One run of a store as ``marl runs`` lists it."""
+
+    run: str
+    versions: dict[str, int]
+    """Each agent's newest committed policy version (one per trained step; 0 is the base)."""
+    target_step: int | None
+    """The last step the newest launch aimed at (None: never launched)."""
+    state: str
+    """``finished``, ``unfinished`` (killed or still running: the next launch resumes it) or ``not launched``."""
+    last_activity: float | None
+    """When the newest policy version was committed (seconds since the epoch)."""
+
+
+def run_overview(store: ExperienceStore, run: str) -> RunOverview:
+    """A run's agents and newest versions, its launch record's state, and when it last committed a version."""
+    agents = store.checkpoints.agents(run)
+    versions = {agent: max(store.policy_versions(run, agent), default=0) for agent in agents}
+    record = store.read_record(run, RECORD)
+    state = "not launched" if record is None else "finished" if record["finished"] else "unfinished"
+    times = [store.checkpoints.modified(run, agent, version) for agent, version in versions.items()]
+    return RunOverview(run, versions, None if record is None else record["last_step"], state,
+                       max((t for t in times if t is not None), default=None))

@@ -32,7 +32,7 @@ from pathlib import Path
 from marl_pipeline.config import RetentionConfig
 from marl_pipeline.store import commits
 from marl_pipeline.store import retention as retention_rules
-from marl_pipeline.store.storage import Location
+from marl_pipeline.store.storage import Location, modified_time
 
 MANIFEST = commits.MANIFEST
 FORMAT = 1
@@ -85,6 +85,19 @@ class PolicyCheckpoints:
             return sorted(int(p.name[8:]) for p in base.glob("version=*") if p.is_dir())
         manifests = self.location.fs.glob(f"{self._remote_dir(run, agent)}/version=*/{MANIFEST}")
         return sorted(int(path.rsplit("/", 2)[1][8:]) for path in manifests)
+
+    def agents(self, run: str) -> list[str]:
+        """The agents (or models) of ``run`` with a folder of versions."""
+        pattern = self.location.path(f"run={run}", self.folder, f"{self.key}=*")
+        return sorted(path.rstrip("/").rsplit("=", 1)[-1] for path in self.location.fs.glob(pattern))
+
+    def modified(self, run: str, agent: str, version: int) -> float | None:
+        """When ``version`` was committed (seconds since the epoch), from the store's own timestamps."""
+        path = self._remote_dir(run, agent, version) + ("" if self.location.local else f"/{MANIFEST}")
+        try:
+            return modified_time(self.location.fs.info(path))
+        except FileNotFoundError:
+            return None
 
     def _manifest(self, run: str, agent: str, version: int) -> dict | None:
         path = f"{self._remote_dir(run, agent, version)}/{MANIFEST}"

@@ -39,6 +39,15 @@ class Location:
         return path if self.local else f"s3://{path}"
 
 
+def modified_time(info: dict) -> float | None:
+    """An fsspec ``info`` entry's modification time in seconds since the epoch: ``mtime`` on local disk,
+    ``LastModified`` on S3."""
+    if "mtime" in info:
+        return float(info["mtime"])
+    stamp = info.get("LastModified")
+    return None if stamp is None else stamp.timestamp()
+
+
 def open_location(config: StoreConfig) -> Location:
     """The filesystem of ``config.uri``: a local directory, or S3 through s3fs with the config's endpoint and keys.
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from marl_pipeline.policy.checkpoint import load_policy, save_policy
+from marl_pipeline.policy.checkpoint import TRAINER_STATE, load_policy, save_policy
 from marl_pipeline.policy.lora import (
     POLICY,
     add_named_adapters,
@@ -43,11 +43,6 @@ from marl_pipeline.training.losses import (
     scored_token_terms,
     summed_loss,
 )
-
-TRAINER_STATE = "trainer_state.pt"
-"""Saved beside a policy version's weights: what a resumed launch needs to continue exactly (AdamW's moments and
-step counts, torch's RNG state, the version it belongs to). The learning-rate schedule is a function of the
-version, so the version restores it."""
 
 
 class PolicyTrainer:
