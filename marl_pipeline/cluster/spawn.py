@@ -1,6 +1,7 @@
-"""Spawning the Ray actors of a run: rollout engines per agent (``engine.replicas`` of them), one trainer per agent
-(or, with a trainer budget below the number of agents, that many trainer workers swapping the agents' states:
-``training/swap.py``), and the stage pools.
+"""Spawning the Ray actors of a run: rollout engines per agent (``engine.replicas`` of them, each split over
+``tensor_parallel_size`` GPUs in a placement group of its own when that is above 1), one trainer per agent (on
+``trainer.workers`` actors: cluster/trainers.py; or, with a trainer budget below the number of agents, that many
+trainer workers swapping the agents' states: ``training/swap.py``), and the stage pools.
 
 ``ray.remote`` is applied here, where actors are spawned, with resources from the config (``ray.engine_resources``
 / ``ray.trainer_resources`` pin them to the nodes that offer those custom resources); the engine and trainer

@@ -45,8 +45,8 @@ class Rank:
 def join(rank: Rank, device: torch.device) -> None:
     """Join the agent's process group: gloo for CPU tensors, and NCCL for CUDA ones on a GPU."""
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda":  # Ray shows each worker its own GPU(s): the first is its rank's
+        torch.cuda.set_device(device.index or 0)
     dist.init_process_group(backend, init_method=f"tcp://{rank.address}", rank=rank.rank, world_size=rank.world,
                             timeout=COLLECTIVE_TIMEOUT)
 
