@@ -252,11 +252,11 @@ def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: d
         trainer = agent_config.trainer
         options = {**trainer_options(config, agent, store), "num_threads": actor_threads(config, trainer)}
         if trainer.workers > 1:  # never kept: its ranks meet once, in a placement group of their own
-            trainers[agent], group = start_sharded_trainer(trainer, config.ray.trainer_resources, store.config,
-                                                           config.run, agent, versions[agent], **options)
             if placement_groups is None:
                 raise ValueError(f"{agent} trains on {trainer.workers} workers: pass placement_groups, to remove "
                                  f"theirs with the run")
+            trainers[agent], group = start_sharded_trainer(trainer, config.ray.trainer_resources, store.config,
+                                                           config.run, agent, versions[agent], **options)
             placement_groups.append(group)
             continue
         # A kept trainer is rebuilt whatever its options were (PolicyTrainer.restart): only its resources must match.
