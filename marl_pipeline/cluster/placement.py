@@ -31,6 +31,11 @@ DECIMALS = 4
 WORKER = "trainer-worker-{}"
 
 
+def bundle(cpus: float, gpus: float, resources: dict[str, float]) -> dict[str, float]:
+    """A placement group bundle: what one actor in it reserves, zero amounts left out (Ray refuses them)."""
+    return {name: amount for name, amount in {"CPU": cpus, "GPU": gpus, **resources}.items() if amount > 0}
+
+
 def trainer_name(agent: str, rank: int = 0) -> str:
     """A resident trainer actor's name in the plan: ``<agent>/trainer``, and ``<agent>/trainer.<rank>`` for the
     other ranks of a trainer on several workers."""

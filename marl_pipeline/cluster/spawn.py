@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from marl_pipeline.actions.pool import ActionPool
 from marl_pipeline.cluster import warm_actors
-from marl_pipeline.cluster.placement import assign_workers
+from marl_pipeline.cluster.placement import assign_workers, bundle
 from marl_pipeline.cluster.trainers import StoreTrainer, start_sharded_trainer
 from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, StoreConfig, TrainerConfig
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine
@@ -184,8 +184,7 @@ def _spawn_engine(actor, settings: tuple, store: StoreConfig, run: str, agent: s
 def split_engine_bundles(engine: EngineConfig, resources: dict[str, float]) -> list[dict[str, float]]:
     """The placement group of a replica split over ``tensor_parallel_size`` GPUs: one GPU per rank, the engine
     actor's CPUs (and custom resources) beside the first."""
-    first = {"GPU": 1.0, **{name: amount for name, amount in {"CPU": engine.num_cpus, **resources}.items() if amount}}
-    return [first] + [{"GPU": 1.0}] * (engine.tensor_parallel_size - 1)
+    return [bundle(engine.num_cpus, 1.0, resources)] + [bundle(0, 1.0, {})] * (engine.tensor_parallel_size - 1)
 
 
 def split_engine_options(engine: EngineConfig, group) -> dict:

@@ -17,6 +17,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from marl_pipeline.cluster.placement import bundle
 from marl_pipeline.config import StoreConfig, TrainerConfig
 from marl_pipeline.store import ExperienceStore
 from marl_pipeline.store.checkpoints import PolicyUpload
@@ -50,17 +51,12 @@ def with_local_base(store: ExperienceStore, run: str, agent: str, options: dict)
                           for name in ("reference_dir", "base_dir") if options.get(name) is not None}}
 
 
-def bundle(trainer: TrainerConfig, resources: dict[str, float]) -> dict[str, float]:
-    """What one worker of a sharded trainer reserves: its placement group bundle."""
-    return {name: amount for name, amount in {"CPU": trainer.num_cpus, "GPU": trainer.num_gpus, **resources}.items()
-            if amount > 0}
-
-
 def start_sharded_trainer(trainer: TrainerConfig, resources: dict[str, float], store: StoreConfig, run: str,
                           agent: str, version: int, **options) -> tuple[ray.actor.ActorHandle, PlacementGroup]:
     """An agent's trainer on ``trainer.workers`` actors, one bundle each (packed on as few nodes as fit); returns
     rank 0, which starts the others, and the placement group (removing it stops them all)."""
-    group = ray.util.placement_group([bundle(trainer, resources)] * trainer.workers, strategy="PACK")
+    group = ray.util.placement_group([bundle(trainer.num_cpus, trainer.num_gpus, resources)] * trainer.workers,
+                                     strategy="PACK")
     leader = _rank_actor(trainer, resources, group, 0).remote(trainer, resources, group, store, run, agent, version,
                                                               **options)
     return leader, group
@@ -87,39 +83,36 @@ class ShardedTrainer(StoreTrainer):
                 for k in range(1, trainer.workers)]
         super().__init__(store, run, agent, version, rank=rank, **options)
 
-    def _on_every_rank(self, method: str, args: list[tuple] | None = None) -> list:
-        """``method`` on every rank (``args[k]`` for rank k; none by default), the others' submitted first."""
-        args = args or [()] * (len(self.followers) + 1)
-        refs = [getattr(follower, method).remote(*a) for follower, a in zip(self.followers, args[1:])]
-        own = getattr(super(), method)(*args[0])
+    def _on_every_rank(self, method: str, *args, shares: list | None = None) -> list:
+        """``method`` on every rank (the others' calls submitted first), each with ``args``, or rank k with
+        ``shares[k]``; on a rank that leads none, the call itself."""
+        per_rank = [(share,) for share in shares] if shares is not None else [args] * (len(self.followers) + 1)
+        refs = [getattr(follower, method).remote(*a) for follower, a in zip(self.followers, per_rank[1:])]
+        own = getattr(super(), method)(*per_rank[0])
         return [own, *ray.get(refs)]
 
     def accumulate(self, batch: TrainBatch) -> dict[str, float]:
-        if not self.followers:
+        if not self.followers:  # a rank's own share
             return super().accumulate(batch)
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        shares = [(_rows(batch, rows, dropped=batch.dropped_rows if k == 0 else 0),)
+        shares = [_rows(batch, rows, dropped=batch.dropped_rows if k == 0 else 0)
                   for k, rows in enumerate(deal(lengths, len(self.followers) + 1))]
-        return merged_stats(self._on_every_rank("accumulate", shares))
+        return merged_stats(self._on_every_rank("accumulate", shares=shares))
 
     def apply_step(self):
-        return self._on_every_rank("apply_step")[0] if self.followers else super().apply_step()
+        return self._on_every_rank("apply_step")[0]
 
     def discard_gradients(self) -> None:
-        return self._on_every_rank("discard_gradients")[0] if self.followers else super().discard_gradients()
+        self._on_every_rank("discard_gradients")
 
     def named_weights(self):
-        return self._on_every_rank("named_weights")[0] if self.followers else super().named_weights()
+        return self._on_every_rank("named_weights")[0]
 
     def save(self, directory: str) -> None:
-        if not self.followers:
-            return super().save(directory)
-        self._on_every_rank("save", [(directory,)] * (len(self.followers) + 1))
+        self._on_every_rank("save", directory)
 
     def completion_logprobs(self, *args) -> list[float]:
-        if not self.followers:
-            return super().completion_logprobs(*args)
-        return self._on_every_rank("completion_logprobs", [args] * (len(self.followers) + 1))[0]
+        return self._on_every_rank("completion_logprobs", *args)[0]
 
 
 def _rows(batch: TrainBatch, rows: list[int], dropped: int) -> TrainBatch:

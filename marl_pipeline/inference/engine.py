@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from marl_pipeline.policy.checkpoint import RECORD_FILES
+
 # The engine must stay in the actor's process: weights are then reloaded by reference, not pickled
 # to an engine-core subprocess. Set before vllm is imported anywhere in this process.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -248,10 +250,9 @@ def lora_rank_bound(adapter_dir: str) -> int:
     return bound
 
 
-# Files of a policy directory that are not the model's definition: its weights, the trainer's state, the store's
-# records. Everything else (config, generation config, tokenizer, chat template) shapes the engine vLLM builds.
+# Files of a policy directory that are not the model's definition: its weights and the store's records (the trainer's
+# state among them). Everything else (config, generation config, tokenizer, chat template) shapes the engine.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_RECORD_FILES = ("timing.json",)
 
 
 def model_fingerprint(model_dir: str) -> str:
@@ -259,7 +260,7 @@ def model_fingerprint(model_dir: str) -> str:
     are served by one engine with the other's weights reloaded."""
     digest = hashlib.sha256()
     for path in sorted(Path(model_dir).iterdir()):
-        if (path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) and path.name not in _RECORD_FILES
+        if (path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) and path.name not in RECORD_FILES
                 and not path.name.startswith(("_", "."))):
             digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
