@@ -32,7 +32,7 @@ def test_builtin_model_is_built_warmed_up_and_kept(small_config) -> None:
 def test_a_local_hugging_face_directory_loads_the_same_way(demo_config_data, tiny_model_dir: Path, tmp_path: Path,
                                                            on_ray: bool, request) -> None:
     if on_ray:
-        request.getfixturevalue("local_ray")  # each agent's version 0 in a Ray task, as a launch prepares it
+        request.getfixturevalue("local_ray")  # each agent's version 0 in a Ray task, as the asset prepares it
     data = copy.deepcopy(demo_config_data)
     data["store"] = str(tmp_path / "store")
     for agent in data["agents"].values():

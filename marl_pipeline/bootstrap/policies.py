@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,50 +38,60 @@ def prepare_base_policies(config: ExperimentConfig, env: Environment, store: Exp
     """Make sure every agent has a committed version 0; build and warm up the ones that lack it.
 
     With ``on_ray`` (the ``base_policies`` asset) each missing version 0 is prepared in a Ray task with the agent's
-    trainer resources, all at once, each using its share of the cluster's cores; in-process otherwise (a launch,
-    tests, scripts without Ray). The built-in model they start from is built first, once."""
+    trainer resources, all at once, each using its share of the cluster's cores; in-process otherwise (tests,
+    scripts without Ray). A launch prepares them in the agents' trainer actors instead (cluster/spawn.py), through
+    :func:`base_policy_makers`. The built-in model they start from is built first, once."""
     existing = {agent: BasePolicy(agent, store.policy_dir(config.run, agent, 0), created=False)
                 for agent in config.agents if store.policy_versions(config.run, agent)}
-    missing = [(agent, agent_config, config.seed + index) for index, (agent, agent_config)
-               in enumerate(config.agents.items()) if agent not in existing]
-    created = _create_base_policies(config, env, store, missing, on_ray) if missing else []
+    makers = base_policy_makers(config, env, store)
+    created = make_on_ray(config, makers) if on_ray else [make() for make in makers.values()]
     created_by_agent = {policy.agent: policy for policy in created}
     policies = [existing.get(agent) or created_by_agent[agent] for agent in config.agents]
-    for agent, agent_config in config.agents.items():
-        _require_turn_adapters(store, config.run, agent, agent_config)
+    require_turn_adapters(config, store)
     return policies
 
 
-def _create_base_policies(config: ExperimentConfig, env: Environment, store: ExperienceStore,
-                          missing: list[tuple[str, AgentConfig, int]], on_ray: bool) -> list[BasePolicy]:
-    builtin = any(agent_config.model == BUILTIN_TINY for _, agent_config, _ in missing)
-    if not on_ray:
-        if builtin:
-            ensure_builtin_model(config, env, store.config)
-        return [_create_base_policy(config, env, store.config, agent, agent_config, seed)
-                for agent, agent_config, seed in missing]
+def make_on_ray(config: ExperimentConfig, makers: dict[str, Callable[..., BasePolicy]]) -> list[BasePolicy]:
+    """Run ``makers`` in Ray tasks with each agent's trainer resources, all at once, each with its share of the
+    cluster's cores."""
     import ray
 
-    if builtin:
-        ray.get(ray.remote(ensure_builtin_model).options(num_cpus=0).remote(config, env, store.config))
-    threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // len(missing))
-    return ray.get([ray.remote(_create_base_policy).options(
-                        num_cpus=agent_config.trainer.num_cpus, num_gpus=agent_config.trainer.num_gpus,
-                        resources=dict(config.ray.trainer_resources)).remote(
-                        config, env, store.config, agent, agent_config, seed, threads)
-                    for agent, agent_config, seed in missing])
+    threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // max(len(makers), 1))
+    trainers = {agent: config.agents[agent].trainer for agent in makers}
+    task = ray.remote(_make)  # a partial is not a function to ray.remote
+    return ray.get([task.options(num_cpus=trainers[agent].num_cpus, num_gpus=trainers[agent].num_gpus,
+                                 resources=dict(config.ray.trainer_resources)).remote(make, threads)
+                    for agent, make in makers.items()])
 
 
-def _require_turn_adapters(store: ExperienceStore, run: str, agent: str, agent_config: AgentConfig) -> None:
+def _make(make: Callable[..., BasePolicy], threads: int) -> BasePolicy:
+    return make(threads)
+
+
+def base_policy_makers(config: ExperimentConfig, env: Environment,
+                       store: ExperienceStore) -> dict[str, Callable[..., BasePolicy]]:
+    """For each agent without a version 0 in the store, a picklable call ``make(threads=None)`` that builds, warms
+    up and commits it wherever it runs (a trainer actor, a Ray task, this process). The built-in model the agents
+    on ``builtin:tiny`` start from is built here first, once, as every maker reads it."""
+    missing = {agent: (agent_config, config.seed + index) for index, (agent, agent_config)
+               in enumerate(config.agents.items()) if not store.policy_versions(config.run, agent)}
+    if any(agent_config.model == BUILTIN_TINY for agent_config, _ in missing.values()):
+        ensure_builtin_model(config, env, store.config)
+    return {agent: functools.partial(_create_base_policy, config, env, store.config, agent, agent_config, seed)
+            for agent, (agent_config, seed) in missing.items()}
+
+
+def require_turn_adapters(config: ExperimentConfig, store: ExperienceStore) -> None:
     """Refuse an agent whose ``turn_adapters`` name an adapter its version 0 does not hold."""
-    if not agent_config.turn_adapters:
-        return
-    path = store.require_policy(run, agent, 0)
-    held = named_adapter_dirs(path)
-    missing = sorted(set(agent_config.turn_adapters) - set(held))
-    if missing:
-        raise ValueError(f"agent {agent!r}: turn_adapters names {missing}, but its version 0 ({path}) holds "
-                         f"{sorted(held) or 'no named adapters'} (a warm-up writes one with warmup.adapter)")
+    for agent, agent_config in config.agents.items():
+        if not agent_config.turn_adapters:
+            continue
+        path = store.require_policy(config.run, agent, 0)
+        held = named_adapter_dirs(path)
+        missing = sorted(set(agent_config.turn_adapters) - set(held))
+        if missing:
+            raise ValueError(f"agent {agent!r}: turn_adapters names {missing}, but its version 0 ({path}) holds "
+                             f"{sorted(held) or 'no named adapters'} (a warm-up writes one with warmup.adapter)")
 
 
 def ensure_builtin_model(config: ExperimentConfig, env: Environment, store_config: StoreConfig) -> Path:
@@ -98,13 +109,16 @@ def ensure_builtin_model(config: ExperimentConfig, env: Environment, store_confi
 
 def _create_base_policy(config: ExperimentConfig, env: Environment, store_config: StoreConfig, agent: str,
                         agent_config: AgentConfig, seed: int, threads: int | None = None) -> BasePolicy:
-    """One agent's version 0: its model (the run's built-in one for ``builtin:tiny``), warmed up, committed."""
+    """One agent's version 0: its model (the run's built-in one for ``builtin:tiny``), warmed up, committed; or,
+    where it is already committed (a maker called again), that one."""
     import torch
 
+    store = ExperienceStore(store_config)
+    if store.policy_versions(config.run, agent):
+        return BasePolicy(agent, store.policy_dir(config.run, agent, 0), created=False)
     if threads is not None:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    store = ExperienceStore(store_config)
     source = agent_config.model
     if source == BUILTIN_TINY:
         source = str(store.models.fetch(config.run, BUILTIN_MODEL, 0))

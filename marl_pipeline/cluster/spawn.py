@@ -16,6 +16,8 @@ nodes; the store is the durable copy, written once per version, read by whoever 
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -24,6 +26,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from marl_pipeline.actions.pool import ActionPool
+from marl_pipeline.bootstrap.policies import BasePolicy, make_on_ray
 from marl_pipeline.cluster import warm_actors
 from marl_pipeline.cluster.placement import assign_workers, bundle
 from marl_pipeline.cluster.trainers import StoreTrainer, start_sharded_trainer
@@ -52,6 +55,8 @@ class Workers:
     """The environment stage's action workers (None: the plugin runs no actions)."""
     placement_groups: list = field(default_factory=list)
     """Those of the trainers on several workers (removed with the run: their ranks stop)."""
+    base_policies: list[BasePolicy] = field(default_factory=list)
+    """The versions 0 made as the workers started."""
 
     def shutdown(self, keep: bool = False) -> None:
         """Stop the run's actors; with ``keep``, leave its engines and resident trainers idle for the next launch
@@ -108,12 +113,22 @@ class StoreAsyncEngine(AsyncRolloutEngine):
     """A run's engine: the asynchronous engine, started from a policy version in the store, fetched on the node it
     runs on."""
 
-    def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
+    def __init__(self, store: StoreConfig, run: str, agent: str, version: int, after: list | None = None,
+                 **options) -> None:
+        """``after``: references to wait for before the version is read (its trainer preparing version 0); vLLM,
+        the engine's longest import, is imported meanwhile."""
+        if after:
+            import vllm  # noqa: F401
+
+            ray.get(after)
         model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
         super().__init__(model_dir, version, adapter_dir=adapter_dir, **options)
 
-    async def restart(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> bool:
+    async def restart(self, store: StoreConfig, run: str, agent: str, version: int, after: list | None = None,
+                      **options) -> bool:
         """Serve a stored version as a new engine with these arguments would (``RolloutEngine.restart``)."""
+        if after:
+            await asyncio.gather(*after)
         model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
         return await super().restart(model_dir, version, adapter_dir=adapter_dir, **options)
 
@@ -144,9 +159,12 @@ def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: di
 
 
 def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int],
-                          replicas: int | None = None) -> dict[str, EngineReplicas]:
+                          replicas: int | None = None,
+                          after: dict[str, list] | None = None) -> dict[str, EngineReplicas]:
     """Each agent's engine replicas (``agents.<name>.engine.replicas``, or ``replicas`` for every agent), serving the
-    given policy version from the store; a replica that dies is restarted the same way (inference/replicas.py)."""
+    given policy version from the store once ``after[agent]`` is ready (see ``StoreAsyncEngine``); a replica that
+    dies is restarted the same way (inference/replicas.py)."""
+    after = after or {}
     rebalance = config.pipeline.rollout.rebalance_replicas
     budget = sum(agent.engine.replicas for agent in config.agents.values())
     sets = {}
@@ -168,17 +186,18 @@ def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, vers
             release = partial(_release_split_engine, groups)
         # With rebalancing, any agent may come to hold every replica but one per other agent.
         capacity = (budget - len(config.agents) + 1) if rebalance and replicas is None else None
-        sets[agent] = EngineReplicas(agent, [spawn(k, versions[agent]) for k in range(replicas or engine.replicas)],
+        first = [spawn(k, versions[agent], after=after.get(agent)) for k in range(replicas or engine.replicas)]
+        sets[agent] = EngineReplicas(agent, first,
                                      versions[agent], spawn, engine.max_outstanding, capacity=capacity,
                                      release=release)
     return sets
 
 
 def _spawn_engine(actor, settings: tuple, store: StoreConfig, run: str, agent: str, options: dict, replica: int,
-                  version: int):
+                  version: int, after: list | None = None):
     """One engine replica from the store (the replica index only names it: replicas are alike): a kept one
     restarted at ``version``, else a new one."""
-    return warm_actors.start(actor, settings, store, run, agent, version, **options)
+    return warm_actors.start(actor, settings, store, run, agent, version, after=after, **options)
 
 
 def split_engine_bundles(engine: EngineConfig, resources: dict[str, float]) -> list[dict[str, float]]:
@@ -195,10 +214,11 @@ def split_engine_options(engine: EngineConfig, group) -> dict:
 
 
 def _spawn_split_engine(actor, engine: EngineConfig, resources: dict[str, float], groups: dict, store: StoreConfig,
-                        run: str, agent: str, options: dict, replica: int, version: int):
+                        run: str, agent: str, options: dict, replica: int, version: int, after: list | None = None):
     """A replica over several GPUs of one node, in a placement group of its own; never kept (it holds whole GPUs)."""
     group = ray.util.placement_group(split_engine_bundles(engine, resources), strategy="STRICT_PACK")
-    handle = actor.options(**split_engine_options(engine, group)).remote(store, run, agent, version, **options)
+    handle = actor.options(**split_engine_options(engine, group)).remote(store, run, agent, version, after=after,
+                                                                         **options)
     groups[handle._actor_id] = group
     return handle
 
@@ -240,16 +260,21 @@ def trainer_options(config: ExperimentConfig, agent: str, store: ExperienceStore
 
 
 def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int],
-                   placement_groups: list | None = None) -> dict:
+                   placement_groups: list | None = None, prepare: dict[str, Callable] | None = None) -> dict:
     """One torch trainer actor per agent (rank 0 of ``trainer.workers``, its placement group appended to
-    ``placement_groups``), starting from the given policy version in the store; with a trainer budget below the
-    number of agents, that many trainer workers, each serving its agents by swapping."""
+    ``placement_groups``), starting from the given policy version in the store, which ``prepare[agent]`` makes
+    first in the actor where it is missing; with a trainer budget below the number of agents, that many trainer
+    workers, each serving its agents by swapping (nothing to prepare: see :func:`start_workers`)."""
+    prepare = prepare or {}
     if swapping(config):
+        if prepare:
+            raise ValueError(f"swapped trainers cannot prepare version 0 of {sorted(prepare)}: make it first")
         return start_swapped_trainers(config, store, versions)
     trainers = {}
     for agent, agent_config in config.agents.items():
         trainer = agent_config.trainer
-        options = {**trainer_options(config, agent, store), "num_threads": actor_threads(config, trainer)}
+        options = {**trainer_options(config, agent, store), "num_threads": actor_threads(config, trainer),
+                   "prepare": prepare.get(agent)}
         if trainer.workers > 1:  # never kept: its ranks meet once, in a placement group of their own
             if placement_groups is None:
                 raise ValueError(f"{agent} trains on {trainer.workers} workers: pass placement_groups, to remove "
@@ -311,13 +336,23 @@ def _wait_ready(config: ExperimentConfig, handles: list) -> None:
 
 
 def start_workers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int],
-                  reward_model: Path | None = None, action_pool: PoolSettings | None = None) -> Workers:
+                  reward_model: Path | None = None, action_pool: PoolSettings | None = None,
+                  prepare: dict[str, Callable] | None = None) -> Workers:
     """Engines and trainers of every agent, the reward model's pool and the action pool when the run has them;
-    returns once the engines, trainers and reward-model replicas are ready. The pools live as long as the run."""
+    returns once the engines, trainers and reward-model replicas are ready. The pools live as long as the run.
+
+    ``prepare``: makers of the versions 0 missing from the store (bootstrap/policies.py: ``base_policy_makers``),
+    run in the agents' trainer actors while their engines import vLLM, or in Ray tasks first where trainers swap
+    (a swapped agent's trainer is built on its first call); what they made is in ``Workers.base_policies``."""
+    prepare, made = dict(prepare or {}), []
+    if swapping(config) and prepare:
+        warm_actors.stop_idle()  # the tasks reserve trainer CPUs: kept idle actors would hold them for ever
+        made, prepare = make_on_ray(config, prepare), {}
     groups: list = []
-    workers = Workers(start_engine_replicas(config, store, versions), start_trainers(config, store, versions, groups),
-                      placement_groups=groups)
+    workers = Workers({}, start_trainers(config, store, versions, groups, prepare), placement_groups=groups)
     try:
+        after = {agent: [workers.trainers[agent].base_policy.remote()] for agent in prepare}
+        workers.engines = start_engine_replicas(config, store, versions, after=after)
         if action_pool is not None:
             workers.action_pool = ActionPool(action_pool)
         if reward_model is not None and config.reward_model is not None:
@@ -325,7 +360,8 @@ def start_workers(config: ExperimentConfig, store: ExperienceStore, versions: di
         # Kept actors this launch did not take would hold CPUs its new ones wait for.
         warm_actors.stop_idle()
         engines = [handle for replicas in workers.engines.values() for handle in replicas.handles()]
-        _wait_ready(config, [*engines, *workers.trainers.values()])
+        _wait_ready(config, [*workers.trainers.values(), *engines])  # a trainer's failure first: engines wait on it
+        workers.base_policies = made + ray.get([refs[0] for refs in after.values()])
     except BaseException:
         workers.shutdown()
         raise

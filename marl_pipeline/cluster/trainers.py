@@ -11,6 +11,7 @@ Rank 0 starts the other ranks itself, so they share its fate: when it is killed 
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from dataclasses import replace
 
 import ray
@@ -30,10 +31,18 @@ class StoreTrainer(PolicyTrainer):
     """A policy trainer that starts from a version in the store (and its KL reference, version 0), fetched on the
     node it runs on, and uploads each new version to the store from there (:meth:`save_version`)."""
 
-    def __init__(self, store: StoreConfig, run: str, agent: str, version: int, **options) -> None:
+    def __init__(self, store: StoreConfig, run: str, agent: str, version: int, prepare: Callable | None = None,
+                 **options) -> None:
+        """``prepare``: the agent's version 0 is missing; ``prepare(threads)`` makes it here first, with this
+        actor's resources and device, while the engines start (bootstrap/policies.py: ``base_policy_makers``)."""
+        self.prepared = None if prepare is None else prepare(options.get("num_threads"))
         self.store, self.run, self.agent = ExperienceStore(store), run, agent
         super().__init__(str(self.store.require_policy(run, agent, version)), version,
                          **with_local_base(self.store, run, agent, options))
+
+    def base_policy(self):
+        """The ``BasePolicy`` this trainer prepared (None: version 0 was already in the store)."""
+        return self.prepared
 
     def save_version(self, version: int) -> PolicyUpload:
         """Save the version just stepped to and upload it; the driver publishes it once the engine serves it."""
@@ -72,7 +81,9 @@ class ShardedTrainer(StoreTrainer):
     """One rank of an agent's trainer on several workers; rank 0, which the run calls, makes each call on all."""
 
     def __init__(self, trainer: TrainerConfig, resources: dict[str, float], group: PlacementGroup,
-                 store: StoreConfig, run: str, agent: str, version: int, rank: Rank | None = None, **options) -> None:
+                 store: StoreConfig, run: str, agent: str, version: int, rank: Rank | None = None,
+                 prepare: Callable | None = None, **options) -> None:
+        prepared = None if prepare is None else prepare(options.get("num_threads"))  # before any rank loads it
         self.followers = []
         if rank is None:  # rank 0: where the ranks meet, then the others, each in its bundle
             with socket.socket() as probe:
@@ -82,6 +93,7 @@ class ShardedTrainer(StoreTrainer):
                 trainer, resources, group, store, run, agent, version, rank=replace(rank, rank=k), **options)
                 for k in range(1, trainer.workers)]
         super().__init__(store, run, agent, version, rank=rank, **options)
+        self.prepared = prepared
 
     def _on_every_rank(self, method: str, *args, shares: list | None = None) -> list:
         """``method`` on every rank (the others' calls submitted first), each with ``args``, or rank k with

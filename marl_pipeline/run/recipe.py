@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import ray
 
-from marl_pipeline.bootstrap.policies import prepare_base_policies
+from marl_pipeline.bootstrap.policies import BasePolicy, base_policy_makers, require_turn_adapters
 from marl_pipeline.bootstrap.reward_model import prepare_reward_model
 from marl_pipeline.cluster.placement import plan_placement
 from marl_pipeline.cluster.spawn import start_workers
@@ -40,12 +40,12 @@ def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
     env = build_environment(config.environment.name, config.environment.options)
     store = ExperienceStore(config.store)
     yield done(f"placement planned, environment {config.environment.name!r} built")
-    # In-process, only what is missing: a Ray task's fresh worker re-imports torch and transformers, 10-30 s a launch
-    # in the suite (docs/ARCHITECTURE.md); the base_policies asset runs the same code on Ray.
-    base_policies = prepare_base_policies(config, env, store)
-    created = [policy.agent for policy in base_policies if policy.created]
-    yield done(f"version 0 prepared for {', '.join(created)}" if created else "version 0 found in the store")
-    reward_model = prepare_reward_model(config, env, store)  # after the policies: the built-in shares their tokenizer
+    # What is missing of version 0 is made in the agents' trainer actors as the workers start (the base_policies
+    # asset runs the same makers in Ray tasks); the built-in model they start from is built here, first.
+    makers = base_policy_makers(config, env, store)
+    if makers:
+        yield done(f"version 0 missing for {', '.join(makers)}: made by their trainers as they start")
+    reward_model = prepare_reward_model(config, env, store)  # after the built-in model: it shares its tokenizer
     if reward_model is not None:
         yield done("reward model ready")
     plan = plan_launch(store, config)
@@ -53,11 +53,16 @@ def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
         if removed := store.vacuum(older_than=time.time() - launched, run=config.run):
             yield done(f"removed {len(removed)} uncommitted leftovers of the launch that died")
     workers = start_workers(config, store, plan.versions, reward_model,
-                            action_pool_settings(env, config.environment.pool))
+                            action_pool_settings(env, config.environment.pool), prepare=makers)
     replicas = sum(agent.engine.replicas for agent in config.agents.values())
-    yield done(f"engines ({replicas} replicas) and trainers of {len(config.agents)} agents started")
+    made = {policy.agent: policy for policy in workers.base_policies}
+    yield done(f"engines ({replicas} replicas) and trainers of {len(config.agents)} agents started"
+               + (f", version 0 made for {', '.join(made)}" if made else ""))
     finished = False
     try:
+        require_turn_adapters(config, store)
+        base_policies = [made.get(agent) or BasePolicy(agent, store.policy_dir(config.run, agent, 0), created=False)
+                         for agent in config.agents]
         yield RunStarted(config.run, plan, base_policies, time.perf_counter() - started, placement)
         streaming_started = time.time()
         yield from Orchestrator(config, env, store, workers, plan).run()
