@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up .venv first (idempotent, instant when done).
-.PHONY: setup train test ui lock
+.PHONY: setup train test ui lock plugin
 
 setup:
 	@bash scripts/setup.sh
@@ -12,6 +12,10 @@ train: setup
 # time). `make test PYTEST_ARGS="-n 4"` on a bigger machine.
 test: setup
 	.venv/bin/pytest $(PYTEST_ARGS)
+
+# Install an environment plugin into .venv (P=a directory, editable, or a package name); every later set-up keeps it.
+plugin:
+	@bash scripts/setup.sh plugin "$(P)"
 
 ui: setup
 	mkdir -p .dagster_home && touch .dagster_home/dagster.yaml

@@ -17,6 +17,11 @@
 # installs in parallel. uv does not read pip's configuration: torch 2.13.0+cpu comes from /opt/wheels
 # through [tool.uv.index] in pyproject.toml.
 #
+# Plugins: `make plugin P=DIR` (a directory: editable) or `make plugin P=NAME` (a package) = `scripts/setup.sh
+# plugin SPEC` installs an environment plugin into .venv and records it in plugins.txt (one requirement per line,
+# not tracked by git); every set-up reinstalls what plugins.txt lists after `uv sync`, which removes whatever the
+# lock does not name. A plugin never changes a locked package: its install is constrained to the versions installed.
+#
 # The browser test (tests/test_ui_browser.py) drives Debian's chromium through playwright (dev extra), which
 # must not download a browser of its own. Where chromium is missing, this installs it with apt-get when it can
 # (root, apt-get present; non-interactive, as in CI); otherwise it says what to install, and that test skips.
@@ -61,7 +66,40 @@ fi
 engine="${MARL_ENGINE:-cpu}"
 case "$engine" in cpu|gpu) ;; *) echo "MARL_ENGINE must be cpu or gpu, not '$engine'" >&2; exit 2 ;; esac
 stamp=.venv/.marl-installed
-want="$engine $(cat uv.lock pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+plugins=plugins.txt
+wanted() { echo "$engine $({ cat uv.lock pyproject.toml scripts/setup.sh; cat "$plugins" 2> /dev/null || true; } \
+                           | sha256sum | cut -d' ' -f1)"; }
+want=$(wanted)
+
+# $1: a requirements file (pip's format: `-e DIR` or a package name per line), installed into .venv with every
+# package already there held at its installed version.
+install_plugins() {
+  local held
+  held=$(mktemp)
+  "$uv" pip freeze -q --python .venv/bin/python | grep -v -e '^-e ' -e ' @ file:' > "$held"
+  "$uv" pip install -q --python .venv/bin/python --constraint "$held" --requirement "$1" || {
+    rm -f "$held"
+    echo "installing the plugins of $1 failed (above); a package they need may conflict with uv.lock" >&2
+    return 1
+  }
+  rm -f "$held"
+}
+
+if [ "${1:-}" = plugin ]; then
+  spec="${2:-}"
+  [ -n "$spec" ] || { echo "usage: make plugin P=path/to/plugin (a directory) or P=package-name" >&2; exit 2; }
+  bash "$0"  # the set-up first (instant when done)
+  bootstrap_uv
+  [ -d "$spec" ] && spec="-e $(cd "$spec" && pwd)"  # a directory: editable, by absolute path
+  one=$(mktemp)
+  echo "$spec" > "$one"
+  install_plugins "$one" || { rm -f "$one"; exit 1; }
+  rm -f "$one"
+  grep -qxF -- "$spec" "$plugins" 2> /dev/null || echo "$spec" >> "$plugins"
+  wanted > "$stamp"
+  echo "installed $spec into .venv (kept by every set-up: $plugins)" >&2
+  exit 0
+fi
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   install_chromium kept  # a machine that kept .venv may still lack the browser (instant when it is there)
@@ -77,4 +115,8 @@ bootstrap_uv
   echo "set-up failed; if uv.lock is out of date with pyproject.toml, refresh it with: make lock" >&2
   exit 1
 }
+if [ -s "$plugins" ]; then
+  echo "reinstalling the plugins of $plugins" >&2
+  install_plugins "$plugins"
+fi
 echo "$want" > "$stamp"

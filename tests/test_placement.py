@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from examples.relay_plugin.relay_plugin import RelayGame
 from marl_pipeline.cluster.placement import PlacementError, plan_placement
 from marl_pipeline.config import parse_config
 from marl_pipeline.environment import ActionResult, Task, Turn, register_environment
-from tests.docs_plugin import RelayGame
 
 
 @register_environment

@@ -1,8 +1,11 @@
 """A plugin written by following docs/environments.md only: a two-agent relay game.
 
 The ``sender`` sees a colour and names it; the ``receiver`` sees only the sender's words and must
-repeat the colour. Both share the team reward (``team_reward_weight = 1``). Tests-only: registered
-with ``register_environment`` by the test that uses it.
+repeat the colour. Both share the team reward (``team_reward_weight = 1``).
+
+An installable example: ``make plugin P=examples/relay_plugin`` installs it into the project's ``.venv``
+(pyproject.toml beside this file declares its entry point), and configs then name ``docs_relay``. The tests
+register it in-process instead (``register_environment``).
 """
 
 from __future__ import annotations
