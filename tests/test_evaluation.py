@@ -1,5 +1,6 @@
 """Held-out evaluation per agent: hand-checked metrics, a collapsed policy flagged, and the train job
-evaluating versions 0, every and last on real engines (greedy, reproducible by recomputation)."""
+evaluating versions 0, every and last on real engines (greedy, reproducible by recomputation); the same launch's
+step metrics as TensorBoard and MLflow receive them (``tracking``)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import pytest
 
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
 from marl_pipeline.config import ConfigError, parse_config
-from marl_pipeline.run.events import EvaluationCommitted
+from marl_pipeline.run.events import EvaluationCommitted, StepFinished
 from marl_pipeline.run.recipe import train
 from marl_pipeline.stages.evaluation import (
     EvaluationSettings,
@@ -68,12 +70,20 @@ def test_evaluation_needs_a_plugin_that_evaluates(demo_config_data: dict, tmp_pa
         parse_config(data)
 
 
-def test_train_job_evaluates_every_agent_and_a_recomputation_agrees(local_ray, demo_config_data: dict,
-                                                                    tmp_path: Path) -> None:
-    data = small_config_data(demo_config_data, tmp_path / "store", steps=3)
+@pytest.fixture(scope="module")
+def evaluated(local_ray, demo_config_data: dict, tmp_path_factory) -> tuple:
+    """A 3-step launch evaluating every 2 versions, its metrics sent to TensorBoard and MLflow; its events."""
+    work = tmp_path_factory.mktemp("evaluated")
+    data = small_config_data(demo_config_data, work / "store", steps=3)
     data["evaluation"] = {"every": 2, "cases_per_agent": 16}
+    data["tracking"] = {"tensorboard": str(work / "tensorboard"), "mlflow": f"sqlite:///{work / 'mlflow.db'}"}
     config = parse_config(data)
-    events = [event for event in train(config) if isinstance(event, EvaluationCommitted)]
+    return config, list(train(config))
+
+
+def test_train_job_evaluates_every_agent_and_a_recomputation_agrees(evaluated) -> None:
+    config, events = evaluated
+    events = [event for event in events if isinstance(event, EvaluationCommitted)]
     assert sorted(event.version for event in events) == [0, 2, 3]  # 0, every 2, and the launch's last
     store = ExperienceStore(config.store)
     for event in events:
@@ -156,3 +166,44 @@ def test_the_collapse_check_flags_an_agent_that_always_gives_one_answer(tmp_path
     assert verdicts[0][0] and not verdicts[5][0]
     assert "verifier gives one answer to 100% of its held-out cases" in verdicts[5][1]
     assert "solver" not in verdicts[5][1]
+
+
+def test_step_metrics_reach_tensorboard_and_mlflow(evaluated) -> None:
+    """Every step's rewards and times, and every evaluation, as the launch reported them; the share of GRPO groups
+    without reward variance as the store's rewards give it."""
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config, events = evaluated
+    board = EventAccumulator(str(Path(config.tracking.tensorboard) / config.run), size_guidance={"scalars": 0})
+    board.Reload()
+    scalars = {tag: {event.step: event.value for event in board.Scalars(tag)} for tag in board.Tags()["scalars"]}
+    client = MlflowClient(config.tracking.mlflow)
+    [run] = client.search_runs([client.get_experiment_by_name(config.tracking.mlflow_experiment).experiment_id],
+                               filter_string=f"tags.`marl.run` = '{config.run}'")
+    assert run.info.status == "FINISHED" and run.data.params["agents.solver.trainer.lr"] == str(
+        config.agents["solver"].trainer.lr)
+    expected = {}
+    for event in events:
+        if isinstance(event, StepFinished):
+            expected |= {(f"{agent}/reward", event.step): value for agent, value in event.mean_reward.items()}
+            expected[("time/step_seconds", event.step)] = event.seconds
+        elif isinstance(event, EvaluationCommitted):
+            expected |= {(f"{agent}/eval/{name}", event.version): value
+                         for agent, metrics in event.metrics.items() for name, value in metrics.items()}
+    rewards = ExperienceStore(config.store).read_stage(config.run, "rewards",
+                                                       columns=["step", "agent", "group_id", "reward"])
+    spread = rewards.group_by(["step", "agent", "group_id"]).aggregate([("reward", "min"), ("reward", "max")])
+    for step in range(3):
+        for agent in ("solver", "verifier"):
+            mine = spread.filter((pc.field("step") == step) & (pc.field("agent") == agent))
+            flat = pc.equal(mine.column("reward_min"), mine.column("reward_max"))
+            expected[(f"{agent}/zero_variance_groups", step)] = pc.sum(flat).as_py() / len(mine)
+    assert sorted(step for name, step in expected if name == "solver/reward") == [0, 1, 2]
+    assert sorted(step for name, step in expected if name == "verifier/eval/balanced_accuracy") == [0, 2, 3]
+    history = {}
+    for (name, step), value in expected.items():
+        assert scalars[name][step] == pytest.approx(value, rel=1e-6), (name, step)
+        history.setdefault(name, {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)})
+        assert history[name][step] == pytest.approx(value, rel=1e-12), (name, step)
+    assert {"solver/response_length", "verifier/clip_fraction", "solver/grad_norm"} <= scalars.keys()

@@ -37,6 +37,7 @@ from marl_pipeline.config.services import (
     RetrainConfig,
     RewardModelConfig,
     StoreConfig,
+    TrackingConfig,
 )
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "RolloutConfig",
     "StoreConfig",
     "StrictModel",
+    "TrackingConfig",
     "TrainerConfig",
     "WarmupConfig",
     "apply_overrides",

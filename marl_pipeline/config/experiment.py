@@ -19,6 +19,7 @@ from marl_pipeline.config.services import (
     RetrainConfig,
     RewardModelConfig,
     StoreConfig,
+    TrackingConfig,
     _store_from_uri,
 )
 
@@ -41,6 +42,7 @@ class ExperimentConfig(StrictModel):
     evaluation: EvaluationConfig = EvaluationConfig()
     ray: RayConfig = RayConfig()
     retrain: RetrainConfig = RetrainConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @field_validator("agents")
     @classmethod

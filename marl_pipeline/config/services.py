@@ -69,6 +69,18 @@ class EvaluationConfig(StrictModel):
     """Longest answer (None: ``algorithm.max_new_tokens``)."""
 
 
+class TrackingConfig(StrictModel):
+    """Step metrics sent besides the Dagster UI, where ML engineers follow training (off by default)."""
+
+    tensorboard: str | None = None
+    """A directory: each run's event files go to ``<directory>/<run>`` (``tensorboard --logdir <directory>``)."""
+    mlflow: str | None = None
+    """An MLflow tracking URI (``http://127.0.0.1:5000``, ``sqlite:///mlflow.db``): one MLflow run per run,
+    continued by its later launches."""
+    mlflow_experiment: str = "marl-pipeline"
+    """The MLflow experiment the runs go to (created when missing)."""
+
+
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 """Resources Ray defines itself: requested through ``num_cpus`` / ``num_gpus``, never as custom resources."""
 

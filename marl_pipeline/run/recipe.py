@@ -19,6 +19,7 @@ from marl_pipeline.environment import build_environment
 from marl_pipeline.run.events import LaunchEvent, RunFinished, RunStarted, SetupPhase
 from marl_pipeline.run.launches import finish_launch, plan_launch
 from marl_pipeline.run.orchestrator import Orchestrator
+from marl_pipeline.run.tracking import MetricsExport
 from marl_pipeline.stages.execution import action_pool_settings
 from marl_pipeline.store import ExperienceStore
 
@@ -39,6 +40,7 @@ def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
     config = placement.fitted(config)
     env = build_environment(config.environment.name, config.environment.options)
     store = ExperienceStore(config.store)
+    metrics = MetricsExport(config)  # before any work: a tracking URI that does not answer fails the launch now
     yield done(f"placement planned, environment {config.environment.name!r} built")
     # What is missing of version 0 is made in the agents' trainer actors as the workers start (the base_policies
     # asset runs the same makers in Ray tasks); the built-in model they start from is built here, first.
@@ -65,10 +67,13 @@ def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
                          for agent in config.agents]
         yield RunStarted(config.run, plan, base_policies, time.perf_counter() - started, placement)
         streaming_started = time.time()
-        yield from Orchestrator(config, env, store, workers, plan).run()
+        for event in Orchestrator(config, env, store, workers, plan).run():
+            metrics.add(event)
+            yield event
         finish_launch(store, config.run, plan.last_step)
         finished = True
         yield RunFinished(config.run, plan, streaming_started, time.time(), placement)
     finally:
+        metrics.close(finished)
         # Only a launch that ended cleanly leaves actors for the next (a failed one may hold a broken actor).
         workers.shutdown(keep=finished and config.ray.keep_actors)
