@@ -78,7 +78,7 @@ def shared_threads(num_cpus: float, reserved: list[float], cluster_cpus: float, 
     rounded down, at least 1 and at most one node's CPUs.
 
     Why not Ray's own rule: Ray gives an actor with fractional ``num_cpus`` one OpenMP thread, so a 0.5-CPU
-    trainer on an idle 2-core machine computed on one core (BENCHMARKS.md, "Trainer throughput").
+    trainer on an idle 2-core machine computed on one core.
     """
     total = sum(reserved)
     share = num_cpus / total if total > 0 else 1 / max(len(reserved), 1)

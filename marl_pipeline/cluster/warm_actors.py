@@ -1,7 +1,7 @@
 """Engine and trainer actors kept alive between the launches of one driver process (``ray.keep_actors``).
 
 Why: starting an actor is most of a short launch. An engine's process imports vLLM and builds its engine; a
-trainer's imports torch and transformers (figures: BENCHMARKS.md, "Test suite time"). A script, notebook or sweep
+trainer's imports torch and transformers. A script, notebook or sweep
 that calls ``train`` again in the same process, and the test suite, pays that at every launch. With
 ``ray.keep_actors`` a launch that ends cleanly leaves its engines and trainers idle here, and the next launch
 takes the ones started with the same settings and restarts them in place at its own starting versions:

@@ -8,7 +8,7 @@ parameters, the RNG). An engine needs full weights, so it loads the base and mer
 (:func:`merged_checkpoint`), and during a run it gets merged weights from the trainer (:func:`merged_weights`) by
 the same ``reload_weights`` path as a fully fine-tuned agent. Why not vLLM's own LoRA (``enable_lora``), which
 vLLM 0.32 does run on CPU: each version would have to reach the engine as a file before it could serve it, every
-request would carry a ``LoRARequest``, and each token pays the adapters' extra matmuls (BENCHMARKS.md, "LoRA");
+request would carry a ``LoRARequest``, and each token pays the adapters' extra matmuls;
 merged weights cost nothing at serving time and keep one sync path for both kinds of agent.
 
 Named adapters. Version 0 may also hold frozen adapters by name (``adapters/<name>/``; a warm-up with

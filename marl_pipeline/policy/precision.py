@@ -3,7 +3,7 @@
 Autocast rather than pure-bf16 parameters: its logprobs are closer to float32, and the parameters, gradients and
 AdamW state stay float32, so an update smaller than 2^-8 of a weight is not rounded away and weight sync and
 checkpoints are unchanged. On a CPU without AMX or AVX512-BF16 bf16 matmuls are emulated and several times slower,
-which is why ``auto`` asks the hardware (figures: BENCHMARKS.md, "Trainer precision").
+which is why ``auto`` asks the hardware.
 """
 
 from __future__ import annotations

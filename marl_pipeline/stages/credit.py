@@ -43,7 +43,7 @@ def checked_turn_weights(weights: object, turns: int) -> list[float]:
     Why weights: turns of one agent share its weights and AdamW moments, so a turn with dense advantages (a
     verifier's verdict, which agrees or not in every episode) sets the size of every update and can drown a turn
     whose signal is rare (its working, right in a few samples a step); weighting the dense turn down gives the rare
-    signal more of each update (BENCHMARKS.md)."""
+    signal more of each update."""
     if weights is None:
         return [1.0] * turns
     if not isinstance(weights, list | tuple) or len(weights) != turns:

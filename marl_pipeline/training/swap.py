@@ -11,8 +11,7 @@ raw bytes, so the results are bit-identical to a resident trainer's (tested), wh
 Why the Ray object store, not the driver's memory or disk: it is shared memory on the worker's node, so a swap out
 is one copy in (``ray.put``) and a swap in one copy out (``ray.get`` maps the buffer without copying; the copy is
 into fresh parameter storage), the driver's memory and network stay out of the way; Ray spills it to disk by
-itself when the store fills, so disk is the fallback, not the cost of every swap. BENCHMARKS.md, "Training", has
-the GB/s against a plain memory copy.
+itself when the store fills, so disk is the fallback, not the cost of every swap.
 
 An agent is swapped out when its worker must serve another agent (on demand, not after every call): the
 optimizer step, weight export and checkpoint the orchestrator issues together run on the loaded state, and the

@@ -9,8 +9,7 @@ exactly the full-batch update of the mean loss over the whole step, whatever the
 
 Inside a micro-batch, rows are sorted by length and cut into passes of at most ``chunk_tokens`` padded tokens
 (:func:`length_chunks`): a pass pads every row to its longest one, so a micro-batch padded as one tensor computed
-mostly padding when lengths varied (BENCHMARKS.md, "Trainer throughput"). The loss is a sum, so the passes'
-gradients add up to the micro-batch's.
+mostly padding when lengths varied. The loss is a sum, so the passes' gradients add up to the micro-batch's.
 """
 
 from __future__ import annotations
