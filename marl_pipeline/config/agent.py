@@ -119,7 +119,8 @@ class WarmupConfig(StrictModel):
     removed_keys: ClassVar[dict[str, str]] = {
         "separate": "warmup.separate is now warmup.adapter: NAME, with the turns it serves in the agent's "
                     "turn_adapters: {NAME: [own turns]}",
-        "rehearse_context": "warmup.rehearse_context was removed: it gave RL no more right workings (docs/ARCHITECTURE.md)"}
+        "rehearse_context": "warmup.rehearse_context was removed: it gave RL no more right workings "
+                            "(docs/ARCHITECTURE.md)"}
 
     steps: int = Field(150, ge=0)
     """Optimizer steps of warm-up; 0 uses the model as loaded."""
