@@ -177,6 +177,36 @@ def _print_reward_table(store, run: str) -> None:
     console.print(table)
 
 
+HEALTH_STEPS_SHOWN = 10
+HEALTH_HEADERS = {"zero_variance_groups": "zero-var groups", "distinct_responses": "distinct", "top_response_share":
+                  "top share", "token_entropy": "entropy", "response_length": "length", "truncated_share": "cut",
+                  "loss_per_token": "loss/token", "clip_fraction": "clipped", "mismatch_abs_logprob": "mismatch",
+                  "grad_norm": "grad norm"}
+
+
+def _print_health_table(store, run: str, step: int | None, agent: str | None) -> None:
+    """Each agent's training-health signals per step (the ``health`` dataset): the newest steps, or ``step``."""
+    from marl_pipeline.stages.health import HEALTH_SIGNALS
+    from marl_pipeline.store import MicroBatchKey
+
+    steps = sorted({key.step for key in store.committed_keys(run, "health")})
+    steps = [s for s in steps if s == step] if step is not None else steps[-HEALTH_STEPS_SHOWN:]
+    if not steps:
+        return
+    rows = [(s, row) for s in steps for row in store.read("health", MicroBatchKey(run, s, 0)).to_pylist()
+            if agent is None or row["agent"] == agent]
+    table = Table(title=f"training health per step, run {run}" + (f" (the last {len(steps)} steps)"
+                                                                    if step is None else ""))
+    table.add_column("step", justify="right")
+    table.add_column("agent")
+    for name in HEALTH_SIGNALS:
+        table.add_column(HEALTH_HEADERS[name], justify="right")
+    for s, row in rows:
+        table.add_row(str(s), row["agent"], *("-" if row[name] is None else f"{row[name]:.3g}"
+                                              for name in HEALTH_SIGNALS))
+    console.print(table)
+
+
 def _print_evaluation_table(store, run: str) -> None:
     """Each agent's held-out headline metric and top-answer share per evaluated version (if any were)."""
     from marl_pipeline.run.evaluations import evaluation_history
@@ -306,6 +336,7 @@ def _print_run(store, run: str, step: int | None, agent: str | None, sample: int
     if step is None and agent is None:
         _print_reward_table(store, run)
         _print_evaluation_table(store, run)
+    _print_health_table(store, run, step, agent)
     table = Table(title="turns, tokens and reward per agent")
     for column in ("agent", "turns", "tokens", "reward mean", "std", "min", "p50", "max"):
         table.add_column(column, justify="left" if column == "agent" else "right")

@@ -9,6 +9,7 @@ import dagster as dg
 
 from assets.checks import STAGE_CHECKS
 from assets.evaluations import evaluations, no_collapsed_agent
+from assets.health import health
 from assets.policies import base_policies, policies
 from assets.retrain import retrain_on_new_tasks
 from assets.stages import STAGE_ASSETS
@@ -20,7 +21,7 @@ from resources import ExperienceStoreResource, ExperimentResource, RayCluster
 experiment = ExperimentResource.configure_at_launch()
 
 defs = dg.Definitions(
-    assets=[base_policies, policies, *STAGE_ASSETS, evaluations, training_runs],
+    assets=[base_policies, policies, *STAGE_ASSETS, evaluations, health, training_runs],
     asset_checks=[*STAGE_CHECKS, no_collapsed_agent],
     jobs=[train_job],
     schedules=[retrain_schedule],

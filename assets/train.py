@@ -11,6 +11,7 @@ import socket
 import dagster as dg
 
 from assets.evaluations import evaluation_metadata
+from assets.health import health_metadata
 from assets.metadata import run_plots, run_report, stage_metadata
 from assets.partitions import (
     AGENTS,
@@ -85,6 +86,8 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
             context.log.info(f"{STEP_PREFIX}{event.step}: mean reward {mean_reward(event.mean_reward):.3f} "
                              f"({rewards}); step time {event.seconds:.2f} s, first rollout to commit "
                              f"{event.span_seconds:.2f} s")
+            context.log_event(dg.AssetMaterialization(asset_key="health", partition=step_key(config.run, event.step),
+                                                      metadata=health_metadata(event.health)))
         elif isinstance(event, ReplicaChanged):
             _log_replica(context, event)
         elif isinstance(event, SetupPhase):

@@ -169,8 +169,9 @@ def test_the_collapse_check_flags_an_agent_that_always_gives_one_answer(tmp_path
 
 
 def test_step_metrics_reach_tensorboard_and_mlflow(evaluated) -> None:
-    """Every step's rewards and times, and every evaluation, as the launch reported them; the share of GRPO groups
-    without reward variance as the store's rewards give it."""
+    """Every step's rewards, health signals (as the store's ``health`` partition holds them) and times, and every
+    evaluation, as the launch reported them; the share of GRPO groups without reward variance as the store's
+    rewards give it."""
     from mlflow import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -186,6 +187,11 @@ def test_step_metrics_reach_tensorboard_and_mlflow(evaluated) -> None:
     expected = {}
     for event in events:
         if isinstance(event, StepFinished):
+            stored = ExperienceStore(config.store).read("health", MicroBatchKey(config.run, event.step, 0))
+            assert {row["agent"]: {name: row[name] for name in event.health[row["agent"]]}
+                    for row in stored.to_pylist()} == event.health
+            expected |= {(f"{agent}/{name}", event.step): value for agent, signals in event.health.items()
+                         for name, value in signals.items() if value is not None}
             expected |= {(f"{agent}/reward", event.step): value for agent, value in event.mean_reward.items()}
             expected[("time/step_seconds", event.step)] = event.seconds
         elif isinstance(event, EvaluationCommitted):
@@ -198,7 +204,8 @@ def test_step_metrics_reach_tensorboard_and_mlflow(evaluated) -> None:
         for agent in ("solver", "verifier"):
             mine = spread.filter((pc.field("step") == step) & (pc.field("agent") == agent))
             flat = pc.equal(mine.column("reward_min"), mine.column("reward_max"))
-            expected[(f"{agent}/zero_variance_groups", step)] = pc.sum(flat).as_py() / len(mine)
+            share = pc.sum(flat).as_py() / len(mine)
+            assert expected[(f"{agent}/zero_variance_groups", step)] == pytest.approx(share, rel=1e-6)
     assert sorted(step for name, step in expected if name == "solver/reward") == [0, 1, 2]
     assert sorted(step for name, step in expected if name == "verifier/eval/balanced_accuracy") == [0, 2, 3]
     history = {}
@@ -206,4 +213,4 @@ def test_step_metrics_reach_tensorboard_and_mlflow(evaluated) -> None:
         assert scalars[name][step] == pytest.approx(value, rel=1e-6), (name, step)
         history.setdefault(name, {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)})
         assert history[name][step] == pytest.approx(value, rel=1e-12), (name, step)
-    assert {"solver/response_length", "verifier/clip_fraction", "solver/grad_norm"} <= scalars.keys()
+    assert {"solver/top_response_share", "verifier/clip_fraction", "solver/grad_norm"} <= scalars.keys()

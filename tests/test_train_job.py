@@ -6,6 +6,7 @@ partitions it records, the policy versions, the CLI's view of it, and per-partit
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -110,6 +111,28 @@ def test_a_new_policy_version_per_step_and_agent(trained) -> None:
     assert _materialized_partitions(instance, "base_policies") == [None]
 
 
+def test_each_step_records_every_agents_health_as_stored(trained) -> None:
+    """The ``health`` materialization of each step holds what the store's ``health`` partition holds, which is what
+    the step's stored partitions give again (gradient norms aside: only the launch that stepped knows them)."""
+    from marl_pipeline.stages.health import HEALTH_SIGNALS, step_health
+
+    instance, store = trained["instance"], trained["store"]
+    records = instance.fetch_materializations(dg.AssetKey("health"), limit=100).records
+    assert sorted(r.asset_materialization.partition for r in records) == [step_key("small", s) for s in range(STEPS)]
+    for record in records:
+        step = int(record.asset_materialization.partition.rsplit("-", 1)[1])
+        stored = store.read("health", MicroBatchKey("small", step, 0)).to_pylist()
+        again = step_health(store, "small", step, {"solver": step + 1, "verifier": step + 1}, {}).to_pylist()
+        metadata = record.asset_materialization.metadata
+        for row, recomputed in zip(stored, again):
+            assert row["policy_version"] == step + 1 and row["groups"] == MICRO_BATCHES * 4
+            assert row["grad_norm"] > 0 and recomputed["grad_norm"] is None
+            for name in HEALTH_SIGNALS:
+                if name != "grad_norm":
+                    assert row[name] == pytest.approx(recomputed[name], rel=1e-6), name
+                assert metadata[f"{row['agent']}/{name}"].value == pytest.approx(row[name], abs=1e-4), name
+
+
 def test_store_holds_every_turn_with_its_policy_version(trained) -> None:
     store = trained["store"]
     rollouts_table = store.read_stage("small", "rollouts")
@@ -169,10 +192,12 @@ def test_rematerialized_rollout_resamples_the_stored_micro_batch(trained) -> Non
 
 def test_inspect_summarises_the_stored_run(trained) -> None:
     result = subprocess.run([sys.executable, "-m", "assets.cli", "inspect", str(trained["store"].root),
-                             "--run", "small"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+                             "--run", "small"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env={**os.environ, "COLUMNS": "160"})
     assert result.returncode == 0, result.stderr
     assert f"{STEPS} steps, {STEPS * MICRO_BATCHES * 16} episodes" in result.stdout
     assert "mean reward per step" in result.stdout
+    assert "training health per step" in result.stdout and "zero-var" in result.stdout
 
 
 def test_workspace_loads_without_warnings(tmp_path: Path) -> None:

@@ -72,6 +72,8 @@ class StepFinished:
     throughput is, overlap included."""
     span_seconds: float
     """From the step's first rollout to its last commit: longer than ``seconds`` when steps overlap (staleness)."""
+    health: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    """Per agent, its training-health signals at this step (stages/health.py; stored in the ``health`` dataset)."""
 
 
 @dataclass(frozen=True)

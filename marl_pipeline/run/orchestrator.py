@@ -48,6 +48,7 @@ from marl_pipeline.run.events import (
 from marl_pipeline.run.launches import LaunchPlan
 from marl_pipeline.stages.evaluation import EvaluationSettings, is_evaluated
 from marl_pipeline.stages.execution import execute_micro_batch
+from marl_pipeline.stages.health import HEALTH_SIGNALS, commit_step_health
 from marl_pipeline.stages.reward import ModelReward, score_micro_batch
 from marl_pipeline.stages.training import train_micro_batch
 from marl_pipeline.stages.trajectories import sample_micro_batch, token_demand
@@ -112,6 +113,7 @@ class Orchestrator:
         self._ready_at: dict[tuple[str, MicroBatchKey], float] = {}
         self._step_started: dict[int, float] = {}
         self._last_step_end: float | None = None  # when the previous StepFinished was put (None: none yet)
+        self._grad_norms: dict[int, dict[str, float]] = defaultdict(dict)  # per step, of the agents stepped here
         for agent, replicas in workers.engines.items():  # a replica's death and restart, to the caller's log
             replicas.listener = partial(self._replica_changed, agent)
 
@@ -256,6 +258,7 @@ class Orchestrator:
             # The newest version is always kept (a resumed launch starts from it); the engine holds this one in
             # memory, so an evaluation below does not need its files.
             self.store.prune_policies(self.config.run, agent, self.config.store.retention)
+            self._grad_norms[pending.step][agent] = result.grad_norm
             self._events.put(PolicyCommitted(agent, result.policy_version, pending.step, path, result.grad_norm,
                                              result.tokens, timing))
             self._evaluate_if_due(agent, result.policy_version)  # before rollout can ask this engine for more
@@ -271,7 +274,10 @@ class Orchestrator:
             now, first_rollout = time.time(), self._step_started.get(step, fallback_start)
             since = now - (self._last_step_end if self._last_step_end is not None else first_rollout)
             self._last_step_end = now
-        return StepFinished(step, self.step_rewards(step), since, now - first_rollout)
+        versions = {agent: step + 1 for agent in self.config.agents}  # step s makes version s + 1
+        health = commit_step_health(self.store, self.config.run, step, versions, self._grad_norms.pop(step, {}))
+        signals = {row.pop("agent"): row for row in health.select(["agent", *HEALTH_SIGNALS]).to_pylist()}
+        return StepFinished(step, self.step_rewards(step), since, now - first_rollout, signals)
 
     def _evaluate_if_due(self, agent: str, version: int) -> None:
         if self.evaluations is not None and self.evaluations.due(version):

@@ -1,23 +1,20 @@
 """Step metrics sent where ML engineers follow training (``tracking`` in the experiment file): TensorBoard event
 files and MLflow. The Dagster UI stays the primary view; this is a copy of the figures as the launch makes them.
 
-Per step (the run's global step, so the launches of a run continue one curve), per agent: its mean reward, the
-share of GRPO groups whose rewards are all equal (no learning signal), response length and the share cut at the
-token limit, the trainer's loss per token, clip fraction, engine-vs-trainer log-probability mismatch and gradient
-norm; for the team, the mean reward and the step's time (between step ends) and span (first rollout to commit).
-Held-out evaluations go in at the evaluated version's step. One MLflow run per run (tagged ``marl.run``), taken
-up again by its later launches.
+Per step (the run's global step, so the launches of a run continue one curve), per agent: its mean reward and its
+training-health signals (stages/health.py); for the team, the mean reward and the step's time (between step ends)
+and span (first rollout to commit). Held-out evaluations go in at the evaluated version's step. One MLflow run per
+run (tagged ``marl.run``), taken up again by its later launches.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections import defaultdict
 from pathlib import Path
 
 from marl_pipeline.config import ExperimentConfig
-from marl_pipeline.run.events import EvaluationCommitted, PolicyCommitted, StageCommitted, StepFinished, mean_reward
+from marl_pipeline.run.events import EvaluationCommitted, StepFinished, mean_reward
 
 RUN_TAG = "marl.run"
 
@@ -31,59 +28,17 @@ class MetricsExport:
             self.sinks.append(_TensorBoard(Path(tracking.tensorboard) / config.run))
         if tracking.mlflow is not None:
             self.sinks.append(_MLflow(tracking.mlflow, tracking.mlflow_experiment, config))
-        self._sums: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        self._groups: dict[int, dict[tuple[str, str], list[float]]] = defaultdict(lambda: defaultdict(list))
 
     def add(self, event) -> None:
-        if not self.sinks:
-            return
-        if isinstance(event, StageCommitted):
-            self._add_table(event.stage, event.key.step, event.table)
-        elif isinstance(event, PolicyCommitted):
-            self._sums[event.step][f"{event.agent}/grad_norm"] = event.grad_norm
-        elif isinstance(event, EvaluationCommitted):
+        if isinstance(event, EvaluationCommitted):
             self._write(event.version, {f"{agent}/eval/{name}": float(value) for agent, metrics in event.metrics.items()
                                         for name, value in metrics.items()})
         elif isinstance(event, StepFinished):
-            self._write(event.step, {**self._step_metrics(event.step),
+            self._write(event.step, {**{f"{agent}/{name}": value for agent, signals in event.health.items()
+                                        for name, value in signals.items() if value is not None},
                                      **{f"{agent}/reward": value for agent, value in event.mean_reward.items()},
                                      "team/mean_reward": mean_reward(event.mean_reward),
                                      "time/step_seconds": event.seconds, "time/span_seconds": event.span_seconds})
-
-    def _add_table(self, stage: str, step: int, table) -> None:
-        sums, rows = self._sums[step], table.to_pylist()
-        if stage == "rollouts":
-            for row in rows:
-                agent = row["agent"]
-                sums[f"{agent}/n"] += 1
-                sums[f"{agent}/length"] += len(row["response_ids"] or [])
-                sums[f"{agent}/truncated"] += row["finish_reason"] == "length"
-        elif stage == "rewards":
-            for row in rows:
-                self._groups[step][row["agent"], row["group_id"]].append(row["reward"])
-        elif stage == "policy_updates":
-            for row in rows:
-                agent = row["agent"]
-                for name in ("tokens", "loss_sum"):
-                    sums[f"{agent}/{name}"] += row[name] or 0
-                for name in ("clip_fraction", "mismatch_abs_logprob"):  # token-weighted means
-                    sums[f"{agent}/{name}_sum"] += (row[name] or 0.0) * (row["tokens"] or 0)
-
-    def _step_metrics(self, step: int) -> dict[str, float]:
-        sums, groups, metrics = self._sums.pop(step, {}), self._groups.pop(step, {}), {}
-        for agent in {name.split("/")[0] for name in sums if name.endswith("/n")}:
-            metrics[f"{agent}/response_length"] = sums[f"{agent}/length"] / sums[f"{agent}/n"]
-            metrics[f"{agent}/truncated_share"] = sums[f"{agent}/truncated"] / sums[f"{agent}/n"]
-        for agent in {name.split("/")[0] for name in sums if name.endswith("/tokens")}:
-            tokens = max(sums[f"{agent}/tokens"], 1)
-            metrics[f"{agent}/loss_per_token"] = sums[f"{agent}/loss_sum"] / tokens
-            for name in ("clip_fraction", "mismatch_abs_logprob"):
-                metrics[f"{agent}/{name}"] = sums[f"{agent}/{name}_sum"] / tokens
-        for agent in {agent for agent, _ in groups}:
-            rewards = [values for (owner, _), values in groups.items() if owner == agent]
-            metrics[f"{agent}/zero_variance_groups"] = sum(max(r) == min(r) for r in rewards) / len(rewards)
-        metrics |= {name: value for name, value in sums.items() if name.endswith("/grad_norm")}
-        return metrics
 
     def _write(self, step: int, metrics: dict[str, float]) -> None:
         for sink in list(self.sinks):

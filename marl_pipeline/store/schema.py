@@ -127,7 +127,7 @@ STAGE_TIMING = [pa.field(name, pa.timestamp("us", tz="UTC"))
 # policy-update rows made before the mismatch statistics (or dynamic sampling) existed have none.
 OPTIONAL_COLUMNS = frozenset([field.name for field in STAGE_TIMING]
                              + ["observation", "model_score", "mismatch_abs_logprob", "mismatch_ratio_std",
-                                "dropped_rows", "adapter"])
+                                "dropped_rows", "adapter", "grad_norm"])
 # Columns a commit refuses null values in: a reader takes a null group_id for a row written before it existed.
 NON_NULL_COLUMNS = frozenset(["group_id"])
 
@@ -213,5 +213,24 @@ EVALUATIONS = pa.schema(
     ]
 )
 
-DATASET_SCHEMAS = {**STAGE_SCHEMAS, "evaluations": EVALUATIONS}
-"""Every dataset the store holds: the four stages, and the held-out evaluations."""
+# One row per agent per step: its training-health signals, computed from the step's stored partitions when every
+# agent has stepped past it (stages/health.py), stored under step=<s>/micro_batch=0.
+HEALTH = pa.schema(
+    [
+        pa.field("policy_version", pa.int32()),  # the version the step's update made
+        pa.field("groups", pa.int32()),  # GRPO groups (an episode group's rows of this agent)
+        pa.field("zero_variance_groups", pa.float32()),  # share of groups whose rewards are all equal: no signal
+        pa.field("distinct_responses", pa.float32()),  # mean share of distinct responses to one prompt
+        pa.field("top_response_share", pa.float32()),  # mean share of a prompt's most frequent response
+        pa.field("token_entropy", pa.float32()),  # mean -log p of the sampled tokens (the entropy's estimate)
+        pa.field("response_length", pa.float32()),  # mean response tokens
+        pa.field("truncated_share", pa.float32()),  # share of responses cut at the token limit
+        pa.field("loss_per_token", pa.float32()),
+        pa.field("clip_fraction", pa.float32()),  # token-weighted over the step's micro-batches
+        pa.field("mismatch_abs_logprob", pa.float32()),  # token-weighted |trainer - engine| log-probability
+        pa.field("grad_norm", pa.float32()),  # null: stepped by an earlier launch of the run
+    ]
+)
+
+DATASET_SCHEMAS = {**STAGE_SCHEMAS, "evaluations": EVALUATIONS, "health": HEALTH}
+"""Every dataset the store holds: the four stages, the held-out evaluations, the health signals."""

@@ -1,0 +1,84 @@
+"""Training-health signals of one step, per agent, from the step's stored partitions alone, for any plugin (no
+evaluation hooks needed): what shows one agent collapsing while the team's mean reward rises.
+
+Per agent: the share of GRPO groups whose rewards are all equal (they carry no learning signal), answer diversity
+(the share of distinct responses to one prompt and of its most frequent one, averaged over the prompts of its
+turns), the mean -log p of the sampled tokens (an unbiased estimate of the policy's token entropy at temperature
+1), response length and the share cut at the token limit, the update's loss per token, clip fraction and
+engine-vs-trainer mismatch (token-weighted over the step's micro-batches) and its gradient norm.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+
+from marl_pipeline.store import ExperienceStore, MicroBatchKey
+from marl_pipeline.store.schema import HEALTH
+
+ROLLOUT_COLUMNS = ["agent", "group_id", "turn", "response_text", "response_ids", "logprobs", "finish_reason"]
+REWARD_COLUMNS = ["agent", "group_id", "reward"]
+UPDATE_COLUMNS = ["agent", "tokens", "loss_sum", "clip_fraction", "mismatch_abs_logprob"]
+HEALTH_SIGNALS = [field.name for field in HEALTH if field.name not in ("policy_version", "groups")]
+"""The signals proper (not the row's version and group count), as events, logs and plots show them."""
+
+
+def step_health(store: ExperienceStore, run: str, step: int, versions: dict[str, int],
+                grad_norms: dict[str, float | None]) -> pa.Table:
+    """The health table of ``step`` (one row per agent of ``versions``: the version each agent's update made)."""
+    this_step = ds.field("step") == step
+    rollouts, rewards, updates = (store.read_stage(run, stage, columns=columns, filter=this_step).to_pylist()
+                                  for stage, columns in (("rollouts", ROLLOUT_COLUMNS), ("rewards", REWARD_COLUMNS),
+                                                         ("policy_updates", UPDATE_COLUMNS)))
+    return health_table(rollouts, rewards, updates, versions, grad_norms)
+
+
+def commit_step_health(store: ExperienceStore, run: str, step: int, versions: dict[str, int],
+                       grad_norms: dict[str, float | None]) -> pa.Table:
+    """:func:`step_health`, committed as the ``health`` partition of the step (once: a committed one is read)."""
+    key = MicroBatchKey(run, step, 0)
+    if store.is_committed("health", key):
+        return store.read("health", key)
+    table = step_health(store, run, step, versions, grad_norms)
+    store.commit("health", key, table)
+    return table
+
+
+def health_table(rollouts: list[dict], rewards: list[dict], updates: list[dict], versions: dict[str, int],
+                 grad_norms: dict[str, float | None]) -> pa.Table:
+    """The signals from the step's rows (dicts of the stored columns); see the module's docstring."""
+    rows = []
+    for agent, version in versions.items():
+        sampled = [row for row in rollouts if row["agent"] == agent]
+        prompts, groups = defaultdict(list), defaultdict(list)
+        for row in sampled:
+            prompts[row["group_id"], row["turn"]].append(row["response_text"])
+        for row in rewards:
+            if row["agent"] == agent:
+                groups[row["group_id"]].append(row["reward"])
+        tokens = sum(len(row["response_ids"]) for row in sampled)
+        trained = [row for row in updates if row["agent"] == agent]
+        trained_tokens = sum(row["tokens"] for row in trained)
+        rows.append({
+            "agent": agent, "policy_version": version, "groups": len(groups),
+            "zero_variance_groups": _mean([max(values) == min(values) for values in groups.values()]),
+            "distinct_responses": _mean([len(set(texts)) / len(texts) for texts in prompts.values()]),
+            "top_response_share": _mean([Counter(texts).most_common(1)[0][1] / len(texts)
+                                         for texts in prompts.values()]),
+            "token_entropy": -sum(sum(row["logprobs"]) for row in sampled) / tokens if tokens else None,
+            "response_length": tokens / len(sampled) if sampled else None,
+            "truncated_share": _mean([row["finish_reason"] == "length" for row in sampled]),
+            **{name: (sum((row[column] or 0.0) * weight(row) for row in trained) / trained_tokens
+                      if trained_tokens else None)
+               for name, column, weight in (("loss_per_token", "loss_sum", lambda row: 1),
+                                            ("clip_fraction", "clip_fraction", lambda row: row["tokens"]),
+                                            ("mismatch_abs_logprob", "mismatch_abs_logprob",
+                                             lambda row: row["tokens"]))},
+            "grad_norm": grad_norms.get(agent)})
+    return pa.Table.from_pylist(rows, schema=pa.schema([pa.field("agent", pa.string()), *HEALTH]))
+
+
+def _mean(values: list) -> float | None:
+    return sum(values) / len(values) if values else None
