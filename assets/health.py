@@ -23,10 +23,9 @@ def health(context: dg.AssetExecutionContext, experiment: ExperimentResource,
            store: ExperienceStoreResource) -> dg.MaterializeResult:
     """Per agent at the step: zero-variance GRPO groups, answer diversity, token entropy, response length and
     truncation, loss, clip fraction, engine-vs-trainer mismatch, gradient norm; from the stored partitions."""
-    from marl_pipeline.stages.health import HEALTH_SIGNALS, commit_step_health
+    from marl_pipeline.stages.health import commit_step_health, signals_by_agent
 
     run, step = parse_version_key(context.partition_key)
     agents = experiment.load().agents
     table = commit_step_health(store.open(), run, step, {agent: step + 1 for agent in agents}, {})
-    return dg.MaterializeResult(metadata=health_metadata(
-        {row.pop("agent"): row for row in table.select(["agent", *HEALTH_SIGNALS]).to_pylist()}))
+    return dg.MaterializeResult(metadata=health_metadata(signals_by_agent(table)))

@@ -61,6 +61,7 @@ def health_table(rollouts: list[dict], rewards: list[dict], updates: list[dict],
         tokens = sum(len(row["response_ids"]) for row in sampled)
         trained = [row for row in updates if row["agent"] == agent]
         trained_tokens = sum(row["tokens"] for row in trained)
+        loss = sum(row["loss_sum"] or 0.0 for row in trained)
         rows.append({
             "agent": agent, "policy_version": version, "groups": len(groups),
             "zero_variance_groups": _mean([max(values) == min(values) for values in groups.values()]),
@@ -70,14 +71,22 @@ def health_table(rollouts: list[dict], rewards: list[dict], updates: list[dict],
             "token_entropy": -sum(sum(row["logprobs"]) for row in sampled) / tokens if tokens else None,
             "response_length": tokens / len(sampled) if sampled else None,
             "truncated_share": _mean([row["finish_reason"] == "length" for row in sampled]),
-            **{name: (sum((row[column] or 0.0) * weight(row) for row in trained) / trained_tokens
-                      if trained_tokens else None)
-               for name, column, weight in (("loss_per_token", "loss_sum", lambda row: 1),
-                                            ("clip_fraction", "clip_fraction", lambda row: row["tokens"]),
-                                            ("mismatch_abs_logprob", "mismatch_abs_logprob",
-                                             lambda row: row["tokens"]))},
+            "loss_per_token": loss / trained_tokens if trained_tokens else None,
+            "clip_fraction": _token_mean(trained, "clip_fraction"),
+            "mismatch_abs_logprob": _token_mean(trained, "mismatch_abs_logprob"),
             "grad_norm": grad_norms.get(agent)})
     return pa.Table.from_pylist(rows, schema=pa.schema([pa.field("agent", pa.string()), *HEALTH]))
+
+
+def signals_by_agent(table: pa.Table) -> dict[str, dict[str, float | None]]:
+    """A health table as each agent's signals (:data:`HEALTH_SIGNALS`), as events and metadata carry them."""
+    return {row.pop("agent"): row for row in table.select(["agent", *HEALTH_SIGNALS]).to_pylist()}
+
+
+def _token_mean(updates: list[dict], column: str) -> float | None:
+    """A micro-batch statistic over the step, each micro-batch weighted by its tokens."""
+    tokens = sum(row["tokens"] for row in updates)
+    return sum((row[column] or 0.0) * row["tokens"] for row in updates) / tokens if tokens else None
 
 
 def _mean(values: list) -> float | None:
