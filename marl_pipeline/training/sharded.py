@@ -5,7 +5,7 @@ Every rank computes the gradient of its share of a micro-batch's rows; FSDP redu
 averaged: the step divides by the token count over all ranks), so N workers take one worker's step. FSDP's
 collectives run once per forward/backward pass, so every rank runs the same number of passes: a rank with fewer
 runs idle ones. Checkpoints are gathered: rank 0 holds the full weights and AdamW state in the one-worker format,
-so a version resumes on any number of workers. The Ray side (placement, rank 0 leading) is cluster/sharded.py.
+so a version resumes on any number of workers. The Ray side (placement, rank 0 leading) is cluster/trainers.py.
 """
 
 from __future__ import annotations
