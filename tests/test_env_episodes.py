@@ -191,7 +191,7 @@ def test_train_job_runs_actions_on_the_pool_and_scores_with_the_reward_model(loc
     data = yaml.safe_load((ROOT / "configs" / "math_reward_model.yaml").read_text())
     data["environment"]["name"] = "math_where"
     data["environment"]["pool"] = {"min_workers": 1, "max_workers": 2, "num_cpus": 0}
-    data["reward_model"].update(train_steps=100, num_cpus=0)
+    data["reward_model"].update(train_steps=20, num_cpus=0)
     data = small_config_data(data, tmp_path / "store", steps=1, micro_batches_per_step=1)
     for agent in data["agents"].values():  # the module's engine holds 0.5 of the 2 CPUs
         agent.update(engine={"num_cpus": 0.25}, trainer={"num_cpus": 0.25})

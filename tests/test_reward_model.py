@@ -1,9 +1,10 @@
-"""Model-based reward: the built-in classifier learns the demo's outcome, the Ray pool serves classifiers and
-causal-LM judges with the bare library's scores and grows and shrinks, the reward stage mixes the score in, and a
-training launch stores and replays it."""
+"""Model-based reward: the built-in judge learns the demo's outcome through the agents' trainer, the Ray pool serves
+classifiers and causal-LM judges with the bare library's scores and grows and shrinks, the reward stage mixes the
+score in, and a training launch stores and replays it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
-from marl_pipeline.bootstrap.reward_model import REWARD_MODEL, train_tiny_reward_model
+from marl_pipeline.bootstrap.reward_model import REWARD_MODEL, train_tiny_judge
 from marl_pipeline.config import ConfigError, GRPOAdvantage, RewardModelConfig, parse_config
 from marl_pipeline.inference.reward_model import RewardModelPool, RewardModelServer
 from marl_pipeline.stages.execution import execute_micro_batch
@@ -23,17 +24,36 @@ from tests.test_credit_and_actions import rollouts_of
 ENV = ArithmeticCheck(ArithmeticOptions())
 
 
+TEMPLATE = RewardModelConfig().judge_template
+
+
 @pytest.fixture(scope="module")
-def classifier_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("rm") / "classifier"
-    losses = train_tiny_reward_model(directory, ENV.reward_examples(np.random.default_rng(1), 4000), steps=600,
-                                     seed=0, tokenizer_dir=tiny_model_dir)
-    assert np.mean(losses[-20:]) < 0.5 * losses[0]
+def judge_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("rm") / "judge"
+    losses = train_tiny_judge(directory, ENV.reward_examples(np.random.default_rng(1), 4000), steps=1000, seed=0,
+                              tokenizer_dir=tiny_model_dir)
+    assert np.mean(losses[-20:]) < 0.1 * losses[0]
     return directory
 
 
-def test_builtin_classifier_learns_the_demo_outcome(classifier_dir: Path) -> None:
-    server = RewardModelServer(str(classifier_dir), "classifier")
+@pytest.fixture(scope="module")
+def classifier_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
+    """A sequence classifier of the tiny model's size, untrained: what serving it must equal is the bare library."""
+    from transformers import Qwen2ForSequenceClassification
+
+    from marl_pipeline.policy.checkpoint import save_policy
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config
+    config.num_labels = 1
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("rm") / "classifier"
+    save_policy(Qwen2ForSequenceClassification(config), tokenizer, directory)
+    return directory
+
+
+def test_builtin_judge_learns_the_demo_outcome(judge_dir: Path) -> None:
+    server = RewardModelServer(str(judge_dir), "judge", judge_template=TEMPLATE)
     held_out = ENV.reward_examples(np.random.default_rng(99), 200)
     scores = server.score([p for p, _, _ in held_out], [r for _, r, _ in held_out])
     accuracy = np.mean([(score > 0.5) == (label > 0.5) for score, (*_, label) in zip(scores, held_out)])
@@ -101,8 +121,8 @@ def test_judge_words_must_be_single_tokens(tiny_model_dir: Path) -> None:
                           judge_yes="absolutely yes", judge_no="no")
 
 
-def test_reward_stage_mixes_the_model_score(classifier_dir: Path) -> None:
-    server = RewardModelServer(str(classifier_dir), "classifier")
+def test_reward_stage_mixes_the_model_score(judge_dir: Path) -> None:
+    server = RewardModelServer(str(judge_dir), "judge", judge_template=TEMPLATE)
     task = {"id": "2+3", "a": 2, "b": 3}
     rollouts = rollouts_of(ENV, task, [["5", "yes"], ["4", "yes"], ["x", "no"]])
     rollouts = rollouts.set_column(rollouts.column_names.index("prompt_text"), "prompt_text",
@@ -127,8 +147,8 @@ def test_reward_model_config_errors(demo_config_data: dict, tmp_path: Path) -> N
     data = small_config_data(demo_config_data, tmp_path / "store")
     with pytest.raises(ConfigError, match=r"reward_model.agents: unknown agent 'critic'"):
         parse_config({**data, "reward_model": {"agents": ["critic"]}})
-    with pytest.raises(ConfigError, match=r"reward_model: .*builtin:tiny is a classifier"):
-        parse_config({**data, "reward_model": {"kind": "judge"}})
+    with pytest.raises(ConfigError, match=r"reward_model: .*builtin:tiny is a judge"):
+        parse_config({**data, "reward_model": {"kind": "classifier"}})
     with pytest.raises(ConfigError, match=r"reward_model.weight: .*less than or equal to 1"):
         parse_config({**data, "reward_model": {"weight": 2}})
     code = {**data, "environment": {"name": "code_writer_tester"},
@@ -145,7 +165,7 @@ def test_training_launch_stores_and_replays_the_model_reward(local_ray, demo_con
     from marl_pipeline.store import ExperienceStore, MicroBatchKey
 
     data = small_config_data(demo_config_data, tmp_path / "store", steps=1, micro_batches_per_step=1)
-    data["reward_model"] = {"agents": ["solver"], "weight": 0.5, "train_steps": 300, "num_cpus": 0}
+    data["reward_model"] = {"agents": ["solver"], "weight": 0.5, "train_steps": 20, "num_cpus": 0}
     config = parse_config(data)
     list(train(config))
     store = ExperienceStore(config.store)
@@ -162,8 +182,9 @@ def test_training_launch_stores_and_replays_the_model_reward(local_ray, demo_con
         assert after["sample_id"] == before["sample_id"]
         assert after["reward"] == pytest.approx(before["reward"], abs=1e-5)
         assert (after["model_score"] is None) == (before["model_score"] is None)
-    assert ModelReward.from_settings(config.reward_model, RewardModelServer(
-        str(reward_dir), "classifier").score).agents == frozenset({"solver"})
+    assert json.loads((reward_dir / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]  # a judge
+    assert ModelReward.from_settings(config.reward_model, RewardModelServer.from_settings(
+        reward_dir, config.reward_model).score).agents == frozenset({"solver"})
 
 
 def test_reward_stage_refuses_scores_outside_0_1() -> None:

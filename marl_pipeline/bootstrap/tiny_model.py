@@ -34,12 +34,13 @@ def train_tokenizer(corpus: list[str], vocab_size: int = 384):
     return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
 
 
-def build_tiny_model(directory: Path, corpus: list[str], seed: int) -> Path:
-    """Build and save the built-in tiny model and its tokenizer into ``directory``."""
+def build_tiny_model(directory: Path, corpus: list[str], seed: int, tokenizer=None) -> Path:
+    """Build and save the built-in tiny model and its tokenizer (``tokenizer``, else one trained on ``corpus``) into
+    ``directory``."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = train_tokenizer(corpus)
+    tokenizer = tokenizer or train_tokenizer(corpus)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     config = Qwen2Config(
         vocab_size=len(tokenizer),

@@ -14,10 +14,11 @@ class RewardModelConfig(StrictModel):
     """A model-based reward mixed into the environment's rule-based one, served by a pool of Ray actors."""
 
     model: str = BUILTIN_TINY
-    """``builtin:tiny`` (trained at launch on ``reward_examples``) or a HF directory (classifier or judge)."""
-    kind: Literal["classifier", "judge"] = "classifier"
+    """``builtin:tiny`` (a judge taught at launch on ``reward_examples``) or a HF directory (classifier or judge)."""
+    kind: Literal["classifier", "judge"] | None = None
     """``classifier``: the score is sigmoid of a one-logit head (softmax of the last label with several);
-    ``judge``: a causal LM asked ``judge_template``, the score is P(judge_yes) / (P(judge_yes) + P(judge_no))."""
+    ``judge``: a causal LM asked ``judge_template``, the score is P(judge_yes) / (P(judge_yes) + P(judge_no));
+    None: ``judge`` for ``builtin:tiny``, ``classifier`` for a directory."""
     agents: list[str] | None = None
     """Agents whose reward gets the model's score (None: every agent)."""
     weight: float = Field(0.5, ge=0, le=1)
@@ -43,18 +44,25 @@ class RewardModelConfig(StrictModel):
     2-core machine, and a replica that cannot be placed would wait for ever (its work still uses real CPU)."""
     num_gpus: float = Field(0.0, ge=0)
     """Ray GPUs reserved per replica."""
-    train_steps: int = Field(600, ge=1)
-    """Training steps of the built-in model (``builtin:tiny`` only)."""
+    train_steps: int = Field(1000, ge=1)
+    """Training steps of the built-in judge (``builtin:tiny`` only)."""
 
     @model_validator(mode="after")
     def validate_model_and_replicas(self) -> RewardModelConfig:
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
-        if self.model == BUILTIN_TINY and self.kind == "judge":
-            raise ValueError("builtin:tiny is a classifier; a judge needs a causal LM directory in 'model'")
-        if self.kind == "judge" and not ("{prompt}" in self.judge_template and "{response}" in self.judge_template):
+        if self.model == BUILTIN_TINY and self.kind == "classifier":
+            raise ValueError("builtin:tiny is a judge (a causal LM); a classifier needs a sequence-classification "
+                             "directory in 'model'")
+        fields = ("{prompt}", "{response}")
+        if self.model_kind == "judge" and not all(field in self.judge_template for field in fields):
             raise ValueError("judge_template must contain {prompt} and {response}")
         return self
+
+    @property
+    def model_kind(self) -> str:
+        """``kind`` as the model is served."""
+        return self.kind or ("judge" if self.model == BUILTIN_TINY else "classifier")
 
 
 class EvaluationConfig(StrictModel):

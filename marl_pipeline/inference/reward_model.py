@@ -13,7 +13,7 @@ wait per replica, and retires replicas above ``min_replicas`` once they have idl
 elastic reward pool). ``ray.util.ActorPool`` would do the dispatch, but it is not thread-safe and the reward
 stage scores several micro-batches at once, nor can it retire a busy-looking actor: hence this small pool.
 
-The built-in reward model (``builtin:tiny``) is trained in bootstrap/reward_model.py.
+The built-in reward model (``builtin:tiny``, a judge) is taught in bootstrap/reward_model.py.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class RewardModelServer:
     @classmethod
     def from_settings(cls, path: str | Path, settings: RewardModelConfig, num_threads: int | None = None):
         """An in-process server for the configured reward model."""
-        return cls(str(path), settings.kind, **server_options(settings, num_threads))
+        return cls(str(path), settings.model_kind, **server_options(settings, num_threads))
 
     def _single_token(self, word: str, name: str) -> int:
         ids = self.tokenizer(word, add_special_tokens=False)["input_ids"]
@@ -121,7 +121,7 @@ class RewardModelPool:
         ray.get([r.handle.ready.remote() for r in self._replicas])  # a bad model fails here, at set-up
 
     def _spawn(self) -> _Replica:
-        replica = _Replica(self._actor.remote(self._path, self.settings.kind, **self._kwargs),
+        replica = _Replica(self._actor.remote(self._path, self.settings.model_kind, **self._kwargs),
                            idle_since=time.monotonic())
         self.peak_replicas = max(self.peak_replicas, len(self._replicas) + 1)
         return replica
