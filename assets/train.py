@@ -78,7 +78,7 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
                 asset_key="policies", partition=agent_key(config.run, event.agent),
                 metadata={"policy_version": event.version, "step": event.step,
                           "path": dg.MetadataValue.path(str(event.path)), "grad_norm": event.grad_norm,
-                          "tokens": event.tokens}))
+                          "tokens": event.tokens, "sync_seconds": event.sync_seconds}))
         elif isinstance(event, EvaluationCommitted):
             _log_evaluation(context, config, event)
         elif isinstance(event, StepFinished):

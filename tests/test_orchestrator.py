@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 
 from marl_pipeline.cluster import warm_actors
 from marl_pipeline.config import parse_config
-from marl_pipeline.run.events import RunFinished, StepFinished
+from marl_pipeline.run.events import PolicyCommitted, RunFinished, StepFinished
 from marl_pipeline.run.recipe import train
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import STAGES
@@ -62,6 +63,15 @@ def test_streaming_s0_ends_with_the_synchronous_parameters(local_ray, demo_confi
         assert isinstance(events[-1], RunFinished)
         assert [e.step for e in events if isinstance(e, StepFinished)] == [0, 1, 2]
         results[mode] = ExperienceStore(config.store)
+        # What holds the next rollout is the engine sync alone: each version's record says how long it took, within
+        # the publisher's time on the version, which goes on to the checkpoint's save and commit after it.
+        committed = [e for e in events if isinstance(e, PolicyCommitted)]
+        assert len(committed) == 6 and all(0 < e.sync_seconds < e.timing.ended - e.timing.started for e in committed)
+        kept = [e for e in committed if e.version in results[mode].policy_versions("demo", e.agent)]  # retention
+        for event in kept:
+            record = json.loads(results[mode].checkpoints.read_file("demo", event.agent, event.version, "timing.json"))
+            assert record["sync_seconds"] == pytest.approx(event.sync_seconds)
+        assert kept
     for agent in ("solver", "verifier"):
         synchronous = _weights(results["synchronous"], "demo", agent, 3)
         streaming = _weights(results["streaming"], "demo", agent, 3)

@@ -59,6 +59,9 @@ class PolicyCommitted:
     grad_norm: float
     tokens: int
     timing: StageTiming
+    sync_seconds: float = 0.0
+    """From the optimizer step's end to every engine replica serving the version: what holds the next rollout at
+    staleness 0 (the checkpoint is saved and committed after it, while rollout goes on)."""
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,7 @@ class Orchestrator:
         self._events: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._served = dict(plan.versions)  # per agent: the version its engine serves
+        self._committed = dict(plan.versions)  # per agent: its newest version in the store
         self._served_changed = threading.Condition()
         self._ready_at: dict[tuple[str, MicroBatchKey], float] = {}
         self._step_started: dict[int, float] = {}
@@ -249,23 +250,31 @@ class Orchestrator:
         while (pending := self._get(inbox)) is not None:
             started = time.time()
             result = ray.get(pending.applied)
-            # One replica at a time (the others keep serving); the upload runs meanwhile.
+            applied = time.time()
+            # One replica at a time (the others keep serving); the trainer saves the version meanwhile.
             replicas.load_weights(pending.weights, result.policy_version)
-            upload = ray.get(pending.saved)
-            timing = StageTiming(pending.enqueued, started, time.time())
-            record = json.dumps({"step": pending.step, **asdict(timing), **asdict(result)}).encode()
-            path = self.store.publish_policy(upload, {"timing.json": record})
-            # The newest version is always kept (a resumed launch starts from it); the engine holds this one in
-            # memory, so an evaluation below does not need its files.
-            self.store.prune_policies(self.config.run, agent, self.config.store.retention)
-            self._grad_norms[pending.step][agent] = result.grad_norm
-            self._events.put(PolicyCommitted(agent, result.policy_version, pending.step, path, result.grad_norm,
-                                             result.tokens, timing))
+            synced = time.time()
             self._evaluate_if_due(agent, result.policy_version)  # before rollout can ask this engine for more
+            # Rollout goes on as soon as the engines serve the version: its checkpoint is saved and committed while
+            # the next step samples. A launch killed before the commit resumes from the version before, and
+            # retrains this one from the step's committed partitions to the same parameters.
             with self._served_changed:
                 self._served[agent] = result.policy_version
                 self._served_changed.notify_all()
-                everyone_past = min(self._served.values()) > pending.step
+            upload = ray.get(pending.saved)
+            timing = StageTiming(pending.enqueued, started, time.time())
+            record = json.dumps({"step": pending.step, **asdict(timing), "sync_seconds": synced - applied,
+                                 **asdict(result)}).encode()
+            path = self.store.publish_policy(upload, {"timing.json": record})
+            # The newest version is always kept (a resumed launch starts from it); the engine holds this one in
+            # memory, so an evaluation does not need its files.
+            self.store.prune_policies(self.config.run, agent, self.config.store.retention)
+            self._grad_norms[pending.step][agent] = result.grad_norm
+            self._events.put(PolicyCommitted(agent, result.policy_version, pending.step, path, result.grad_norm,
+                                             result.tokens, timing, synced - applied))
+            with self._served_changed:
+                self._committed[agent] = result.policy_version
+                everyone_past = min(self._committed.values()) > pending.step
             if everyone_past:
                 self._events.put(self._step_finished(pending.step, started))
 
