@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
 from marl_pipeline.bootstrap.reward_model import REWARD_MODEL, train_tiny_judge
@@ -44,7 +44,7 @@ def classifier_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
     from marl_pipeline.policy.checkpoint import save_policy
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    config = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config
+    config = AutoConfig.from_pretrained(tiny_model_dir)
     config.num_labels = 1
     torch.manual_seed(0)
     directory = tmp_path_factory.mktemp("rm") / "classifier"
