@@ -1,7 +1,8 @@
 """A LoRA agent's weight sync on a real pretrained model: SmolLM2-135M in a float32 vLLM engine actor and a peft
 trainer. The engine serves the base with the adapters merged in, by the same ``reload_weights`` path as a full
-fine-tuning agent; an engine started later from the stored adapters (a resumed launch, an evaluation) serves the
-same policy. One engine alive at a time."""
+fine-tuning agent (the merged weights broadcast from the trainer, bit for bit what the object store carries); an
+engine started later from the stored adapters (a resumed launch, an evaluation) serves the same policy. One engine
+alive at a time."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig, LoraAdapterConfig
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine
 from marl_pipeline.inference.engine import GenerationRequest, RolloutEngine
+from marl_pipeline.inference.replicas import EngineReplicas
 from marl_pipeline.policy.lora import NAMED_ADAPTERS
 from marl_pipeline.training.batches import TrainBatch
 from marl_pipeline.training.trainer import PolicyTrainer
 from tests.test_model_sources import needs_smollm2
+from tests.test_replicas import broadcast_from
 
 LOGPROB_TOLERANCE = 1e-4
 """Engine vs trainer, per token, in nats: float32 on both sides (tests/test_engine_sync.py). The engine's weights
@@ -102,7 +105,11 @@ def test_a_lora_engine_serves_the_trainers_policy_and_a_named_adapter_on_the_req
                                           [plain.response_ids, adapted.response_ids],
                                           [plain.logprobs, adapted.logprobs], [1.0, 1.0], adapters=[None, ADAPTER]))
             trainer.apply_step()
+        broadcast_from(EngineReplicas("lora", [engine], version=0), trainer)  # the merged weights, by broadcast
+        assert local_ray.get(engine.policy_version.remote()) == 2
+        by_broadcast = served(engine, plain, None)
         assert local_ray.get(engine.load_weights.remote(local_ray.put(trainer.named_weights()), 2)) == 2
+        assert served(engine, plain, None) == by_broadcast  # the same bits through the object store
         assert _distance(served(engine, plain, None), before) > 0.05  # RL's adapters moved the policy
         assert _distance(served(engine, plain, None), trained(plain, None)) <= LOGPROB_TOLERANCE
         assert _distance(served(engine, adapted, ADAPTER), trained(adapted, ADAPTER)) <= LOGPROB_TOLERANCE

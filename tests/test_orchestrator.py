@@ -30,9 +30,11 @@ PARAMETER_TOLERANCE = 1e-6
 
 
 def _sharded_data(demo_config_data: dict, store: Path, **pipeline) -> dict:
-    """The small demo with the solver trained on 2 workers (FSDP2 over gloo, training/sharded.py)."""
+    """The small demo with the solver trained on 2 workers (FSDP2 over gloo, training/sharded.py), new weights
+    broadcast from the trainers to the engines (policy/transfer.py)."""
     data = small_config_data(demo_config_data, store, **pipeline)
     data["agents"]["solver"].setdefault("trainer", {})["workers"] = 2
+    data["ray"]["weight_sync"] = "broadcast"
     return data
 
 
@@ -51,7 +53,12 @@ def uninterrupted(local_ray, demo_config_data, tmp_path_factory) -> ExperienceSt
     config = parse_config(_sharded_data(demo_config_data, tmp_path_factory.mktemp("uninterrupted") / "store",
                                         steps=4, micro_batches_per_step=2))
     _run(config)
-    return ExperienceStore(config.store)
+    store = ExperienceStore(config.store)
+    # Every version the engines sampled with is the one the trainers hold (staleness 0): the broadcast carried it.
+    updates = store.read_stage("demo", "policy_updates", columns=["step", "mismatch_abs_logprob"]).to_pylist()
+    assert {row["step"] for row in updates} == {0, 1, 2, 3}
+    assert max(row["mismatch_abs_logprob"] for row in updates) < 1e-5, updates
+    return store
 
 
 def test_streaming_s0_ends_with_the_synchronous_parameters(local_ray, demo_config_data, tmp_path: Path) -> None:

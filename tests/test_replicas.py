@@ -1,6 +1,7 @@
-"""Two real engine replicas of one agent: a weight update mid-rollout records the version that sampled each turn
-(checked against each version's own logprobs, from the store), and a replica killed with SIGKILL mid-rollout
-loses and duplicates nothing, is restarted and comes back at the current version.
+"""Two real engine replicas of one agent: a weight update mid-rollout (a broadcast from the trainer:
+policy/transfer.py) records the version that sampled each turn (checked against each version's own logprobs, from
+the store), and a replica killed with SIGKILL mid-rollout loses and duplicates nothing, is restarted (with the
+weights the other replica received) and comes back at the current version.
 
 Never more than two engines alive (a dead one's replacement starts after it died), each with a small KV cache."""
 
@@ -11,6 +12,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,16 @@ def policies(tiny_model_dir: Path) -> dict[int, PolicyTrainer]:
     new.accumulate(TrainBatch([prompt], [response], [old.completion_logprobs(prompt, response)], [1.0]))
     new.apply_step()
     return {0: old, 1: new}
+
+
+def broadcast_from(replicas: EngineReplicas, trainer: PolicyTrainer) -> None:
+    """Sync the trainer's version into the replicas by broadcast, the trainer's side on a thread (as its actor's
+    concurrency group runs it)."""
+    layout = trainer.stage_weights()
+    with ThreadPoolExecutor(1) as pool:
+        replicas.broadcast_weights(trainer.weights_address(),
+                                   lambda group: pool.submit(trainer.send_weights, group, trainer.version), layout,
+                                   trainer.version)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +118,7 @@ def test_a_weight_update_mid_rollout_records_the_version_that_sampled_each_turn(
     _wait_for_requests(replicas, 0)
     time.sleep(0.5)  # some turns done at version 0, others in flight
     sync_started = time.time()
-    replicas.load_weights(local_ray.put(policies[1].named_weights()), 1)
+    broadcast_from(replicas, policies[1])
     sync_ended = time.time()
     rows = _committed(store, key, thread, result, started)
 
@@ -137,7 +149,7 @@ def test_a_weight_update_mid_rollout_records_the_version_that_sampled_each_turn(
 def test_a_replica_killed_mid_rollout_loses_and_duplicates_nothing_and_comes_back_at_the_current_version(
         local_ray, replicas: EngineReplicas, policies: dict, tmp_path: Path) -> None:
     if replicas.version != 1:  # run alone: bring the replicas to version 1 first
-        replicas.load_weights(local_ray.put(policies[1].named_weights()), 1)
+        broadcast_from(replicas, policies[1])
     key, store = MicroBatchKey("kill", 2, 0), ExperienceStore(tmp_path / "store")
     victim = replicas.handle(0)
     pid = local_ray.get(victim.__ray_call__.remote(lambda self: os.getpid()))
@@ -168,7 +180,7 @@ def test_a_replica_set_shrinks_and_grows_and_a_started_replica_serves_the_curren
         local_ray, replicas: EngineReplicas, policies: dict, tmp_path: Path) -> None:
     """What the inter-agent split (pipeline.rollout.rebalance_replicas) does to an agent between steps."""
     if replicas.version != 1:  # run alone: bring the replicas to version 1 first
-        replicas.load_weights(local_ray.put(policies[1].named_weights()), 1)
+        broadcast_from(replicas, policies[1])
     replicas.wait_restarts(timeout=300)
     store = ExperienceStore(tmp_path / "store")
     told = []

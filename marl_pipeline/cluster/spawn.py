@@ -29,7 +29,7 @@ from marl_pipeline.actions.pool import ActionPool
 from marl_pipeline.bootstrap.policies import BasePolicy, make_on_ray
 from marl_pipeline.cluster import warm_actors
 from marl_pipeline.cluster.placement import assign_workers, bundle
-from marl_pipeline.cluster.trainers import StoreTrainer, start_sharded_trainer
+from marl_pipeline.cluster.trainers import StoreTrainer, remote_trainer, start_sharded_trainer
 from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, StoreConfig, TrainerConfig
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine
 from marl_pipeline.inference.engine import ENGINE_ENV, RolloutEngine
@@ -145,8 +145,8 @@ def engine_actor(engine: EngineConfig, resources: dict[str, float] | None = None
 def trainer_actor(trainer: TrainerConfig, resources: dict[str, float] | None = None,
                   actor_class: type = PolicyTrainer):
     """The Ray actor class of a policy trainer, with the trainer's resources (as :func:`engine_actor`)."""
-    return ray.remote(actor_class).options(num_cpus=trainer.num_cpus, num_gpus=trainer.num_gpus,
-                                           resources=dict(resources or {}))
+    return remote_trainer(actor_class).options(num_cpus=trainer.num_cpus, num_gpus=trainer.num_gpus,
+                                               resources=dict(resources or {}))
 
 
 def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:

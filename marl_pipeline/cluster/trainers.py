@@ -20,14 +20,37 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from marl_pipeline.cluster.placement import bundle
 from marl_pipeline.config import StoreConfig, TrainerConfig
+from marl_pipeline.policy.transfer import SyncGroup
 from marl_pipeline.store import ExperienceStore
 from marl_pipeline.store.checkpoints import PolicyUpload
 from marl_pipeline.training.batches import TrainBatch
 from marl_pipeline.training.sharded import Rank, deal, merged_stats
 from marl_pipeline.training.trainer import PolicyTrainer
 
+CONCURRENCY_GROUPS = {"weights": 1}
+"""A trainer actor's Ray concurrency groups: a weight broadcast runs on a thread of its own, so the next step's
+training calls go on meanwhile (``ray.remote(concurrency_groups=...)``; Ray refuses them in ``.options``)."""
 
-class StoreTrainer(PolicyTrainer):
+
+def remote_trainer(actor_class: type):
+    """``ray.remote`` of a trainer class, with its concurrency groups."""
+    return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(actor_class)
+
+
+class TrainerActor(PolicyTrainer):
+    """A policy trainer as a Ray actor (:func:`remote_trainer`): its weight broadcasts run in their own concurrency
+    group, beside the training calls."""
+
+    @ray.method(concurrency_group="weights")
+    def weights_address(self) -> str:
+        return super().weights_address()
+
+    @ray.method(concurrency_group="weights")
+    def send_weights(self, group: SyncGroup, version: int) -> int:
+        return super().send_weights(group, version)
+
+
+class StoreTrainer(TrainerActor):
     """A policy trainer that starts from a version in the store (and its KL reference, version 0), fetched on the
     node it runs on, and uploads each new version to the store from there (:meth:`save_version`)."""
 
@@ -72,7 +95,7 @@ def start_sharded_trainer(trainer: TrainerConfig, resources: dict[str, float], s
 
 
 def _rank_actor(trainer: TrainerConfig, resources: dict[str, float], group: PlacementGroup, rank: int):
-    return ray.remote(ShardedTrainer).options(
+    return remote_trainer(ShardedTrainer).options(
         num_cpus=trainer.num_cpus, num_gpus=trainer.num_gpus, resources=dict(resources),
         scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank))
 
@@ -119,6 +142,9 @@ class ShardedTrainer(StoreTrainer):
 
     def named_weights(self):
         return self._on_every_rank("named_weights")[0]
+
+    def stage_weights(self):
+        return self._on_every_rank("stage_weights")[0]  # every rank gathers; rank 0 keeps them and sends
 
     def save(self, directory: str) -> None:
         self._on_every_rank("save", directory)

@@ -100,6 +100,11 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
             raise ConfigError(f"invalid config {source}:\n  pipeline.rollout.rebalance_replicas: moves replicas "
                               f"between agents, so every agent's engine must ask for the same num_cpus and num_gpus; "
                               f"they ask for {asks}")
+    resident = config.ray.resident_trainers
+    if config.ray.weight_sync == "broadcast" and resident is not None and resident < len(config.agents):
+        raise ConfigError(f"invalid config {source}:\n  ray.weight_sync: broadcast sends from each agent's own "
+                          f"trainer actor, and ray.resident_trainers: {resident} swaps "
+                          f"{len(config.agents)} agents through fewer trainers; use object_store with swapping")
     reward_model = config.reward_model
     if reward_model is not None:
         unknown = [name for name in reward_model.agents or [] if name not in roles]

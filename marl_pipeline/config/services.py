@@ -109,6 +109,11 @@ class RayConfig(StrictModel):
     """The same for each agent's trainer, e.g. ``{trainers: 1}``."""
     keep_actors: bool = False
     """Keep a clean launch's engines and trainers for the next launch in this process (warm_actors.py)."""
+    weight_sync: Literal["object_store", "broadcast"] = "object_store"
+    """How a new version's weights reach an agent's engine replicas: ``object_store``, the trainer's copy through
+    Ray's object store, each replica fetching it; ``broadcast``, one torch.distributed broadcast from the trainer to
+    all the replicas, in buckets (gloo on CPU, NCCL on GPUs: policy/transfer.py). Each agent's trainer must be its
+    own actor (not with ``resident_trainers`` below the number of agents)."""
 
     @field_validator("engine_resources", "trainer_resources")
     @classmethod

@@ -25,13 +25,17 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from marl_pipeline.inference.engine import (
     Completion,
     GenerationRequest,
     RolloutEngine,
     completion_of,
+    engine_device,
     engine_prompt,
 )
+from marl_pipeline.policy.transfer import Endpoint, Layout, SyncGroup
 
 
 class RequestAborted(RuntimeError):
@@ -83,6 +87,8 @@ class AsyncRolloutEngine:
         # Prompt tokens of finished requests, and those of them vLLM found in its prefix cache (its per-request
         # num_cached_tokens, which its prefix_cache_hits metric sums; the engine runs with stats logging off).
         self._prompt_tokens = self._cached_tokens = 0
+        self._receiver: Endpoint | None = None  # this replica's side of its agent's weight broadcasts
+        self._received: tuple[int, list] | None = None  # (version, named tensors) received, until served
         # The engine is built (and warmed up, as the batched RolloutEngine builds it) on the thread that steps it:
         # OpenMP's thread count is per thread, and vLLM's CPU attention fails a step computed with another count
         # than the one it was set up with ("Check failed: input->metadata->thread_num == thread_num (1 vs. 2)").
@@ -139,6 +145,36 @@ class AsyncRolloutEngine:
             raise result
         return version
 
+    async def receive_weights(self, group: SyncGroup, rank: int, layout: Layout, version: int) -> int:
+        """Receive ``version``'s weights from the agent's trainer as ``rank`` of ``group`` (policy/transfer.py) while
+        the engine keeps serving; :meth:`load_received` then serves them."""
+        if self._receiver is None:
+            self._receiver = Endpoint(torch.device(engine_device()))
+        try:
+            received = await asyncio.to_thread(self._receiver.receive, group, rank, layout)
+        except BaseException:
+            self._receiver.close()  # the members may be half-way: the retry names a new group
+            raise
+        self._received = (version, received)
+        return version
+
+    async def received_weights(self, version: int) -> list:
+        """The weights :meth:`receive_weights` received, in host memory: the replica set keeps one replica's in the
+        object store, for a replica that restarts (inference/replicas.py)."""
+        return [(name, tensor.cpu()) for name, tensor in self._received_version(version)]
+
+    async def load_received(self, version: int) -> int:
+        """Serve the version :meth:`receive_weights` received (as :meth:`load_weights` does), then let it go."""
+        await self.load_weights(self._received_version(version), version)
+        self._received = None
+        return version
+
+    def _received_version(self, version: int) -> list:
+        held = None if self._received is None else self._received[0]
+        if held != version:
+            raise ValueError(f"this replica holds received version {held}, not {version}")
+        return self._received[1]
+
     async def restart(self, model_dir: str, version: int, *, adapter_dir: str | None = None, **settings) -> bool:
         """``RolloutEngine.restart`` through the engine thread (a weight reload), with the prefix-cache counts of
         the launch that kept this engine reset."""
@@ -148,6 +184,7 @@ class AsyncRolloutEngine:
         await self.load_weights(weights, version)
         self._engine.model_dir = model_dir
         self._prompt_tokens = self._cached_tokens = 0
+        self._received = None  # the last launch's
         return True
 
     async def policy_version(self) -> int:

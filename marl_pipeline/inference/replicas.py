@@ -19,14 +19,20 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import ray
 
 from marl_pipeline.inference.router import Router
+from marl_pipeline.policy.transfer import SyncGroup
 
 Spawn = Callable[[int, int], "ray.actor.ActorHandle"]
 """(replica index, stored policy version) -> a new engine actor starting from that version (not yet ready)."""
+
+Send = Callable[[SyncGroup], "ray.ObjectRef | Future"]
+"""group -> the trainer's side of a weight broadcast to that group, started: what to wait on."""
 
 Listener = Callable[[int, str, "int | None", str], None]
 """(replica index, "down" | "up" | "failed", the version it serves once up, why it failed): told of a replica that
@@ -68,6 +74,7 @@ class EngineReplicas:
         self._sync = threading.Lock()  # one weight sync at a time
         self._version = version
         self._weights = None  # reference to the newest weights synced, for a restart
+        self._group: tuple[tuple, SyncGroup] | None = None  # the broadcast group's members and group
         self._restarts: dict[int, threading.Thread] = {}
         self._starting: dict[int, object] = {}  # replica -> its replacement actor, until it serves
         self._closed = False
@@ -126,6 +133,65 @@ class EngineReplicas:
                     self.replica_died(replica, handle)
                 finally:
                     self.router.set_draining(replica, False)
+        return version
+
+    def broadcast_weights(self, address: str, send: Send, layout, version: int) -> int:
+        """Sync ``version`` by broadcast (policy/transfer.py): every live replica receives it from the trainer at once
+        while serving, over a group hosted at ``address`` (the trainer's); ``send(group)`` starts the trainer's side
+        and returns what to wait on (a Ray reference or a future). The replicas then serve it one at a time, as
+        :meth:`load_weights` does, and one replica's copy goes to the object store for a replica that restarts. A
+        group whose transfer failed (a replica died in it) is remade with the live replicas and the transfer retried
+        once."""
+        with self._sync:
+            for attempt in (1, 2):
+                with self._lock:
+                    live = [(slot, handle) for slot, handle in enumerate(self._handles)
+                            if handle is not None and not self.router.is_down(slot)]
+                if not live:
+                    raise RuntimeError(f"{self.agent}: no live replica to broadcast version {version} to")
+                members = tuple(id(handle) for _, handle in live)
+                if self._group is None or self._group[0] != members or self._group[1].address != address:
+                    self._group = (members, SyncGroup(address, f"{self.agent}-{uuid.uuid4().hex[:12]}",
+                                                      len(live) + 1))
+                group = self._group[1]
+                receiving = [(slot, handle, handle.receive_weights.remote(group, rank, layout, version))
+                             for rank, (slot, handle) in enumerate(live, start=1)]
+                sending = send(group)
+                failed = []
+                for slot, handle, ref in receiving:
+                    try:
+                        ray.get(ref)
+                    except ray.exceptions.RayActorError:
+                        self.replica_died(slot, handle)
+                        failed.append(f"replica {slot} died")
+                    except ray.exceptions.RayError as error:
+                        failed.append(f"replica {slot}: {error}")
+                try:
+                    sending.result() if isinstance(sending, Future) else ray.get(sending)
+                except Exception as error:
+                    failed.append(f"trainer: {error}")
+                if not failed:
+                    break
+                self._group = None  # remade from the live replicas
+                if attempt == 2:
+                    raise RuntimeError(f"{self.agent}: broadcasting version {version} failed twice: {failed}")
+            # One replica's copy goes to the object store for restarts; it serves last, once the copy is made (a
+            # replica lets its received weights go once it serves them).
+            kept = live[0][1].received_weights.remote(version)
+            with self._lock:  # a restart from now on aims at this version
+                self._version, self._weights = version, kept
+            for slot, handle in [*live[1:], live[0]]:
+                if handle is live[0][1]:
+                    ray.wait([kept], fetch_local=False)
+                if self.router.is_down(slot) or self.handle(slot) is not handle:
+                    continue  # died or retired meanwhile: its restart loads the version
+                self.router.set_draining(slot, True)
+                try:
+                    ray.get(handle.load_received.remote(version))
+                except ray.exceptions.RayActorError:
+                    self.replica_died(slot, handle)
+                finally:
+                    self.router.set_draining(slot, False)
         return version
 
     # -- failure ----------------------------------------------------------------------------------

@@ -75,7 +75,8 @@ class PendingStep:
     applied: ray.ObjectRef
     """-> ``StepResult`` of the optimizer step."""
     weights: ray.ObjectRef
-    """-> the new parameters, for the engine's reload (through Ray's object store, from node to node)."""
+    """-> the new parameters, for the engine's reload (through Ray's object store, from node to node); with
+    ``ray.weight_sync: broadcast``, their layout, staged in the trainer for its broadcast."""
     saved: ray.ObjectRef
     """-> the ``PolicyUpload`` of the new version: saved and uploaded to the store by the trainer, on its node."""
     enqueued: float
@@ -110,6 +111,8 @@ class Orchestrator:
         self._stop = threading.Event()
         self._served = dict(plan.versions)  # per agent: the version its engine serves
         self._committed = dict(plan.versions)  # per agent: its newest version in the store
+        self._broadcast = config.ray.weight_sync == "broadcast"
+        self._sync_address: dict[str, str] = {}  # per agent: where its trainer's broadcasts meet (broadcast sync)
         self._served_changed = threading.Condition()
         self._ready_at: dict[tuple[str, MicroBatchKey], float] = {}
         self._step_started: dict[int, float] = {}
@@ -237,7 +240,9 @@ class Orchestrator:
                 for agent in learners:
                     # Issued now, in actor order: the next step's accumulate calls queue behind them.
                     trainer = trainers[agent]
-                    publish[agent].put(PendingStep(step, trainer.apply_step.remote(), trainer.named_weights.remote(),
+                    applied = trainer.apply_step.remote()
+                    weights = (trainer.stage_weights if self._broadcast else trainer.named_weights).remote()
+                    publish[agent].put(PendingStep(step, applied, weights,
                                                    trainer.save_version.remote(step + 1), time.time()))
                     version[agent] = step + 1
         finally:
@@ -252,7 +257,15 @@ class Orchestrator:
             result = ray.get(pending.applied)
             applied = time.time()
             # One replica at a time (the others keep serving); the trainer saves the version meanwhile.
-            replicas.load_weights(pending.weights, result.policy_version)
+            if self._broadcast:
+                trainer, version = self.workers.trainers[agent], result.policy_version
+                if agent not in self._sync_address:
+                    self._sync_address[agent] = ray.get(trainer.weights_address.remote())
+                replicas.broadcast_weights(self._sync_address[agent],
+                                           partial(trainer.send_weights.remote, version=version),
+                                           ray.get(pending.weights), version)
+            else:
+                replicas.load_weights(pending.weights, result.policy_version)
             synced = time.time()
             self._evaluate_if_due(agent, result.policy_version)  # before rollout can ask this engine for more
             # Rollout goes on as soon as the engines serve the version: its checkpoint is saved and committed while

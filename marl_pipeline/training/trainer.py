@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import copy
 import gc
+import threading
 from pathlib import Path
 
 import torch
 
+from marl_pipeline.policy import transfer
 from marl_pipeline.policy.checkpoint import TRAINER_STATE, load_policy, save_policy
 from marl_pipeline.policy.lora import (
     POLICY,
@@ -113,6 +115,9 @@ class PolicyTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._step_tokens = 0
         self._step_sequences = 0
+        self._outbox: dict[int, list[torch.Tensor]] = {}  # versions staged for a broadcast, by version
+        self._outbox_lock = threading.Lock()
+        self._endpoint = transfer.Endpoint(self.device)
 
     def restart(self, *args, **kwargs) -> bool:
         """Become the trainer ``__init__(*args, **kwargs)`` builds, in this process (a kept actor taken by a new
@@ -292,11 +297,47 @@ class PolicyTrainer:
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """Detached copies of the parameters in Hugging Face naming, ready for an engine's reload (a LoRA agent's
         with its adapters merged in); on a sharded trainer, rank 0 gets them all and the other ranks none."""
+        fresh = self.scorer is not None or self.lora  # gathered or merged: new tensors already, no second copy
+        return [(name, tensor.to("cpu", copy=not fresh)) for name, tensor in self._exported()]
+
+    def _exported(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights as engines load them, uncopied where they are the live parameters."""
         if self.scorer is not None:
             return list(sharded.gathered_weights(self.model).items())
-        if self.lora:  # fresh tensors already: on the CPU, no second copy
-            return [(name, tensor.to("cpu")) for name, tensor in merged_weights(self.model)]
-        return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in self.model.state_dict().items()]
+        if self.lora:
+            return list(merged_weights(self.model))
+        return [(name, tensor.detach()) for name, tensor in self.model.state_dict().items()]
+
+    def stage_weights(self) -> transfer.Layout | None:
+        """Snapshot the version just stepped to for :meth:`send_weights` (in call order, so a later step cannot change
+        what is sent) and return the layout its receivers allocate; None on a sharded trainer's other ranks."""
+        named = self._exported()
+        if not named:
+            return None
+        layout, buckets = transfer.pack(named, self.device)
+        with self._outbox_lock:
+            self._outbox[self.version] = buckets
+        return layout
+
+    def weights_address(self) -> str:
+        """Where this trainer's weight broadcasts meet their engine replicas (policy/transfer.py)."""
+        return self._endpoint.address()
+
+    def send_weights(self, group: transfer.SyncGroup, version: int) -> int:
+        """Broadcast a staged version to ``group``'s engine replicas (as a Ray actor, beside the trainer's other calls:
+        cluster/trainers.py); versions staged before it are dropped, it stays until a newer one is sent (a retry)."""
+        with self._outbox_lock:
+            buckets = self._outbox.get(version)
+            if buckets is None:
+                raise ValueError(f"version {version} was not staged for a broadcast; staged: {sorted(self._outbox)}")
+            for older in [v for v in self._outbox if v < version]:
+                del self._outbox[older]
+        try:
+            self._endpoint.send(group, buckets)
+        except BaseException:
+            self._endpoint.close()  # the members may be half-way: the retry names a new group
+            raise
+        return version
 
     def save(self, directory: str) -> None:
         """The policy (Hugging Face format, what engines load; a LoRA agent's adapters only) and the trainer state
