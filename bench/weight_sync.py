@@ -75,7 +75,7 @@ def run(model_dir: str, replicas: int, reps: int) -> dict[str, dict]:
                 else:
                     layout = ray.get(trainer.stage_weights.remote())
                     engines.broadcast_weights(address, partial(trainer.send_weights.remote, version=version), layout,
-                                              version)
+                                              version, trainer.staged_weights.remote)
                 seconds = time.perf_counter() - started
             served = ray.get([h.completion_logprobs.remote(prompt, response) for h in handles])
             results[path]["seconds"].append(seconds)

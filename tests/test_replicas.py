@@ -1,7 +1,7 @@
 """Two real engine replicas of one agent: a weight update mid-rollout (a broadcast from the trainer:
 policy/transfer.py) records the version that sampled each turn (checked against each version's own logprobs, from
 the store), and a replica killed with SIGKILL mid-rollout loses and duplicates nothing, is restarted (with the
-weights the other replica received) and comes back at the current version.
+trainer's staged copy of the version broadcast) and comes back at the current version.
 
 Never more than two engines alive (a dead one's replacement starts after it died), each with a small KV cache."""
 
@@ -54,12 +54,14 @@ def policies(tiny_model_dir: Path) -> dict[int, PolicyTrainer]:
 
 def broadcast_from(replicas: EngineReplicas, trainer: PolicyTrainer) -> None:
     """Sync the trainer's version into the replicas by broadcast, the trainer's side on a thread (as its actor's
-    concurrency group runs it)."""
+    concurrency group runs it); a replica restarted later loads the trainer's staged copy."""
+    import ray
+
     layout = trainer.stage_weights()
     with ThreadPoolExecutor(1) as pool:
         replicas.broadcast_weights(trainer.weights_address(),
                                    lambda group: pool.submit(trainer.send_weights, group, trainer.version), layout,
-                                   trainer.version)
+                                   trainer.version, lambda version: ray.put(trainer.staged_weights(version)))
 
 
 @pytest.fixture(scope="module")

@@ -47,10 +47,10 @@ def test_tensors_of_any_dtype_pack_into_buckets_and_read_back_bit_for_bit_as_vie
 
 def test_a_sender_broadcasts_to_every_receiver_and_remakes_the_group_when_its_members_change() -> None:
     weights = _weights()
-    sender = Endpoint(torch.device("cpu"))
+    sender = Endpoint()
     address = sender.address()
     layout, buckets = pack(weights, torch.device("cpu"), bucket_bytes=64)
-    receivers = [Endpoint(torch.device("cpu")) for _ in range(3)]
+    receivers = [Endpoint() for _ in range(3)]
     for name, members in (("first", receivers), ("after a replica left", receivers[:2])):
         group = SyncGroup(address, name.replace(" ", "-"), len(members) + 1)
         got: dict[int, object] = {}

@@ -49,6 +49,10 @@ class TrainerActor(PolicyTrainer):
     def send_weights(self, group: SyncGroup, version: int) -> int:
         return super().send_weights(group, version)
 
+    @ray.method(concurrency_group="weights")
+    def staged_weights(self, version: int) -> list:
+        return super().staged_weights(version)
+
 
 class StoreTrainer(TrainerActor):
     """A policy trainer that starts from a version in the store (and its KL reference, version 0), fetched on the

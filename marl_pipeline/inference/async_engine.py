@@ -25,14 +25,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from marl_pipeline.inference.engine import (
     Completion,
     GenerationRequest,
     RolloutEngine,
     completion_of,
-    engine_device,
     engine_prompt,
 )
 from marl_pipeline.policy.transfer import Endpoint, Layout, SyncGroup
@@ -149,7 +146,7 @@ class AsyncRolloutEngine:
         """Receive ``version``'s weights from the agent's trainer as ``rank`` of ``group`` (policy/transfer.py) while
         the engine keeps serving; :meth:`load_received` then serves them."""
         if self._receiver is None:
-            self._receiver = Endpoint(torch.device(engine_device()))
+            self._receiver = Endpoint()
         try:
             received = await asyncio.to_thread(self._receiver.receive, group, rank, layout)
         except BaseException:
@@ -158,22 +155,14 @@ class AsyncRolloutEngine:
         self._received = (version, received)
         return version
 
-    async def received_weights(self, version: int) -> list:
-        """The weights :meth:`receive_weights` received, in host memory: the replica set keeps one replica's in the
-        object store, for a replica that restarts (inference/replicas.py)."""
-        return [(name, tensor.cpu()) for name, tensor in self._received_version(version)]
-
     async def load_received(self, version: int) -> int:
         """Serve the version :meth:`receive_weights` received (as :meth:`load_weights` does), then let it go."""
-        await self.load_weights(self._received_version(version), version)
-        self._received = None
-        return version
-
-    def _received_version(self, version: int) -> list:
         held = None if self._received is None else self._received[0]
         if held != version:
-            raise ValueError(f"this replica holds received version {held}, not {version}")
-        return self._received[1]
+            raise ValueError(f"this replica received version {held}, not {version}")
+        await self.load_weights(self._received[1], version)
+        self._received = None
+        return version
 
     async def restart(self, model_dir: str, version: int, *, adapter_dir: str | None = None, **settings) -> bool:
         """``RolloutEngine.restart`` through the engine thread (a weight reload), with the prefix-cache counts of

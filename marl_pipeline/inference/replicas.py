@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 
 import ray
 
@@ -135,13 +136,14 @@ class EngineReplicas:
                     self.router.set_draining(replica, False)
         return version
 
-    def broadcast_weights(self, address: str, send: Send, layout, version: int) -> int:
+    def broadcast_weights(self, address: str, send: Send, layout, version: int,
+                          fetch: Callable[[int], ray.ObjectRef]) -> int:
         """Sync ``version`` by broadcast (policy/transfer.py): every live replica receives it from the trainer at once
         while serving, over a group hosted at ``address`` (the trainer's); ``send(group)`` starts the trainer's side
         and returns what to wait on (a Ray reference or a future). The replicas then serve it one at a time, as
-        :meth:`load_weights` does, and one replica's copy goes to the object store for a replica that restarts. A
-        group whose transfer failed (a replica died in it) is remade with the live replicas and the transfer retried
-        once."""
+        :meth:`load_weights` does. A replica restarted later loads ``fetch(version)``: a reference to the trainer's
+        staged copy, asked for only then. A group whose transfer failed (a replica died in it) is remade with the
+        live replicas and the transfer retried once."""
         with self._sync:
             for attempt in (1, 2):
                 with self._lock:
@@ -175,14 +177,9 @@ class EngineReplicas:
                 self._group = None  # remade from the live replicas
                 if attempt == 2:
                     raise RuntimeError(f"{self.agent}: broadcasting version {version} failed twice: {failed}")
-            # One replica's copy goes to the object store for restarts; it serves last, once the copy is made (a
-            # replica lets its received weights go once it serves them).
-            kept = live[0][1].received_weights.remote(version)
             with self._lock:  # a restart from now on aims at this version
-                self._version, self._weights = version, kept
-            for slot, handle in [*live[1:], live[0]]:
-                if handle is live[0][1]:
-                    ray.wait([kept], fetch_local=False)
+                self._version, self._weights = version, partial(fetch, version)
+            for slot, handle in live:
                 if self.router.is_down(slot) or self.handle(slot) is not handle:
                     continue  # died or retired meanwhile: its restart loads the version
                 self.router.set_draining(slot, True)
@@ -257,7 +254,13 @@ class EngineReplicas:
                         self.router.mark_up(replica)
                         self.restarted.append((replica, version))
                         break
-                served = ray.get(handle.load_weights.remote(weights, version))
+                try:
+                    served = ray.get(handle.load_weights.remote(weights() if callable(weights) else weights, version))
+                except ray.exceptions.RayTaskError:
+                    with self._lock:
+                        if self._version == version:
+                            raise
+                    continue  # the trainer sent a newer version meanwhile and dropped this one: load that
             if dead is not None:  # a restart, not a resize's planned start
                 self._tell(replica, "up", version)
         except Exception as error:  # the replica stays down; the others serve

@@ -36,6 +36,8 @@ class Layout:
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     """``torch.float32`` etc. as ``str(dtype)``: plain data, for any pickler."""
+    backend: str = "gloo"
+    """The sender's: ``nccl`` where its buckets are on a GPU (receivers receive on theirs), else ``gloo``."""
 
     def buckets(self, bucket_bytes: int = BUCKET_BYTES) -> list[list[tuple[int, int]]]:
         """Each bucket's tensors as (index, byte offset), consecutive tensors until ``bucket_bytes`` (a larger tensor
@@ -59,15 +61,15 @@ class Layout:
         return offset + self.nbytes(index)
 
 
-def layout_of(named_tensors: list[tuple[str, torch.Tensor]]) -> Layout:
+def layout_of(named_tensors: list[tuple[str, torch.Tensor]], backend: str = "gloo") -> Layout:
     return Layout(tuple(name for name, _ in named_tensors), tuple(tuple(t.shape) for _, t in named_tensors),
-                  tuple(str(t.dtype) for _, t in named_tensors))
+                  tuple(str(t.dtype) for _, t in named_tensors), backend)
 
 
 def pack(named_tensors: list[tuple[str, torch.Tensor]], device: torch.device,
          bucket_bytes: int = BUCKET_BYTES) -> tuple[Layout, list[torch.Tensor]]:
     """A snapshot of the tensors as the buckets a sender broadcasts (one copy, on ``device``)."""
-    layout = layout_of(named_tensors)
+    layout = layout_of(named_tensors, "nccl" if device.type == "cuda" else "gloo")
     buckets = []
     for plan in layout.buckets(bucket_bytes):
         buffer = torch.empty(layout.bucket_size(plan), dtype=torch.uint8, device=device)
@@ -118,8 +120,7 @@ class Endpoint:
     """One process's side of its sync groups: the store it hosts (a sender) and the group it is in now, remade when
     a call names another membership."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self) -> None:
         self._host: dist.TCPStore | None = None
         self._name: str | None = None
         self._group = None
@@ -131,25 +132,29 @@ class Endpoint:
             self._host = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
         return f"{self._host.host}:{self._host.port}"
 
-    def group(self, group: SyncGroup, rank: int):
+    def group(self, group: SyncGroup, rank: int, backend: str):
         """The process group of ``group``, joined as ``rank`` (every member calls this before the first transfer)."""
         if group.name != self._name:
             self._group = self._name = None
             host, port = group.address.rsplit(":", 1)
             store = self._host if rank == 0 else dist.TCPStore(host, int(port), is_master=False, timeout=TIMEOUT)
-            self._group = _process_group(dist.PrefixStore(f"{group.name}/", store), rank, group.world, self.device)
+            self._group = _process_group(dist.PrefixStore(f"{group.name}/", store), rank, group.world, backend)
             self._name = group.name
         return self._group
 
     def send(self, group: SyncGroup, buckets: list[torch.Tensor]) -> None:
-        process_group = self.group(group, 0)
+        process_group = self.group(group, 0, "nccl" if buckets and buckets[0].is_cuda else "gloo")
         for buffer in buckets:
             process_group.broadcast(buffer, 0).wait()
 
     def receive(self, group: SyncGroup, rank: int, layout: Layout,
                 bucket_bytes: int = BUCKET_BYTES) -> list[tuple[str, torch.Tensor]]:
-        process_group = self.group(group, rank)
-        buckets = [torch.empty(layout.bucket_size(plan), dtype=torch.uint8, device=self.device)
+        if layout.backend == "nccl" and not torch.cuda.is_available():
+            raise RuntimeError("the trainer sends its weights from a GPU (NCCL) and this replica's process sees none: "
+                               "give the engine a GPU, or use ray.weight_sync: object_store")
+        process_group = self.group(group, rank, layout.backend)
+        device = torch.device("cuda" if layout.backend == "nccl" else "cpu")
+        buckets = [torch.empty(layout.bucket_size(plan), dtype=torch.uint8, device=device)
                    for plan in layout.buckets(bucket_bytes)]
         for buffer in buckets:
             process_group.broadcast(buffer, 0).wait()
@@ -160,8 +165,8 @@ class Endpoint:
         self._group = self._name = None
 
 
-def _process_group(store, rank: int, world: int, device: torch.device):
-    if device.type == "cuda":
+def _process_group(store, rank: int, world: int, backend: str):
+    if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = TIMEOUT
         return dist.ProcessGroupNCCL(store, rank, world, options)

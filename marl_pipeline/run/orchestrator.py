@@ -263,7 +263,7 @@ class Orchestrator:
                     self._sync_address[agent] = ray.get(trainer.weights_address.remote())
                 replicas.broadcast_weights(self._sync_address[agent],
                                            partial(trainer.send_weights.remote, version=version),
-                                           ray.get(pending.weights), version)
+                                           ray.get(pending.weights), version, trainer.staged_weights.remote)
             else:
                 replicas.load_weights(pending.weights, result.policy_version)
             synced = time.time()

@@ -117,7 +117,7 @@ class PolicyTrainer:
         self._step_sequences = 0
         self._outbox: dict[int, list[torch.Tensor]] = {}  # versions staged for a broadcast, by version
         self._outbox_lock = threading.Lock()
-        self._endpoint = transfer.Endpoint(self.device)
+        self._endpoint = transfer.Endpoint()
 
     def restart(self, *args, **kwargs) -> bool:
         """Become the trainer ``__init__(*args, **kwargs)`` builds, in this process (a kept actor taken by a new
@@ -316,7 +316,7 @@ class PolicyTrainer:
             return None
         layout, buckets = transfer.pack(named, self.device)
         with self._outbox_lock:
-            self._outbox[self.version] = buckets
+            self._outbox[self.version] = (layout, buckets)
         return layout
 
     def weights_address(self) -> str:
@@ -325,19 +325,30 @@ class PolicyTrainer:
 
     def send_weights(self, group: transfer.SyncGroup, version: int) -> int:
         """Broadcast a staged version to ``group``'s engine replicas (as a Ray actor, beside the trainer's other calls:
-        cluster/trainers.py); versions staged before it are dropped, it stays until a newer one is sent (a retry)."""
+        cluster/trainers.py). Once sent, the versions staged before it are dropped; it stays for a retry and for
+        :meth:`staged_weights` until a newer one is sent."""
         with self._outbox_lock:
-            buckets = self._outbox.get(version)
-            if buckets is None:
-                raise ValueError(f"version {version} was not staged for a broadcast; staged: {sorted(self._outbox)}")
-            for older in [v for v in self._outbox if v < version]:
-                del self._outbox[older]
+            staged = self._outbox.get(version)
+        if staged is None:
+            raise ValueError(f"version {version} was not staged for a broadcast; staged: {sorted(self._outbox)}")
         try:
-            self._endpoint.send(group, buckets)
+            self._endpoint.send(group, staged[1])
         except BaseException:
             self._endpoint.close()  # the members may be half-way: the retry names a new group
             raise
+        with self._outbox_lock:
+            for older in [v for v in self._outbox if v < version]:
+                del self._outbox[older]
         return version
+
+    def staged_weights(self, version: int) -> list[tuple[str, torch.Tensor]]:
+        """A staged version's weights, copied to host memory, for an engine replica restarted after a broadcast
+        (copies: a view of a bucket would pickle the whole bucket)."""
+        with self._outbox_lock:
+            staged = self._outbox.get(version)
+        if staged is None:
+            raise ValueError(f"version {version} is no longer staged; staged: {sorted(self._outbox)}")
+        return [(name, tensor.to("cpu", copy=True)) for name, tensor in transfer.unpack(*staged)]
 
     def save(self, directory: str) -> None:
         """The policy (Hugging Face format, what engines load; a LoRA agent's adapters only) and the trainer state
