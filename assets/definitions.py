@@ -9,7 +9,7 @@ import dagster as dg
 
 from assets.checks import STAGE_CHECKS
 from assets.evaluations import evaluations, no_collapsed_agent
-from assets.health import health
+from assets.health import health, no_collapse_in_training
 from assets.policies import base_policies, policies
 from assets.retrain import retrain_on_new_tasks
 from assets.stages import STAGE_ASSETS
@@ -22,7 +22,7 @@ experiment = ExperimentResource.configure_at_launch()
 
 defs = dg.Definitions(
     assets=[base_policies, policies, *STAGE_ASSETS, evaluations, health, training_runs],
-    asset_checks=[*STAGE_CHECKS, no_collapsed_agent],
+    asset_checks=[*STAGE_CHECKS, no_collapsed_agent, no_collapse_in_training],
     jobs=[train_job],
     schedules=[retrain_schedule],
     sensors=[retrain_on_new_tasks],

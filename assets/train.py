@@ -11,7 +11,7 @@ import socket
 import dagster as dg
 
 from assets.evaluations import evaluation_metadata
-from assets.health import health_metadata
+from assets.health import collapse_evaluation, health_metadata
 from assets.metadata import run_plots, run_report, stage_metadata
 from assets.partitions import (
     AGENTS,
@@ -88,6 +88,9 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
                              f"{event.span_seconds:.2f} s")
             context.log_event(dg.AssetMaterialization(asset_key="health", partition=step_key(config.run, event.step),
                                                       metadata=health_metadata(event.health)))
+            context.log_event(collapse_evaluation(config.run, event.step, event.warnings, config.health))
+            for warning in event.warnings:  # on the `marl` CLI too, which shows warnings
+                context.log.warning(f"{STEP_PREFIX}{event.step}: {warning}")
         elif isinstance(event, ReplicaChanged):
             _log_replica(context, event)
         elif isinstance(event, SetupPhase):

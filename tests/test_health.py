@@ -1,10 +1,16 @@
-"""Training-health signals by hand (stages/health.py): a step's rows in, each agent's figures out."""
+"""Training-health signals by hand (stages/health.py): a step's rows in, each agent's figures out; collapse read
+from the stored signals of the last steps, as the run's warnings and the ``health`` asset's check report it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pyarrow as pa
 import pytest
 
-from marl_pipeline.stages.health import health_table
+from marl_pipeline.config import HealthConfig
+from marl_pipeline.stages.health import collapse_warnings, health_table, recent_health
+from marl_pipeline.store import ExperienceStore, MicroBatchKey
 
 
 def _turn(agent: str, group: str, text: str, logprobs: list[float], finish: str = "stop", turn: int = 0) -> dict:
@@ -41,5 +47,83 @@ def test_signals_by_hand() -> None:
     assert solver["grad_norm"] == 2.5
     # The verifier collapsed on "yes": one answer per prompt, no reward variance; it did not train this step.
     assert verifier["top_response_share"] == 1.0 and verifier["distinct_responses"] == 0.5
+    assert verifier["top_answer_share"] == 1.0 and solver["top_answer_share"] == pytest.approx(2 / 5)
     assert verifier["zero_variance_groups"] == 1.0
     assert verifier["loss_per_token"] is None and verifier["clip_fraction"] is None and verifier["grad_norm"] is None
+
+
+def _step(step: int, yes_share: float, rewarded: bool = True, prompts: int = 20) -> pa.Table:
+    """One step of a solver and a verifier, 4 samples per prompt. The verifier answers every sample of a prompt
+    alike (sure of each answer), "yes" to the first ``yes_share`` of the prompts; without ``rewarded`` every group's
+    rewards are equal."""
+    rollouts, rewards = [], []
+    for prompt in range(prompts):
+        group = f"s{step}-g{prompt}"
+        for sample in range(4):
+            answer = "yes" if prompt < yes_share * prompts else "no"
+            rollouts += [_turn("solver", group, str(prompt + sample % 2), [-1.0]), _turn("verifier", group, answer,
+                                                                                        [-0.1])]
+            rewards += [{"agent": agent, "group_id": group, "reward": float(sample % 2) if rewarded else 1.0}
+                        for agent in ("solver", "verifier")]
+    return health_table(rollouts, rewards, [], {"solver": step + 1, "verifier": step + 1}, {})
+
+
+def _stored(tmp_path: Path, run: str, steps: list[pa.Table]) -> ExperienceStore:
+    store = ExperienceStore(tmp_path / "store")
+    for step, table in enumerate(steps):
+        store.commit("health", MicroBatchKey(run, step, 0), table)
+    return store
+
+
+def test_an_agent_answering_yes_to_everything_is_caught_from_the_stored_signals_and_a_sure_one_is_not(
+        tmp_path: Path) -> None:
+    settings = HealthConfig()
+    drifting = _stored(tmp_path / "drifting", "drift", [_step(s, share) for s, share in
+                                                         enumerate([0.6, 0.8, 0.95, 0.95, 1.0])])
+    sure = _stored(tmp_path / "sure", "sure", [_step(s, share) for s, share in enumerate([0.5, 0.55, 0.5, 0.6, 0.55])])
+    # Sure of each answer in both runs: one answer per prompt, which the per-prompt share cannot tell apart.
+    verifier = [row for row in recent_health(sure, "sure", 4, 5) if row["agent"] == "verifier"]
+    assert {row["top_response_share"] for row in verifier} == {1.0}
+    assert collapse_warnings(recent_health(sure, "sure", 4, settings.steps), settings) == []
+    assert collapse_warnings(recent_health(drifting, "drift", 3, settings.steps), settings) == []  # 0.8: not yet
+    (warning,) = collapse_warnings(recent_health(drifting, "drift", 4, settings.steps), settings)
+    assert warning.startswith("verifier may be collapsing") and "0.95, 0.95, 1.00" in warning
+    assert "steps 2-4" in warning and "health.top_answer_share: 0.9" in warning
+    falling = _stored(tmp_path / "falling", "falling", [_step(s, share) for s, share in enumerate([1.0, 0.95, 0.95])])
+    assert collapse_warnings(recent_health(falling, "falling", 2, 3), settings) == []  # above 0.9, but recovering
+    lenient = HealthConfig(top_answer_share=0.97, steps=2)
+    assert collapse_warnings(recent_health(drifting, "drift", 4, 2), lenient) == []  # settings are thresholds
+    flat = _stored(tmp_path / "flat", "flat", [_step(s, 0.5, rewarded=s > 0) for s in range(2)]
+                   + [_step(s, 0.5, rewarded=False) for s in range(2, 5)])
+    warnings = collapse_warnings(recent_health(flat, "flat", 4, 3), settings)
+    assert sorted(w.split(" ")[0] for w in warnings) == ["solver", "verifier"]
+    assert all("almost no learning signal" in w and "1.00, 1.00, 1.00" in w for w in warnings)
+
+
+def test_the_health_collapse_check_fails_with_the_agent_and_passes_before(tmp_path: Path,
+                                                                          demo_config_data: dict) -> None:
+    import dagster as dg
+    import yaml
+
+    from assets.health import health, no_collapse_in_training
+    from assets.partitions import STEPS, step_key
+    from resources import ExperienceStoreResource, ExperimentResource
+
+    _stored(tmp_path, "demo", [_step(s, share) for s, share in enumerate([0.6, 0.8, 0.95, 0.95, 1.0])])
+    config_path = tmp_path / "experiment.yaml"
+    config_path.write_text(yaml.safe_dump({**demo_config_data, "store": str(tmp_path / "store")}))
+    experiment = ExperimentResource(config_path=str(config_path))
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions(STEPS.name, [step_key("demo", 2), step_key("demo", 4)])
+    verdicts = {}
+    for step in (2, 4):
+        result = dg.materialize([health, no_collapse_in_training], instance=instance,
+                                selection=dg.AssetSelection.checks(no_collapse_in_training),
+                                resources={"experiment": experiment,
+                                           "store": ExperienceStoreResource(experiment=experiment)},
+                                tags={"dagster/partition": step_key("demo", step)})
+        (evaluation,) = result.get_asset_check_evaluations()
+        verdicts[step] = evaluation
+    assert verdicts[2].passed and "no agent gives one response" in verdicts[2].description
+    assert not verdicts[4].passed and verdicts[4].severity == dg.AssetCheckSeverity.WARN
+    assert verdicts[4].description.startswith("verifier may be collapsing")

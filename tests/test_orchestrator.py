@@ -17,9 +17,10 @@ import yaml
 from safetensors.torch import load_file
 
 from marl_pipeline.cluster import warm_actors
-from marl_pipeline.config import parse_config
+from marl_pipeline.config import HealthConfig, parse_config
 from marl_pipeline.run.events import PolicyCommitted, RunFinished, StepFinished
 from marl_pipeline.run.recipe import train
+from marl_pipeline.stages.health import collapse_warnings, recent_health
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import STAGES
 from tests.conftest import small_config_data
@@ -58,6 +59,8 @@ def uninterrupted(local_ray, demo_config_data, tmp_path_factory) -> ExperienceSt
     updates = store.read_stage("demo", "policy_updates", columns=["step", "mismatch_abs_logprob"]).to_pylist()
     assert {row["step"] for row in updates} == {0, 1, 2, 3}
     assert max(row["mismatch_abs_logprob"] for row in updates) < 1e-5, updates
+    # A run that learns, read as the collapse warnings read it: nothing to report.
+    assert collapse_warnings(recent_health(store, "demo", 3, 3), HealthConfig()) == []
     return store
 
 

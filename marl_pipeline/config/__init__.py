@@ -32,6 +32,7 @@ from marl_pipeline.config.pipeline import (
 )
 from marl_pipeline.config.services import (
     EvaluationConfig,
+    HealthConfig,
     RayConfig,
     RetentionConfig,
     RetrainConfig,
@@ -53,6 +54,7 @@ __all__ = [
     "EvaluationConfig",
     "ExperimentConfig",
     "GRPOAdvantage",
+    "HealthConfig",
     "LoraAdapterConfig",
     "PipelineConfig",
     "PoolSettings",

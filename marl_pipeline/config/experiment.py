@@ -15,6 +15,7 @@ from marl_pipeline.config.base import BUILTIN_TINY, ConfigError, StrictModel
 from marl_pipeline.config.pipeline import EnvironmentConfig, PipelineConfig
 from marl_pipeline.config.services import (
     EvaluationConfig,
+    HealthConfig,
     RayConfig,
     RetrainConfig,
     RewardModelConfig,
@@ -40,6 +41,8 @@ class ExperimentConfig(StrictModel):
     reward_model: RewardModelConfig | None = None
     """A model-based reward mixed into the environment's (None: the environment's rule-based reward alone)."""
     evaluation: EvaluationConfig = EvaluationConfig()
+    health: HealthConfig = HealthConfig()
+    """When the training-health signals are reported as collapse."""
     ray: RayConfig = RayConfig()
     retrain: RetrainConfig = RetrainConfig()
     tracking: TrackingConfig = TrackingConfig()

@@ -77,6 +77,19 @@ class EvaluationConfig(StrictModel):
     """Longest answer (None: ``algorithm.max_new_tokens``)."""
 
 
+class HealthConfig(StrictModel):
+    """When an agent's training-health signals (stages/health.py) are reported as collapse: a warning in the run's
+    log and on the CLI, and the ``health`` asset's ``collapse`` check failing, with the agent, steps and figures."""
+
+    top_answer_share: float = Field(0.9, gt=0, le=1)
+    """Above this share of one response over all the agent's responses of a step, not falling: the same answer to
+    everything (the demo's verifier stays at 0.4-0.75 while it learns)."""
+    zero_variance_groups: float = Field(0.95, gt=0, le=1)
+    """Above this share of GRPO groups with equal rewards: almost no learning signal left."""
+    steps: int = Field(3, ge=1)
+    """For this many steps in a row."""
+
+
 class TrackingConfig(StrictModel):
     """Step metrics sent besides the Dagster UI, where ML engineers follow training (off by default)."""
 

@@ -77,6 +77,8 @@ class StepFinished:
     """From the step's first rollout to its last commit: longer than ``seconds`` when steps overlap (staleness)."""
     health: dict[str, dict[str, float | None]] = field(default_factory=dict)
     """Per agent, its training-health signals at this step (stages/health.py; stored in the ``health`` dataset)."""
+    warnings: list[str] = field(default_factory=list)
+    """What the signals of the steps up to this one show collapsing (``stages.health.collapse_warnings``)."""
 
 
 @dataclass(frozen=True)

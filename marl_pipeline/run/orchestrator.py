@@ -48,7 +48,7 @@ from marl_pipeline.run.events import (
 from marl_pipeline.run.launches import LaunchPlan
 from marl_pipeline.stages.evaluation import EvaluationSettings, is_evaluated
 from marl_pipeline.stages.execution import execute_micro_batch
-from marl_pipeline.stages.health import commit_step_health, signals_by_agent
+from marl_pipeline.stages.health import collapse_warnings, commit_step_health, recent_health, signals_by_agent
 from marl_pipeline.stages.reward import ModelReward, score_micro_batch
 from marl_pipeline.stages.training import train_micro_batch
 from marl_pipeline.stages.trajectories import sample_micro_batch, token_demand
@@ -298,7 +298,10 @@ class Orchestrator:
             self._last_step_end = now
         versions = {agent: step + 1 for agent in self.config.agents}  # step s makes version s + 1
         health = commit_step_health(self.store, self.config.run, step, versions, self._grad_norms.pop(step, {}))
-        return StepFinished(step, self.step_rewards(step), since, now - first_rollout, signals_by_agent(health))
+        settings = self.config.health
+        warnings = collapse_warnings(recent_health(self.store, self.config.run, step, settings.steps), settings)
+        return StepFinished(step, self.step_rewards(step), since, now - first_rollout, signals_by_agent(health),
+                            warnings)
 
     def _evaluate_if_due(self, agent: str, version: int) -> None:
         if self.evaluations is not None and self.evaluations.due(version):

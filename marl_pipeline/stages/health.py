@@ -3,18 +3,22 @@ evaluation hooks needed): what shows one agent collapsing while the team's mean 
 
 Per agent: the share of GRPO groups whose rewards are all equal (they carry no learning signal), answer diversity
 (the share of distinct responses to one prompt and of its most frequent one, averaged over the prompts of its
-turns), the mean -log p of the sampled tokens (an unbiased estimate of the policy's token entropy at temperature
-1), response length and the share cut at the token limit, the update's loss per token, clip fraction and
-engine-vs-trainer mismatch (token-weighted over the step's micro-batches) and its gradient norm.
+turns, and the share of its most frequent response over the whole step), the mean -log p of the sampled tokens
+(an unbiased estimate of the policy's token entropy at temperature 1), response length and the share cut at the
+token limit, the update's loss per token, clip fraction and engine-vs-trainer mismatch (token-weighted over the
+step's micro-batches) and its gradient norm. :func:`collapse_warnings` reads collapse from them
+(``health.*`` settings).
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from itertools import pairwise
 
 import pyarrow as pa
 import pyarrow.dataset as ds
 
+from marl_pipeline.config import HealthConfig
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import HEALTH
 
@@ -68,6 +72,10 @@ def health_table(rollouts: list[dict], rewards: list[dict], updates: list[dict],
             "distinct_responses": _mean([len(set(texts)) / len(texts) for texts in prompts.values()]),
             "top_response_share": _mean([Counter(texts).most_common(1)[0][1] / len(texts)
                                          for texts in prompts.values()]),
+            # Across prompts: a verifier sure of each answer has a top share of 1 per prompt, one that says "yes" to
+            # everything has it over the step.
+            "top_answer_share": (Counter(row["response_text"] for row in sampled).most_common(1)[0][1] / len(sampled)
+                                 if sampled else None),
             "token_entropy": -sum(sum(row["logprobs"]) for row in sampled) / tokens if tokens else None,
             "response_length": tokens / len(sampled) if sampled else None,
             "truncated_share": _mean([row["finish_reason"] == "length" for row in sampled]),
@@ -76,6 +84,41 @@ def health_table(rollouts: list[dict], rewards: list[dict], updates: list[dict],
             "mismatch_abs_logprob": _token_mean(trained, "mismatch_abs_logprob"),
             "grad_norm": grad_norms.get(agent)})
     return pa.Table.from_pylist(rows, schema=pa.schema([pa.field("agent", pa.string()), *HEALTH]))
+
+
+def collapse_warnings(history: list[dict], settings: HealthConfig) -> list[str]:
+    """What the agents' health rows of the last steps (dicts with ``step``, ``agent`` and the signals, any order)
+    show collapsing, one message per agent and sign, naming the agent, the steps and the figures: the same answer
+    to every prompt (``top_answer_share`` above its threshold and not falling for ``settings.steps`` steps), or no
+    learning signal (``zero_variance_groups`` above its threshold for as many steps). Empty when too few steps."""
+    warnings = []
+    for agent in sorted({row["agent"] for row in history}):
+        rows = sorted((row for row in history if row["agent"] == agent), key=lambda row: row["step"])
+        last = rows[-settings.steps:]
+        if len(last) < settings.steps:
+            continue
+        steps = f"steps {last[0]['step']}-{last[-1]['step']}"
+        shares = [row["top_answer_share"] for row in last]
+        if (None not in shares and min(shares) > settings.top_answer_share
+                and all(a <= b for a, b in pairwise(shares))):
+            warnings.append(f"{agent} may be collapsing: the same response is {_figures(shares)} of its responses "
+                            f"over {steps} (health.top_answer_share: {settings.top_answer_share:g}), and not falling")
+        flat = [row["zero_variance_groups"] for row in last]
+        if None not in flat and min(flat) > settings.zero_variance_groups:
+            warnings.append(f"{agent} has almost no learning signal: {_figures(flat)} of its GRPO groups have equal "
+                            f"rewards over {steps} (health.zero_variance_groups: {settings.zero_variance_groups:g})")
+    return warnings
+
+
+def recent_health(store: ExperienceStore, run: str, step: int, steps: int) -> list[dict]:
+    """The health rows of the ``steps`` steps up to ``step`` that the store holds, with their ``step``."""
+    keys = [MicroBatchKey(run, s, 0) for s in range(max(0, step - steps + 1), step + 1)]
+    return [{"step": key.step, **row} for key in keys if store.is_committed("health", key)
+            for row in store.read("health", key).to_pylist()]
+
+
+def _figures(values: list[float]) -> str:
+    return ", ".join(f"{value:.2f}" for value in values)
 
 
 def signals_by_agent(table: pa.Table) -> dict[str, dict[str, float | None]]:
