@@ -52,12 +52,11 @@ def collapse_evaluation(run: str, step: int, found: list[str], settings) -> dg.A
 
 def _no_collapse(context: dg.AssetCheckExecutionContext, experiment: ExperimentResource,
                  store: ExperienceStoreResource) -> dg.AssetCheckResult:
-    from marl_pipeline.stages.health import collapse_warnings, recent_health
+    from marl_pipeline.stages.health import stored_collapse
 
     run, step = parse_version_key(context.partition_key)
     settings = experiment.load().health
-    evaluation = collapse_evaluation(run, step, collapse_warnings(
-        recent_health(store.open(), run, step, settings.steps), settings), settings)
+    evaluation = collapse_evaluation(run, step, stored_collapse(store.open(), run, step, settings), settings)
     return dg.AssetCheckResult(passed=evaluation.passed, severity=evaluation.severity,
                                description=evaluation.description)
 

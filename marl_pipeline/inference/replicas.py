@@ -5,6 +5,8 @@ sync one replica at a time, and restarting a replica that died.
   other. While one reloads (it finishes its requests in flight, holds new ones, reloads: inference/async_engine.py)
   the router sends new episodes to the others, which keep serving the old version until their turn. Every
   completion still comes from one version, the one its turn stores.
+- *Broadcast* (``ray.weight_sync: broadcast``): :meth:`EngineReplicas.broadcast_weights` has every live replica
+  receive the version from the trainer at once, while serving (policy/transfer.py), then serve it one at a time.
 - *Failure.* A replica whose actor died (the rollout's request fails with Ray's ``RayActorError``) is marked down
   at once, so the router sends nothing more to it, and is restarted on a thread: a new actor from the store,
   brought to the newest version this set was told to serve (the weights kept by reference from the last sync,
@@ -76,6 +78,7 @@ class EngineReplicas:
         self._version = version
         self._weights = None  # reference to the newest weights synced, for a restart
         self._group: tuple[tuple, SyncGroup] | None = None  # the broadcast group's members and group
+        self._sender_address: str | None = None  # where the run's trainer hosts its broadcasts (sync_from)
         self._restarts: dict[int, threading.Thread] = {}
         self._starting: dict[int, object] = {}  # replica -> its replacement actor, until it serves
         self._closed = False
@@ -136,6 +139,16 @@ class EngineReplicas:
                     self.router.set_draining(replica, False)
         return version
 
+    def sync_from(self, trainer, weights, version: int, broadcast: bool) -> int:
+        """The run's sync of a trainer's new version: ``weights`` is what its ``named_weights`` returned
+        (:meth:`load_weights`), or with ``broadcast`` its ``stage_weights`` (:meth:`broadcast_weights`)."""
+        if not broadcast:
+            return self.load_weights(weights, version)
+        if self._sender_address is None:
+            self._sender_address = ray.get(trainer.weights_address.remote())
+        return self.broadcast_weights(self._sender_address, partial(trainer.send_weights.remote, version=version),
+                                      ray.get(weights), version, trainer.staged_weights.remote)
+
     def broadcast_weights(self, address: str, send: Send, layout, version: int,
                           fetch: Callable[[int], ray.ObjectRef]) -> int:
         """Sync ``version`` by broadcast (policy/transfer.py): every live replica receives it from the trainer at once
@@ -151,8 +164,9 @@ class EngineReplicas:
                             if handle is not None and not self.router.is_down(slot)]
                 if not live:
                     raise RuntimeError(f"{self.agent}: no live replica to broadcast version {version} to")
-                members = tuple(id(handle) for _, handle in live)
-                if self._group is None or self._group[0] != members or self._group[1].address != address:
+                members = tuple(handle for _, handle in live)  # held, so a dead one's id is never another's
+                if (self._group is None or len(self._group[0]) != len(members) or self._group[1].address != address
+                        or any(a is not b for a, b in zip(self._group[0], members))):
                     self._group = (members, SyncGroup(address, f"{self.agent}-{uuid.uuid4().hex[:12]}",
                                                       len(live) + 1))
                 group = self._group[1]

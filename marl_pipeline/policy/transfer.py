@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -163,6 +164,49 @@ class Endpoint:
     def close(self) -> None:
         """Leave the group (a failed transfer: the next call names a new membership)."""
         self._group = self._name = None
+
+
+class Outbox:
+    """A sender's staged versions, each kept until a newer one is sent (for a retry, and for a replica restarted
+    meanwhile: :meth:`copy`), and its endpoint."""
+
+    def __init__(self) -> None:
+        self.endpoint = Endpoint()
+        self._staged: dict[int, tuple[Layout, list[torch.Tensor]]] = {}
+        self._lock = threading.Lock()  # staged in the trainer's call order, sent from its broadcast thread
+
+    def stage(self, version: int, named_tensors: list[tuple[str, torch.Tensor]], device: torch.device) -> Layout | None:
+        """A snapshot of ``version``'s tensors, packed on ``device``; None where there are none (no copy to send)."""
+        if not named_tensors:
+            return None
+        layout, buckets = pack(named_tensors, device)
+        with self._lock:
+            self._staged[version] = (layout, buckets)
+        return layout
+
+    def send(self, group: SyncGroup, version: int) -> int:
+        """Broadcast a staged version to ``group``; the versions staged before it are dropped once it is sent."""
+        buckets = self._get(version)[1]
+        try:
+            self.endpoint.send(group, buckets)
+        except BaseException:
+            self.endpoint.close()  # the members may be half-way: the retry names a new group
+            raise
+        with self._lock:
+            for older in [v for v in self._staged if v < version]:
+                del self._staged[older]
+        return version
+
+    def copy(self, version: int) -> list[tuple[str, torch.Tensor]]:
+        """A staged version's tensors copied to host memory (a view of a bucket would pickle the whole bucket)."""
+        return [(name, tensor.to("cpu", copy=True)) for name, tensor in unpack(*self._get(version))]
+
+    def _get(self, version: int) -> tuple[Layout, list[torch.Tensor]]:
+        with self._lock:
+            staged = self._staged.get(version)
+            if staged is None:
+                raise ValueError(f"version {version} is not staged for a broadcast; staged: {sorted(self._staged)}")
+            return staged
 
 
 def _process_group(store, rank: int, world: int, backend: str):

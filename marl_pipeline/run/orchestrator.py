@@ -48,7 +48,7 @@ from marl_pipeline.run.events import (
 from marl_pipeline.run.launches import LaunchPlan
 from marl_pipeline.stages.evaluation import EvaluationSettings, is_evaluated
 from marl_pipeline.stages.execution import execute_micro_batch
-from marl_pipeline.stages.health import collapse_warnings, commit_step_health, recent_health, signals_by_agent
+from marl_pipeline.stages.health import commit_step_health, signals_by_agent, stored_collapse
 from marl_pipeline.stages.reward import ModelReward, score_micro_batch
 from marl_pipeline.stages.training import train_micro_batch
 from marl_pipeline.stages.trajectories import sample_micro_batch, token_demand
@@ -75,8 +75,7 @@ class PendingStep:
     applied: ray.ObjectRef
     """-> ``StepResult`` of the optimizer step."""
     weights: ray.ObjectRef
-    """-> the new parameters, for the engine's reload (through Ray's object store, from node to node); with
-    ``ray.weight_sync: broadcast``, their layout, staged in the trainer for its broadcast."""
+    """-> the new parameters for the engines (``ray.weight_sync: broadcast``: their layout, staged in the trainer)."""
     saved: ray.ObjectRef
     """-> the ``PolicyUpload`` of the new version: saved and uploaded to the store by the trainer, on its node."""
     enqueued: float
@@ -112,7 +111,6 @@ class Orchestrator:
         self._served = dict(plan.versions)  # per agent: the version its engine serves
         self._committed = dict(plan.versions)  # per agent: its newest version in the store
         self._broadcast = config.ray.weight_sync == "broadcast"
-        self._sync_address: dict[str, str] = {}  # per agent: where its trainer's broadcasts meet (broadcast sync)
         self._served_changed = threading.Condition()
         self._ready_at: dict[tuple[str, MicroBatchKey], float] = {}
         self._step_started: dict[int, float] = {}
@@ -238,12 +236,11 @@ class Orchestrator:
                             recompute_if_committed=bool(learners)):
                         return  # no optimizer step on a partly accumulated gradient
                 for agent in learners:
-                    # Issued now, in actor order: the next step's accumulate calls queue behind them.
                     trainer = trainers[agent]
-                    applied = trainer.apply_step.remote()
+                    applied = trainer.apply_step.remote()  # issued in actor order: the next step's calls queue behind
                     weights = (trainer.stage_weights if self._broadcast else trainer.named_weights).remote()
-                    publish[agent].put(PendingStep(step, applied, weights,
-                                                   trainer.save_version.remote(step + 1), time.time()))
+                    publish[agent].put(PendingStep(step, applied, weights, trainer.save_version.remote(step + 1),
+                                                   time.time()))
                     version[agent] = step + 1
         finally:
             for box in publish.values():
@@ -257,15 +254,7 @@ class Orchestrator:
             result = ray.get(pending.applied)
             applied = time.time()
             # One replica at a time (the others keep serving); the trainer saves the version meanwhile.
-            if self._broadcast:
-                trainer, version = self.workers.trainers[agent], result.policy_version
-                if agent not in self._sync_address:
-                    self._sync_address[agent] = ray.get(trainer.weights_address.remote())
-                replicas.broadcast_weights(self._sync_address[agent],
-                                           partial(trainer.send_weights.remote, version=version),
-                                           ray.get(pending.weights), version, trainer.staged_weights.remote)
-            else:
-                replicas.load_weights(pending.weights, result.policy_version)
+            replicas.sync_from(self.workers.trainers[agent], pending.weights, result.policy_version, self._broadcast)
             synced = time.time()
             self._evaluate_if_due(agent, result.policy_version)  # before rollout can ask this engine for more
             # Rollout goes on as soon as the engines serve the version: its checkpoint is saved and committed while
@@ -298,10 +287,8 @@ class Orchestrator:
             self._last_step_end = now
         versions = {agent: step + 1 for agent in self.config.agents}  # step s makes version s + 1
         health = commit_step_health(self.store, self.config.run, step, versions, self._grad_norms.pop(step, {}))
-        settings = self.config.health
-        warnings = collapse_warnings(recent_health(self.store, self.config.run, step, settings.steps), settings)
         return StepFinished(step, self.step_rewards(step), since, now - first_rollout, signals_by_agent(health),
-                            warnings)
+                            stored_collapse(self.store, self.config.run, step, self.config.health))
 
     def _evaluate_if_due(self, agent: str, version: int) -> None:
         if self.evaluations is not None and self.evaluations.due(version):

@@ -110,6 +110,11 @@ def collapse_warnings(history: list[dict], settings: HealthConfig) -> list[str]:
     return warnings
 
 
+def stored_collapse(store: ExperienceStore, run: str, step: int, settings: HealthConfig) -> list[str]:
+    """:func:`collapse_warnings` at ``step``, from the stored health of the steps up to it."""
+    return collapse_warnings(recent_health(store, run, step, settings.steps), settings)
+
+
 def recent_health(store: ExperienceStore, run: str, step: int, steps: int) -> list[dict]:
     """The health rows of the ``steps`` steps up to ``step`` that the store holds, with their ``step``."""
     keys = [MicroBatchKey(run, s, 0) for s in range(max(0, step - steps + 1), step + 1)]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import threading
 from pathlib import Path
 
 import torch
@@ -115,9 +114,7 @@ class PolicyTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._step_tokens = 0
         self._step_sequences = 0
-        self._outbox: dict[int, list[torch.Tensor]] = {}  # versions staged for a broadcast, by version
-        self._outbox_lock = threading.Lock()
-        self._endpoint = transfer.Endpoint()
+        self._outbox = transfer.Outbox()  # versions staged for a weight broadcast
 
     def restart(self, *args, **kwargs) -> bool:
         """Become the trainer ``__init__(*args, **kwargs)`` builds, in this process (a kept actor taken by a new
@@ -311,44 +308,20 @@ class PolicyTrainer:
     def stage_weights(self) -> transfer.Layout | None:
         """Snapshot the version just stepped to for :meth:`send_weights` (in call order, so a later step cannot change
         what is sent) and return the layout its receivers allocate; None on a sharded trainer's other ranks."""
-        named = self._exported()
-        if not named:
-            return None
-        layout, buckets = transfer.pack(named, self.device)
-        with self._outbox_lock:
-            self._outbox[self.version] = (layout, buckets)
-        return layout
+        return self._outbox.stage(self.version, self._exported(), self.device)
 
     def weights_address(self) -> str:
         """Where this trainer's weight broadcasts meet their engine replicas (policy/transfer.py)."""
-        return self._endpoint.address()
+        return self._outbox.endpoint.address()
 
     def send_weights(self, group: transfer.SyncGroup, version: int) -> int:
         """Broadcast a staged version to ``group``'s engine replicas (as a Ray actor, beside the trainer's other calls:
-        cluster/trainers.py). Once sent, the versions staged before it are dropped; it stays for a retry and for
-        :meth:`staged_weights` until a newer one is sent."""
-        with self._outbox_lock:
-            staged = self._outbox.get(version)
-        if staged is None:
-            raise ValueError(f"version {version} was not staged for a broadcast; staged: {sorted(self._outbox)}")
-        try:
-            self._endpoint.send(group, staged[1])
-        except BaseException:
-            self._endpoint.close()  # the members may be half-way: the retry names a new group
-            raise
-        with self._outbox_lock:
-            for older in [v for v in self._outbox if v < version]:
-                del self._outbox[older]
-        return version
+        cluster/trainers.py)."""
+        return self._outbox.send(group, version)
 
     def staged_weights(self, version: int) -> list[tuple[str, torch.Tensor]]:
-        """A staged version's weights, copied to host memory, for an engine replica restarted after a broadcast
-        (copies: a view of a bucket would pickle the whole bucket)."""
-        with self._outbox_lock:
-            staged = self._outbox.get(version)
-        if staged is None:
-            raise ValueError(f"version {version} is no longer staged; staged: {sorted(self._outbox)}")
-        return [(name, tensor.to("cpu", copy=True)) for name, tensor in transfer.unpack(*staged)]
+        """A staged version's weights in host memory, for an engine replica restarted after a broadcast."""
+        return self._outbox.copy(version)
 
     def save(self, directory: str) -> None:
         """The policy (Hugging Face format, what engines load; a LoRA agent's adapters only) and the trainer state
