@@ -178,10 +178,10 @@ def _print_reward_table(store, run: str) -> None:
 
 
 HEALTH_STEPS_SHOWN = 10
-HEALTH_HEADERS = {"zero_variance_groups": "zero-var groups", "distinct_responses": "distinct", "top_response_share":
-                  "top share", "token_entropy": "entropy", "response_length": "length", "truncated_share": "cut",
-                  "loss_per_token": "loss/token", "clip_fraction": "clipped", "mismatch_abs_logprob": "mismatch",
-                  "grad_norm": "grad norm"}
+HEALTH_HEADERS = {"zero_variance_groups": "zero-var groups", "distinct_responses": "distinct",
+                  "top_response_share": "top share", "top_answer_share": "top overall", "token_entropy": "entropy",
+                  "response_length": "length", "truncated_share": "cut", "loss_per_token": "loss/token",
+                  "clip_fraction": "clipped", "mismatch_abs_logprob": "mismatch", "grad_norm": "grad norm"}
 
 
 def _print_health_table(store, run: str, step: int | None, agent: str | None) -> None:
