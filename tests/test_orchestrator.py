@@ -32,8 +32,9 @@ PARAMETER_TOLERANCE = 1e-6
 
 def _sharded_data(demo_config_data: dict, store: Path, **pipeline) -> dict:
     """The small demo with the solver trained on 2 workers (FSDP2 over gloo, training/sharded.py), new weights
-    broadcast from the trainers to the engines (policy/transfer.py)."""
-    data = small_config_data(demo_config_data, store, **pipeline)
+    broadcast from the trainers to the engines (policy/transfer.py), a checkpoint every 2 versions (and at a
+    launch's end)."""
+    data = small_config_data(demo_config_data, store, **{"checkpoint_every": 2, **pipeline})
     data["agents"]["solver"].setdefault("trainer", {})["workers"] = 2
     data["ray"]["weight_sync"] = "broadcast"
     return data
@@ -141,7 +142,8 @@ def test_two_launches_end_with_the_parameters_of_one_adamw_included(uninterrupte
         assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) <= PARAMETER_TOLERANCE, agent
 
 
-def assert_every_micro_batch_once(store: ExperienceStore, steps: int, micro_batches: int) -> None:
+def assert_every_micro_batch_once(store: ExperienceStore, steps: int, micro_batches: int,
+                                  checkpoint_every: int = 1) -> None:
     """A resumed run of the small demo holds exactly an uninterrupted one's partitions, versions and record."""
     expected = [MicroBatchKey("demo", s, m) for s in range(steps) for m in range(micro_batches)]
     for stage in STAGES:
@@ -149,8 +151,8 @@ def assert_every_micro_batch_once(store: ExperienceStore, steps: int, micro_batc
     rollouts = store.read_stage("demo", "rollouts", columns=["sample_id", "step", "micro_batch"])
     sample_ids = rollouts.column("sample_id").to_pylist()
     assert len(sample_ids) == len(set(sample_ids)) == steps * micro_batches * 4 * 4 * 2
-    for agent in ("solver", "verifier"):
-        assert store.policy_versions("demo", agent) == [0, steps - 1, steps]  # retention: 0 and the last 2
+    for agent in ("solver", "verifier"):  # retention: 0 and the last 2 committed
+        assert store.policy_versions("demo", agent) == [0, steps - checkpoint_every, steps]
     assert store.read_record("demo", "launch.json") == {"last_step": steps - 1, "finished": True}
 
 
@@ -212,7 +214,7 @@ def test_killed_three_times_and_resumed_commits_every_micro_batch_once(uninterru
                     if record.event_log_entry.dagster_event and record.event_log_entry.dagster_event.is_run_failure]
         assert failures and "its process died" in failures[-1] and "resumed by Dagster run" in failures[-1]
 
-    assert_every_micro_batch_once(store, steps, micro_batches)
+    assert_every_micro_batch_once(store, steps, micro_batches, checkpoint_every=2)
     # and it ends where a launch never killed ends: the same parameters, AdamW's moments restored on each resume
     assert _sharded_data(demo_config_data, Path("."), steps=4, micro_batches_per_step=2) == {**data, "store": "."}
     for agent in ("solver", "verifier"):

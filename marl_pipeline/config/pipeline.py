@@ -93,6 +93,14 @@ class PipelineConfig(StrictModel):
     """Rollout for step i may use policy version v only when i - v <= staleness."""
     queue_size: int = Field(2, ge=1)
     """Micro-batches a stage may hold ahead of the next one (backpressure)."""
+    checkpoint_every: int = Field(1, ge=1)
+    """Save and commit every this many policy versions (and always a launch's last): the weights and AdamW state of a
+    large model take seconds to save. A launch killed in between resumes from the newest committed version and
+    retrains the steps since from their committed partitions, to the same parameters."""
+
+    def checkpoint_due(self, step: int, last_step: int) -> bool:
+        """Whether the version step ``step`` makes is saved and committed (``checkpoint_every``, a launch's last)."""
+        return (step + 1) % self.checkpoint_every == 0 or step == last_step
     mode: Literal["streaming", "synchronous"] = "streaming"
     """``synchronous`` puts a barrier after each stage for the whole step (for comparison, and as a fallback)."""
     environment_concurrency: int = Field(1, ge=1, le=64)

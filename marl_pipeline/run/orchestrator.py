@@ -76,8 +76,8 @@ class PendingStep:
     """-> ``StepResult`` of the optimizer step."""
     weights: ray.ObjectRef
     """-> the new parameters for the engines (``ray.weight_sync: broadcast``: their layout, staged in the trainer)."""
-    saved: ray.ObjectRef
-    """-> the ``PolicyUpload`` of the new version: saved and uploaded to the store by the trainer, on its node."""
+    saved: ray.ObjectRef | None
+    """-> the ``PolicyUpload`` of the new version: saved and uploaded by the trainer (None: not due a checkpoint)."""
     enqueued: float
 
 
@@ -109,7 +109,7 @@ class Orchestrator:
         self._events: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._served = dict(plan.versions)  # per agent: the version its engine serves
-        self._committed = dict(plan.versions)  # per agent: its newest version in the store
+        self._committed = dict(plan.versions)  # per agent: its newest version done (in the store, if due)
         self._broadcast = config.ray.weight_sync == "broadcast"
         self._served_changed = threading.Condition()
         self._ready_at: dict[tuple[str, MicroBatchKey], float] = {}
@@ -239,8 +239,9 @@ class Orchestrator:
                     trainer = trainers[agent]
                     applied = trainer.apply_step.remote()  # issued in actor order: the next step's calls queue behind
                     weights = (trainer.stage_weights if self._broadcast else trainer.named_weights).remote()
-                    publish[agent].put(PendingStep(step, applied, weights, trainer.save_version.remote(step + 1),
-                                                   time.time()))
+                    saved = (trainer.save_version.remote(step + 1)
+                             if self.config.pipeline.checkpoint_due(step, self.plan.last_step) else None)
+                    publish[agent].put(PendingStep(step, applied, weights, saved, time.time()))
                     version[agent] = step + 1
         finally:
             for box in publish.values():
@@ -257,24 +258,23 @@ class Orchestrator:
             replicas.sync_from(self.workers.trainers[agent], pending.weights, result.policy_version, self._broadcast)
             synced = time.time()
             self._evaluate_if_due(agent, result.policy_version)  # before rollout can ask this engine for more
-            # Rollout goes on as soon as the engines serve the version: its checkpoint is saved and committed while
-            # the next step samples. A launch killed before the commit resumes from the version before, and
-            # retrains this one from the step's committed partitions to the same parameters.
+            # Rollout goes on once the engines serve the version; its checkpoint (if due) is committed meanwhile. A
+            # launch killed before resumes from an older version, retraining from the committed partitions.
             with self._served_changed:
                 self._served[agent] = result.policy_version
                 self._served_changed.notify_all()
-            upload = ray.get(pending.saved)
-            timing = StageTiming(pending.enqueued, started, time.time())
-            record = json.dumps({"step": pending.step, **asdict(timing), "sync_seconds": synced - applied,
-                                 **asdict(result)}).encode()
-            path = self.store.publish_policy(upload, {"timing.json": record})
-            # The newest version is always kept (a resumed launch starts from it); the engine holds this one in
-            # memory, so an evaluation does not need its files.
-            self.store.prune_policies(self.config.run, agent, self.config.store.retention)
+            if pending.saved is not None:
+                upload = ray.get(pending.saved)
+                timing = StageTiming(pending.enqueued, started, time.time())
+                record = json.dumps({"step": pending.step, **asdict(timing), "sync_seconds": synced - applied,
+                                     **asdict(result)}).encode()
+                path = self.store.publish_policy(upload, {"timing.json": record})
+                # The newest version is kept (a resumed launch starts from it); evaluations use the engine's copy.
+                self.store.prune_policies(self.config.run, agent, self.config.store.retention)
+                self._events.put(PolicyCommitted(agent, result.policy_version, pending.step, path, result.grad_norm,
+                                                 result.tokens, timing, synced - applied))
             self._grad_norms[pending.step][agent] = result.grad_norm
-            self._events.put(PolicyCommitted(agent, result.policy_version, pending.step, path, result.grad_norm,
-                                             result.tokens, timing, synced - applied))
-            with self._served_changed:
+            with self._served_changed:  # committed, or stepped past without a checkpoint
                 self._committed[agent] = result.policy_version
                 everyone_past = min(self._committed.values()) > pending.step
             if everyone_past:
