@@ -11,6 +11,7 @@ import dagster as dg
 
 from assets.evaluations import parse_version_key
 from assets.partitions import STEPS
+from marl_pipeline.config import HealthConfig
 from resources import ExperienceStoreResource, ExperimentResource
 
 
@@ -36,7 +37,7 @@ def health(context: dg.AssetExecutionContext, experiment: ExperimentResource,
 COLLAPSE_CHECK = "no_collapse_in_training"
 
 
-def collapse_evaluation(run: str, step: int, found: list[str], settings) -> dg.AssetCheckEvaluation:
+def collapse_evaluation(run: str, step: int, found: list[str], settings: HealthConfig) -> dg.AssetCheckEvaluation:
     """The ``health`` partition's collapse check, from what ``collapse_warnings`` found at ``step``: as the train job
     logs it when the step ends, and as the check computes it from the store."""
     from assets.partitions import step_key

@@ -97,10 +97,6 @@ class PipelineConfig(StrictModel):
     """Save and commit every this many policy versions (and always a launch's last): the weights and AdamW state of a
     large model take seconds to save. A launch killed in between resumes from the newest committed version and
     retrains the steps since from their committed partitions, to the same parameters."""
-
-    def checkpoint_due(self, step: int, last_step: int) -> bool:
-        """Whether the version step ``step`` makes is saved and committed (``checkpoint_every``, a launch's last)."""
-        return (step + 1) % self.checkpoint_every == 0 or step == last_step
     mode: Literal["streaming", "synchronous"] = "streaming"
     """``synchronous`` puts a barrier after each stage for the whole step (for comparison, and as a fallback)."""
     environment_concurrency: int = Field(1, ge=1, le=64)
@@ -115,3 +111,7 @@ class PipelineConfig(StrictModel):
         if self.mode == "synchronous" and self.staleness:
             raise ValueError("mode 'synchronous' trains strictly on-policy: staleness must be 0")
         return self
+
+    def checkpoint_due(self, step: int, last_step: int) -> bool:
+        """Whether the version step ``step`` makes is saved and committed (``checkpoint_every``, a launch's last)."""
+        return (step + 1) % self.checkpoint_every == 0 or step == last_step

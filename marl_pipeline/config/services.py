@@ -79,7 +79,8 @@ class EvaluationConfig(StrictModel):
 
 class HealthConfig(StrictModel):
     """When an agent's training-health signals (stages/health.py) are reported as collapse: a warning in the run's
-    log and on the CLI, and the ``health`` asset's ``collapse`` check failing, with the agent, steps and figures."""
+    log and on the CLI, and the ``health`` asset's ``no_collapse_in_training`` check failing, with the agent, steps
+    and figures."""
 
     top_answer_share: float = Field(0.9, gt=0, le=1)
     """Above this share of one response over all the agent's responses of a step, not falling: the same answer to

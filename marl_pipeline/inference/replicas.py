@@ -164,9 +164,8 @@ class EngineReplicas:
                             if handle is not None and not self.router.is_down(slot)]
                 if not live:
                     raise RuntimeError(f"{self.agent}: no live replica to broadcast version {version} to")
-                members = tuple(handle for _, handle in live)  # held, so a dead one's id is never another's
-                if (self._group is None or len(self._group[0]) != len(members) or self._group[1].address != address
-                        or any(a is not b for a, b in zip(self._group[0], members))):
+                members = tuple(handle for _, handle in live)  # equal when they are the same actors
+                if self._group is None or self._group[0] != members or self._group[1].address != address:
                     self._group = (members, SyncGroup(address, f"{self.agent}-{uuid.uuid4().hex[:12]}",
                                                       len(live) + 1))
                 group = self._group[1]

@@ -5,8 +5,8 @@ The group is built from torch's store and backend classes (``TCPStore``, ``Proce
 not with ``init_process_group``: both ends already have a default group that is not this one (vLLM's, in the
 engine's process; FSDP's, in a sharded trainer), and replicas come and go (restarts, resizing), so the group is
 remade whenever its members change. Why not Ray's collective groups or Ray Direct Transport: their gloo transport
-initialises torch's default process group and takes its world to be theirs (docs/ARCHITECTURE.md, "Weight sync").
-This is what verl and OpenRLHF do (a group per trainer and its engines beside torch's default one).
+initialises torch's default process group and takes its world to be theirs (docs/ARCHITECTURE.md, "Weight sync by
+broadcast"). This is what verl and OpenRLHF do (a group per trainer and its engines beside torch's default one).
 
 Every tensor travels as bytes, packed into ``uint8`` buckets at aligned offsets, so one bucket holds any mix of
 dtypes and a receiver reads each tensor back as a view of its bucket (no copy).
@@ -15,6 +15,7 @@ dtypes and a receiver reads each tensor back as a view of its bucket (no copy).
 from __future__ import annotations
 
 import datetime
+import math
 import socket
 import threading
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ class Layout:
         return buckets if buckets[-1] else []
 
     def nbytes(self, index: int) -> int:
-        return _dtype(self.dtypes[index]).itemsize * _numel(self.shapes[index])
+        return _dtype(self.dtypes[index]).itemsize * math.prod(self.shapes[index])
 
     def bucket_size(self, bucket: list[tuple[int, int]]) -> int:
         index, offset = bucket[-1]
@@ -97,13 +98,6 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{name!r} is not a torch dtype")
     return dtype
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 @dataclass(frozen=True)
