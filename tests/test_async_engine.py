@@ -55,6 +55,21 @@ def test_the_batched_call_keeps_the_batch_engines_contract(local_ray, engine) ->
         local_ray.get(engine.generate.remote(requests(["1+2=", []], [1, 2], 4, 1.0)))
 
 
+def test_a_streamed_batch_yields_each_request_once_as_sampled_alone_and_a_bad_one_fails_alone(local_ray,
+                                                                                              engine) -> None:
+    batch = [(f"stream-{i}", GenerationRequest(PROMPT, i, 4 + 3 * i, 1.0, ignore_eos=True)) for i in range(6)]
+    batch.append(("bad", GenerationRequest(PROMPT, 0, 4, 1.0, adapter="nowhere")))
+    chunks = [local_ray.get(ref) for ref in engine.generate_stream.options(num_returns="streaming").remote(batch)]
+    results = dict(item for chunk in chunks for item in chunk)
+    assert sorted(results) == sorted(request_id for request_id, _ in batch)  # each once
+    assert sum(len(chunk) for chunk in chunks) == len(batch)
+    assert len(chunks) > 1  # streamed as they finish: 4 to 19 tokens end in different engine steps
+    assert isinstance(results["bad"], ValueError) and "nowhere" in str(results["bad"])
+    for request_id, request in batch[:-1]:
+        alone = local_ray.get(engine.generate_one.remote(f"{request_id}-alone", request))
+        assert results[request_id].completion.response_ids == alone.completion.response_ids
+
+
 def test_an_aborted_or_cancelled_request_leaves_the_engine_and_the_others_finish(local_ray, engine) -> None:
     others = [engine.generate_one.remote(f"other-{i}", GenerationRequest(PROMPT, i, 100, 1.0)) for i in range(4)]
     doomed = engine.generate_one.remote("doomed", GenerationRequest(PROMPT, 99, 100, 1.0))

@@ -109,6 +109,26 @@ class AsyncRolloutEngine:
                                              self._engine.lora_request(request.adapter))
         return Sampled(completion_of(output), version)
 
+    async def generate_stream(self, batch: list[tuple[str, GenerationRequest]]):
+        """Sample a batch of ``(request id, request)`` as :meth:`generate_one` samples each; yields, as they finish,
+        lists of ``(request id, Sampled or the exception that ended it)``, the requests of one engine step together.
+        Call it with ``num_returns="streaming"``: one Ray call per batch instead of one per request, whose cost
+        (about 0.6 ms each on 2 cores) was half of a tiny model's rollout (bench/bound.py). Closing the stream (the
+        caller cancelled it) aborts the requests still running."""
+        ids = {asyncio.ensure_future(self.generate_one(request_id, request)): request_id
+               for request_id, request in batch}
+        pending = set(ids)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.sleep(0)  # the engine thread settles a step's requests one callback each
+                done |= {task for task in pending if task.done()}
+                pending -= done
+                yield [(ids[task], task.exception() or task.result()) for task in done]
+        finally:
+            for task in pending:
+                task.cancel()
+
     async def generate(self, requests: list[GenerationRequest]) -> tuple[int, list[Completion]]:
         """``RolloutEngine.generate``'s contract (a batch in, the version and completions out), so evaluations and
         benchmarks run on this engine unchanged. The version is the oldest of the batch's."""

@@ -1,0 +1,276 @@
+"""Benchmark: the pipeline's step time against the bare-library bound on the same data (issue 28.1, 28.2).
+
+For each ``--staleness``, in one process run:
+
+1. **pipeline**: a launch of CONFIG (``recipe.train`` on this process's Ray, as ``marl train`` runs it) for
+   ``--steps`` steps; the step time is the median of ``StepFinished.seconds`` after step 0 (which pays first
+   calls). Each stage's span per micro-batch (started -> committed) and wait (enqueued -> started) come from the
+   same launch's events.
+2. **bound**: after Ray is shut down, in this process with all cores (``torch.set_num_threads(os.cpu_count())``),
+   the same steps' work replayed from the store with the bare libraries, agent by agent:
+   - bare vLLM (``LLM.generate``) of the step's recorded prompts (token ids), each with its recorded response
+     length (``ignore_eos``), seeded, at the launch's temperature, with the sampled token's logprob (as the
+     engine asks for it); one call per micro-batch and agent, as the pipeline samples it;
+   - bare torch: per micro-batch one right-padded forward/backward of its rows with the clipped policy-gradient
+     loss, then one AdamW step, on the agent's version-0 model (``trainer_throughput.bare_step``'s loss).
+   Generation time depends on the architecture and the token counts, not the weights, so one ``LLM`` per distinct
+   model directory serves every agent whose version 0 shares its architecture (the built-in model's agents).
+   The bound of a step is the sum over its agents of both; nothing overlaps in it. It is replayed twice: batched
+   per micro-batch, as the pipeline batches, and each agent's whole step as one batch; the smaller is the bound.
+
+Step time / bound is the issue's ratio (tiny model: at most 1.5; SmolLM2: at most 1.1 at staleness 0, below 1 at
+staleness 1). Per micro-batch, the stage table compares each stage's span with the bare work replayed for it
+(rollouts: generation; policy_updates: forward/backward); the difference is what the pipeline adds.
+
+    .venv/bin/python bench/bound.py configs/demo.yaml --steps 6 --staleness 0 1 --warmup-steps 20
+    .venv/bin/python bench/bound.py configs/smollm2_arithmetic.yaml --steps 4 --staleness 0 1 --warmup-steps 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import yaml
+
+STAGES = ("rollouts", "environment_results", "rewards", "policy_updates")
+
+
+def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: int | None) -> dict:
+    """One launch of the experiment; its step times, spans and configuration."""
+    import ray
+
+    from marl_pipeline.config import parse_config
+    from marl_pipeline.run.events import PolicyCommitted, SetupPhase, StageCommitted, StepFinished
+    from marl_pipeline.run.recipe import train
+
+    data = json.loads(json.dumps(data))
+    data.update(run="bound", store=str(store))
+    data["pipeline"].update(steps=steps, staleness=staleness)
+    data.pop("evaluation", None)
+    if warmup_steps is not None:
+        for agent in data["agents"].values():
+            agent["warmup"] = {**agent.get("warmup", {}), "steps": warmup_steps}
+    config = parse_config(data, source=f"bound s={staleness}")
+    shutil.rmtree(store, ignore_errors=True)
+    ray.init(include_dashboard=False, log_to_driver=False)
+    spans, steps_seen, setup = defaultdict(list), [], []
+    start = time.perf_counter()
+    try:
+        for event in train(config):
+            if isinstance(event, SetupPhase):
+                setup.append((event.name, round(event.seconds, 2)))
+                print(f"  set-up: {event.name} ({event.seconds:.1f} s)", flush=True)
+            elif isinstance(event, StageCommitted):
+                t = event.timing
+                spans[event.stage].append((event.key.step, event.key.micro_batch, t.enqueued, t.started, t.ended))
+            elif isinstance(event, PolicyCommitted):
+                t = event.timing
+                spans["optimizer_step"].append((event.step, -1, t.enqueued, t.started, t.ended))
+            elif isinstance(event, StepFinished):
+                steps_seen.append((event.step, event.seconds))
+                print(f"  step {event.step}: {event.seconds:.3f} s", flush=True)
+    finally:
+        ray.shutdown()
+    return {"config": config, "spans": dict(spans), "steps": steps_seen, "setup": setup,
+            "wall_s": time.perf_counter() - start}
+
+
+def recorded_work(store: Path, config, steps: list[int]) -> dict:
+    """Per (step, micro-batch, agent): the recorded prompt and response ids of its turns, from the store."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from marl_pipeline.store import ExperienceStore
+
+    table = ExperienceStore(str(store)).read_stage(
+        config.run, "rollouts", columns=["step", "micro_batch", "agent", "prompt_ids", "response_ids", "logprobs"])
+    table = table.filter(pc.is_in(table.column("step"), value_set=pa.array(steps)))
+    work: dict[tuple[int, int, str], list[dict]] = defaultdict(list)
+    for row in table.to_pylist():
+        work[(row["step"], row["micro_batch"], row["agent"])].append(row)
+    return work
+
+
+_LLMS: dict = {}  # one bare engine per model fingerprint, for the whole process
+
+
+def bare_generation(model_dirs: dict[str, str], work: dict, config) -> dict:
+    """Seconds of bare vLLM generation per (step, micro-batch, agent)."""
+    from marl_pipeline.inference.engine import ENGINE_ENV, engine_dtype
+
+    os.environ.update(ENGINE_ENV)  # in-process engine core, as in the engine actor
+    from vllm import LLM, SamplingParams
+
+    from marl_pipeline.inference.engine import model_fingerprint
+
+    llms, seconds = _LLMS, {}
+    for agent, model_dir in model_dirs.items():
+        fingerprint = model_fingerprint(model_dir)
+        if fingerprint not in llms:
+            engine = config.agents[agent].engine
+            llms[fingerprint] = LLM(model=model_dir, dtype=engine_dtype(engine.dtype), enforce_eager=True, seed=0,
+                                    gpu_memory_utilization=engine.gpu_memory_utilization,
+                                    max_model_len=engine.max_model_len,
+                                    max_num_batched_tokens=256 * engine.max_model_len)
+            warm = [SamplingParams(max_tokens=2, seed=i, logprobs=0) for i in range(256)]
+            for batch in (1, 16, 256):  # the engine actor's own warm-up
+                llms[fingerprint].generate([{"prompt_token_ids": [1, 2, 3]}] * batch, warm[:batch], use_tqdm=False)
+        llm = llms[fingerprint]
+        for key, rows in sorted(work.items()):
+            if key[2] != agent:
+                continue
+            prompts = [{"prompt_token_ids": row["prompt_ids"]} for row in rows]
+            params = [SamplingParams(max_tokens=max(1, len(row["response_ids"])), min_tokens=len(row["response_ids"]),
+                                     ignore_eos=True, temperature=config.algorithm.temperature, seed=i, logprobs=0)
+                      for i, row in enumerate(rows)]
+            begin = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            seconds[key] = time.perf_counter() - begin
+    return seconds
+
+
+def bare_training(model_dirs: dict[str, str], work: dict, steps: list[int], lr: float) -> dict:
+    """Seconds of bare torch per (step, micro-batch, agent) forward/backward of ``work``, and per (step, "adamw",
+    agent) of the AdamW step after a step's passes."""
+    import torch
+    from trainer_throughput import MAX_GRAD_NORM, _engine_logprobs, _pg_loss
+    from transformers import AutoModelForCausalLM
+
+    from marl_pipeline.training.batches import TrainBatch
+    from marl_pipeline.training.losses import pad_sequences
+
+    seconds = {}
+    for agent, model_dir in model_dirs.items():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        for step in steps:
+            tokens = 0
+            for key in sorted(k for k in work if k[0] == step and k[2] == agent):
+                rows = work[key]
+                batch = TrainBatch([r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows],
+                                   [r["logprobs"] for r in rows], [1.0 if i % 2 else -1.0 for i in range(len(rows))])
+                begin = time.perf_counter()
+                input_ids, attention_mask, mask = pad_sequences(batch.prompt_ids, batch.response_ids, 0)
+                old = _engine_logprobs(batch, list(range(len(rows))), mask)
+                loss, count = _pg_loss(model, input_ids, attention_mask, mask, old,
+                                       torch.tensor(batch.advantages, dtype=torch.float32))
+                loss.backward()
+                tokens += count
+                seconds[key] = time.perf_counter() - begin
+            begin = time.perf_counter()
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.grad.div_(max(tokens, 1))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            seconds[(step, "adamw", agent)] = time.perf_counter() - begin
+    return seconds
+
+
+def whole_steps(work: dict) -> dict:
+    """The same rows keyed (step, -1, agent): each agent's whole step as one batch."""
+    merged: dict[tuple[int, int, str], list[dict]] = defaultdict(list)
+    for (step, _, agent), rows in sorted(work.items()):
+        merged[(step, -1, agent)].extend(rows)
+    return merged
+
+
+def per_step(seconds: dict, step: int) -> float:
+    return sum(value for key, value in seconds.items() if key[0] == step)
+
+
+def stage_table(spans: dict, steps: list[int], generation: dict, passes: dict) -> list[dict]:
+    """Per stage, means per micro-batch over the measured steps: span, wait, and the bare work replayed for it."""
+    rows = []
+    for stage in STAGES:
+        chosen = [s for s in spans.get(stage, []) if s[0] in steps]
+        if not chosen:
+            continue
+        bare_of = {"rollouts": generation, "policy_updates": passes}.get(stage, {})
+        bare = [sum(v for k, v in bare_of.items() if k[:2] == (s[0], s[1])) for s in chosen] if bare_of else None
+        span = [s[4] - s[3] for s in chosen]
+        rows.append({"stage": stage, "micro_batches": len(chosen),
+                     "span_ms": round(1000 * statistics.mean(span), 1),
+                     "wait_ms": round(1000 * statistics.mean(s[3] - s[2] for s in chosen), 1),
+                     "bare_work_ms": None if bare is None else round(1000 * statistics.mean(bare), 1),
+                     "added_ms": round(1000 * statistics.mean(span) - (1000 * statistics.mean(bare) if bare else 0),
+                                       1)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", type=Path)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--warmup-steps", type=int, default=None, help="override every agent's warm-up steps")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/marl-bench-bound"))
+    parser.add_argument("--out", type=Path, default=None, help="a JSON file for the results")
+    args = parser.parse_args()
+    data = yaml.safe_load(args.config.read_text())
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown")
+    bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    print(f"{args.config}: {os.cpu_count()} cores, {cpu}{', AVX512-BF16' if bf16 else ''}", flush=True)
+    results = []
+    for staleness in args.staleness:
+        print(f"pipeline, staleness {staleness}:", flush=True)
+        store = args.work / f"s{staleness}"
+        ran = launch(data, store, args.steps, staleness, args.warmup_steps)
+        config = ran["config"]
+        measured = [step for step, _ in ran["steps"] if step > 0]
+        work = recorded_work(store, config, measured)
+        from marl_pipeline.store import ExperienceStore
+
+        model_dirs = {agent: str(ExperienceStore(str(store)).policy_dir(config.run, agent, 0))
+                      for agent in config.agents}
+        torch.set_num_threads(os.cpu_count())
+        print(f"bound (bare vLLM and torch, {torch.get_num_threads()} threads):", flush=True)
+        bounds = {}
+        for granularity, replayed in (("micro-batch", work), ("step", whole_steps(work))):
+            generation = bare_generation(model_dirs, replayed, config)
+            training = bare_training(model_dirs, replayed, measured, next(iter(config.agents.values())).trainer.lr)
+            bounds[granularity] = {
+                "generation_s": round(statistics.median(per_step(generation, s) for s in measured), 3),
+                "training_s": round(statistics.median(per_step(training, s) for s in measured), 3),
+                "bound_s": round(statistics.median(per_step(generation, s) + per_step(training, s)
+                                                   for s in measured), 3)}
+            if granularity == "micro-batch":
+                stages = stage_table(ran["spans"], measured, generation, training)
+        tighter = min(bounds, key=lambda name: bounds[name]["bound_s"])
+        step_time = statistics.median(seconds for step, seconds in ran["steps"] if step > 0)
+        result = {"staleness": staleness, "step_time_s": round(step_time, 3), "bound": tighter, **bounds[tighter],
+                  "ratio": round(step_time / bounds[tighter]["bound_s"], 2), "bounds": bounds,
+                  "step_times_s": [round(s, 3) for _, s in ran["steps"]], "stages": stages, "setup": ran["setup"]}
+        results.append(result)
+        print(json.dumps(result, indent=1), flush=True)
+    print("| staleness | step time (s) | bound (s): generation + training, batched per | step time / bound |")
+    print("| --- | ---: | ---: | ---: |")
+    for r in results:
+        print(f"| {r['staleness']} | {r['step_time_s']} | {r['bound_s']} ({r['generation_s']} + "
+              f"{r['training_s']}), {r['bound']}; other: {r['bounds']} | {r['ratio']} |")
+    for r in results:
+        print(f"\nstaleness {r['staleness']}, per micro-batch (means over steps after 0):")
+        print("| stage | span (ms) | wait (ms) | bare work (ms) | added (ms) |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for row in r["stages"]:
+            print(f"| {row['stage']} | {row['span_ms']} | {row['wait_ms']} | {row['bare_work_ms'] or '-'} | "
+                  f"{row['added_ms']} |")
+    if args.out:
+        args.out.write_text(json.dumps({"config": str(args.config), "cpu": cpu, "cores": os.cpu_count(),
+                                        "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
