@@ -12,7 +12,8 @@ For each ``--staleness``, in one process run:
      length (``ignore_eos``), seeded, at the launch's temperature, with the sampled token's logprob (as the
      engine asks for it); one call per micro-batch and agent, as the pipeline samples it;
    - bare torch: per micro-batch one right-padded forward/backward of its rows with the clipped policy-gradient
-     loss, then one AdamW step, on the agent's version-0 model (``trainer_throughput.bare_step``'s loss).
+     loss (the output head at response positions only: ``scored_loss``), then one AdamW step, on the agent's
+     version-0 model.
    Generation time depends on the architecture and the token counts, not the weights, so one ``LLM`` per distinct
    model directory serves every agent whose version 0 shares its architecture (the built-in model's agents).
    The bound of a step is the sum over its agents of both; nothing overlaps in it. It is replayed twice: batched
@@ -23,7 +24,10 @@ staleness 1). Per micro-batch, the stage table compares each stage's span with t
 (rollouts: generation; policy_updates: forward/backward); the difference is what the pipeline adds.
 
     .venv/bin/python bench/bound.py configs/demo.yaml --steps 6 --staleness 0 1 --warmup-steps 20
-    .venv/bin/python bench/bound.py configs/smollm2_arithmetic.yaml --steps 4 --staleness 0 1 --warmup-steps 0
+    .venv/bin/python bench/bound.py configs/demo.yaml --steps 3 --staleness 0 1 --warmup-steps 0 \
+        --set 'agents.*.model=smollm2-135m-instruct' --set pipeline.prompts_per_micro_batch=2 \
+        --set pipeline.micro_batches_per_step=2 --set algorithm.max_new_tokens=48 --set 'agents.*.trainer.lr=1e-5' \
+        --set 'agents.*.engine.kv_cache_gib=0.5' --set 'agents.*.trainer.chunk_tokens=512'
 """
 
 from __future__ import annotations
@@ -140,7 +144,7 @@ def bare_training(model_dirs: dict[str, str], work: dict, steps: list[int], lr: 
     """Seconds of bare torch per (step, micro-batch, agent) forward/backward of ``work``, and per (step, "adamw",
     agent) of the AdamW step after a step's passes."""
     import torch
-    from trainer_throughput import MAX_GRAD_NORM, _engine_logprobs, _pg_loss
+    from trainer_throughput import MAX_GRAD_NORM, _engine_logprobs
     from transformers import AutoModelForCausalLM
 
     from marl_pipeline.training.batches import TrainBatch
@@ -160,8 +164,8 @@ def bare_training(model_dirs: dict[str, str], work: dict, steps: list[int], lr: 
                 begin = time.perf_counter()
                 input_ids, attention_mask, mask = pad_sequences(batch.prompt_ids, batch.response_ids, 0)
                 old = _engine_logprobs(batch, list(range(len(rows))), mask)
-                loss, count = _pg_loss(model, input_ids, attention_mask, mask, old,
-                                       torch.tensor(batch.advantages, dtype=torch.float32))
+                loss, count = scored_loss(model, input_ids, attention_mask, mask, old,
+                                          torch.tensor(batch.advantages, dtype=torch.float32))
                 loss.backward()
                 tokens += count
                 seconds[key] = time.perf_counter() - begin
@@ -174,6 +178,24 @@ def bare_training(model_dirs: dict[str, str], work: dict, steps: list[int], lr: 
             optimizer.zero_grad(set_to_none=True)
             seconds[(step, "adamw", agent)] = time.perf_counter() - begin
     return seconds
+
+
+def scored_loss(model, input_ids, attention_mask, response_mask, old, advantages):
+    """The clipped policy-gradient loss summed over response tokens, with the output head computed at those positions
+    only, as a careful plain-torch loop writes it (the trainer does the same). The head over every position, as
+    ``trainer_throughput._pg_loss`` computes it, made SmolLM2's bare pass slower than the pipeline's trainer (its
+    49,152-word head on prompt positions too): no bound."""
+    import torch
+    from trainer_throughput import CLIP_EPS
+
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
+    scored = response_mask.bool()
+    logits = model.get_output_embeddings()(hidden[scored]).float()
+    logprobs = torch.gather(torch.log_softmax(logits, dim=-1), 1, input_ids[:, 1:][scored][:, None]).squeeze(-1)
+    ratio = torch.exp(logprobs - old[scored])
+    adv = advantages[:, None].expand_as(response_mask)[scored]
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - CLIP_EPS, 1 + CLIP_EPS))
+    return loss.sum(), int(scored.sum())
 
 
 def whole_steps(work: dict) -> dict:
@@ -207,27 +229,48 @@ def stage_table(spans: dict, steps: list[int], generation: dict, passes: dict) -
     return rows
 
 
+def override(data: dict, setting: str) -> None:
+    """Set ``a.b.c=value`` in the config's data; ``*`` in the path stands for every key at that level."""
+    path, _, value = setting.partition("=")
+    keys = path.split(".")
+
+    def put(node: dict, rest: list[str]) -> None:
+        if len(rest) == 1:
+            node[rest[0]] = yaml.safe_load(value)
+            return
+        for key in (list(node) if rest[0] == "*" else [rest[0]]):
+            put(node.setdefault(key, {}), rest[1:])
+
+    put(data, keys)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", type=Path)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--warmup-steps", type=int, default=None, help="override every agent's warm-up steps")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a setting (YAML value); agents.*.KEY sets it for every agent")
     parser.add_argument("--work", type=Path, default=Path("/tmp/marl-bench-bound"))
     parser.add_argument("--out", type=Path, default=None, help="a JSON file for the results")
     args = parser.parse_args()
     data = yaml.safe_load(args.config.read_text())
+    for setting in args.set:
+        override(data, setting)
     import torch
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown")
     bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
     print(f"{args.config}: {os.cpu_count()} cores, {cpu}{', AVX512-BF16' if bf16 else ''}", flush=True)
-    results = []
-    for staleness in args.staleness:
+    launches = {}
+    for staleness in args.staleness:  # every launch first: the bare replays hold memory a later launch needs
         print(f"pipeline, staleness {staleness}:", flush=True)
+        launches[staleness] = launch(data, args.work / f"s{staleness}", args.steps, staleness, args.warmup_steps)
+    results = []
+    for staleness, ran in launches.items():
         store = args.work / f"s{staleness}"
-        ran = launch(data, store, args.steps, staleness, args.warmup_steps)
         config = ran["config"]
         measured = [step for step, _ in ran["steps"] if step > 0]
         work = recorded_work(store, config, measured)
