@@ -65,7 +65,6 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
     shutil.rmtree(store, ignore_errors=True)
     ray.init(include_dashboard=False, log_to_driver=False)
     spans, steps_seen, setup = defaultdict(list), [], []
-    start = time.perf_counter()
     try:
         for event in train(config):
             if isinstance(event, SetupPhase):
@@ -82,8 +81,7 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
                 print(f"  step {event.step}: {event.seconds:.3f} s", flush=True)
     finally:
         ray.shutdown()
-    return {"config": config, "spans": dict(spans), "steps": steps_seen, "setup": setup,
-            "wall_s": time.perf_counter() - start}
+    return {"config": config, "spans": dict(spans), "steps": steps_seen, "setup": setup}
 
 
 def recorded_work(store: Path, config, steps: list[int]) -> dict:
@@ -107,12 +105,10 @@ _LLMS: dict = {}  # one bare engine per model fingerprint, for the whole process
 
 def bare_generation(model_dirs: dict[str, str], work: dict, config) -> dict:
     """Seconds of bare vLLM generation per (step, micro-batch, agent)."""
-    from marl_pipeline.inference.engine import ENGINE_ENV, engine_dtype
+    from marl_pipeline.inference.engine import ENGINE_ENV, WARMUP_BATCHES, engine_dtype, model_fingerprint
 
     os.environ.update(ENGINE_ENV)  # in-process engine core, as in the engine actor
     from vllm import LLM, SamplingParams
-
-    from marl_pipeline.inference.engine import model_fingerprint
 
     llms, seconds = _LLMS, {}
     for agent, model_dir in model_dirs.items():
@@ -123,8 +119,8 @@ def bare_generation(model_dirs: dict[str, str], work: dict, config) -> dict:
                                     gpu_memory_utilization=engine.gpu_memory_utilization,
                                     max_model_len=engine.max_model_len,
                                     max_num_batched_tokens=256 * engine.max_model_len)
-            warm = [SamplingParams(max_tokens=2, seed=i, logprobs=0) for i in range(256)]
-            for batch in (1, 16, 256):  # the engine actor's own warm-up
+            warm = [SamplingParams(max_tokens=2, seed=i, logprobs=0) for i in range(max(WARMUP_BATCHES))]
+            for batch in WARMUP_BATCHES:  # the engine actor's own warm-up
                 llms[fingerprint].generate([{"prompt_token_ids": [1, 2, 3]}] * batch, warm[:batch], use_tqdm=False)
         llm = llms[fingerprint]
         for key, rows in sorted(work.items()):
@@ -144,7 +140,7 @@ def bare_training(model_dirs: dict[str, str], work: dict, steps: list[int], lr: 
     """Seconds of bare torch per (step, micro-batch, agent) forward/backward of ``work``, and per (step, "adamw",
     agent) of the AdamW step after a step's passes."""
     import torch
-    from trainer_throughput import MAX_GRAD_NORM, _engine_logprobs
+    from trainer_throughput import _engine_logprobs, bare_optimizer_step
     from transformers import AutoModelForCausalLM
 
     from marl_pipeline.training.batches import TrainBatch
@@ -170,12 +166,7 @@ def bare_training(model_dirs: dict[str, str], work: dict, steps: list[int], lr: 
                 tokens += count
                 seconds[key] = time.perf_counter() - begin
             begin = time.perf_counter()
-            for param in model.parameters():
-                if param.grad is not None:
-                    param.grad.div_(max(tokens, 1))
-            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            bare_optimizer_step(model, optimizer, tokens)
             seconds[(step, "adamw", agent)] = time.perf_counter() - begin
     return seconds
 
@@ -262,8 +253,9 @@ def main() -> None:
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown")
-    bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    print(f"{args.config}: {os.cpu_count()} cores, {cpu}{', AVX512-BF16' if bf16 else ''}", flush=True)
+    from marl_pipeline.policy.precision import cpu_has_bf16
+
+    print(f"{args.config}: {os.cpu_count()} cores, {cpu}{', native bf16' if cpu_has_bf16() else ''}", flush=True)
     launches = {}
     for staleness in args.staleness:  # every launch first: the bare replays hold memory a later launch needs
         print(f"pipeline, staleness {staleness}:", flush=True)

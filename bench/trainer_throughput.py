@@ -74,9 +74,14 @@ def bare_step(model, optimizer, batch: TrainBatch, padded: bool) -> None:
                                advantages)
         loss.backward()
         tokens += count
+    bare_optimizer_step(model, optimizer, tokens)
+
+
+def bare_optimizer_step(model, optimizer, tokens: int) -> None:
+    """The trainer's optimizer step in plain torch: gradients divided by the token count, norm clipped, AdamW."""
     for param in model.parameters():
         if param.grad is not None:
-            param.grad.div_(tokens)
+            param.grad.div_(max(tokens, 1))
     torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -35,6 +35,8 @@ def set_engine_threads(threads: int) -> None:
 
 MAX_NUM_SEQS = 256
 """Requests an engine runs at once (vLLM's default); more queue inside the engine."""
+WARMUP_BATCHES = (1, 16, 256)
+"""Batch sizes of two-token requests an engine samples once built, paying its one-off first-call costs."""
 
 
 def engine_dtype(dtype: str) -> str:
@@ -136,7 +138,7 @@ class RolloutEngine:
         # The first calls pay one-off set-up costs for each batch shape and sampling path (4 s on CPU for a
         # first 128-request batch, measured by bench/pipeline.py): pay them now, not in step 0. Two tokens take
         # each batch through a prefill and a decode step; eight took SmolLM2 15 s more here, for nothing.
-        for batch in (1, 16, 256):
+        for batch in WARMUP_BATCHES:
             self.generate([GenerationRequest("warm-up", seed, max_tokens=2, temperature=1.0) for seed in range(batch)])
 
     def generate(self, requests: list[GenerationRequest]) -> tuple[int, list[Completion]]:
