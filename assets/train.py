@@ -25,10 +25,8 @@ from assets.partitions import (
 from assets.plots import images_markdown
 from assets.policies import base_policy_metadata
 from assets.previews import PREVIEW_COLUMNS
-from resources import ExperimentResource, RayCluster
+from resources import SETUP_PREFIX, ExperimentResource, RayCluster
 
-SETUP_PREFIX = "set-up: "
-"""What a launch's set-up phases start with in the run's log: the ``marl`` CLI prints those lines as they come."""
 RUN_TAG = "marl/run"
 """The Dagster tag that names the training run a launch belongs to."""
 PROCESS_TAG = "marl/process"

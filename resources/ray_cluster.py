@@ -5,6 +5,7 @@ config field by its evaluated annotation.
 """
 
 import contextlib
+import time
 from collections.abc import Generator
 
 import dagster as dg
@@ -12,6 +13,10 @@ from dagster_ray import RayResource
 from pydantic import Field
 
 from resources.experiment import ExperimentResource
+
+SETUP_PREFIX = "set-up: "
+"""What a launch's set-up phases start with in the run's log (Ray's start here, the launch's in ``assets.train``):
+the ``marl`` CLI prints those lines as they come."""
 
 
 class RayCluster(RayResource):
@@ -43,7 +48,10 @@ class RayCluster(RayResource):
     def yield_for_execution(self, context: dg.InitResourceContext) -> Generator["RayCluster", None, None]:
         # dagster-ray's connect reads ``ray_address`` and ``ray_init_options`` off the resource it runs on, so
         # the step gets (and connects) the resolved copy; the YAML is read when a step starts, never at import.
+        started = time.perf_counter()
         with RayResource.yield_for_execution(self.resolved(), context) as ray:
+            context.log.info(f"{SETUP_PREFIX}{ray.name} {'joined' if ray.address else 'started'} "
+                             f"({time.perf_counter() - started:.1f} s)")
             yield ray
 
     @property

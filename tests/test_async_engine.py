@@ -11,7 +11,7 @@ import pytest
 from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine, RequestAborted
-from marl_pipeline.inference.engine import GenerationRequest
+from marl_pipeline.inference.engine import MAX_NUM_SEQS, GenerationRequest
 from marl_pipeline.policy.checkpoint import kv_cache_bytes_per_token
 from marl_pipeline.training.batches import TrainBatch
 from marl_pipeline.training.trainer import PolicyTrainer
@@ -113,6 +113,13 @@ def test_a_weight_reload_waits_for_requests_in_flight_and_later_ones_use_the_new
     assert later.completion.logprobs == pytest.approx(new.completion_logprobs(PROMPT, later.completion.response_ids),
                                                       abs=LOGPROB_TOLERANCE)
     assert local_ray.get(engine.policy_version.remote()) == 1
+
+
+def test_an_engine_on_a_cpu_holds_every_sequence_twice_where_its_memory_share_gives_more(local_ray, engine) -> None:
+    """Without ``kv_cache_gib``, a CPU engine's cache is room for all its sequences at full length twice over (the
+    second for prefixes), not the share's 3 GiB: vLLM zeroes the whole cache as the engine starts."""
+    wanted = 2 * MAX_NUM_SEQS * 128  # the fixture's max_model_len
+    assert wanted - 128 < local_ray.get(engine.kv_cache_tokens.remote()) <= wanted
 
 
 def test_an_engine_given_a_kv_cache_size_holds_that_many_tokens(local_ray, tiny_model_dir: Path) -> None:

@@ -232,8 +232,10 @@ def test_each_set_up_phase_is_in_the_runs_log_as_it_ends(trained) -> None:
 
     entries = trained["instance"].all_logs(trained["result"].run_id)
     lines = [entry.user_message for entry in entries if entry.user_message.startswith(SETUP_PREFIX)]
-    assert [line.split(" (")[0].removeprefix(SETUP_PREFIX).split(" ")[0] for line in lines] == [
-        "placement", "version", "engines"], lines
+    words = [line.split(" (")[0].removeprefix(SETUP_PREFIX).split(" ")[0] for line in lines]
+    # Ray's start (the resource), then the launch's phases; each engine and trainer as it comes up, in any order.
+    assert words[:3] == ["embedded", "placement", "version"] and words[-1] == "engines", lines
+    assert sorted(words[3:-1]) == ["engine", "engine", "trainer", "trainer"], lines
     assert all(re.search(r"\(\d+\.\d s\)$", line) for line in lines), lines
     first_commit = next(i for i, entry in enumerate(entries)
                         if entry.dagster_event is not None and entry.dagster_event.is_step_materialization)

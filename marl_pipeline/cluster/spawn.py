@@ -17,7 +17,8 @@ nodes; the store is the durable copy, written once per version, read by whoever 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -322,24 +323,31 @@ START_TIMEOUT_S = 600.0
 """An actor not up by then is reported with what was asked and what the cluster has (no silent hang)."""
 
 
-def _wait_ready(config: ExperimentConfig, handles: list) -> None:
-    try:
-        ray.get([h.policy_version.remote() for h in handles], timeout=START_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        asked = {resource: sum(getattr(a.engine, f"num_{resource.lower()}s") * a.engine.replicas
-                               for a in config.agents.values())
-                 + sum(trainer_reservations(config, f"{resource.lower()}s")) for resource in ("CPU", "GPU")}
-        raise TimeoutError(
-            f"engines and trainers not ready after {START_TIMEOUT_S:.0f} s: they ask for {asked} in all "
-            f"(agents.*.engine/trainer.num_cpus, num_gpus); the Ray cluster has {ray.cluster_resources()} and "
-            f"{ray.available_resources()} free. Lower the requests or give Ray more.") from None
+def _wait_ready(config: ExperimentConfig, handles: dict[str, object]) -> Iterator[str]:
+    """Each of ``handles``' names (label: actor) as its actor is up, in the order they come up; an actor that failed
+    to start raises here, one not up after ``START_TIMEOUT_S`` raises a TimeoutError with the arithmetic."""
+    pending = {handle.policy_version.remote(): name for name, handle in handles.items()}
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            asked = {resource: sum(getattr(a.engine, f"num_{resource.lower()}s") * a.engine.replicas
+                                   for a in config.agents.values())
+                     + sum(trainer_reservations(config, f"{resource.lower()}s")) for resource in ("CPU", "GPU")}
+            raise TimeoutError(
+                f"{', '.join(sorted(pending.values()))} not ready after {START_TIMEOUT_S:.0f} s: engines and "
+                f"trainers ask for {asked} in all (agents.*.engine/trainer.num_cpus, num_gpus); the Ray cluster has "
+                f"{ray.cluster_resources()} and {ray.available_resources()} free. Lower the requests or give Ray more.")
+        ray.get(ready)  # an actor that failed to start raises its error
+        yield pending.pop(ready[0])
 
 
 def start_workers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int],
                   reward_model: Path | None = None, action_pool: PoolSettings | None = None,
-                  prepare: dict[str, Callable] | None = None) -> Workers:
+                  prepare: dict[str, Callable] | None = None) -> Generator[str, None, Workers]:
     """Engines and trainers of every agent, the reward model's pool and the action pool when the run has them;
-    returns once the engines, trainers and reward-model replicas are ready. The pools live as long as the run.
+    yields each engine's and trainer's name as it is up (the launch's progress) and returns once all of them and
+    the reward-model replicas are ready. The pools live as long as the run.
 
     ``prepare``: makers of the versions 0 missing from the store (bootstrap/policies.py: ``base_policy_makers``),
     run in the agents' trainer actors while their engines import vLLM, or in Ray tasks first where trainers swap
@@ -359,8 +367,12 @@ def start_workers(config: ExperimentConfig, store: ExperienceStore, versions: di
             workers.reward_pool = RewardModelPool(reward_model, config.reward_model)
         # Kept actors this launch did not take would hold CPUs its new ones wait for.
         warm_actors.stop_idle()
-        engines = [handle for replicas in workers.engines.values() for handle in replicas.handles()]
-        _wait_ready(config, [*workers.trainers.values(), *engines])  # a trainer's failure first: engines wait on it
+        actors = {f"trainer of {agent}": handle for agent, handle in workers.trainers.items()}
+        for agent, replicas in workers.engines.items():
+            handles = replicas.handles()
+            actors |= {f"engine of {agent}" + (f" #{k}" if len(handles) > 1 else ""): handle
+                       for k, handle in enumerate(handles)}
+        yield from _wait_ready(config, actors)  # a trainer that fails preparing version 0 fails the launch then
         workers.base_policies = made + ray.get([refs[0] for refs in after.values()])
     except BaseException:
         workers.shutdown()

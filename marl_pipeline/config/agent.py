@@ -23,7 +23,8 @@ class EngineConfig(StrictModel):
     """Share of device memory for weights + KV cache (CPU: of NUMA node 0's memory, engine process included)."""
     kv_cache_gib: float | None = Field(None, gt=0)
     """The KV cache's size in GiB (vLLM's ``kv_cache_memory_bytes``; ``gpu_memory_utilization`` is then ignored):
-    exactly this much cache for the engine's sequences and the prefixes it keeps, whatever the process holds."""
+    exactly this much cache for the engine's sequences and the prefixes it keeps, whatever the process holds. None: on
+    a CPU, room for every sequence at full length twice over, where the share gives more (``engine.kv_cache_bytes``)."""
     max_model_len: int = Field(256, ge=16)
     """Longest prompt + completion the engine accepts, in tokens."""
     dtype: str = "float32"

@@ -7,6 +7,7 @@ and drops the prefix cache, so the next request samples from the new policy vers
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 from dataclasses import dataclass
@@ -16,8 +17,10 @@ from marl_pipeline.policy.checkpoint import RECORD_FILES
 
 # The engine must stay in the actor's process: weights are then reloaded by reference, not pickled
 # to an engine-core subprocess. Set before vllm is imported anywhere in this process.
+# TORCHDYNAMO_DISABLE: the engine runs eager (``enforce_eager``), yet vLLM's sampler torch.compiles a token-rank count
+# on its first call with log-probabilities: 1.8 s of each engine's start-up, for a count eager torch does exactly.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-              "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
+              "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING", "TORCHDYNAMO_DISABLE": "1"}
 
 
 def set_engine_threads(threads: int) -> None:
@@ -50,6 +53,27 @@ def engine_dtype(dtype: str) -> str:
     from marl_pipeline.policy.precision import resolve_dtype
 
     return "bfloat16" if resolve_dtype("auto", engine_device()) == torch.bfloat16 else "float32"
+
+
+def kv_cache_bytes(model_dir: str, *, max_model_len: int, dtype: str, gpu_memory_utilization: float,
+                   kv_cache_gib: float | None) -> int | None:
+    """The engine's KV cache in bytes (vLLM's ``kv_cache_memory_bytes``; None: vLLM sizes it by the memory share).
+
+    ``kv_cache_gib`` when set. Else, on a CPU, room for ``MAX_NUM_SEQS`` sequences at full length twice over (the
+    second for the prefix cache), where the memory share would give more: vLLM zeroes its whole cache at start, and
+    the default share gave the tiny model 3 GiB for 1.8 s of each engine's start-up, where it needs 128 MiB. A GPU's
+    cache stays its share (allocation costs nothing there; what is not needed serves longer prefixes)."""
+    if kv_cache_gib is not None:
+        return int(kv_cache_gib * 2**30)
+    if engine_device() != "cpu":
+        return None
+    from marl_pipeline.policy.checkpoint import kv_cache_bytes_per_token
+
+    element = 4 if engine_dtype(dtype) == "float32" else 2
+    need = 2 * MAX_NUM_SEQS * max_model_len * kv_cache_bytes_per_token(model_dir, element)
+    weights = sum(path.stat().st_size for path in Path(model_dir).glob("*.safetensors"))
+    share = gpu_memory_utilization * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - weights
+    return need if need < share else None
 
 
 def engine_device() -> str:
@@ -99,6 +123,9 @@ class RolloutEngine:
             set_engine_threads(threads)
         from vllm import LLM, SamplingParams
 
+        # The imports' objects live as long as the process: frozen, vLLM's five full collections while it loads the
+        # model (0.2 s each over them) skip them, as its own freeze after start-up would.
+        gc.freeze()
         self._sampling_params = SamplingParams
         # Version 0's named adapters (policy/lora.py): served by vLLM's LoRA on the requests that name them, over the
         # merged RL weights every request gets (reload_weights works with LoRA enabled).
@@ -123,7 +150,9 @@ class RolloutEngine:
                        # max_num_batched_tokens (4096 by default): with room for every sequence at full length,
                        # no prompt is ever chunked (reproduced with 200 requests of 60 tokens: fails, then passes).
                        max_num_batched_tokens=MAX_NUM_SEQS * max_model_len,
-                       kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30))
+                       kv_cache_memory_bytes=kv_cache_bytes(
+                           model_dir, max_model_len=max_model_len, dtype=dtype,
+                           gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib))
         self.version = version
         self.model_dir = model_dir
         # What a restart must match to reuse this engine (cluster/warm_actors.py).

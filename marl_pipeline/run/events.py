@@ -83,7 +83,8 @@ class StepFinished:
 
 @dataclass(frozen=True)
 class SetupPhase:
-    """One part of a launch's set-up is done, before ``RunStarted``: what was done, and its seconds."""
+    """One part of a launch's set-up is done, before ``RunStarted``: what was done, and its seconds (an engine or
+    trainer coming up: since the workers were asked for, as they start side by side)."""
 
     name: str
     seconds: float

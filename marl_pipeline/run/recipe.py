@@ -54,8 +54,15 @@ def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
     if plan.resumed:  # what the launch that died left half-written (older than this launch: none of its own)
         if removed := store.vacuum(older_than=time.time() - launched, run=config.run):
             yield done(f"removed {len(removed)} uncommitted leftovers of the launch that died")
-    workers = start_workers(config, store, plan.versions, reward_model,
-                            action_pool_settings(env, config.environment.pool), prepare=makers)
+    starting = start_workers(config, store, plan.versions, reward_model,
+                             action_pool_settings(env, config.environment.pool), prepare=makers)
+    while True:  # each engine and trainer as it is up, its seconds counted from when the workers were asked for
+        try:
+            actor = next(starting)
+        except StopIteration as started_all:
+            workers = started_all.value
+            break
+        yield SetupPhase(f"{actor} up", time.perf_counter() - phase)
     replicas = sum(agent.engine.replicas for agent in config.agents.values())
     made = {policy.agent: policy for policy in workers.base_policies}
     yield done(f"engines ({replicas} replicas) and trainers of {len(config.agents)} agents started"
