@@ -235,20 +235,27 @@ def override(data: dict, setting: str) -> None:
     put(data, keys)
 
 
+def config_arguments(parser: argparse.ArgumentParser, work: Path) -> tuple[argparse.Namespace, dict]:
+    """The command line of a bench that runs CONFIG (``--set`` overrides, ``--work``, ``--out``): its arguments and
+    the config's data, overridden."""
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a setting (YAML value); agents.*.KEY sets it for every agent")
+    parser.add_argument("--work", type=Path, default=work)
+    parser.add_argument("--out", type=Path, default=None, help="a JSON file for the results")
+    args = parser.parse_args()
+    data = yaml.safe_load(args.config.read_text())
+    for setting in args.set:
+        override(data, setting)
+    return args, data
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", type=Path)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--warmup-steps", type=int, default=None, help="override every agent's warm-up steps")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a setting (YAML value); agents.*.KEY sets it for every agent")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/marl-bench-bound"))
-    parser.add_argument("--out", type=Path, default=None, help="a JSON file for the results")
-    args = parser.parse_args()
-    data = yaml.safe_load(args.config.read_text())
-    for setting in args.set:
-        override(data, setting)
+    args, data = config_arguments(parser, Path("/tmp/marl-bench-bound"))
     import torch
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()

@@ -38,8 +38,10 @@ def set_engine_threads(threads: int) -> None:
 
 MAX_NUM_SEQS = 256
 """Requests an engine runs at once (vLLM's default); more queue inside the engine."""
-WARMUP_BATCHES = (1, 16, 256)
-"""Batch sizes of two-token requests an engine samples once built, paying its one-off first-call costs."""
+WARMUP_BATCHES = (1,)
+"""Batch sizes of two-token requests an engine samples once built, paying its one-off first-call costs. With
+dynamo off (``ENGINE_ENV``) only the first call has any (70 ms): a first 256-request batch took SmolLM2 2.00 s,
+the next 1.98 s, so the 16 and 256 that warmed the compiled sampler's shapes went (2.3 s of its start-up)."""
 
 
 def engine_dtype(dtype: str) -> str:
@@ -164,9 +166,8 @@ class RolloutEngine:
             from marl_pipeline.policy.lora import merged_checkpoint
 
             self.load_weights(merged_checkpoint(model_dir, adapter_dir), version)
-        # The first calls pay one-off set-up costs for each batch shape and sampling path (4 s on CPU for a
-        # first 128-request batch, measured by bench/pipeline.py): pay them now, not in step 0. Two tokens take
-        # each batch through a prefill and a decode step; eight took SmolLM2 15 s more here, for nothing.
+        # The first call pays one-off set-up costs: now, not in step 0. Two tokens take it through a prefill and a
+        # decode step; eight took SmolLM2 15 s more here, for nothing.
         for batch in WARMUP_BATCHES:
             self.generate([GenerationRequest("warm-up", seed, max_tokens=2, temperature=1.0) for seed in range(batch)])
 
