@@ -21,7 +21,10 @@ For each ``--staleness``, in one process run:
 
 Step time / bound is the issue's ratio (tiny model: at most 1.5; SmolLM2: at most 1.1 at staleness 0, below 1 at
 staleness 1). Per micro-batch, the stage table compares each stage's span with the bare work replayed for it
-(rollouts: generation; policy_updates: forward/backward); the difference is what the pipeline adds.
+(rollouts: generation; policy_updates: forward/backward); the difference is what the pipeline adds. It also shows
+what of the span the actors' own work covers, from the launch's stored rows (``own_work``: requests out, the
+trainers' compute); the rest is the pipeline's overhead (issue 28.2): store reads and commits, hand-overs, the
+driver's loop between a turn's result and its next request.
 
     .venv/bin/python bench/bound.py configs/demo.yaml --steps 6 --staleness 0 1 --warmup-steps 20
     .venv/bin/python bench/bound.py configs/demo.yaml --steps 3 --staleness 0 1 --warmup-steps 0 \
@@ -72,16 +75,38 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
                 print(f"  set-up: {event.name} ({event.seconds:.1f} s)", flush=True)
             elif isinstance(event, StageCommitted):
                 t = event.timing
-                spans[event.stage].append((event.key.step, event.key.micro_batch, t.enqueued, t.started, t.ended))
+                spans[event.stage].append((event.key.step, event.key.micro_batch, t.enqueued, t.started, t.ended,
+                                           own_work(event.stage, event.table)))
             elif isinstance(event, PolicyCommitted):
                 t = event.timing
-                spans["optimizer_step"].append((event.step, -1, t.enqueued, t.started, t.ended))
+                spans["optimizer_step"].append((event.step, -1, t.enqueued, t.started, t.ended, None))
             elif isinstance(event, StepFinished):
                 steps_seen.append((event.step, event.seconds))
                 print(f"  step {event.step}: {event.seconds:.3f} s", flush=True)
     finally:
         ray.shutdown()
     return {"config": config, "spans": dict(spans), "steps": steps_seen, "setup": setup}
+
+
+def own_work(stage: str, table) -> float | None:
+    """Seconds of a stage's span its actors' work covers, from the rows it committed: for rollouts, the time at least
+    one turn's request was out (the union of the turns' rollout_start -> rollout_end, as the driver saw them:
+    engine steps and the calls' round trips); for policy_updates, the slowest trainer's own compute
+    (``compute_seconds``, measured in its actor; the trainers run side by side). None: not recorded."""
+    if stage == "policy_updates":
+        seconds = [s for s in table.column("compute_seconds").to_pylist() if s is not None]
+        return max(seconds) if seconds else None
+    if stage != "rollouts" or not table.num_rows:
+        return None
+    intervals = sorted(zip((t.timestamp() for t in table.column("rollout_start").to_pylist()),
+                           (t.timestamp() for t in table.column("rollout_end").to_pylist())))
+    covered, (start, end) = 0.0, intervals[0]
+    for begin, finish in intervals[1:]:
+        if begin > end:
+            covered, start, end = covered + end - start, begin, finish
+        else:
+            end = max(end, finish)
+    return covered + end - start
 
 
 def recorded_work(store: Path, config, steps: list[int]) -> dict:
@@ -211,8 +236,12 @@ def stage_table(spans: dict, steps: list[int], generation: dict, passes: dict) -
         bare_of = {"rollouts": generation, "policy_updates": passes}.get(stage, {})
         bare = [sum(v for k, v in bare_of.items() if k[:2] == (s[0], s[1])) for s in chosen] if bare_of else None
         span = [s[4] - s[3] for s in chosen]
+        own = [s[5] for s in chosen if s[5] is not None]
         rows.append({"stage": stage, "micro_batches": len(chosen),
                      "span_ms": round(1000 * statistics.mean(span), 1),
+                     # what the actors' work leaves of the span: the pipeline's own overhead (bar 2)
+                     "own_work_ms": round(1000 * statistics.mean(own), 1) if own else None,
+                     "overhead_ms": round(1000 * statistics.mean(s[4] - s[3] - (s[5] or 0.0) for s in chosen), 1),
                      "wait_ms": round(1000 * statistics.mean(s[3] - s[2] for s in chosen), 1),
                      "bare_work_ms": None if bare is None else round(1000 * statistics.mean(bare), 1),
                      "added_ms": round(1000 * statistics.mean(span) - (1000 * statistics.mean(bare) if bare else 0),
@@ -304,11 +333,13 @@ def main() -> None:
               f"{r['training_s']}), {r['bound']}; other: {r['bounds']} | {r['ratio']} |")
     for r in results:
         print(f"\nstaleness {r['staleness']}, per micro-batch (means over steps after 0):")
-        print("| stage | span (ms) | wait (ms) | bare work (ms) | added (ms) |")
-        print("| --- | ---: | ---: | ---: | ---: |")
+        print("| stage | span (ms) | wait (ms) | bare work (ms) | added (ms) | actors' own work (ms) | overhead (ms) |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for row in r["stages"]:
             print(f"| {row['stage']} | {row['span_ms']} | {row['wait_ms']} | {row['bare_work_ms'] or '-'} | "
-                  f"{row['added_ms']} |")
+                  f"{row['added_ms']} | {row['own_work_ms'] or '-'} | {row['overhead_ms']} |")
+        print(f"overhead, all stages: {sum(row['overhead_ms'] for row in r['stages'] if row['stage'] in STAGES):.1f} "
+              f"ms per micro-batch (bar 2: at most 50)")
     if args.out:
         args.out.write_text(json.dumps({"config": str(args.config), "cpu": cpu, "cores": os.cpu_count(),
                                         "results": results}, indent=2))

@@ -54,6 +54,20 @@ class RayCluster(RayResource):
                              f"({time.perf_counter() - started:.1f} s)")
             yield ray
 
+    def connect(self, context: dg.InitResourceContext):
+        """``ray.init`` as dagster-ray's ``connect`` calls it, without its Ray Data set-up: it imports Ray Data here
+        and again in a task on a worker, to set options of a library this project does not use (1.4 s of the
+        driver's start-up each time, and a worker's)."""
+        import ray
+        from dagster_ray.utils import _process_dagster_env_vars
+
+        options = _process_dagster_env_vars(dict(self.ray_init_options))  # {"env": NAME} values, as dagster-ray reads
+        if env_vars := self.get_env_vars_to_inject():  # its debugging switches (enable_tracing...)
+            runtime_env = dict(options.get("runtime_env") or {})
+            options["runtime_env"] = {**runtime_env, "env_vars": {**runtime_env.get("env_vars", {}), **env_vars}}
+        self._context = ray.init(address=self.ray_address, **options)
+        return self._context
+
     @property
     def host(self) -> str:
         if self.address and "://" in self.address:

@@ -102,6 +102,10 @@ def _assert_same_version(one: Path, other: Path) -> None:
             torch.testing.assert_close(their_state["optimizer"]["state"][index][name], value, rtol=1e-6, atol=1e-12)
 
 
+def _untimed(stats: dict) -> dict:
+    return {key: value for key, value in stats.items() if key != "compute_seconds"}
+
+
 def test_two_ranks_take_one_workers_step_and_resume_each_others_versions(tiny_model_dir: Path,
                                                                          tmp_path: Path) -> None:
     model_dir = str(tiny_model_dir)
@@ -128,7 +132,9 @@ def test_two_ranks_take_one_workers_step_and_resume_each_others_versions(tiny_mo
     assert len(micro_batches) == 3 + 2 + 3 and len(steps) == 2 + 1
     single_micro = [s for s in single_stats if "loss_sum" in s]
     for merged, own in zip((merged_stats(list(pair)) for pair in micro_batches[:5]), single_micro):
-        assert merged == pytest.approx(own, rel=1e-6, abs=1e-9)  # one worker's statistics of the whole micro-batch
+        assert max(pair["compute_seconds"] for pair in (merged, own)) > 0  # timings: measured, not compared
+        # one worker's statistics of the whole micro-batch
+        assert _untimed(merged) == pytest.approx(_untimed(own), rel=1e-6, abs=1e-9)
     # the step's counts are the sum over the ranks on every rank, as one worker counts them
     for step, own in zip(steps[:2], [s for s in single_stats if "grad_norm" in s]):
         assert step == pytest.approx(own, rel=1e-6)

@@ -110,6 +110,7 @@ def test_passes_under_a_token_budget_give_the_one_pass_update(tiny_model_dir: Pa
             trainer.reference.double()
     for _ in range(2):
         one_stats, chunked_stats = one_pass.accumulate(batch), chunked.accumulate(batch)
+        assert chunked_stats.pop("compute_seconds") > 0 and one_stats.pop("compute_seconds") > 0  # timed
         assert chunked_stats == pytest.approx(one_stats, rel=1e-6, abs=1e-9)  # the statistics of the whole batch
         one_pass.apply_step()
         chunked.apply_step()

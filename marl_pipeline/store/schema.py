@@ -20,7 +20,7 @@ from collections.abc import Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 SCHEMA_CHANGES = {
     1: "first version",
     2: "environment_start/environment_end and reward_start/reward_end: timestamps of every stage",
@@ -28,9 +28,10 @@ SCHEMA_CHANGES = {
     4: "rollouts.observation: the environment's reply to a turn (observe); rewards.model_score: the reward model's",
     5: "group_id on every turn: the GRPO group, stored instead of parsed out of sample_id (derived so for older files)",
     6: "rollouts.adapter: the named adapter of version 0 that served the turn (agents.<a>.turn_adapters); null: none",
+    7: "policy_updates.compute_seconds: the trainer's own time on the micro-batch, its span's compute (null: older)",
 }
 # Versions whose files this code reads: each change so far only added columns, null or derived in older files.
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 SCHEMA_VERSION_KEY = b"marl_pipeline.schema_version"
 
 PARTITION_SCHEMA = pa.schema(
@@ -111,6 +112,7 @@ POLICY_UPDATES = pa.schema(
         pa.field("mismatch_abs_logprob", pa.float32()),  # mean |trainer logprob - engine logprob|; null: older
         pa.field("mismatch_ratio_std", pa.float32()),  # std of exp(trainer logprob - engine logprob); null: older
         pa.field("dropped_rows", pa.int32()),  # rows of zero-advantage groups left out (dynamic sampling); null: older
+        pa.field("compute_seconds", pa.float32()),  # the trainer actor's own time on the micro-batch; null: older
         pa.field("status", pa.string()),
         pa.field("error", pa.string()),
     ]
@@ -127,7 +129,7 @@ STAGE_TIMING = [pa.field(name, pa.timestamp("us", tz="UTC"))
 # policy-update rows made before the mismatch statistics (or dynamic sampling) existed have none.
 OPTIONAL_COLUMNS = frozenset([field.name for field in STAGE_TIMING]
                              + ["observation", "model_score", "mismatch_abs_logprob", "mismatch_ratio_std",
-                                "dropped_rows", "adapter", "grad_norm"])
+                                "dropped_rows", "adapter", "grad_norm", "compute_seconds"])
 # Columns a commit refuses null values in: a reader takes a null group_id for a row written before it existed.
 NON_NULL_COLUMNS = frozenset(["group_id"])
 

@@ -117,10 +117,11 @@ def deal(lengths: list[int], world: int) -> list[list[int]]:
 
 def merged_stats(stats: list[dict[str, float]]) -> dict[str, float]:
     """The ranks' micro-batch statistics as one trainer's over all the rows: counts summed, per-token means weighted
-    by tokens, the ratio's standard deviation pooled."""
+    by tokens, the ratio's standard deviation pooled, the slowest rank's compute time."""
     tokens = sum(s["tokens"] for s in stats)
     weights = [s["tokens"] / tokens if tokens else 1 / len(stats) for s in stats]
     merged = {key: sum(s[key] for s in stats) for key in ("rows", "tokens", "loss_sum", "dropped_rows")}
+    merged["compute_seconds"] = max(s["compute_seconds"] for s in stats)  # the ranks compute side by side
     for key in ("clip_fraction", "mean_ratio", "mismatch_abs_logprob"):
         merged[key] = sum(w * s[key] for w, s in zip(weights, stats))
     merged["mismatch_ratio_std"] = math.sqrt(sum(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
 from pathlib import Path
 
 import torch
@@ -126,12 +127,13 @@ class PolicyTrainer:
 
     def accumulate(self, batch: TrainBatch) -> dict[str, float]:
         """Add one micro-batch's gradient of the summed loss, in passes of at most ``chunk_tokens`` padded
-        tokens; returns its statistics."""
+        tokens; returns its statistics, with the seconds it computed (the stage's span less this is overhead)."""
+        began = time.perf_counter()
         if not batch.prompt_ids:
             self._idle_passes(self._passes_short(0))
             return {"rows": 0, "tokens": 0, "loss_sum": 0.0, "clip_fraction": 0.0, "mean_ratio": 1.0,
                     "mismatch_abs_logprob": 0.0, "mismatch_ratio_std": 0.0, "policy_version": self.version,
-                    "dropped_rows": batch.dropped_rows}
+                    "dropped_rows": batch.dropped_rows, "compute_seconds": time.perf_counter() - began}
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         plan = [(adapter, [rows[i] for i in chunk])  # a pass computes with one set of adapters
                 for adapter, rows in self._rows_by_adapter(batch)
@@ -152,7 +154,7 @@ class PolicyTrainer:
         return {"rows": len(batch.prompt_ids), "tokens": tokens, "loss_sum": sum(p[5] for p in passes),
                 "policy_version": self.version, "dropped_rows": batch.dropped_rows,
                 "clip_fraction": clip_fraction(ratio, every, self.clip_eps),
-                **mismatch_stats(logprobs, engine, every)}
+                **mismatch_stats(logprobs, engine, every), "compute_seconds": time.perf_counter() - began}
 
     def _passes_short(self, passes: int) -> int:
         # FSDP's collectives run per pass: every rank runs as many (training/sharded.py)
