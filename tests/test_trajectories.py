@@ -94,7 +94,7 @@ def test_the_stored_rows_are_those_of_the_turn_batched_rollout(engines) -> None:
     key, env = MicroBatchKey("same", 2, 1), TimedReplies()
     trajectory = rollout_trajectories(env, engines, key, SETTINGS, RolloutConfig()).to_pylist()
     batched = rollout_micro_batch(env, engines, key, SETTINGS).to_pylist()
-    timing = {"rollout_start", "rollout_end", "logprobs"}
+    timing = {"rollout_start", "rollout_end", "engine_seconds", "logprobs"}
     assert [{k: v for k, v in row.items() if k not in timing} for row in trajectory] == \
         [{k: v for k, v in row.items() if k not in timing} for row in batched]
     for ours, theirs in zip(trajectory, batched):

@@ -22,8 +22,9 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from marl_pipeline.inference.engine import (
     Completion,
@@ -59,6 +60,8 @@ class _Request:
     version: int = -1
     lora: object = None
     """vLLM's ``LoRARequest`` of the request's named adapter (inference/engine.py), else None."""
+    engine_seconds: float = 0.0
+    """Its share of the engine steps so far (``Completion.engine_seconds``)."""
 
 
 @dataclass
@@ -104,10 +107,10 @@ class AsyncRolloutEngine:
     # -- requests ---------------------------------------------------------------------------------
     async def generate_one(self, request_id: str, request: GenerationRequest) -> Sampled:
         """Sample one completion, seeded; a cancelled call aborts its request in the engine."""
-        output, version = await self._submit(request_id, engine_prompt(f"request {request_id!r}", request.prompt),
-                                             self._engine.sampling_params(request),
-                                             self._engine.lora_request(request.adapter))
-        return Sampled(completion_of(output), version)
+        output, version, seconds = await self._submit(
+            request_id, engine_prompt(f"request {request_id!r}", request.prompt), self._engine.sampling_params(request),
+            self._engine.lora_request(request.adapter))
+        return Sampled(replace(completion_of(output), engine_seconds=seconds), version)
 
     async def generate_stream(self, batch: list[tuple[str, GenerationRequest]]):
         """Sample a batch of ``(request id, request)`` as :meth:`generate_one` samples each; yields, as they finish,
@@ -144,8 +147,8 @@ class AsyncRolloutEngine:
         """The engine's logprob of each response token given the prompt (teacher forcing), with ``adapter``."""
         ids = list(prompt_ids) + list(response_ids)
         params = self._params(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        output, _ = await self._submit(f"score-{next(self._ids)}", {"prompt_token_ids": ids}, params,
-                                       self._engine.lora_request(adapter))
+        output, _, _ = await self._submit(f"score-{next(self._ids)}", {"prompt_token_ids": ids}, params,
+                                          self._engine.lora_request(adapter))
         return [output.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt_ids), len(ids))]
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -237,8 +240,8 @@ class AsyncRolloutEngine:
         self._command(lambda: command(deliver))
         return await future
 
-    async def _submit(self, request_id: str, prompt: str | dict, params, lora=None) -> tuple[object, int]:
-        """``prompt`` as vLLM takes it (``engine_prompt``)."""
+    async def _submit(self, request_id: str, prompt: str | dict, params, lora=None) -> tuple[object, int, float]:
+        """``prompt`` as vLLM takes it (``engine_prompt``). -> (vLLM's output, the version, its engine seconds)."""
         params.output_kind = self._final_only  # one output per request, when it finishes
         try:
             result = await self._call(lambda deliver: self._add(_Request(request_id, prompt, params, deliver,
@@ -274,11 +277,16 @@ class AsyncRolloutEngine:
                 if self._reload is not None and not self._running:
                     self._finish_reload()
                 if self._busy():
-                    for output in self._core.step():
+                    began = time.perf_counter()
+                    outputs = self._core.step()
+                    share = (time.perf_counter() - began) / max(len(self._running), 1)
+                    for request in self._running.values():
+                        request.engine_seconds += share
+                    for output in outputs:
                         if output.finished and (request := self._running.pop(output.request_id, None)):
                             self._prompt_tokens += len(output.prompt_token_ids or ())
                             self._cached_tokens += output.num_cached_tokens or 0
-                            request.deliver((output, request.version))
+                            request.deliver((output, request.version, request.engine_seconds))
         except BaseException as error:  # every waiting caller learns why, instead of hanging
             self._failure = error
             for request in [*self._running.values(), *self._held()]:

@@ -110,6 +110,9 @@ class Completion:
     logprobs: list[float]
     text: str
     finish_reason: str
+    engine_seconds: float | None = None
+    """Its share of the engine steps that computed it (each step's time split evenly over its requests): the
+    asynchronous engine's; None: not measured (the batched engine)."""
 
 
 class RolloutEngine:

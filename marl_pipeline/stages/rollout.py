@@ -128,7 +128,7 @@ def append_turn(columns: dict[str, list], key: MicroBatchKey, task: Task, prompt
         "response_text": completion.text,
         "prompt_ids": completion.prompt_ids, "response_ids": completion.response_ids,
         "logprobs": completion.logprobs, "finish_reason": completion.finish_reason, "observation": observation,
-        "rollout_start": start, "rollout_end": end,
+        "rollout_start": start, "rollout_end": end, "engine_seconds": completion.engine_seconds,
         "status": status or ("ok" if error is None else "observe_failed"),
         "error": error, "agent": role,
     }

@@ -28,7 +28,7 @@ SCHEMA_CHANGES = {
     4: "rollouts.observation: the environment's reply to a turn (observe); rewards.model_score: the reward model's",
     5: "group_id on every turn: the GRPO group, stored instead of parsed out of sample_id (derived so for older files)",
     6: "rollouts.adapter: the named adapter of version 0 that served the turn (agents.<a>.turn_adapters); null: none",
-    7: "policy_updates.compute_seconds: the trainer's own time on the micro-batch, its span's compute (null: older)",
+    7: "policy_updates.compute_seconds, rollouts.engine_seconds: the actors' own time on the micro-batch (null: older)",
 }
 # Versions whose files this code reads: each change so far only added columns, null or derived in older files.
 READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
@@ -68,6 +68,7 @@ ROLLOUTS = pa.schema(
         pa.field("observation", pa.string()),  # the environment's reply to this turn (observe); null: none
         pa.field("rollout_start", pa.timestamp("us", tz="UTC")),
         pa.field("rollout_end", pa.timestamp("us", tz="UTC")),
+        pa.field("engine_seconds", pa.float32()),  # its share of the engine steps that computed it; null: not measured
         pa.field("status", pa.string()),
         pa.field("error", pa.string()),
     ]
@@ -129,7 +130,7 @@ STAGE_TIMING = [pa.field(name, pa.timestamp("us", tz="UTC"))
 # policy-update rows made before the mismatch statistics (or dynamic sampling) existed have none.
 OPTIONAL_COLUMNS = frozenset([field.name for field in STAGE_TIMING]
                              + ["observation", "model_score", "mismatch_abs_logprob", "mismatch_ratio_std",
-                                "dropped_rows", "adapter", "grad_norm", "compute_seconds"])
+                                "dropped_rows", "adapter", "grad_norm", "compute_seconds", "engine_seconds"])
 # Columns a commit refuses null values in: a reader takes a null group_id for a row written before it existed.
 NON_NULL_COLUMNS = frozenset(["group_id"])
 
