@@ -75,6 +75,15 @@ def main() -> None:
         summary[agent] = {"mean_gain": round(statistics.mean(gains), 3), "min_gain": round(min(gains), 3)}
         print(f"{agent}: gain mean {summary[agent]['mean_gain']:+.3f}, min {summary[agent]['min_gain']:+.3f} "
               f"over seeds {args.seeds}")
+    team = [(seed, history) for seed, history in histories.items() if any("team" in m for m in history.values())]
+    if team:  # the team measured as a team (stages/team.py): its answer against the first speaker alone
+        print("\n| seed | version | team's answer | first sample alone | majority vote alone | best of n |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+        for seed, history in team:
+            for version, metrics in history.items():
+                if (t := metrics.get("team")) is not None:
+                    print(f"| {seed} | {version} | {t['team_answer']:.3f} | {t['first_sample']:.3f} | "
+                          f"{t['majority_vote']:.3f} | {t['any_sample']:.3f} |")
     if args.out:
         args.out.write_text(json.dumps({"config": str(args.config), "set": args.set, "cpu": cpu, "rows": rows,
                                         "summary": summary}, indent=1))

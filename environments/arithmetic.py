@@ -30,7 +30,7 @@ import zlib
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from marl_pipeline.environment import ActionResult, EvaluationCase, Task, Turn
+from marl_pipeline.environment import ActionResult, EvaluationCase, Task, Turn, accepted_majority
 
 
 class ArithmeticOptions(BaseModel):
@@ -145,6 +145,11 @@ class ArithmeticCheck:
 
     def answer_of(self, role: str, response: str) -> str:
         return _first_line(response)
+
+    def team_choice(self, task: Task, episodes: list[list[Turn]]) -> int:
+        """The team's answer: the solver's answer its verifier accepts most often among the episodes."""
+        return accepted_majority([self.answer_of("solver", episode[0].text) for episode in episodes],
+                                 [self.answer_of("verifier", episode[1].text) == "yes" for episode in episodes])
 
     # -- base policies ----------------------------------------------------------------------------
     def text_corpus(self, rng: np.random.Generator, count: int) -> list[str]:

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from environments.math_answers import answer_text, check_math, is_plain_number, normalized_answer, verdict_of
 from environments.math_tasks import AdditionSource, ReasoningGymSource
 from marl_pipeline.config import PoolSettings
-from marl_pipeline.environment import Action, ActionResult, EvaluationCase, Task, Turn
+from marl_pipeline.environment import Action, ActionResult, EvaluationCase, Task, Turn, accepted_majority
 
 Message = dict[str, str]
 
@@ -240,6 +240,12 @@ class MathChat:
         if role == "verifier":
             return verdict_of(response) or normalized_answer(response)
         return normalized_answer(response)
+
+    def team_choice(self, task: Task, episodes: list[list[Turn]]) -> int:
+        """The team's answer: the solver's answer its verifier's last verdict accepts most often among the episodes."""
+        verdicts = [next(turn.text for turn in reversed(episode) if turn.role == "verifier") for episode in episodes]
+        return accepted_majority([self.answer_of("solver", episode[0].text) for episode in episodes],
+                                 [verdict_of(verdict) == "yes" for verdict in verdicts])
 
     # -- base policies (the built-in tiny model: plain-text prompts) -------------------------------------------------
     def text_corpus(self, rng: np.random.Generator, count: int) -> list[str]:

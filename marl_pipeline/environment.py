@@ -11,6 +11,7 @@ table), resolved for the engine by ``hooks.hooks_of``.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, ClassVar, Literal, Protocol, TypedDict
@@ -161,6 +162,38 @@ class EvaluatedEnvironment(Environment, Protocol):
 
     def answer_of(self, role: str, response: str) -> str:
         """The answer a response gives, normalised (for the answer entropy and the collapse check)."""
+
+
+TEAM = "team"
+"""The agent name of the team's rows in a run's evaluations (stages/team.py): no plugin may have a role of that
+name."""
+
+
+class TeamEnvironment(EvaluatedEnvironment, Protocol):
+    """An environment whose agents are also measured as a team: each of the first speaker's held-out cases is played
+    as ``n`` sampled episodes of the whole workflow, and the plugin says which episode's answer the team returns
+    (stages/team.py compares it with the first speaker alone: its first sample, and the majority of its n)."""
+
+    def team_choice(self, task: Task, episodes: list[list[Turn]]) -> int:
+        """The index of the episode whose first speaker's answer the team returns (a verifier's pick: see
+        :func:`accepted_majority`)."""
+
+
+def accepted_majority(answers: list[str], accepted: list[bool]) -> int:
+    """The episode a verifier's verdicts choose: the first one giving the most frequent answer among the accepted
+    episodes (ties: the answer accepted first); with none accepted, episode 0 (what the solver alone returns).
+
+    Args:
+        answers: each episode's answer, normalised (``answer_of``).
+        accepted: whether the verifier accepted that episode's answer.
+    """
+    if len(answers) != len(accepted):
+        raise ValueError(f"{len(answers)} answers against {len(accepted)} verdicts")
+    votes = Counter(answer for answer, ok in zip(answers, accepted) if ok)
+    if not votes:
+        return 0
+    best = max(votes.values())
+    return next(i for i, (answer, ok) in enumerate(zip(answers, accepted)) if ok and votes[answer] == best)
 
 
 class WarmupEnvironment(Environment, Protocol):

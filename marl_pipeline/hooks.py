@@ -44,6 +44,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook("evaluation_cases", "evaluation_cases(role, rng, count) -> list[EvaluationCase]", "evaluation"),
     Hook("evaluate", "evaluate(role, cases, responses) -> dict[str, float]", "evaluation"),
     Hook("answer_of", "answer_of(role, response) -> str", "evaluation"),
+    Hook("team_choice", "team_choice(task, episodes) -> int", "optional"),
     Hook("episode_task", "episode_task(task, trajectory) -> Task", "optional"),
     Hook("observe", "observe(role, task, transcript) -> str | None", "optional"),
     Hook("score_turns", "score_turns(task, transcript, results) -> list[float] | None", "optional"),
@@ -79,6 +80,9 @@ class PluginHooks:
     score_turns: Callable | None
     turn_weights: Callable | None
     own_reply_warmup_examples: Callable | None
+    team_choice: Callable | None
+    """Which of a held-out task's sampled episodes gives the team's answer (stages/team.py), or None: the team is
+    not evaluated as a team."""
     team_reward_weight: float
     pool_settings: Any
     """The plugin's ``PoolSettings`` for its action pool, or None."""
@@ -106,7 +110,7 @@ def hooks_of(env: object) -> PluginHooks:
     hooks = PluginHooks(
         **{name: getattr(env, name, None) for name in ("episode_task", "observe", "score_turns", "turn_weights",
                                                         "own_reply_warmup_examples",
-                                                        "pool_settings")},
+                                                        "team_choice", "pool_settings")},
         team_reward_weight=float(getattr(env, "team_reward_weight", 0.0)),
         max_action_bytes=int(getattr(env, "max_action_bytes", MAX_ACTION_BYTES)),
         uses_actions=_has(env, "with actions"), evaluated=_has(env, "evaluation"))

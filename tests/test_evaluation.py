@@ -89,7 +89,7 @@ def test_train_job_evaluates_every_agent_and_a_recomputation_agrees(evaluated) -
     for event in events:
         table = store.read("evaluations", MicroBatchKey(config.run, event.version, 0))
         assert set(table.column("policy_version").to_pylist()) == {event.version}
-        assert sorted(event.metrics) == ["solver", "verifier"]
+        assert sorted(event.metrics) == ["solver", "team", "verifier"]
         assert 0.0 <= event.metrics["solver"]["accuracy"] <= 1.0
         assert 0.0 <= event.metrics["verifier"]["balanced_accuracy"] <= 1.0
         assert event.metrics == evaluation_metrics(_environment_of(config), table) == stored_metrics(table)
@@ -99,6 +99,91 @@ def test_train_job_evaluates_every_agent_and_a_recomputation_agrees(evaluated) -
     _, again, _ = recompute_stage("evaluations", config, store, MicroBatchKey(config.run, 2, 0))
     again = again.sort_by([("agent", "ascending"), ("case", "ascending")])
     assert again.column("response_text").to_pylist() == stored.column("response_text").to_pylist()
+
+
+def test_the_team_plays_whole_episodes_on_the_solvers_cases_and_its_figures_follow_from_them(evaluated) -> None:
+    """The team's rows: each of the solver's held-out cases played n times (solver, then the verifier judging that
+    answer, at the version evaluated); the figures recomputed here from the stored episodes by hand."""
+    import json
+
+    config, _ = evaluated
+    store, n = ExperienceStore(config.store), config.pipeline.samples_per_prompt
+    table = store.read("evaluations", MicroBatchKey(config.run, 2, 0))
+    team = sorted((row for row in table.to_pylist() if row["agent"] == "team"), key=lambda row: row["case"])
+    solver = sorted((row for row in table.to_pylist() if row["agent"] == "solver"), key=lambda row: row["case"])
+    assert [row["task"] for row in team] == [row["task"] for row in solver]  # the solver's own held-out cases
+    right, first, majority, chosen = [], [], [], []
+    for row in team:
+        episodes = json.loads(row["transcript"])
+        assert len(episodes) == n and all([t["role"] for t in e] == ["solver", "verifier"] for e in episodes)
+        task = json.loads(row["task"])
+        answers = [e[0]["text"].strip().split("\n")[0].strip() for e in episodes]  # answer_of: the first line
+        is_right = [answer.isdigit() and int(answer) == task["a"] + task["b"] for answer in answers]
+        accepted = [e[1]["text"].strip().split("\n")[0].strip() == "yes" for e in episodes]
+        votes = {a: answers.count(a) for a in answers}
+        yes_votes = {a: sum(ok for b, ok in zip(answers, accepted) if b == a) for a in answers}
+        pick = next((i for i in range(n) if accepted[i] and yes_votes[answers[i]] == max(yes_votes.values())), 0)
+        right.append(any(is_right))
+        first.append(is_right[0])
+        majority.append(is_right[next(i for i in range(n) if votes[answers[i]] == max(votes.values()))])
+        chosen.append(is_right[pick])
+        assert row["response_text"] == episodes[pick][0]["text"]
+    figures = stored_metrics(table)["team"]
+    assert figures["team_answer"] == pytest.approx(np.mean(chosen))
+    assert figures["first_sample"] == pytest.approx(np.mean(first))
+    assert figures["majority_vote"] == pytest.approx(np.mean(majority))
+    assert figures["any_sample"] == pytest.approx(np.mean(right))
+    assert max(figures["team_answer"], figures["first_sample"], figures["majority_vote"]) <= figures["any_sample"]
+
+
+def test_accepted_majority_by_hand() -> None:
+    from marl_pipeline.environment import accepted_majority
+
+    assert accepted_majority(["3", "4", "4", "5"], [True, False, False, True]) == 0  # a tie: the first accepted
+    assert accepted_majority(["3", "4", "4", "5"], [True, True, True, False]) == 1  # "4" accepted twice
+    assert accepted_majority(["3", "4"], [False, False]) == 0  # none accepted: the first sample
+    with pytest.raises(ValueError, match="2 answers against 1 verdicts"):
+        accepted_majority(["3", "4"], [True])
+
+
+def test_team_figures_by_hand_and_a_bad_choice_named() -> None:
+    """Two cases of 3 + 1 = 4 and 2 + 2 = 4, three episodes each: the verifier picks the right answer where the
+    first sample and the majority are wrong, then accepts a wrong one."""
+    import json
+
+    from marl_pipeline.stages.evaluation import team_metrics
+
+    def row(case: int, a: int, b: int, episodes: list[tuple[str, str]]) -> dict:
+        played = [[{"role": "solver", "text": s, "observation": None},
+                   {"role": "verifier", "text": v, "observation": None}] for s, v in episodes]
+        return {"task": json.dumps({"id": f"{a}+{b}", "a": a, "b": b}), "label": str(a + b), "case": case,
+                "transcript": json.dumps(played), "answer": "-"}
+
+    rows = [row(0, 3, 1, [("5", "no"), ("5", "no"), ("4", "yes")]),
+            row(1, 2, 2, [("4", "no"), ("3", "yes"), ("4", "no")])]
+    figures = team_metrics(ENV, rows)
+    assert figures["team_answer"] == 0.5  # case 0 right (4 accepted), case 1 wrong (3 accepted)
+    assert figures["first_sample"] == 0.5  # 5 wrong, 4 right
+    assert figures["majority_vote"] == 0.5  # 5 wrong, 4 right
+    assert figures["any_sample"] == 1.0
+
+    class Confused(ArithmeticCheck):
+        def team_choice(self, task, episodes) -> int:
+            return len(episodes)
+
+    with pytest.raises(ValueError, match=r"team_choice returned 3 for task '3\+1': expected the index of one of its 3"):
+        team_metrics(Confused(ArithmeticOptions(max_operand=9)), rows)
+
+
+def test_team_samples_zero_leaves_the_team_out(demo_config_data: dict, tmp_path: Path) -> None:
+    from marl_pipeline.stages.team import is_team_evaluated
+
+    data = small_config_data(demo_config_data, tmp_path / "store")
+    data["evaluation"] = {"every": 1}
+    assert EvaluationSettings.from_config(parse_config(data)).team_samples == data["pipeline"]["samples_per_prompt"]
+    assert is_team_evaluated(ENV, EvaluationSettings.from_config(parse_config(data)))
+    data["evaluation"]["team_samples"] = 0
+    assert not is_team_evaluated(ENV, EvaluationSettings.from_config(parse_config(data)))
 
 
 def _environment_of(config):  # the run's own environment, as the train job builds it

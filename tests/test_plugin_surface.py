@@ -91,3 +91,18 @@ def test_a_broken_installed_plugin_breaks_only_the_runs_that_name_it(tmp_path: P
     with pytest.raises(KeyError, match=r"'broken' .*fails to load: ImportError: needs a package that is not installed"):
         get_environment_class("broken")
     sys.modules.pop("broken_plugin_module", None)
+
+
+def test_a_role_named_team_is_refused(tmp_path: Path) -> None:
+    """``team`` is the name the team's held-out evaluation is stored under (stages/team.py)."""
+
+    @register_environment
+    class _Team(_Minimal):
+        name = "team_role_for_test"
+        turn_order = ("solver", "team")
+
+    data = _config(tmp_path)
+    data["environment"] = {"name": "team_role_for_test"}
+    data["agents"]["team"] = dict(data["agents"]["solver"])
+    with pytest.raises(ConfigError, match="has a role named 'team', the name the team's held-out evaluation"):
+        parse_config(data)

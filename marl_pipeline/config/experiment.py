@@ -74,7 +74,7 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
     Raises:
         ConfigError: naming each offending field.
     """
-    from marl_pipeline.environment import get_environment_class, roles_of
+    from marl_pipeline.environment import TEAM, get_environment_class, roles_of
     from marl_pipeline.hooks import missing_hooks
 
     if not isinstance(data, dict):
@@ -97,6 +97,9 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
     missing = [role for role in roles if role not in config.agents]
     if missing:
         raise ConfigError(f"invalid config {source}:\n  agents: missing agent(s) {missing} required by the environment")
+    if TEAM in roles:
+        raise ConfigError(f"invalid config {source}:\n  environment: {config.environment.name!r} has a role named "
+                          f"{TEAM!r}, the name the team's held-out evaluation is stored under; rename the role")
     if config.pipeline.rollout.rebalance_replicas:
         asks = {name: (agent.engine.num_cpus, agent.engine.num_gpus) for name, agent in config.agents.items()}
         if len(set(asks.values())) > 1:

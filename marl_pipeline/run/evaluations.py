@@ -3,12 +3,15 @@ evaluation once every agent has answered.
 
 Each agent is evaluated on its own engine right after that engine loads a due version (its publisher
 thread; the engine's calls are serialised by Ray, so no weight change can fall inside the evaluation),
-so agents never wait for each other; the last agent to deliver commits the version's partition.
+so agents never wait for each other; the last agent to deliver commits the version's partition. Where the team is
+measured too (stages/team.py), the last agent plays the team's episodes on every agent's engine first, and each
+other agent's publisher waits for that before its engine loads a newer version (:meth:`wait_until_measured`).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pyarrow as pa
 import ray
@@ -21,6 +24,7 @@ from marl_pipeline.stages.evaluation import (
     stored_metrics,
     with_metrics,
 )
+from marl_pipeline.stages.team import evaluate_team, is_team_evaluated
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 
 
@@ -31,30 +35,54 @@ class EvaluationRounds:
                  last_version: int, settings: EvaluationSettings) -> None:
         self.env, self.store, self.run, self.agents = env, store, run, agents
         self.every, self.last_version, self.settings = every, last_version, settings
+        self.team = is_team_evaluated(env, settings)
         self._lock = threading.Lock()
         self._parts: dict[int, dict[str, pa.Table]] = {}
+        self._measured: dict[int, threading.Event] = {}  # versions under way, set when committed
 
     def due(self, version: int) -> bool:
         """Whether ``version`` is evaluated and not yet committed (a resumed launch skips committed ones)."""
         wanted = version % self.every == 0 or version == self.last_version
         return wanted and not self.store.is_committed("evaluations", MicroBatchKey(self.run, version, 0))
 
-    def evaluate(self, agent: str, engine: ray.actor.ActorHandle, version: int) -> EvaluationCommitted | None:
-        """Evaluate ``agent`` at ``version`` (the version its engine serves now); returns the commit event when
-        this was the last agent of the version."""
-        table = evaluate_agent(self.env, agent, engine, self.settings)
+    def evaluate(self, agent: str, engines: dict[str, ray.actor.ActorHandle],
+                 version: int) -> EvaluationCommitted | None:
+        """Evaluate ``agent`` at ``version`` (the version its engine serves now) on its engine in ``engines`` (every
+        agent's); returns the commit event when this was the last agent of the version, which measures the team too
+        (every engine serves ``version`` then: the others wait in :meth:`wait_until_measured`)."""
+        table = evaluate_agent(self.env, agent, engines[agent], self.settings)
         served = set(table.column("policy_version").to_pylist())
         if served - {version}:  # a bug, not a fault: the caller must hold the engine at this version
             raise RuntimeError(f"evaluation of {agent} v{version}: the engine served versions {served}")
         with self._lock:
             parts = self._parts.setdefault(version, {})
+            measured = self._measured.setdefault(version, threading.Event())
             parts[agent] = table
             if len(parts) < len(self.agents):
                 return None
             del self._parts[version]
-        combined, metrics = with_metrics(self.env, pa.concat_tables([parts[a] for a in self.agents]))
-        path = self.store.commit("evaluations", MicroBatchKey(self.run, version, 0), combined)
+        try:
+            tables = [parts[a] for a in self.agents]
+            if self.team:
+                team = evaluate_team(self.env, engines, self.settings)
+                if set(team.column("policy_version").to_pylist()) - {version}:
+                    raise RuntimeError(f"the team's evaluation at v{version} ran on engines past it")
+                tables.append(team)
+            combined, metrics = with_metrics(self.env, pa.concat_tables(tables))
+            path = self.store.commit("evaluations", MicroBatchKey(self.run, version, 0), combined)
+        finally:
+            with self._lock:
+                del self._measured[version]
+            measured.set()
         return EvaluationCommitted(version, path, metrics)
+
+    def wait_until_measured(self, version: int, stopped: Callable[[], bool]) -> None:
+        """Return once ``version``'s evaluation is committed, if the team is measured and it is under way (an agent's
+        engine must not load a newer version while the team plays at this one), or once ``stopped()``."""
+        with self._lock:
+            measured = self._measured.get(version) if self.team else None
+        while measured is not None and not measured.wait(0.1) and not stopped():
+            pass
 
 
 def evaluation_history(store: ExperienceStore, run: str) -> dict[int, dict[str, dict[str, float]]]:

@@ -254,6 +254,8 @@ class Orchestrator:
             started = time.time()
             result = ray.get(pending.applied)
             applied = time.time()
+            if self.evaluations is not None:  # the team may still be measured at the version the engine serves
+                self.evaluations.wait_until_measured(self._served[agent], self._stop.is_set)
             # One replica at a time (the others keep serving); the trainer saves the version meanwhile.
             replicas.sync_from(self.workers.trainers[agent], pending.weights, result.policy_version, self._broadcast)
             synced = time.time()
@@ -292,8 +294,8 @@ class Orchestrator:
 
     def _evaluate_if_due(self, agent: str, version: int) -> None:
         if self.evaluations is not None and self.evaluations.due(version):
-            committed = self.evaluations.evaluate(agent, self.workers.engines[agent].primary(), version)
-            if committed is not None:
+            engines = {name: replicas.primary() for name, replicas in self.workers.engines.items()}
+            if (committed := self.evaluations.evaluate(agent, engines, version)) is not None:
                 self._events.put(committed)
 
     def step_rewards(self, step: int) -> dict[str, float]:

@@ -27,7 +27,7 @@ import ray
 
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.config.agent import adapter_of_turn
-from marl_pipeline.environment import Environment, EvaluationCase, Turn
+from marl_pipeline.environment import TEAM, Environment, EvaluationCase, Turn, accepted_majority
 from marl_pipeline.hooks import hooks_of
 from marl_pipeline.inference.engine import Completion, GenerationRequest
 from marl_pipeline.stages.rollout import engine_chat_session
@@ -49,13 +49,20 @@ class EvaluationSettings:
     max_new_tokens: int
     turn_adapters: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     """Per agent, its ``turn_adapters``: named adapters and the own turns they serve."""
+    team_samples: int = 0
+    """Episodes per case when the team is measured (stages/team.py); 0: it is not."""
+    temperature: float = 1.0
+    """The team's episodes are sampled as training samples them."""
 
     @classmethod
     def from_config(cls, config: ExperimentConfig) -> EvaluationSettings:
         evaluation = config.evaluation
+        team_samples = evaluation.team_samples
         return cls(config.seed, evaluation.cases_per_agent,
                    evaluation.max_new_tokens or config.algorithm.max_new_tokens,
-                   config.turn_adapters())
+                   config.turn_adapters(),
+                   config.pipeline.samples_per_prompt if team_samples is None else team_samples,
+                   config.algorithm.temperature)
 
 
 def is_evaluated(env: Environment) -> bool:
@@ -116,6 +123,9 @@ def evaluation_metrics(env: Environment, table: pa.Table) -> dict[str, dict[str,
         by_agent.setdefault(row["agent"], []).append(row)
     metrics = {}
     for agent, rows in sorted(by_agent.items()):
+        if agent == TEAM:  # the team's rows (stages/team.py): each case's episodes, the chosen answer
+            metrics[agent] = team_metrics(env, rows)
+            continue
         cases = [EvaluationCase(json.loads(r["task"]), [Turn(**t) for t in json.loads(r["transcript"])], r["label"])
                  for r in rows]
         figures = dict(env.evaluate(agent, cases, [r["response_text"] for r in rows]))  # type: ignore[attr-defined]
@@ -151,6 +161,47 @@ def answer_statistics(answers: list[str], labels: list[str]) -> dict[str, float]
     needs_several = len(set(labels)) > 1
     return {"answer_entropy": max(entropy, 0.0), "top_answer_share": top,
             "collapsed": float(needs_several and top > COLLAPSE_SHARE)}
+
+
+def chosen_episode(env: Environment, case: EvaluationCase, episodes: list[list[Turn]]) -> int:
+    """The plugin's choice among a case's episodes, checked."""
+    choice = hooks_of(env).team_choice(case.task, episodes)  # type: ignore[misc]
+    if not isinstance(choice, int | np.integer) or not 0 <= choice < len(episodes):
+        raise ValueError(f"team_choice returned {choice!r} for task {case.task['id']!r}: expected the index of "
+                         f"one of its {len(episodes)} episodes")
+    return int(choice)
+
+
+def answer_text(role: str, episode: list[Turn]) -> str:
+    """``role``'s answer in an episode: its last turn's text."""
+    return next(turn.text for turn in reversed(episode) if turn.role == role)
+
+
+def team_metrics(env: Environment, rows: list[dict]) -> dict[str, float]:
+    """The team's figures from its stored rows (one per case, by case): ``team_answer`` (the plugin's choice),
+    ``first_sample`` and ``majority_vote`` (the first speaker alone, same episodes), ``any_sample`` (a right answer
+    among them), each the first speaker's headline metric; then the statistics of the team's answers."""
+    first = env.turn_order[0]
+    cases = [EvaluationCase(json.loads(row["task"]), [], row["label"]) for row in rows]
+    played = [[[Turn(**turn) for turn in episode] for episode in json.loads(row["transcript"])] for row in rows]
+
+    def score(chosen: list[int]) -> float:
+        responses = [answer_text(first, episodes[i]) for episodes, i in zip(played, chosen)]
+        return headline_metric(env.evaluate(first, cases, responses))[1]  # type: ignore[attr-defined]
+
+    answers = [[env.answer_of(first, answer_text(first, e)) for e in episodes]  # type: ignore[attr-defined]
+               for episodes in played]
+    everyone = [accepted_majority(case_answers, [True] * len(case_answers)) for case_answers in answers]
+    figures = {
+        "team_answer": score([chosen_episode(env, case, episodes) for case, episodes in zip(cases, played)]),
+        "first_sample": score([0] * len(cases)),
+        "majority_vote": score(everyone),
+        "any_sample": float(np.mean([max(  # a case's best episode, the most any choice could reach
+            headline_metric(env.evaluate(first, [case], [answer_text(first, e)]))[1]  # type: ignore[attr-defined]
+            for e in episodes) for case, episodes in zip(cases, played)])) if cases else 0.0,
+    }
+    figures.update(answer_statistics([row["answer"] for row in rows], [row["label"] for row in rows]))
+    return figures
 
 
 def headline_metric(metrics: dict[str, float]) -> tuple[str, float]:

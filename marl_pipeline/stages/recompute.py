@@ -26,6 +26,7 @@ from marl_pipeline.inference.reward_model import RewardModelServer
 from marl_pipeline.stages.evaluation import EvaluationSettings, evaluate_agent, is_evaluated, with_metrics
 from marl_pipeline.stages.execution import action_pool_settings, execute_micro_batch
 from marl_pipeline.stages.reward import ModelReward, score_micro_batch
+from marl_pipeline.stages.team import evaluate_team, is_team_evaluated
 from marl_pipeline.stages.training import train_batch_for, updates_table
 from marl_pipeline.stages.trajectories import sample_micro_batch
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
@@ -125,7 +126,9 @@ def _evaluations(config: ExperimentConfig, env, store: ExperienceStore, version:
         store.require_policy(config.run, agent, version)
     settings = EvaluationSettings.from_config(config)
     with _engines(config, store, {agent: version for agent in config.agents}) as engines:
-        table = pa.concat_tables([evaluate_agent(env, agent, engine, settings) for agent, engine in engines.items()])
+        tables = [evaluate_agent(env, agent, engine, settings) for agent, engine in engines.items()]
+        table = pa.concat_tables(tables + ([evaluate_team(env, engines, settings)]
+                                           if is_team_evaluated(env, settings) else []))
     return with_metrics(env, table)[0]
 
 

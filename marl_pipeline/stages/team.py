@@ -1,0 +1,91 @@
+"""The team measured as a team, on held-out cases: what the agents achieve together against the first speaker alone.
+
+Each of the first speaker's held-out cases (``evaluation_cases``, the same ones its own evaluation answers greedily)
+is played as ``team_samples`` sampled episodes of the whole workflow, every agent at one policy version, seeded by
+(run seed, turn, episode) only, so versions compare. The plugin's ``team_choice`` says which episode's answer the
+team returns (for a solver and a verifier: the solver's answer the verifier's verdicts choose). Beside it, from the
+same episodes, what the first speaker achieves alone: its first sample, and the majority of its answers (the same
+n); and ``any_sample``, the share of cases where one of the n is right, the most any choice could reach. Every score
+is the plugin's own: the headline metric of the first speaker's ``evaluate`` over the chosen responses
+(stages/evaluation.py: ``team_metrics``).
+
+Stored as rows of the version's evaluations partition with agent ``team`` (``environment.TEAM``): one per case, its
+episodes as the transcript (JSON: a list of episodes, each a list of turns), the chosen response as the response;
+``team_metrics`` recomputes every figure from those rows and the plugin alone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+from marl_pipeline.config.agent import adapter_of_turn
+from marl_pipeline.environment import TEAM, Environment, Turn
+from marl_pipeline.hooks import hooks_of
+from marl_pipeline.inference.engine import GenerationRequest
+from marl_pipeline.stages.evaluation import (
+    EVALUATION_STREAM,
+    EvaluationSettings,
+    answer_text,
+    chosen_episode,
+    evaluation_cases,
+    is_evaluated,
+)
+from marl_pipeline.stages.rollout import engine_chat_session, observe_reply
+from marl_pipeline.store.schema import EVALUATIONS, with_agent
+
+TEAM_STREAM = 0x7EA3
+"""The team's episodes' seed word, after the evaluation stream's."""
+
+
+def is_team_evaluated(env: Environment, settings: EvaluationSettings) -> bool:
+    """Whether a version's evaluation measures the team too: the plugin has ``team_choice`` and
+    ``evaluation.team_samples`` is not 0."""
+    return is_evaluated(env) and hooks_of(env).team_choice is not None and settings.team_samples > 0
+
+
+def evaluate_team(env: Environment, engines: dict[str, ray.actor.ActorHandle], settings: EvaluationSettings
+                  ) -> pa.Table:
+    """The team's rows: each held-out case of the first speaker played ``settings.team_samples`` times by the agents
+    ``engines`` serve (each at the same version), turn by turn, every episode's next turn in one batch per agent."""
+    first = env.turn_order[0]
+    cases = evaluation_cases(env, first, settings)
+    n = settings.team_samples
+    episodes: list[list[Turn]] = [[] for _ in range(len(cases) * n)]  # episode e plays case e // n
+    chats = engine_chat_session(env, engines)
+    spoken: Counter = Counter()
+    versions = set()
+    for turn, role in enumerate(env.turn_order):
+        adapter = adapter_of_turn(settings.turn_adapters.get(role, {}), spoken[role])
+        spoken[role] += 1
+        seeds = np.random.SeedSequence([settings.seed, EVALUATION_STREAM, TEAM_STREAM, turn]).generate_state(
+            len(episodes))
+        requests = [chats.request(e, role, turn, env.render_prompt(role, cases[e // n].task, episode))
+                    for e, episode in enumerate(episodes)]
+        version, completions = ray.get(engines[role].generate.remote(
+            [GenerationRequest(request, int(seed), settings.max_new_tokens, settings.temperature, adapter)
+             for request, seed in zip(requests, seeds)]))
+        versions.add(version)
+        for e, completion in enumerate(completions):
+            chats.record(e, role, completion.text, completion.response_ids)
+            observation, _ = observe_reply(env, role, cases[e // n].task, [*episodes[e], Turn(role, completion.text)])
+            episodes[e].append(Turn(role, completion.text, observation))
+    if len(versions) > 1:  # the team is measured at one version: every engine must serve it throughout
+        raise RuntimeError(f"the team's evaluation engines served several policy versions: {sorted(versions)}")
+    version = versions.pop() if versions else None
+    rows = []
+    for c, case in enumerate(cases):
+        played = episodes[c * n:(c + 1) * n]
+        response = answer_text(first, played[chosen_episode(env, case, played)])
+        rows.append({
+            "policy_version": version, "case": c, "task_id": str(case.task["id"]), "task": json.dumps(case.task),
+            "transcript": json.dumps([[asdict(turn) for turn in episode] for episode in played]),
+            "label": case.label, "prompt_text": None, "response_text": response,
+            "answer": env.answer_of(first, response),  # type: ignore[attr-defined]
+            "metrics": None, "status": "ok", "error": None, "agent": TEAM})
+    return pa.Table.from_pylist(rows, schema=with_agent(EVALUATIONS))
