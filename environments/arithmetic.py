@@ -99,12 +99,7 @@ class ArithmeticCheck:
 
     def execute(self, task: Task, transcript: list[Turn]) -> list[ActionResult]:
         expected = task["a"] + task["b"]
-        answer = _parse_int(transcript[0].text)
-        if answer is None:
-            solver = ActionResult("unparsable", False, info={"expected": expected})
-        else:
-            solver = ActionResult("correct" if answer == expected else "wrong", answer == expected,
-                                  info={"answer": answer, "expected": expected})
+        solver = _solver_result(task, transcript[0].text)
         verdict = _first_line(transcript[1].text)
         shown = self._shown_answer(task, transcript)
         info = {"verdict": verdict, "shown": shown, "substituted": "shown" in task}
@@ -192,6 +187,30 @@ class ArithmeticCheck:
             prompt = self.render_prompt("verifier", task, [Turn("solver", str(answer))])
             examples.append((prompt, verdict, float((verdict == "yes") == (answer == expected))))
         return examples
+
+
+class ArithmeticSolo(ArithmeticCheck):
+    """The solver of ``arithmetic_check`` alone, with its tasks, reward, warm-up and held-out cases: the single-agent
+    baseline that says what the verifier adds (bench/seeds.py over both configs)."""
+
+    name = "arithmetic_solo"
+    turn_order = ("solver",)
+    team_choice = None  # a team of one has no answer to choose
+
+    def execute(self, task: Task, transcript: list[Turn]) -> list[ActionResult]:
+        return [_solver_result(task, transcript[0].text)]
+
+    def score(self, task: Task, transcript: list[Turn], results: list[ActionResult]) -> dict[str, float]:
+        return {"solver": float(results[0].success)}
+
+
+def _solver_result(task: Task, text: str) -> ActionResult:
+    expected = task["a"] + task["b"]
+    answer = _parse_int(text)
+    if answer is None:
+        return ActionResult("unparsable", False, info={"expected": expected})
+    return ActionResult("correct" if answer == expected else "wrong", answer == expected,
+                        info={"answer": answer, "expected": expected})
 
 
 def _unsubstituted(task: Task) -> Task:

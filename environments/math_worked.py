@@ -277,3 +277,24 @@ class MathChatWorked(MathChat):
     def _noisy_answer(self, task: Task, rng: np.random.Generator) -> str:
         right = rng.random() < self.options.warmup_accuracy
         return task["answer"] if right else self.source.other_answer(task, rng) or task["answer"]
+
+
+class MathChatSolo(MathChatWorked):
+    """The solver of ``math_chat_worked`` alone, with its options, tasks, grading and held-out cases: the
+    single-agent baseline that says what the verifier adds (``configs/smollm2_solver_alone.yaml``)."""
+
+    name = "math_chat_solo"
+    turn_order = ("solver",)
+    team_choice = None  # a team of one has no answer to choose
+
+    def actions(self, task: Task, transcript: list[Turn]) -> list[Action | None]:
+        return [Action("answer", transcript[0].text, 0.1, {"task": task})]
+
+    def score(self, task: Task, transcript: list[Turn], results: list[ActionResult]) -> dict[str, float]:
+        return {"solver": float(results[0].info.get("score", 0.0))}
+
+    def score_turns(self, task: Task, transcript: list[Turn], results: list[ActionResult]) -> list[float] | None:
+        return None
+
+    def turn_weights(self, task: Task, transcript: list[Turn]) -> list[float] | None:
+        return None

@@ -129,3 +129,27 @@ def test_the_warm_up_teacher_knows_a_fixed_share_of_questions_and_guesses_on_the
 def _sums_to(prompt: str, answer: str) -> bool:
     a, b = prompt[:-1].split("+")
     return int(a) + int(b) == int(answer)
+
+
+def test_the_solver_alone_is_the_demo_without_its_verifier() -> None:
+    """``arithmetic_solo`` (configs/demo_solver_alone.yaml's baseline): the demo's tasks, solver prompt, result,
+    reward and held-out cases; and no team to measure."""
+    import numpy as np
+
+    from environments.arithmetic import ArithmeticCheck, ArithmeticOptions, ArithmeticSolo
+    from marl_pipeline.environment import Turn
+    from marl_pipeline.hooks import hooks_of
+
+    options = ArithmeticOptions(max_operand=3)
+    duo, solo = ArithmeticCheck(options), ArithmeticSolo(options)
+    tasks = solo.sample_tasks(np.random.default_rng(0), 32)
+    assert tasks == duo.sample_tasks(np.random.default_rng(0), 32)
+    for task, answer in zip(tasks, ["3", "x", "6", "4"] * 8):
+        assert solo.render_prompt("solver", task, []) == duo.render_prompt("solver", task, [])
+        solver = Turn("solver", answer)
+        [alone] = solo.execute(task, [solver])
+        both = duo.execute(task, [solver, Turn("verifier", "yes")])
+        assert alone == both[0]
+        assert solo.score(task, [solver], [alone]) == {"solver": duo.score(task, [solver], both)["solver"]}
+    assert solo.turn_order == ("solver",) and hooks_of(solo).team_choice is None
+    assert hooks_of(duo).team_choice is not None

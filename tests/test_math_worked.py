@@ -310,3 +310,23 @@ def test_the_verdict_turn_fits_the_smollm2_configs_context() -> None:
         messages = env.render_prompt("verifier", episode, [Turn("solver", "1000"), Turn("verifier", working)])
         longest = max(longest, len(chat.continued_ids([*first, *reply_ids], messages[2:])))
     assert longest + 12 <= 128, longest
+
+
+def test_the_solver_alone_is_graded_as_the_team_grades_its_solver() -> None:
+    """``math_chat_solo`` (configs/smollm2_solver_alone.yaml's baseline): the same tasks, solver prompt and grade as
+    ``math_chat_worked``'s solver, one turn, no team to measure."""
+    from environments.math_worked import MathChatSolo
+    from marl_pipeline.hooks import hooks_of
+
+    duo, solo = _env(), MathChatSolo(MathChatWorkedOptions())
+    assert solo.turn_order == ("solver",) and hooks_of(solo).team_choice is None
+    assert solo.sample_tasks(np.random.default_rng(3), 8) == duo.sample_tasks(np.random.default_rng(3), 8)
+    assert solo.render_prompt("solver", TASK, []) == duo.render_prompt("solver", TASK, [])
+    for answer in ("22", "17 + 5 = 22", "21"):
+        transcript = [Turn("solver", answer)]
+        [action] = solo.actions(TASK, transcript)
+        result = solo.run_action(action)
+        both = duo.actions(TASK, [*transcript, Turn("verifier", "22"), Turn("verifier", "Yes")])
+        assert result == duo.run_action(both[0])
+        assert solo.score(TASK, transcript, [result]) == {"solver": float(result.info["score"])}
+    assert solo.score_turns(TASK, transcript, [result]) is None
