@@ -36,6 +36,7 @@ driver's loop between a turn's result and its next request.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -68,6 +69,7 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
     shutil.rmtree(store, ignore_errors=True)
     ray.init(include_dashboard=False, log_to_driver=False)
     spans, steps_seen, setup = defaultdict(list), [], []
+    sampler = CpuSampler()
     try:
         for event in train(config):
             if isinstance(event, SetupPhase):
@@ -84,8 +86,59 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
                 steps_seen.append((event.step, event.seconds))
                 print(f"  step {event.step}: {event.seconds:.3f} s", flush=True)
     finally:
+        sampler.stop()
         ray.shutdown()
-    return {"config": config, "spans": dict(spans), "steps": steps_seen, "setup": setup}
+    return {"config": config, "spans": dict(spans), "steps": steps_seen, "setup": setup, "cpu": sampler.samples}
+
+
+class CpuSampler:
+    """The node's CPU time, busy and in all, from /proc/stat every ``PERIOD_S`` on a thread of its own (bar 5: CPU
+    utilisation per phase)."""
+
+    PERIOD_S = 0.02
+
+    def __init__(self) -> None:
+        import threading
+
+        self.samples: list[tuple[float, int, int]] = []  # (time, busy jiffies, all jiffies)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.PERIOD_S):
+            with open("/proc/stat") as stat:
+                fields = [int(v) for v in stat.readline().split()[1:]]
+            self.samples.append((time.time(), sum(fields) - fields[3] - fields[4], sum(fields)))  # less idle, iowait
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def utilisation_by_phase(samples: list, spans: dict, measured: list[int]) -> dict[str, dict]:
+    """Per phase of the measured steps, its share of their time and the node's CPU utilisation in it. A sample
+    interval's phase is what ran through its middle: rollouts (a rollouts span), training (a policy_updates span or
+    an optimizer step), both, or neither (the stages between, weight sync, commits)."""
+    def active(stages: tuple[str, ...], t: float) -> bool:
+        return any(s[3] <= t <= s[4] for stage in stages for s in spans.get(stage, []) if s[0] in measured)
+
+    first = min(s[3] for stage in spans.values() for s in stage if s[0] in measured)
+    last = max(s[4] for stage in spans.values() for s in stage if s[0] in measured)
+    phases: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0])
+    for (t0, busy0, all0), (t1, busy1, all1) in itertools.pairwise(samples):
+        middle = (t0 + t1) / 2
+        if not first <= middle <= last or all1 == all0:
+            continue
+        rolling, training = active(("rollouts",), middle), active(("policy_updates", "optimizer_step"), middle)
+        name = {(True, True): "both", (True, False): "rollouts", (False, True): "training"}.get(
+            (rolling, training), "neither")
+        phases[name][0] += t1 - t0
+        phases[name][1] += busy1 - busy0
+        phases[name][2] += all1 - all0
+    total = sum(seconds for seconds, _, _ in phases.values()) or 1.0
+    return {name: {"time_share": round(seconds / total, 3), "cpu_utilisation": round(busy / every, 3)}
+            for name, (seconds, busy, every) in sorted(phases.items())}
 
 
 def own_work(stage: str, table) -> float | None:
@@ -298,6 +351,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--warmup-steps", type=int, default=None, help="override every agent's warm-up steps")
+    parser.add_argument("--pipeline-only", action="store_true",
+                        help="no bare replay: the launches' step times and CPU utilisation per phase only")
     args, data = config_arguments(parser, Path("/tmp/marl-bench-bound"))
     import torch
 
@@ -310,6 +365,12 @@ def main() -> None:
     for staleness in args.staleness:  # every launch first: the bare replays hold memory a later launch needs
         print(f"pipeline, staleness {staleness}:", flush=True)
         launches[staleness] = launch(data, args.work / f"s{staleness}", args.steps, staleness, args.warmup_steps)
+    if args.pipeline_only:
+        for staleness, ran in launches.items():
+            measured = [step for step, _ in ran["steps"] if step > 0]
+            print(json.dumps({"staleness": staleness, "step_times_s": [round(s, 3) for _, s in ran["steps"]],
+                              "cpu_by_phase": utilisation_by_phase(ran["cpu"], ran["spans"], measured)}), flush=True)
+        return
     results = []
     for staleness, ran in launches.items():
         store = args.work / f"s{staleness}"
@@ -335,7 +396,9 @@ def main() -> None:
                 stages = stage_table(ran["spans"], measured, generation, training)
         tighter = min(bounds, key=lambda name: bounds[name]["bound_s"])
         step_time = statistics.median(seconds for step, seconds in ran["steps"] if step > 0)
+        phases = utilisation_by_phase(ran["cpu"], ran["spans"], measured)
         result = {"staleness": staleness, "step_time_s": round(step_time, 3), "bound": tighter, **bounds[tighter],
+                  "cpu_by_phase": phases,
                   "ratio": round(step_time / bounds[tighter]["bound_s"], 2), "bounds": bounds,
                   "step_times_s": [round(s, 3) for _, s in ran["steps"]], "stages": stages, "setup": ran["setup"]}
         results.append(result)
@@ -356,6 +419,10 @@ def main() -> None:
                   f"{row['overhead_ms']} |")
         print(f"overhead, all stages: {sum(row['overhead_ms'] for row in r['stages'] if row['stage'] in STAGES):.1f} "
               f"ms per micro-batch (bar 2: at most 50)")
+        print("| phase (bar 5) | share of the time | the node's CPU utilisation |")
+        print("| --- | ---: | ---: |")
+        for name, phase in r["cpu_by_phase"].items():
+            print(f"| {name} | {phase['time_share']:.0%} | {phase['cpu_utilisation']:.0%} |")
     if args.out:
         args.out.write_text(json.dumps({"config": str(args.config), "cpu": cpu, "cores": os.cpu_count(),
                                         "results": results}, indent=2))

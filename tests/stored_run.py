@@ -51,7 +51,8 @@ def write_run(store: ExperienceStore, run: str = "r", steps: int = 2, micro_batc
                         "response_ids": [list(rng.integers(0, VOCAB, 3)) for _ in turns],
                         "logprobs": [list(-rng.random(3)) for _ in turns], "finish_reason": ["stop"] * n,
                         "observation": [None] * n,
-                        "rollout_start": [now] * n, "rollout_end": [now] * n, "status": ["ok"] * n, "error": [None] * n}
+                        "rollout_start": [now] * n, "rollout_end": [now] * n, "engine_seconds": [None] * n,
+                        "status": ["ok"] * n, "error": [None] * n}
             results = {**common, "outcome": ["right"] * n, "success": [True] * n, "observation": [""] * n,
                        "info": ["{}"] * n, "environment_start": [now] * n, "environment_end": [now] * n,
                        "status": ["failed" if f else "ok" for f in failed],

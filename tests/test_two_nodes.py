@@ -154,9 +154,11 @@ def test_two_nodes_pin_sync_and_survive_the_loss_of_the_trainers_node(cluster, d
     first_output = output
     print(f"launch ended {time.monotonic() - killed_at:.0f} s after the node was killed")
     assert process.returncode != 0, output[-4000:]
-    # Ray's own error for a call on an actor of the dead node (unavailable while Ray still checks the node, dead
-    # after), with the orchestrator stage it came from
-    assert re.search(r"ray\.exceptions\.Actor(Unavailable|Died)Error", output), output[-4000:]
+    # Ray's own error for the dead node, with the orchestrator stage it came from: a call on one of its actors
+    # (unavailable while Ray still checks the node, dead after), or an object only it held (a trainer's new weights),
+    # whichever call fails first
+    assert re.search(r"ray\.exceptions\.(Actor(Unavailable|Died)Error|ObjectReconstructionFailedError"
+                     r"|ObjectLostError)", output), output[-4000:]
     assert "stage of the marl_pipeline orchestrator" in output, output[-4000:]
     assert before < steps * micro_batches * len(STAGES)
 

@@ -14,9 +14,9 @@ import threading
 from collections.abc import Callable
 
 import pyarrow as pa
-import ray
 
 from marl_pipeline.environment import Environment
+from marl_pipeline.inference.replicas import EngineReplicas
 from marl_pipeline.run.events import EvaluationCommitted
 from marl_pipeline.stages.evaluation import (
     EvaluationSettings,
@@ -45,11 +45,11 @@ class EvaluationRounds:
         wanted = version % self.every == 0 or version == self.last_version
         return wanted and not self.store.is_committed("evaluations", MicroBatchKey(self.run, version, 0))
 
-    def evaluate(self, agent: str, engines: dict[str, ray.actor.ActorHandle],
-                 version: int) -> EvaluationCommitted | None:
-        """Evaluate ``agent`` at ``version`` (the version its engine serves now) on its engine in ``engines`` (every
-        agent's); returns the commit event when this was the last agent of the version, which measures the team too
-        (every engine serves ``version`` then: the others wait in :meth:`wait_until_measured`)."""
+    def evaluate(self, agent: str, replicas: dict[str, EngineReplicas], version: int) -> EvaluationCommitted | None:
+        """Evaluate ``agent`` at ``version`` (the version its engine serves now) on one of its replicas (``replicas``:
+        every agent's); returns the commit event when this was the last agent of the version, which measures the team
+        too (every engine serves ``version`` then: the others wait in :meth:`wait_until_measured`)."""
+        engines = {name: agent_replicas.primary() for name, agent_replicas in replicas.items()}
         table = evaluate_agent(self.env, agent, engines[agent], self.settings)
         served = set(table.column("policy_version").to_pylist())
         if served - {version}:  # a bug, not a fault: the caller must hold the engine at this version

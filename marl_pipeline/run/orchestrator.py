@@ -294,8 +294,7 @@ class Orchestrator:
 
     def _evaluate_if_due(self, agent: str, version: int) -> None:
         if self.evaluations is not None and self.evaluations.due(version):
-            engines = {name: replicas.primary() for name, replicas in self.workers.engines.items()}
-            if (committed := self.evaluations.evaluate(agent, engines, version)) is not None:
+            if (committed := self.evaluations.evaluate(agent, self.workers.engines, version)) is not None:
                 self._events.put(committed)
 
     def step_rewards(self, step: int) -> dict[str, float]:
@@ -318,8 +317,7 @@ class Orchestrator:
             if recompute_if_committed:
                 compute(key)
             return True
-        enqueued = self._ready_at.pop((stage, key), time.time())
-        started = time.time()
+        enqueued, started = self._ready_at.pop((stage, key), time.time()), time.time()
         table = compute(key)
         timing = StageTiming(enqueued, started, time.time())
         table = with_stage_timing(table, timing.enqueued, timing.started, timing.ended)
