@@ -96,19 +96,6 @@ def actor_threads(config: ExperimentConfig, settings: EngineConfig | TrainerConf
     return shared_threads(settings.num_cpus, reserved, ray.cluster_resources().get("CPU", 1.0), node_cpus)
 
 
-def core_sharing(config: ExperimentConfig, settings: EngineConfig | TrainerConfig) -> bool:
-    """Whether an actor's threads follow the actors working on its node (policy/cores.py) instead of a fixed split:
-    on CPU, where the config does not set its threads."""
-    import os
-
-    return os.environ.get("MARL_CORE_SHARE") == "1" and settings.threads is None and settings.num_gpus == 0
-
-
-def node_cpus() -> int:
-    """The most CPUs a live node of the Ray cluster has."""
-    return int(max((node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"]), default=1.0))
-
-
 def swapping(config: ExperimentConfig) -> bool:
     """Whether the trainer budget (``ray.resident_trainers``) is below the number of agents."""
     budget = config.ray.resident_trainers
@@ -188,8 +175,6 @@ def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, vers
         options = dict(gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
                        dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine),
                        kv_cache_gib=engine.kv_cache_gib, tensor_parallel_size=engine.tensor_parallel_size)
-        if core_sharing(config, engine):
-            options["core_share"] = (node_cpus(), engine.num_cpus)
         # What a kept engine must have been started with to be taken instead of a new one (warm_actors.py).
         settings = ("engine", StoreAsyncEngine.__name__, engine.num_cpus, engine.num_gpus,
                     tuple(sorted(config.ray.engine_resources.items())), tuple(sorted(options.items())))
@@ -291,8 +276,6 @@ def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: d
         trainer = agent_config.trainer
         options = {**trainer_options(config, agent, store), "num_threads": actor_threads(config, trainer),
                    "prepare": prepare.get(agent)}
-        if core_sharing(config, trainer) and trainer.workers == 1:
-            options["core_share"] = (node_cpus(), trainer.num_cpus)
         if trainer.workers > 1:  # never kept: its ranks meet once, in a placement group of their own
             if placement_groups is None:
                 raise ValueError(f"{agent} trains on {trainer.workers} workers: pass placement_groups, to remove "

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import replace
 
 import ray
@@ -21,7 +20,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from marl_pipeline.cluster.placement import bundle
 from marl_pipeline.config import StoreConfig, TrainerConfig
-from marl_pipeline.policy.cores import CoreShare, share_directory
 from marl_pipeline.policy.transfer import SyncGroup
 from marl_pipeline.store import ExperienceStore
 from marl_pipeline.store.checkpoints import PolicyUpload
@@ -41,33 +39,7 @@ def remote_trainer(actor_class: type):
 
 class TrainerActor(PolicyTrainer):
     """A policy trainer as a Ray actor (:func:`remote_trainer`): its weight broadcasts run in their own concurrency
-    group, beside the training calls; with a core share, its threads follow the actors working on its node."""
-
-    core_share: CoreShare | None = None
-
-    def share_cores(self, core_share: tuple[int, float] | None) -> None:
-        """(the node's cores, this trainer's weight): its threads follow the actors working now (policy/cores.py)."""
-        if core_share is not None:
-            self.core_share = CoreShare(share_directory(ray.get_runtime_context().gcs_address), *core_share)
-
-    def accumulate(self, batch: TrainBatch) -> dict[str, float]:
-        with self._working():
-            return super().accumulate(batch)
-
-    def apply_step(self):
-        with self._working():
-            return super().apply_step()
-
-    @contextmanager
-    def _working(self):
-        if self.core_share is None:
-            yield
-            return
-        self.core_share.working(True)
-        try:
-            yield
-        finally:
-            self.core_share.working(False)
+    group, beside the training calls."""
 
     @ray.method(concurrency_group="weights")
     def weights_address(self) -> str:
@@ -87,15 +59,13 @@ class StoreTrainer(TrainerActor):
     node it runs on, and uploads each new version to the store from there (:meth:`save_version`)."""
 
     def __init__(self, store: StoreConfig, run: str, agent: str, version: int, prepare: Callable | None = None,
-                 core_share: tuple[int, float] | None = None, **options) -> None:
+                 **options) -> None:
         """``prepare``: the agent's version 0 is missing; ``prepare(threads)`` makes it here first, with this
-        actor's resources and device, while the engines start (bootstrap/policies.py: ``base_policy_makers``).
-        ``core_share``: see :meth:`TrainerActor.share_cores`."""
+        actor's resources and device, while the engines start (bootstrap/policies.py: ``base_policy_makers``)."""
         self.prepared = None if prepare is None else prepare(options.get("num_threads"))
         self.store, self.run, self.agent = ExperienceStore(store), run, agent
         super().__init__(str(self.store.require_policy(run, agent, version)), version,
                          **with_local_base(self.store, run, agent, options))
-        self.share_cores(core_share)
 
     def base_policy(self):
         """The ``BasePolicy`` this trainer prepared (None: version 0 was already in the store)."""

@@ -33,7 +33,6 @@ from marl_pipeline.inference.engine import (
     completion_of,
     engine_prompt,
 )
-from marl_pipeline.policy.cores import CoreShare, share_directory
 from marl_pipeline.policy.transfer import Endpoint, Layout, SyncGroup
 
 
@@ -77,11 +76,7 @@ class _Reload:
 class AsyncRolloutEngine:
     """One agent's vLLM engine behind per-request coroutines; construct as an async Ray actor (``workers.py``)."""
 
-    def __init__(self, model_dir: str, version: int, core_share: tuple[int, float] | None = None,
-                 **engine_options) -> None:
-        """``core_share``: (the node's cores, this engine's weight): its threads follow the actors working at each
-        step (policy/cores.py), built with all the cores; None: the fixed ``threads`` of ``engine_options``."""
-        self._core_share = core_share
+    def __init__(self, model_dir: str, version: int, **engine_options) -> None:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._running: dict[str, _Request] = {}  # engine thread only
@@ -192,8 +187,7 @@ class AsyncRolloutEngine:
         self._received = None
         return version
 
-    async def restart(self, model_dir: str, version: int, *, adapter_dir: str | None = None,
-                      core_share: tuple[int, float] | None = None, **settings) -> bool:
+    async def restart(self, model_dir: str, version: int, *, adapter_dir: str | None = None, **settings) -> bool:
         """``RolloutEngine.restart`` through the engine thread (a weight reload), with the prefix-cache counts of
         the launch that kept this engine reset."""
         weights = self._engine.restart_weights(model_dir, adapter_dir, settings)
@@ -262,16 +256,9 @@ class AsyncRolloutEngine:
 
     # -- the engine thread ------------------------------------------------------------------------
     def _loop(self, model_dir: str, version: int, engine_options: dict, built: threading.Event) -> None:
-        cores = None
         try:
-            if self._core_share is not None:  # vLLM sizes its CPU kernels' scratch by the threads it starts with
-                engine_options = {**engine_options, "threads": self._core_share[0]}
             self._engine = RolloutEngine(model_dir, version, **engine_options)
             self._core = self._engine.llm.llm_engine
-            if self._core_share is not None:
-                import ray
-
-                cores = CoreShare(share_directory(ray.get_runtime_context().gcs_address), *self._core_share)
         except BaseException as error:
             self._failure = error
             raise
@@ -280,8 +267,6 @@ class AsyncRolloutEngine:
         try:
             while not self._closed:
                 if not self._busy():
-                    if cores is not None:
-                        cores.working(False)
                     self._wake.wait()
                 self._wake.clear()
                 while True:
@@ -292,8 +277,6 @@ class AsyncRolloutEngine:
                 if self._reload is not None and not self._running:
                     self._finish_reload()
                 if self._busy():
-                    if cores is not None:
-                        cores.working(True)
                     began = time.perf_counter()
                     outputs = self._core.step()
                     share = (time.perf_counter() - began) / max(len(self._running), 1)
