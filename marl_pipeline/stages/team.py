@@ -73,6 +73,7 @@ def evaluate_team(env: Environment, engines: dict[str, ray.actor.ActorHandle], s
         versions.add(version)
         for e, completion in enumerate(completions):
             chats.record(e, role, completion.text, completion.response_ids)
+            # a reply that fails leaves the turn without one and the episode goes on, as in rollout
             observation, _ = observe_reply(env, role, cases[e // n].task, [*episodes[e], Turn(role, completion.text)])
             episodes[e].append(Turn(role, completion.text, observation))
     if len(versions) > 1:  # the team is measured at one version: every engine must serve it throughout

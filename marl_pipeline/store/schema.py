@@ -205,7 +205,9 @@ EVALUATIONS = pa.schema(
         pa.field("case", pa.int32()),  # index of the case in the agent's held-out set
         pa.field("task_id", pa.string()),
         pa.field("task", pa.string()),  # JSON
-        pa.field("transcript", pa.string()),  # JSON list of {role, text, observation}: the turns before the agent's
+        # JSON list of {role, text, observation}: the turns before the agent's; agent "team" (stages/team.py): a list
+        # of such lists, the case's sampled episodes
+        pa.field("transcript", pa.string()),
         pa.field("label", pa.string()),
         pa.field("prompt_text", pa.string()),
         pa.field("response_text", pa.string()),
