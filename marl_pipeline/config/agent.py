@@ -16,6 +16,17 @@ def adapter_of_turn(turn_adapters: dict[str, list[int]], own_turn: int) -> str |
     return next((name for name, turns in turn_adapters.items() if own_turn in turns), None)
 
 
+def episode_adapters(turn_adapters: dict[str, dict[str, list[int]]], turn_order: list[str]) -> list[str | None]:
+    """The named adapter that serves each turn of an episode (None: the policy's weights alone), from every agent's
+    ``turn_adapters``."""
+    spoken: dict[str, int] = {}
+    adapters = []
+    for role in turn_order:
+        own = spoken[role] = spoken.get(role, -1) + 1
+        adapters.append(adapter_of_turn(turn_adapters.get(role, {}), own))
+    return adapters
+
+
 class EngineConfig(StrictModel):
     """Rollout engine (vLLM) settings for one agent."""
 

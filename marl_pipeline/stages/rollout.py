@@ -26,7 +26,7 @@ import numpy as np
 import ray
 
 from marl_pipeline.config import ExperimentConfig
-from marl_pipeline.config.agent import adapter_of_turn
+from marl_pipeline.config.agent import episode_adapters
 from marl_pipeline.environment import Environment, Task, Turn
 from marl_pipeline.hooks import hooks_of
 from marl_pipeline.inference.chat import ChatSession, ChatTokenizer, fetched_chat_tokenizer
@@ -60,12 +60,7 @@ class RolloutSettings:
 
     def episode_adapters(self, turn_order: list[str]) -> list[str | None]:
         """The named adapter that serves each turn of an episode (None: the policy's weights alone)."""
-        spoken: dict[str, int] = {}
-        adapters = []
-        for role in turn_order:
-            own = spoken[role] = spoken.get(role, -1) + 1
-            adapters.append(adapter_of_turn(self.turn_adapters.get(role, {}), own))
-        return adapters
+        return episode_adapters(self.turn_adapters, turn_order)
 
 
 def plan_tasks(env: Environment, key: MicroBatchKey, seed: int, count: int) -> list[Task]:

@@ -17,14 +17,13 @@ episodes as the transcript (JSON: a list of episodes, each a list of turns), the
 from __future__ import annotations
 
 import json
-from collections import Counter
 from dataclasses import asdict
 
 import numpy as np
 import pyarrow as pa
 import ray
 
-from marl_pipeline.config.agent import adapter_of_turn
+from marl_pipeline.config.agent import episode_adapters
 from marl_pipeline.environment import TEAM, Environment, Turn
 from marl_pipeline.hooks import hooks_of
 from marl_pipeline.inference.engine import GenerationRequest
@@ -58,17 +57,15 @@ def evaluate_team(env: Environment, engines: dict[str, ray.actor.ActorHandle], s
     n = settings.team_samples
     episodes: list[list[Turn]] = [[] for _ in range(len(cases) * n)]  # episode e plays case e // n
     chats = engine_chat_session(env, engines)
-    spoken: Counter = Counter()
+    adapters = episode_adapters(settings.turn_adapters, env.turn_order)  # per turn: the named adapter serving it
     versions = set()
     for turn, role in enumerate(env.turn_order):
-        adapter = adapter_of_turn(settings.turn_adapters.get(role, {}), spoken[role])
-        spoken[role] += 1
         seeds = np.random.SeedSequence([settings.seed, EVALUATION_STREAM, TEAM_STREAM, turn]).generate_state(
             len(episodes))
         requests = [chats.request(e, role, turn, env.render_prompt(role, cases[e // n].task, episode))
                     for e, episode in enumerate(episodes)]
         version, completions = ray.get(engines[role].generate.remote(
-            [GenerationRequest(request, int(seed), settings.max_new_tokens, settings.temperature, adapter)
+            [GenerationRequest(request, int(seed), settings.max_new_tokens, settings.temperature, adapters[turn])
              for request, seed in zip(requests, seeds)]))
         versions.add(version)
         for e, completion in enumerate(completions):
