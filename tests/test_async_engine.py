@@ -134,3 +134,28 @@ def test_an_engine_given_a_kv_cache_size_holds_that_many_tokens(local_ray, tiny_
         local_ray.kill(handle)
     wanted = 0.01 * 2**30 / token_bytes
     assert wanted - 128 < tokens <= wanted  # whole 128-token blocks of the CPU backend
+
+
+def test_a_sleeping_engine_refuses_requests_until_the_next_version_wakes_it(local_ray, engine,
+                                                                            tiny_model_dir: Path) -> None:
+    """The engine side of an agent whose engine and trainer take turns on its GPUs (cluster/colocation.py); on a CPU
+    vLLM's sleep pauses its scheduler alone (level 0)."""
+    running = engine.generate_one.remote("long", GenerationRequest(PROMPT, 3, 120, 1.0, ignore_eos=True))
+    while local_ray.get(engine.unfinished_requests.remote()) == 0:
+        time.sleep(0.001)
+    with pytest.raises(Exception, match="cannot sleep with 1 requests running"):
+        local_ray.get(engine.sleep.remote())
+    local_ray.get(running)
+    local_ray.get(engine.sleep.remote())
+    local_ray.get(engine.sleep.remote())  # asleep already: nothing more
+    with pytest.raises(Exception, match="the engine is asleep, its GPUs lent to its agent's trainer"):
+        local_ray.get(engine.generate_one.remote("asleep", GenerationRequest(PROMPT, 1, 4, 1.0)))
+    version = local_ray.get(engine.policy_version.remote())
+    trainer = PolicyTrainer(str(tiny_model_dir), 0, lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2,
+                            seed=0, num_threads=1)
+    assert trainer.offload() == trainer.onload() == 0  # on a CPU the trainer has no GPU memory to give back
+    local_ray.get(engine.load_weights.remote(local_ray.put(trainer.named_weights()), version + 1))
+    woken = local_ray.get(engine.generate_one.remote("woken", GenerationRequest(PROMPT, 1, 4, 1.0)))
+    assert woken.version == version + 1
+    ((slept, woke),) = local_ray.get(engine.turns.remote())
+    assert slept < woke

@@ -47,19 +47,14 @@ def test_a_split_engine_reserves_whole_gpus_in_its_placement_group() -> None:
 
 
 PROBE = textwrap.dedent("""
-    import json, os, shutil, sys
+    import json, os, sys
     import ray
     from marl_pipeline.cluster.spawn import split_engine_bundles, split_engine_options
     from marl_pipeline.cluster.trainers import start_sharded_trainer
-    from marl_pipeline.config import EngineConfig, StoreConfig, TrainerConfig
-    from marl_pipeline.store import ExperienceStore
+    from marl_pipeline.config import EngineConfig, TrainerConfig
+    from tests import logical_gpus
 
-    model, root = sys.argv[1], sys.argv[2]
-    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False)
-    store = ExperienceStore(StoreConfig(uri=root))
-    staging = store.staging_policy_dir("r", "solver", 0)
-    shutil.copytree(model, staging, dirs_exist_ok=True)
-    store.commit_policy(staging, "r", "solver", 0)
+    store = logical_gpus.start(sys.argv[1], sys.argv[2])
     # A trainer on 2 workers of 1 GPU each: every rank sees its own GPU (and trains on the CPU: none is real)
     trainer = TrainerConfig(workers=2, num_gpus=1, num_cpus=0.5)
     leader, group = start_sharded_trainer(trainer, {}, store.config, "r", "solver", 0, lr=1e-3, weight_decay=0.0,

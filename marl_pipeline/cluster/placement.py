@@ -21,7 +21,7 @@ checked the same way, and a resource no node offers is named at once (Ray would 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from marl_pipeline.config import ExperimentConfig
 
@@ -58,6 +58,9 @@ class ActorRequest:
     """Whether the CPU request was a default scaled down to fit the machine."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources (``ray.engine_resources`` / ``trainer_resources``): the nodes it may run on."""
+    colocated: str | None = None
+    """The agent whose engine and trainer share GPUs (``agents.<a>.colocated`` with GPUs), this actor being one of
+    them: each reserves half of every GPU it uses, and they are placed on one node together (cluster/colocation.py)."""
 
 
 def engine_names(agent: str, replicas: int) -> list[str]:
@@ -110,6 +113,7 @@ class PlacementPlan:
         """One line per actor and the totals, for Dagster metadata and the CLI."""
         lines = {actor.name: f"{actor.cpus:g} CPU, {actor.gpus:g} GPU" + (" (fitted)" if actor.fitted else "")
                  + "".join(f", {amount:g} {name}" for name, amount in sorted(actor.resources.items()))
+                 + (f", GPUs shared by {actor.colocated}'s engine and trainer" if actor.colocated else "")
                  for actor in self.actors}
         used = {r: sum(getattr(a, f"{r.lower()}s") for a in self.actors) for r in RESOURCES}
         lines["total"] = ", ".join(f"{used[r]:g} of {self.cluster.get(r, 0):g} {r}" for r in RESOURCES)
@@ -167,8 +171,10 @@ def _plan(config: ExperimentConfig, nodes: list[dict[str, float]], workers: int)
         if resident:  # one actor per worker: rank 0 is the agent's trainer, the others its ranks
             ranks = range(agent_config.trainer.workers)
             parts += [(trainer_name(agent, rank), "trainer", agent_config.trainer) for rank in ranks]
+        shares = agent_config.colocated and engine.num_gpus > 0  # an engine and a trainer rank on each GPU
         for name, role, settings in parts:
-            requests.append((ActorRequest(name, settings.num_cpus, settings.num_gpus, resources=custom[role]),
+            requests.append((ActorRequest(name, settings.num_cpus, settings.num_gpus * (0.5 if shares else 1.0),
+                                          resources=custom[role], colocated=agent if shares else None),
                              "num_cpus" in settings.model_fields_set))
     if not resident:  # a worker may serve any agent: it reserves the largest trainer request
         trainers = [agent_config.trainer for agent_config in config.agents.values()]
@@ -181,8 +187,8 @@ def _plan(config: ExperimentConfig, nodes: list[dict[str, float]], workers: int)
     spare = cluster["CPU"] - fixed_cpus
     if default_cpus > spare > 0:
         scale = spare / default_cpus
-        requests = [(r if explicit else ActorRequest(r.name, _round_down(r.cpus * scale), r.gpus, fitted=True,
-                                                     resources=r.resources), explicit) for r, explicit in requests]
+        requests = [(r if explicit else replace(r, cpus=_round_down(r.cpus * scale), fitted=True), explicit)
+                    for r, explicit in requests]
     actors = [request for request, _ in requests]
     _check_totals(config, actors, cluster, workers)
     _check_custom(actors, nodes)
@@ -263,9 +269,16 @@ def _custom_names(nodes: list[dict[str, float]]) -> str:
 
 
 def _check_nodes(actors: list[ActorRequest], nodes: list[dict[str, float]]) -> None:
-    """First-fit decreasing: every actor on a node with room for it (CPUs, GPUs and its custom resources)."""
+    """First-fit decreasing: every actor on a node with room for it (CPUs, GPUs and its custom resources); an agent's
+    colocated engine and trainer ranks as one, as their placement group packs them on one node."""
+    units = [actor for actor in actors if actor.colocated is None]
+    for agent in dict.fromkeys(actor.colocated for actor in actors if actor.colocated is not None):
+        shared = [actor for actor in actors if actor.colocated == agent]
+        units.append(ActorRequest(f"{agent}/engine+trainer", sum(a.cpus for a in shared), sum(a.gpus for a in shared),
+                                  resources={name: sum(a.resources.get(name, 0.0) for a in shared)
+                                             for a in shared for name in a.resources}))
     free = [dict(node) for node in nodes]
-    for actor in sorted(actors, key=lambda a: (a.gpus, a.cpus), reverse=True):
+    for actor in sorted(units, key=lambda a: (a.gpus, a.cpus), reverse=True):
         wanted = {"CPU": actor.cpus, "GPU": actor.gpus, **actor.resources}
         for node in free:
             if all(node.get(name, 0.0) + 1e-9 >= amount for name, amount in wanted.items() if amount > 0):

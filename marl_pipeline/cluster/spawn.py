@@ -24,11 +24,12 @@ from functools import partial
 from pathlib import Path
 
 import ray
+from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from marl_pipeline.actions.pool import ActionPool
 from marl_pipeline.bootstrap.policies import BasePolicy, make_on_ray
-from marl_pipeline.cluster import warm_actors
+from marl_pipeline.cluster import colocation, warm_actors
 from marl_pipeline.cluster.placement import assign_workers, bundle
 from marl_pipeline.cluster.trainers import StoreTrainer, remote_trainer, start_sharded_trainer
 from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, StoreConfig, TrainerConfig
@@ -160,12 +161,13 @@ def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: di
 
 
 def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int],
-                          replicas: int | None = None,
-                          after: dict[str, list] | None = None) -> dict[str, EngineReplicas]:
+                          replicas: int | None = None, after: dict[str, list] | None = None,
+                          shared: dict[str, PlacementGroup] | None = None) -> dict[str, EngineReplicas]:
     """Each agent's engine replicas (``agents.<name>.engine.replicas``, or ``replicas`` for every agent), serving the
     given policy version from the store once ``after[agent]`` is ready (see ``StoreAsyncEngine``); a replica that
-    dies is restarted the same way (inference/replicas.py)."""
-    after = after or {}
+    dies is restarted the same way (inference/replicas.py). ``shared``: the placement groups of the agents whose
+    engine and trainer share GPUs (cluster/colocation.py)."""
+    after, shared = after or {}, shared or {}
     rebalance = config.pipeline.rollout.rebalance_replicas
     budget = sum(agent.engine.replicas for agent in config.agents.values())
     sets = {}
@@ -174,13 +176,18 @@ def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, vers
         actor = engine_actor(engine, config.ray.engine_resources, StoreAsyncEngine)
         options = dict(gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
                        dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine),
-                       kv_cache_gib=engine.kv_cache_gib, tensor_parallel_size=engine.tensor_parallel_size)
+                       kv_cache_gib=engine.kv_cache_gib, tensor_parallel_size=engine.tensor_parallel_size,
+                       **({"sleep_mode": True} if agent_config.colocated else {}))
         # What a kept engine must have been started with to be taken instead of a new one (warm_actors.py).
         settings = ("engine", StoreAsyncEngine.__name__, engine.num_cpus, engine.num_gpus,
                     tuple(sorted(config.ray.engine_resources.items())), tuple(sorted(options.items())))
         spawn = partial(_spawn_engine, actor, settings, store.config, config.run, agent, options)
         release = warm_actors.release
-        if engine.tensor_parallel_size > 1:
+        if agent in shared:  # never kept: it holds a share of its agent's GPUs
+            spawn = partial(colocation.spawn_engine, actor, agent_config, shared[agent], store.config, config.run,
+                            agent, options)
+            release = colocation.release_engine
+        elif engine.tensor_parallel_size > 1:
             groups: dict = {}
             spawn = partial(_spawn_split_engine, actor, engine, config.ray.engine_resources, groups, store.config,
                             config.run, agent, options)
@@ -261,12 +268,14 @@ def trainer_options(config: ExperimentConfig, agent: str, store: ExperienceStore
 
 
 def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int],
-                   placement_groups: list | None = None, prepare: dict[str, Callable] | None = None) -> dict:
+                   placement_groups: list | None = None, prepare: dict[str, Callable] | None = None,
+                   shared: dict[str, PlacementGroup] | None = None) -> dict:
     """One torch trainer actor per agent (rank 0 of ``trainer.workers``, its placement group appended to
     ``placement_groups``), starting from the given policy version in the store, which ``prepare[agent]`` makes
     first in the actor where it is missing; with a trainer budget below the number of agents, that many trainer
-    workers, each serving its agents by swapping (nothing to prepare: see :func:`start_workers`)."""
-    prepare = prepare or {}
+    workers, each serving its agents by swapping (nothing to prepare: see :func:`start_workers`). ``shared`` as for
+    :func:`start_engine_replicas`."""
+    prepare, shared = prepare or {}, shared or {}
     if swapping(config):
         if prepare:
             raise ValueError(f"swapped trainers cannot prepare version 0 of {sorted(prepare)}: make it first")
@@ -276,12 +285,19 @@ def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: d
         trainer = agent_config.trainer
         options = {**trainer_options(config, agent, store), "num_threads": actor_threads(config, trainer),
                    "prepare": prepare.get(agent)}
+        if agent in shared and trainer.workers == 1:  # never kept: it holds a share of its agent's GPU
+            trainers[agent] = colocation.start_trainer(agent_config, shared[agent], store.config, config.run, agent,
+                                                       versions[agent], **options)
+            continue
         if trainer.workers > 1:  # never kept: its ranks meet once, in a placement group of their own
             if placement_groups is None:
                 raise ValueError(f"{agent} trains on {trainer.workers} workers: pass placement_groups, to remove "
                                  f"theirs with the run")
+            if agent in shared:  # each rank on half of one of the GPUs it shares with the engine
+                trainer = trainer.model_copy(update={"num_gpus": colocation.SHARE})
             trainers[agent], group = start_sharded_trainer(trainer, config.ray.trainer_resources, store.config,
-                                                           config.run, agent, versions[agent], **options)
+                                                           config.run, agent, versions[agent], group=shared.get(agent),
+                                                           **options)
             placement_groups.append(group)
             continue
         # A kept trainer is rebuilt whatever its options were (PolicyTrainer.restart): only its resources must match.
@@ -356,11 +372,14 @@ def start_workers(config: ExperimentConfig, store: ExperienceStore, versions: di
     if swapping(config) and prepare:
         warm_actors.stop_idle()  # the tasks reserve trainer CPUs: kept idle actors would hold them for ever
         made, prepare = make_on_ray(config, prepare), {}
-    groups: list = []
-    workers = Workers({}, start_trainers(config, store, versions, groups, prepare), placement_groups=groups)
+    shared = {agent: colocation.colocation_group(agent_config, config.ray.engine_resources,
+                                                 config.ray.trainer_resources)
+              for agent, agent_config in config.agents.items() if colocation.shares_gpus(agent_config)}
+    groups: list = list(shared.values())
+    workers = Workers({}, start_trainers(config, store, versions, groups, prepare, shared), placement_groups=groups)
     try:
         after = {agent: [workers.trainers[agent].base_policy.remote()] for agent in prepare}
-        workers.engines = start_engine_replicas(config, store, versions, after=after)
+        workers.engines = start_engine_replicas(config, store, versions, after=after, shared=shared)
         if action_pool is not None:
             workers.action_pool = ActionPool(action_pool)
         if reward_model is not None and config.reward_model is not None:

@@ -88,11 +88,14 @@ def with_local_base(store: ExperienceStore, run: str, agent: str, options: dict)
 
 
 def start_sharded_trainer(trainer: TrainerConfig, resources: dict[str, float], store: StoreConfig, run: str,
-                          agent: str, version: int, **options) -> tuple[ray.actor.ActorHandle, PlacementGroup]:
-    """An agent's trainer on ``trainer.workers`` actors, one bundle each (packed on as few nodes as fit); returns
-    rank 0, which starts the others, and the placement group (removing it stops them all)."""
-    group = ray.util.placement_group([bundle(trainer.num_cpus, trainer.num_gpus, resources)] * trainer.workers,
-                                     strategy="PACK")
+                          agent: str, version: int, group: PlacementGroup | None = None,
+                          **options) -> tuple[ray.actor.ActorHandle, PlacementGroup]:
+    """An agent's trainer on ``trainer.workers`` actors, rank k in bundle k of ``group`` (None: a group of its own, one
+    bundle a rank, packed on as few nodes as fit); returns rank 0, which starts the others, and the placement group
+    (removing it stops them all)."""
+    if group is None:
+        group = ray.util.placement_group([bundle(trainer.num_cpus, trainer.num_gpus, resources)] * trainer.workers,
+                                         strategy="PACK")
     leader = _rank_actor(trainer, resources, group, 0).remote(trainer, resources, group, store, run, agent, version,
                                                               **options)
     return leader, group
@@ -152,6 +155,12 @@ class ShardedTrainer(StoreTrainer):
 
     def save(self, directory: str) -> None:
         self._on_every_rank("save", directory)
+
+    def offload(self) -> int:
+        return sum(self._on_every_rank("offload"))
+
+    def onload(self) -> int:
+        return sum(self._on_every_rank("onload"))
 
     def completion_logprobs(self, *args) -> list[float]:
         return self._on_every_rank("completion_logprobs", *args)[0]

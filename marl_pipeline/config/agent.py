@@ -166,6 +166,31 @@ class AgentConfig(StrictModel):
     turn_adapters: dict[Annotated[str, Field(pattern=ADAPTER_NAME)], list[Annotated[int, Field(ge=0)]]] = Field(
         default_factory=dict)
     """Version 0's named frozen adapters and the agent's own turns (0: its first) each serves over the RL weights."""
+    colocated: bool = False
+    """The agent's engine and trainer share its GPUs and take turns (FlexMARL's agent-centric allocation): while the
+    trainer trains, the engine sleeps (vLLM's sleep level 1: KV cache freed, weights in host memory), and while the
+    engine samples, the trainer's weights, gradients and AdamW state wait in host memory (cluster/colocation.py).
+    Needs ``pipeline.mode: synchronous``, one engine replica, and ``trainer.workers`` equal to the engine's
+    ``tensor_parallel_size`` with one GPU each (trainer rank k shares GPU k with engine rank k). Without GPUs only
+    the turns are taken."""
+
+    @model_validator(mode="after")
+    def _colocated_shares_whole_gpus(self) -> AgentConfig:
+        if not self.colocated:
+            return self
+        engine, trainer = self.engine, self.trainer
+        if engine.replicas != 1:
+            raise ValueError(f"colocated: the engine and the trainer share the agent's GPUs, which one replica uses; "
+                             f"engine.replicas is {engine.replicas}")
+        if trainer.workers != engine.tensor_parallel_size:
+            raise ValueError(f"colocated: trainer rank k shares GPU k with engine rank k, so trainer.workers "
+                             f"({trainer.workers}) must equal engine.tensor_parallel_size "
+                             f"({engine.tensor_parallel_size})")
+        if (engine.num_gpus or trainer.num_gpus) and (trainer.num_gpus != 1 or engine.num_gpus != trainer.workers):
+            raise ValueError(f"colocated: each of the {trainer.workers} shared GPUs holds one engine rank and one "
+                             f"trainer rank: set trainer.num_gpus to 1 (it is {trainer.num_gpus:g}) and "
+                             f"engine.num_gpus to {trainer.workers} (it is {engine.num_gpus:g}), or both to 0 on a CPU")
+        return self
 
     @model_validator(mode="after")
     def _workers_train_full_weights(self) -> AgentConfig:

@@ -111,6 +111,8 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
         raise ConfigError(f"invalid config {source}:\n  ray.weight_sync: broadcast sends from each agent's own "
                           f"trainer actor, and ray.resident_trainers: {resident} swaps "
                           f"{len(config.agents)} agents through fewer trainers; use object_store with swapping")
+    if colocated := [name for name, agent in config.agents.items() if agent.colocated]:
+        _check_colocation(config, colocated, source)
     reward_model = config.reward_model
     if reward_model is not None:
         unknown = [name for name in reward_model.agents or [] if name not in roles]
@@ -130,6 +132,21 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
     except ValidationError as error:
         raise ConfigError(_format_validation_error(error, source).replace("\n  ", "\n  environment.options.")) from None
     return config
+
+
+def _check_colocation(config: ExperimentConfig, colocated: list[str], source: str) -> None:
+    """What agents whose engine and trainer share GPUs (``agents.<a>.colocated``) need of the rest of the config."""
+    why = None
+    if config.pipeline.mode != "synchronous":
+        why = ("pipeline.mode must be synchronous: an engine and a trainer sharing GPUs take turns, a whole step's "
+               "rollout then its training, and streaming overlaps them")
+    elif config.ray.weight_sync == "broadcast":
+        why = ("ray.weight_sync must be object_store: NCCL refuses two ranks of one group on one GPU, and the engine's "
+               "and the trainer's ranks share theirs")
+    elif (resident := config.ray.resident_trainers) is not None and resident < len(config.agents):
+        why = f"ray.resident_trainers: {resident} would swap their trainers out of the GPUs they share; leave it unset"
+    if why:
+        raise ConfigError(f"invalid config {source}:\n  agents {colocated} are colocated: {why}")
 
 
 def read_config_data(path: str | Path) -> dict[str, Any]:

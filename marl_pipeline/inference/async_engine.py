@@ -89,6 +89,8 @@ class AsyncRolloutEngine:
         self._prompt_tokens = self._cached_tokens = 0
         self._receiver: Endpoint | None = None  # this replica's side of its agent's weight broadcasts
         self._received: tuple[int, list] | None = None  # (version, named tensors) received, until served
+        self._asleep_since: float | None = None  # engine thread only: when it last slept, while asleep
+        self._turns: list[tuple[float, float]] = []  # (slept, woke) times: the GPUs lent to its trainer
         # The engine is built (and warmed up, as the batched RolloutEngine builds it) on the thread that steps it:
         # OpenMP's thread count is per thread, and vLLM's CPU attention fails a step computed with another count
         # than the one it was set up with ("Check failed: input->metadata->thread_num == thread_num (1 vs. 2)").
@@ -164,6 +166,17 @@ class AsyncRolloutEngine:
         if isinstance(result, BaseException):
             raise result
         return version
+
+    async def sleep(self) -> None:
+        """Lend the agent's GPUs to its trainer (``agents.<a>.colocated``): vLLM's sleep (``RolloutEngine.sleep_level``)
+        with no request running; requests are refused until :meth:`load_weights` wakes it with the next version."""
+        result = await self._call(self._sleep)
+        if isinstance(result, BaseException):
+            raise result
+
+    async def turns(self) -> list[tuple[float, float]]:
+        """When it slept and woke (``time.time()``), each time, for the run's timing and its tests."""
+        return list(self._turns)
 
     async def receive_weights(self, group: SyncGroup, rank: int, layout: Layout, version: int) -> int:
         """Receive ``version``'s weights from the agent's trainer as ``rank`` of ``group`` (policy/transfer.py) while
@@ -299,9 +312,22 @@ class AsyncRolloutEngine:
     def _held(self) -> list[_Request]:
         return self._reload.held if self._reload is not None else []
 
+    def _sleep(self, deliver: Callable[[object], None]) -> None:
+        if self._running or self._reload is not None:
+            deliver(RuntimeError(f"cannot sleep with {len(self._running)} requests running or a reload pending: the "
+                                 f"agent's rollout must be done before its trainer takes the GPUs"))
+            return
+        if self._asleep_since is None:
+            self._core.sleep(level=self._engine.sleep_level)
+            self._asleep_since = time.time()
+        deliver(None)
+
     def _add(self, request: _Request) -> None:
         if request.request_id in self._running:
             request.deliver(ValueError(f"request id {request.request_id!r} is already running"))
+        elif self._asleep_since is not None:
+            request.deliver(RuntimeError(f"request {request.request_id!r}: the engine is asleep, its GPUs lent to its "
+                                         f"agent's trainer (colocated); it wakes when it loads the next version"))
         elif self._reload is not None:
             self._reload.held.append(request)
         else:
@@ -337,6 +363,10 @@ class AsyncRolloutEngine:
     def _finish_reload(self) -> None:
         reload, self._reload = self._reload, None
         try:
+            if self._asleep_since is not None:  # woken by the version its trainer made meanwhile
+                self._core.wake_up(None if self._engine.sleep_level else ["scheduling"])
+                self._turns.append((self._asleep_since, time.time()))
+                self._asleep_since = None
             self._engine.load_weights(reload.named_tensors, reload.version)
         except Exception as error:
             reload.deliver(error)

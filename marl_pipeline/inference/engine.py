@@ -120,9 +120,10 @@ class RolloutEngine:
 
     def __init__(self, model_dir: str, version: int, *, gpu_memory_utilization: float, max_model_len: int,
                  dtype: str, seed: int, threads: int | None = None, adapter_dir: str | None = None,
-                 kv_cache_gib: float | None = None, tensor_parallel_size: int = 1) -> None:
+                 kv_cache_gib: float | None = None, tensor_parallel_size: int = 1, sleep_mode: bool = False) -> None:
         """``model_dir`` is a full model; with ``adapter_dir`` (a LoRA agent's version after 0, policy/lora.py)
-        ``model_dir`` is that agent's base and the engine serves the base with the adapters merged in."""
+        ``model_dir`` is that agent's base and the engine serves the base with the adapters merged in. ``sleep_mode``:
+        it gives its GPUs to its agent's trainer between rollouts (cluster/colocation.py)."""
         os.environ.update(ENGINE_ENV)
         if threads is not None:
             set_engine_threads(threads)
@@ -147,6 +148,8 @@ class RolloutEngine:
         self.llm = LLM(model=model_dir, **lora, dtype=engine_dtype(dtype),
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                        enforce_eager=True, seed=seed, max_num_seqs=MAX_NUM_SEQS,
+                       # vLLM frees GPU memory on sleep with its own allocator; CPUs have neither (it refuses them)
+                       enable_sleep_mode=sleep_mode and engine_device() == "cuda",
                        # Over several GPUs: vLLM's Ray workers, in the placement group this actor runs in (spawn.py)
                        tensor_parallel_size=tensor_parallel_size,
                        distributed_executor_backend="ray" if tensor_parallel_size > 1 else None,
@@ -163,7 +166,8 @@ class RolloutEngine:
         # What a restart must match to reuse this engine (cluster/warm_actors.py).
         self._settings = dict(gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                               dtype=dtype, seed=seed, threads=threads, kv_cache_gib=kv_cache_gib,
-                              tensor_parallel_size=tensor_parallel_size)
+                              tensor_parallel_size=tensor_parallel_size, sleep_mode=sleep_mode)
+        self.sleep_level = 1 if sleep_mode and engine_device() == "cuda" else 0  # 0: the scheduler paused alone
         self._fingerprint = model_fingerprint(model_dir)
         if adapter_dir is not None:
             from marl_pipeline.policy.lora import merged_checkpoint

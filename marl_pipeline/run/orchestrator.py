@@ -32,6 +32,7 @@ from functools import partial
 import pyarrow as pa
 import ray
 
+from marl_pipeline.cluster.colocation import Turns
 from marl_pipeline.cluster.spawn import Workers
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import Environment
@@ -46,6 +47,7 @@ from marl_pipeline.run.events import (
     StepFinished,
 )
 from marl_pipeline.run.launches import LaunchPlan
+from marl_pipeline.run.queues import StepBarrier, get_until_stopped, put_until_stopped
 from marl_pipeline.stages.evaluation import EvaluationSettings, is_evaluated
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.health import commit_step_health, signals_by_agent, stored_collapse
@@ -116,6 +118,7 @@ class Orchestrator:
         self._step_started: dict[int, float] = {}
         self._last_step_end: float | None = None  # when the previous StepFinished was put (None: none yet)
         self._grad_norms: dict[int, dict[str, float]] = defaultdict(dict)  # per step, of the agents stepped here
+        self.turns = Turns(config, workers.engines, workers.trainers)  # agents whose engine and trainer share GPUs
         for agent, replicas in workers.engines.items():  # a replica's death and restart, to the caller's log
             replicas.listener = partial(self._replica_changed, agent)
 
@@ -136,7 +139,7 @@ class Orchestrator:
             following = self.stages[i + 1].name if i + 1 < len(self.stages) else "policy_updates"
             threads += self._spawn(stage.name, stage.workers,
                                    partial(self._map_loop, stage, outboxes[i - 1], outboxes[i], following,
-                                           _StepBarrier(self.micro_batches, self.synchronous)),
+                                           StepBarrier(self.micro_batches, self.synchronous)),
                                    outboxes[i], consumers[i])
         threads += self._spawn("policy_updates", 1, partial(self._train_loop, outboxes[-1], publish))
         for agent in self.config.agents:
@@ -169,7 +172,7 @@ class Orchestrator:
 
     def _source_loop(self, stage: Stage, outbox: queue.Queue) -> None:
         """Rollout: each step's micro-batches once the staleness gate opens for the step."""
-        barrier = _StepBarrier(self.micro_batches, self.synchronous)
+        barrier = StepBarrier(self.micro_batches, self.synchronous)
         for step in self.steps():
             if not self._wait_until_served(step - self.staleness):
                 return  # the run stopped: the gate never opened, so this step must not be sampled
@@ -206,7 +209,7 @@ class Orchestrator:
                                  model_reward=self._model_reward)
 
     def _map_loop(self, stage: Stage, inbox: queue.Queue, outbox: queue.Queue, next_stage: str,
-                  barrier: _StepBarrier) -> None:
+                  barrier: StepBarrier) -> None:
         while (key := self._get(inbox)) is not None:
             if not self._run_stage(stage.name, key, stage.compute):
                 return
@@ -227,6 +230,8 @@ class Orchestrator:
                             return
                         arrived.add(item)
                     arrived.discard(key)
+                    if key.micro_batch == 0:  # the step's whole rollout is done (synchronous, for colocated agents)
+                        self.turns.to_trainer(learners)
                     # A committed partition (resumed launch) is not re-committed, but agents still on this
                     # step rebuild its gradient: gradients are not checkpointed.
                     if not self._run_stage(
@@ -241,6 +246,7 @@ class Orchestrator:
                     weights = (trainer.stage_weights if self._broadcast else trainer.named_weights).remote()
                     saved = (trainer.save_version.remote(step + 1)
                              if self.config.pipeline.checkpoint_due(step, self.plan.last_step) else None)
+                    self.turns.to_engine(agent)
                     publish[agent].put(PendingStep(step, applied, weights, saved, time.time()))
                     version[agent] = step + 1
         finally:
@@ -269,7 +275,7 @@ class Orchestrator:
                 upload = ray.get(pending.saved)
                 timing = StageTiming(pending.enqueued, started, time.time())
                 record = json.dumps({"step": pending.step, **asdict(timing), "sync_seconds": synced - applied,
-                                     **asdict(result)}).encode()
+                                     "engine_asleep": self.turns.last_turn(agent), **asdict(result)}).encode()
                 path = self.store.publish_policy(upload, {"timing.json": record})
                 # The newest version is kept (a resumed launch starts from it); evaluations use the engine's copy.
                 self.store.prune_policies(self.config.run, agent, self.config.store.retention)
@@ -356,20 +362,10 @@ class Orchestrator:
         """Blocking put that gives up when the run stops; records when ``item`` became ready for ``stage``."""
         if stage is not None:
             self._ready_at[(stage, item)] = time.time()
-        while not self._stop.is_set():
-            try:
-                box.put(item, timeout=0.2)
-                return
-            except queue.Full:
-                continue
+        put_until_stopped(box, item, self._stop)
 
     def _get(self, box: queue.Queue):
-        while not self._stop.is_set():
-            try:
-                return box.get(timeout=0.2)
-            except queue.Empty:
-                continue
-        return None
+        return get_until_stopped(box, self._stop)
 
     def _wait_until_served(self, needed: int) -> bool:
         """Wait until every engine serves version ``needed`` or newer: True, or False when the run stopped."""
@@ -377,24 +373,3 @@ class Orchestrator:
             while min(self._served.values()) < needed and not self._stop.is_set():
                 self._served_changed.wait(timeout=0.5)
             return not self._stop.is_set()
-
-
-class _StepBarrier:
-    """Forwards keys downstream: at once (streaming), or a whole step at a time (synchronous).
-
-    One barrier is shared by all workers of a stage, so a step completes whichever worker finishes last.
-    """
-
-    def __init__(self, micro_batches: int, synchronous: bool) -> None:
-        self.micro_batches, self.synchronous = micro_batches, synchronous
-        self.lock = threading.Lock()
-        self.done: dict[int, list[MicroBatchKey]] = defaultdict(list)
-
-    def add(self, key: MicroBatchKey) -> list[MicroBatchKey]:
-        if not self.synchronous:
-            return [key]
-        with self.lock:
-            self.done[key.step].append(key)
-            if len(self.done[key.step]) < self.micro_batches:
-                return []
-            return sorted(self.done.pop(key.step))

@@ -32,7 +32,7 @@ from marl_pipeline.policy.lora import (
     use_adapter,
 )
 from marl_pipeline.policy.precision import autocast, resolve_dtype
-from marl_pipeline.training import sharded
+from marl_pipeline.training import memory, sharded
 from marl_pipeline.training.batches import SUPERVISED_TERMS, StepResult, SupervisedBatch, TrainBatch, length_chunks
 from marl_pipeline.training.losses import (
     TokenTerms,
@@ -292,6 +292,19 @@ class PolicyTrainer:
         """Drop accumulated gradients without stepping (a recomputed micro-batch, a failed step)."""
         self.optimizer.zero_grad(set_to_none=True)
         self._step_tokens = self._step_sequences = 0
+
+    def offload(self) -> int:
+        """Weights, gradients, AdamW state and KL reference to host memory, freeing the GPU for the agent's engine
+        (``agents.<a>.colocated``); bytes moved, 0 on a CPU (nothing to free)."""
+        return self._move_state(torch.device("cpu"))
+
+    def onload(self) -> int:
+        """Back onto the trainer's GPU after :meth:`offload`; bytes moved."""
+        return self._move_state(self.device)
+
+    def _move_state(self, device: torch.device) -> int:
+        on_gpu = self.device_type == "cuda"
+        return memory.move_state([self.model, self.reference], self.optimizer, device) if on_gpu else 0
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """Detached copies of the parameters in Hugging Face naming, ready for an engine's reload (a LoRA agent's

@@ -108,3 +108,25 @@ def test_throughput_against_a_bare_torch_loop_and_peak_memory_against_the_estima
     print(json.dumps({name: figure}))  # BENCHMARKS.md takes its figures from here (pytest -s)
     assert figure["throughput_ratio"] >= 0.9, figure
     assert abs(peak / estimate - 1) <= 0.1, figure
+
+
+def test_an_offloaded_trainer_frees_its_gpu_and_steps_on_as_one_never_offloaded(model_dirs) -> None:
+    """A colocated agent's trainer between its turns (cluster/colocation.py): offloaded, its weights, gradients and
+    AdamW state leave the GPU (under 1% of the state stays allocated); loaded back, its next steps are bit for bit
+    those of a trainer that never left it."""
+    kept, moved = (_trainer(model_dirs["smollm2-135m"], "cuda", "bfloat16") for _ in range(2))
+    for step in range(3):
+        for trainer in (kept, moved):
+            trainer.accumulate(_batch(seed=step, rows=4))
+            trainer.apply_step()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        state = moved.offload()
+        freed = before - torch.cuda.memory_allocated()
+        assert state > 0 and freed >= 0.99 * state, (state, freed)
+        assert all(not param.is_cuda for param in moved.model.parameters())
+        assert moved.onload() == state
+    for a, b in zip(kept.model.parameters(), moved.model.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(kept.optimizer.state.values(), moved.optimizer.state.values()):
+        assert all(torch.equal(a[name], b[name]) for name in a)

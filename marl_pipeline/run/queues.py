@@ -1,0 +1,54 @@
+"""The queues between the orchestrator's stages: blocking puts and gets that give up once the run stops (a stage
+that failed elsewhere must not leave the others blocked for ever), and the step barrier of synchronous mode."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import defaultdict
+
+from marl_pipeline.store import MicroBatchKey
+
+POLL_S = 0.2
+"""How often a blocked put or get looks at the stop flag."""
+
+
+def put_until_stopped(box: queue.Queue, item: object, stop: threading.Event) -> None:
+    """``box.put(item)``, blocking until there is room or ``stop`` is set (then the item is dropped)."""
+    while not stop.is_set():
+        try:
+            box.put(item, timeout=POLL_S)
+            return
+        except queue.Full:
+            continue
+
+
+def get_until_stopped(box: queue.Queue, stop: threading.Event):
+    """``box.get()``, blocking until an item comes (returned) or ``stop`` is set (None)."""
+    while not stop.is_set():
+        try:
+            return box.get(timeout=POLL_S)
+        except queue.Empty:
+            continue
+    return None
+
+
+class StepBarrier:
+    """Forwards keys downstream: at once (streaming), or a whole step at a time (synchronous).
+
+    One barrier is shared by all workers of a stage, so a step completes whichever worker finishes last.
+    """
+
+    def __init__(self, micro_batches: int, synchronous: bool) -> None:
+        self.micro_batches, self.synchronous = micro_batches, synchronous
+        self.lock = threading.Lock()
+        self.done: dict[int, list[MicroBatchKey]] = defaultdict(list)
+
+    def add(self, key: MicroBatchKey) -> list[MicroBatchKey]:
+        if not self.synchronous:
+            return [key]
+        with self.lock:
+            self.done[key.step].append(key)
+            if len(self.done[key.step]) < self.micro_batches:
+                return []
+            return sorted(self.done.pop(key.step))

@@ -1,0 +1,96 @@
+"""Collapse caught as it happens (issue 31.2), on real launches (Ray, vLLM, torch) of a plugin with no evaluation
+hooks: a checker paid for saying "yes" whatever it is shown collapses onto "yes", and the step's warnings name it
+with its figures while the run goes on; the same plugin paid for a right verdict learns, and nothing is reported."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel, ConfigDict
+
+from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
+from marl_pipeline.config import HealthConfig, parse_config
+from marl_pipeline.environment import build_environment, register_environment
+from marl_pipeline.hooks import hooks_of
+from marl_pipeline.run.events import StepFinished
+from marl_pipeline.run.recipe import train
+from marl_pipeline.stages.health import collapse_warnings, recent_health
+from marl_pipeline.store import ExperienceStore
+from tests.conftest import small_config_data
+
+STEPS = 12
+
+
+class CheckerPaid:
+    """Tests-only plugin written as the issue's was: the demo's tasks, prompts and warm-up, and no evaluation hooks
+    (it delegates to ``arithmetic_check`` rather than inheriting them). ``paid_for_yes``: the checker's reward is
+    whether it said "yes" (a reward bug); otherwise whether its verdict is right."""
+
+    name = "checker_paid"
+    turn_order = ("solver", "verifier")
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        paid_for_yes: bool
+
+    def __init__(self, options: Options) -> None:
+        self.paid_for_yes = options.paid_for_yes
+        self.demo = ArithmeticCheck(ArithmeticOptions(warmup_accuracy=1.0, warmup_known_share=0.5))
+
+    def sample_tasks(self, rng, count):
+        return self.demo.sample_tasks(rng, count)
+
+    def render_prompt(self, role, task, transcript):
+        return self.demo.render_prompt(role, task, transcript)
+
+    def execute(self, task, transcript):
+        return self.demo.execute(task, transcript)
+
+    def score(self, task, transcript, results):
+        verdict = results[1].info["verdict"] == "yes" if self.paid_for_yes else results[1].success
+        return {"solver": float(results[0].success), "verifier": float(verdict)}
+
+    def text_corpus(self, rng, count):
+        return self.demo.text_corpus(rng, count)
+
+    def warmup_examples(self, role, rng, count):
+        return self.demo.warmup_examples(role, rng, count)
+
+
+register_environment(CheckerPaid)
+
+
+def _launch(demo_config_data: dict, store: Path, paid_for_yes: bool) -> tuple[list[StepFinished], ExperienceStore]:
+    data = small_config_data(demo_config_data, store, steps=STEPS, samples_per_prompt=8)
+    data["environment"] = {"name": CheckerPaid.name, "options": {"paid_for_yes": paid_for_yes}}
+    config = parse_config(data)
+    assert not hooks_of(build_environment(CheckerPaid.name, {"paid_for_yes": paid_for_yes})).evaluated
+    steps = [event for event in train(config) if isinstance(event, StepFinished)]
+    assert [event.step for event in steps] == list(range(STEPS))  # a warning never stops the run
+    return steps, ExperienceStore(config.store)
+
+
+@pytest.mark.parametrize("paid_for_yes", [True, False], ids=["paid-for-yes", "paid-for-right"])
+def test_a_checker_collapsing_onto_yes_is_reported_as_it_happens_and_a_learning_one_is_not(
+        local_ray, demo_config_data, tmp_path: Path, paid_for_yes: bool) -> None:
+    steps, store = _launch(demo_config_data, tmp_path / "store", paid_for_yes)
+    settings = HealthConfig()
+    for event in steps:  # what each step reported is what its stored signals say, read back as any reader would
+        assert event.warnings == collapse_warnings(recent_health(store, "demo", event.step, settings.steps), settings)
+    shares = [event.health["verifier"]["top_answer_share"] for event in steps]
+    if not paid_for_yes:
+        assert all(not event.warnings for event in steps), [event.warnings for event in steps]
+        assert max(shares) < settings.top_answer_share, shares
+        return
+    warned = [event for event in steps if event.warnings]
+    assert warned, shares
+    first = warned[0]
+    assert all(warning.startswith("verifier ") for event in warned for warning in event.warnings)
+    assert any(warning.startswith("verifier may be collapsing") for event in warned for warning in event.warnings)
+    # Reported at the first step whose last `steps` steps show it, not later; and it names those steps.
+    assert f"steps {first.step - settings.steps + 1}-{first.step}" in first.warnings[0]
+    assert all(not collapse_warnings(recent_health(store, "demo", step, settings.steps), settings)
+               for step in range(first.step))
+    assert shares[first.step] > settings.top_answer_share
+    assert all(event.warnings for event in steps[first.step:])  # collapsed, it stays reported
