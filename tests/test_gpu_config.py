@@ -35,6 +35,18 @@ def test_the_8_gpu_example_parses_and_plans_on_one_node() -> None:
         plan_placement(config, [{"CPU": 48.0, "GPU": 1.0}] * 8)
 
 
+def test_the_colocated_8_gpu_example_shares_each_gpu_between_an_engine_rank_and_a_trainer_rank() -> None:
+    config = parse_config(yaml.safe_load((ROOT / "configs" / "gpu_8x_llama1b_colocated.yaml").read_text()))
+    plan = plan_placement(config, [{"CPU": 96.0, "GPU": 8.0}])
+    assert plan.summary()["total"] == "40 of 96 CPU, 8 of 8 GPU"
+    assert {actor.name: actor.gpus for actor in plan.actors if actor.name.startswith("solver")} == {
+        "solver/engine": 2.0, **{f"solver/trainer{f'.{k}' if k else ''}": 0.5 for k in range(4)}}
+    # each agent's 4 shared GPUs on one node: two 4-GPU nodes hold the pairs, four 2-GPU nodes do not
+    plan_placement(config, [{"CPU": 48.0, "GPU": 4.0}] * 2)
+    with pytest.raises(PlacementError, match=r"solver/engine\+trainer needs 20 CPU and 4 GPU on one node"):
+        plan_placement(config, [{"CPU": 48.0, "GPU": 2.0}] * 4)
+
+
 def test_a_split_engine_reserves_whole_gpus_in_its_placement_group() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size 2 splits a replica over that many whole GPUs: set "
                                          "num_gpus to 2"):
