@@ -89,8 +89,9 @@ def test_an_agent_answering_yes_to_everything_is_caught_from_the_stored_signals_
     (warning,) = collapse_warnings(recent_health(drifting, "drift", 4, settings.steps), settings)
     assert warning.startswith("verifier may be collapsing") and "0.95, 0.95, 1.00" in warning
     assert "steps 2-4" in warning and "health.top_answer_share: 0.9" in warning
-    falling = _stored(tmp_path / "falling", "falling", [_step(s, share) for s, share in enumerate([1.0, 0.95, 0.95])])
-    assert collapse_warnings(recent_health(falling, "falling", 2, 3), settings) == []  # above 0.9, but recovering
+    recovering = _stored(tmp_path / "recovering", "recovering", [_step(s, share) for s, share in
+                                                                 enumerate([1.0, 0.95, 0.85])])
+    assert collapse_warnings(recent_health(recovering, "recovering", 2, 3), settings) == []  # under 0.9 at the end
     lenient = HealthConfig(top_answer_share=0.97, steps=2)
     assert collapse_warnings(recent_health(drifting, "drift", 4, 2), lenient) == []  # settings are thresholds
     flat = _stored(tmp_path / "flat", "flat", [_step(s, 0.5, rewarded=s > 0) for s in range(2)]

@@ -86,7 +86,7 @@ class HealthConfig(StrictModel):
     and figures."""
 
     top_answer_share: float = Field(0.9, gt=0, le=1)
-    """Above this share of one response over all the agent's responses of a step, not falling: the same answer to
+    """Above this share of one response over all the agent's responses of a step: the same answer to
     everything (the demo's verifier stays at 0.4-0.75 while it learns)."""
     zero_variance_groups: float = Field(0.95, gt=0, le=1)
     """Above this share of GRPO groups with equal rewards: almost no learning signal left."""

@@ -13,7 +13,6 @@ step's micro-batches) and its gradient norm. :func:`collapse_warnings` reads col
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from itertools import pairwise
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -89,7 +88,7 @@ def health_table(rollouts: list[dict], rewards: list[dict], updates: list[dict],
 def collapse_warnings(history: list[dict], settings: HealthConfig) -> list[str]:
     """What the agents' health rows of the last steps (dicts with ``step``, ``agent`` and the signals, any order)
     show collapsing, one message per agent and sign, naming the agent, the steps and the figures: the same answer
-    to every prompt (``top_answer_share`` above its threshold and not falling for ``settings.steps`` steps), or no
+    to every prompt (``top_answer_share`` above its threshold for ``settings.steps`` steps in a row), or no
     learning signal (``zero_variance_groups`` above its threshold for as many steps). Empty when too few steps."""
     warnings = []
     for agent in sorted({row["agent"] for row in history}):
@@ -99,10 +98,11 @@ def collapse_warnings(history: list[dict], settings: HealthConfig) -> list[str]:
             continue
         steps = f"steps {last[0]['step']}-{last[-1]['step']}"
         shares = [row["top_answer_share"] for row in last]
-        if (None not in shares and min(shares) > settings.top_answer_share
-                and all(a <= b for a, b in pairwise(shares))):
+        # Not "and rising": a checker paid for "yes" sat at 0.91-1.00 for 8 steps, and a monotone rule fired on
+        # one of them (tests/test_collapse_run.py).
+        if None not in shares and min(shares) > settings.top_answer_share:
             warnings.append(f"{agent} may be collapsing: the same response is {_figures(shares)} of its responses "
-                            f"over {steps} (health.top_answer_share: {settings.top_answer_share:g}), and not falling")
+                            f"over {steps} (health.top_answer_share: {settings.top_answer_share:g})")
         flat = [row["zero_variance_groups"] for row in last]
         if None not in flat and min(flat) > settings.zero_variance_groups:
             warnings.append(f"{agent} has almost no learning signal: {_figures(flat)} of its GRPO groups have equal "
