@@ -52,6 +52,19 @@ def test_signals_by_hand() -> None:
     assert verifier["loss_per_token"] is None and verifier["clip_fraction"] is None and verifier["grad_norm"] is None
 
 
+def test_a_collapsed_turn_shows_beside_an_agents_varied_one() -> None:
+    """SmolLM2's verifier works the sum out, then gives its verdict: when every verdict is "No", its workings still
+    differ, and the share over both turns would be one half (as measured on the benchmark's seed 1)."""
+    rollouts = [row for group in ("g1", "g2") for k in range(4) for row in (
+        _turn("verifier", group, f"{group}: {k} + 10 is {k + 10}.", [-1.0], turn=1),
+        _turn("verifier", group, "No", [-0.1], turn=2))]
+    rewards = [{"agent": "verifier", "group_id": group, "reward": float(k % 2)} for group in ("g1", "g2")
+               for k in range(4)]
+    (verifier,) = health_table(rollouts, rewards, [], {"verifier": 1}, {}).to_pylist()
+    assert verifier["top_answer_share"] == 1.0
+    assert verifier["top_response_share"] == pytest.approx((1 / 4 + 1) / 2)  # per prompt and turn, averaged
+
+
 def _step(step: int, yes_share: float, rewarded: bool = True, prompts: int = 20) -> pa.Table:
     """One step of a solver and a verifier, 4 samples per prompt. The verifier answers every sample of a prompt
     alike (sure of each answer), "yes" to the first ``yes_share`` of the prompts; without ``rewarded`` every group's

@@ -3,7 +3,7 @@ evaluation hooks needed): what shows one agent collapsing while the team's mean 
 
 Per agent: the share of GRPO groups whose rewards are all equal (they carry no learning signal), answer diversity
 (the share of distinct responses to one prompt and of its most frequent one, averaged over the prompts of its
-turns, and the share of its most frequent response over the whole step), the mean -log p of the sampled tokens
+turns, and the share of its most frequent response over the whole step, in the turn where it is highest), the mean -log p of the sampled tokens
 (an unbiased estimate of the policy's token entropy at temperature 1), response length and the share cut at the
 token limit, the update's loss per token, clip fraction and engine-vs-trainer mismatch (token-weighted over the
 step's micro-batches) and its gradient norm. :func:`collapse_warnings` reads collapse from them
@@ -72,9 +72,9 @@ def health_table(rollouts: list[dict], rewards: list[dict], updates: list[dict],
             "top_response_share": _mean([Counter(texts).most_common(1)[0][1] / len(texts)
                                          for texts in prompts.values()]),
             # Across prompts: a verifier sure of each answer has a top share of 1 per prompt, one that says "yes" to
-            # everything has it over the step.
-            "top_answer_share": (Counter(row["response_text"] for row in sampled).most_common(1)[0][1] / len(sampled)
-                                 if sampled else None),
+            # everything has it over the step. Per turn, the highest: SmolLM2's verifier said "No" to 48 of 48 in its
+            # verdict turn while its workings kept the share over both turns at 0.5 (BENCHMARKS.md, seed 1).
+            "top_answer_share": max((_top_share(texts) for texts in _by_turn(sampled).values()), default=None),
             "token_entropy": -sum(sum(row["logprobs"]) for row in sampled) / tokens if tokens else None,
             "response_length": tokens / len(sampled) if sampled else None,
             "truncated_share": _mean([row["finish_reason"] == "length" for row in sampled]),
@@ -102,7 +102,7 @@ def collapse_warnings(history: list[dict], settings: HealthConfig) -> list[str]:
         # one of them (tests/test_collapse_run.py).
         if None not in shares and min(shares) > settings.top_answer_share:
             warnings.append(f"{agent} may be collapsing: the same response is {_figures(shares)} of its responses "
-                            f"over {steps} (health.top_answer_share: {settings.top_answer_share:g})")
+                            f"in one turn over {steps} (health.top_answer_share: {settings.top_answer_share:g})")
         flat = [row["zero_variance_groups"] for row in last]
         if None not in flat and min(flat) > settings.zero_variance_groups:
             warnings.append(f"{agent} has almost no learning signal: {_figures(flat)} of its GRPO groups have equal "
@@ -120,6 +120,17 @@ def recent_health(store: ExperienceStore, run: str, step: int, steps: int) -> li
     keys = [MicroBatchKey(run, s, 0) for s in range(max(0, step - steps + 1), step + 1)]
     return [{"step": key.step, **row} for key in keys if store.is_committed("health", key)
             for row in store.read("health", key).to_pylist()]
+
+
+def _by_turn(rows: list[dict]) -> dict[int, list[str]]:
+    turns = defaultdict(list)
+    for row in rows:
+        turns[row["turn"]].append(row["response_text"])
+    return turns
+
+
+def _top_share(texts: list[str]) -> float:
+    return Counter(texts).most_common(1)[0][1] / len(texts)
 
 
 def _figures(values: list[float]) -> str:

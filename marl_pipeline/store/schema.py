@@ -227,7 +227,8 @@ HEALTH = pa.schema(
         pa.field("zero_variance_groups", pa.float32()),  # share of groups whose rewards are all equal: no signal
         pa.field("distinct_responses", pa.float32()),  # mean share of distinct responses to one prompt
         pa.field("top_response_share", pa.float32()),  # mean share of a prompt's most frequent response
-        pa.field("top_answer_share", pa.float32()),  # share of the step's most frequent response, over all prompts
+        pa.field("top_answer_share", pa.float32()),  # the step's most frequent response's share, over all prompts,
+        # in the agent's turn where it is highest
         pa.field("token_entropy", pa.float32()),  # mean -log p of the sampled tokens (the entropy's estimate)
         pa.field("response_length", pa.float32()),  # mean response tokens
         pa.field("truncated_share", pa.float32()),  # share of responses cut at the token limit
