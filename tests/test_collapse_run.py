@@ -93,5 +93,6 @@ def test_a_checker_collapsing_onto_yes_is_reported_as_it_happens_and_a_learning_
     (collapsing,) = [warning for warning in first.warnings if warning.startswith("verifier may be collapsing")]
     window = shares[first.step - settings.steps + 1:first.step + 1]
     assert min(window) > settings.top_answer_share
-    assert f"the same response is {', '.join(f'{share:.2f}' for share in window)} of its responses in one turn over steps " \
-           f"{first.step - settings.steps + 1}-{first.step}" in collapsing
+    figures = ", ".join(f"{share:.2f}" for share in window)
+    assert (f"the same response is {figures} of its responses in one turn over steps "
+            f"{first.step - settings.steps + 1}-{first.step}") in collapsing

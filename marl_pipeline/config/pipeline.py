@@ -75,16 +75,6 @@ class RolloutConfig(StrictModel):
 
     rebalance_replicas: bool = False
     """Between steps, split the engine replicas by each agent's tokens (needs equal engine resources)."""
-    concurrency: int = Field(1, ge=1, le=16)
-    """Micro-batches sampled at once: the next one's first turns keep an engine busy while the last one's later turns
-    wait on another agent's engine."""
-
-    @model_validator(mode="after")
-    def _rebalance_between_micro_batches(self) -> RolloutConfig:
-        if self.rebalance_replicas and self.concurrency > 1:
-            raise ValueError("rebalance_replicas resizes the engines between steps with no request in flight: it needs "
-                             f"concurrency 1 (it is {self.concurrency})")
-        return self
 
 
 

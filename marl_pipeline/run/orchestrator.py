@@ -100,7 +100,7 @@ class Orchestrator:
         self._model_reward = (ModelReward.from_settings(settings, pool.score)
                               if pool is not None and settings is not None else None)
         self.stages = [
-            Stage("rollouts", self._rollout, pipeline.rollout.concurrency),
+            Stage("rollouts", self._rollout, 1),
             Stage("environment_results", self._environment, pipeline.environment_concurrency),
             Stage("rewards", self._reward, pipeline.reward_concurrency),
         ]
@@ -133,10 +133,8 @@ class Orchestrator:
         consumers = [stage.workers for stage in self.stages[1:]] + [1]
         publish = {agent: queue.Queue() for agent in self.config.agents}
         first = self.stages[0]
-        keys = iter([key for step in self.steps() for key in self.keys(step)])  # shared by the rollout workers
-        threads = self._spawn(first.name, first.workers,
-                              partial(self._source_loop, first, outboxes[0], keys, threading.Lock(),
-                                      StepBarrier(self.micro_batches, self.synchronous)), outboxes[0], consumers[0])
+        threads = self._spawn(first.name, first.workers, partial(self._source_loop, first, outboxes[0]),
+                              outboxes[0], consumers[0])
         for i, stage in enumerate(self.stages[1:], start=1):
             following = self.stages[i + 1].name if i + 1 < len(self.stages) else "policy_updates"
             threads += self._spawn(stage.name, stage.workers,
@@ -172,23 +170,21 @@ class Orchestrator:
     def keys(self, step: int) -> list[MicroBatchKey]:
         return [MicroBatchKey(self.config.run, step, mb) for mb in range(self.micro_batches)]
 
-    def _source_loop(self, stage: Stage, outbox: queue.Queue, keys: Iterator[MicroBatchKey], lock: threading.Lock,
-                     barrier: StepBarrier) -> None:
-        """Rollout: each step's micro-batches once the staleness gate opens for the step; each worker takes the next
-        key (``rollout.concurrency``)."""
-        while True:
-            with lock:
-                key = next(keys, None)
-            if key is None or not self._wait_until_served(key.step - self.staleness):
-                return  # done, or the run stopped: the gate never opened, so this step must not be sampled
-            self._step_started.setdefault(key.step, time.time())
-            if self.config.pipeline.rollout.rebalance_replicas and key.step > 0 and key.micro_batch == 0:
-                self._rebalance_replicas(key.step - 1)
-            self._ready_at[(stage.name, key)] = time.time()
-            if not self._run_stage(stage.name, key, stage.compute):
-                return
-            for ready in barrier.add(key):
-                self._put(outbox, ready, self.stages[1].name)
+    def _source_loop(self, stage: Stage, outbox: queue.Queue) -> None:
+        """Rollout: each step's micro-batches once the staleness gate opens for the step."""
+        barrier = StepBarrier(self.micro_batches, self.synchronous)
+        for step in self.steps():
+            if not self._wait_until_served(step - self.staleness):
+                return  # the run stopped: the gate never opened, so this step must not be sampled
+            self._step_started.setdefault(step, time.time())
+            if self.config.pipeline.rollout.rebalance_replicas and step > 0:
+                self._rebalance_replicas(step - 1)
+            for key in self.keys(step):
+                self._ready_at[(stage.name, key)] = time.time()
+                if not self._run_stage(stage.name, key, stage.compute):
+                    return
+                for ready in barrier.add(key):
+                    self._put(outbox, ready, self.stages[1].name)
 
     def _rebalance_replicas(self, previous: int) -> None:
         """FlexMARL's inter-agent level: the replica budget split by each agent's tokens in step ``previous``; run

@@ -3,11 +3,11 @@ evaluation hooks needed): what shows one agent collapsing while the team's mean 
 
 Per agent: the share of GRPO groups whose rewards are all equal (they carry no learning signal), answer diversity
 (the share of distinct responses to one prompt and of its most frequent one, averaged over the prompts of its
-turns, and the share of its most frequent response over the whole step, in the turn where it is highest), the mean -log p of the sampled tokens
-(an unbiased estimate of the policy's token entropy at temperature 1), response length and the share cut at the
-token limit, the update's loss per token, clip fraction and engine-vs-trainer mismatch (token-weighted over the
-step's micro-batches) and its gradient norm. :func:`collapse_warnings` reads collapse from them
-(``health.*`` settings).
+turns, and the share of its most frequent response over the whole step, in the turn where it is highest), the mean
+-log p of the sampled tokens (an unbiased estimate of the policy's token entropy at temperature 1), response length
+and the share cut at the token limit, the update's loss per token, clip fraction and engine-vs-trainer mismatch
+(token-weighted over the step's micro-batches) and its gradient norm. :func:`collapse_warnings` reads collapse from
+them (``health.*`` settings).
 """
 
 from __future__ import annotations
