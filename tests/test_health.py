@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from marl_pipeline.config import HealthConfig
-from marl_pipeline.stages.health import collapse_warnings, health_table, recent_health
+from marl_pipeline.stages.health import collapse_warnings, health_table, recent_health, started_warnings
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 
 
@@ -141,3 +141,15 @@ def test_the_health_collapse_check_fails_with_the_agent_and_passes_before(tmp_pa
     assert verdicts[2].passed and "no agent gives one response" in verdicts[2].description
     assert not verdicts[4].passed and verdicts[4].severity == dg.AssetCheckSeverity.WARN
     assert verdicts[4].description.startswith("verifier may be collapsing")
+
+
+def test_a_streak_is_logged_as_it_starts_not_at_each_of_its_steps() -> None:
+    collapsing = "verifier may be collapsing: the same response is {} of its responses in one turn over steps {}"
+    flat = "solver has almost no learning signal: 1.00, 1.00, 1.00 of its GRPO groups have equal rewards over {}"
+    step_4 = [collapsing.format("0.95, 0.95, 1.00", "2-4")]
+    step_5 = [collapsing.format("0.95, 1.00, 1.00", "3-5"), flat.format("steps 3-5")]
+    assert started_warnings([], step_4) == step_4
+    assert started_warnings(step_4, step_5) == [step_5[1]]  # the verifier's goes on; the solver's starts
+    assert started_warnings(step_5, step_5) == []
+    assert started_warnings(step_5, step_4) == []  # the solver's ended
+    assert started_warnings([], step_4) == step_4  # and the verifier's, once over, is said again when it recurs

@@ -110,6 +110,13 @@ def collapse_warnings(history: list[dict], settings: HealthConfig) -> list[str]:
     return warnings
 
 
+def started_warnings(previous: list[str], current: list[str]) -> list[str]:
+    """The warnings of ``current`` whose agent and sign ("verifier may be collapsing") ``previous``, the step
+    before's, did not have: what a log says as a streak starts rather than at each of its steps."""
+    ongoing = {warning.split(":", 1)[0] for warning in previous}
+    return [warning for warning in current if warning.split(":", 1)[0] not in ongoing]
+
+
 def stored_collapse(store: ExperienceStore, run: str, step: int, settings: HealthConfig) -> list[str]:
     """:func:`collapse_warnings` at ``step``, from the stored health of the steps up to it."""
     return collapse_warnings(recent_health(store, run, step, settings.steps), settings)
