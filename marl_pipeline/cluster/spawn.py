@@ -177,7 +177,7 @@ def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, vers
         options = dict(gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
                        dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine),
                        kv_cache_gib=engine.kv_cache_gib, tensor_parallel_size=engine.tensor_parallel_size,
-                       **({"sleep_mode": True} if agent_config.colocated else {}))
+                       sleep_mode=agent_config.colocated)
         # What a kept engine must have been started with to be taken instead of a new one (warm_actors.py).
         settings = ("engine", StoreAsyncEngine.__name__, engine.num_cpus, engine.num_gpus,
                     tuple(sorted(config.ray.engine_resources.items())), tuple(sorted(options.items())))
