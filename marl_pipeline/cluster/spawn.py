@@ -298,7 +298,8 @@ def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: d
             trainers[agent], group = start_sharded_trainer(trainer, config.ray.trainer_resources, store.config,
                                                            config.run, agent, versions[agent], group=shared.get(agent),
                                                            **options)
-            placement_groups.append(group)
+            if agent not in shared:  # a shared group is already the run's (start_workers)
+                placement_groups.append(group)
             continue
         # A kept trainer is rebuilt whatever its options were (PolicyTrainer.restart): only its resources must match.
         settings = ("trainer", trainer.num_cpus, trainer.num_gpus, tuple(sorted(config.ray.trainer_resources.items())))
