@@ -89,8 +89,8 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
             context.log_event(dg.AssetMaterialization(asset_key="health", partition=step_key(config.run, event.step),
                                                       metadata=health_metadata(event.health)))
             context.log_event(collapse_evaluation(config.run, event.step, event.warnings, config.health))
-            # Logged (and so on the `marl` CLI) as a streak starts, not at each of its steps: the demo's verifier has 50
-            # in a row without reward variance. The health check fails at every one of them.
+            # Logged (and so on the `marl` CLI) as a streak starts, not at each of its steps, which can be dozens; the
+            # health check fails at every one of them.
             for warning in started_warnings(reported, event.warnings):
                 context.log.warning(f"{STEP_PREFIX}{event.step}: {warning} (not repeated while it lasts)")
             reported = event.warnings

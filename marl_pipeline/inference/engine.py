@@ -145,11 +145,13 @@ class RolloutEngine:
             # vLLM's own CPU LoRA ops copy every token's adapter weights, and give a request without an adapter
             # the last slot's (inference/cpu_lora_ops.py).
             install()
+        # vLLM frees GPU memory on sleep with its own allocator and refuses sleep mode on a CPU, where the turns
+        # pause its scheduler alone (sleep level 0)
+        self.sleep_level = 1 if sleep_mode and engine_device() == "cuda" else 0
         self.llm = LLM(model=model_dir, **lora, dtype=engine_dtype(dtype),
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                        enforce_eager=True, seed=seed, max_num_seqs=MAX_NUM_SEQS,
-                       # vLLM frees GPU memory on sleep with its own allocator; CPUs have neither (it refuses them)
-                       enable_sleep_mode=sleep_mode and engine_device() == "cuda",
+                       enable_sleep_mode=self.sleep_level == 1,
                        # Over several GPUs: vLLM's Ray workers, in the placement group this actor runs in (spawn.py)
                        tensor_parallel_size=tensor_parallel_size,
                        distributed_executor_backend="ray" if tensor_parallel_size > 1 else None,
@@ -167,7 +169,6 @@ class RolloutEngine:
         self._settings = dict(gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                               dtype=dtype, seed=seed, threads=threads, kv_cache_gib=kv_cache_gib,
                               tensor_parallel_size=tensor_parallel_size, sleep_mode=sleep_mode)
-        self.sleep_level = 1 if sleep_mode and engine_device() == "cuda" else 0  # 0: the scheduler paused alone
         self._fingerprint = model_fingerprint(model_dir)
         if adapter_dir is not None:
             from marl_pipeline.policy.lora import merged_checkpoint

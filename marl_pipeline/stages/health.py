@@ -72,8 +72,8 @@ def health_table(rollouts: list[dict], rewards: list[dict], updates: list[dict],
             "top_response_share": _mean([Counter(texts).most_common(1)[0][1] / len(texts)
                                          for texts in prompts.values()]),
             # Across prompts: a verifier sure of each answer has a top share of 1 per prompt, one that says "yes" to
-            # everything has it over the step. Per turn, the highest: SmolLM2's verifier said "No" to 48 of 48 in its
-            # verdict turn while its workings kept the share over both turns at 0.5 (BENCHMARKS.md, seed 1).
+            # everything has it over the step. Per turn, the highest: a collapsed verdict turn beside varied workings
+            # would be diluted over both (docs/ARCHITECTURE.md, "Dagster").
             "top_answer_share": max((_top_share(texts) for texts in _by_turn(sampled).values()), default=None),
             "token_entropy": -sum(sum(row["logprobs"]) for row in sampled) / tokens if tokens else None,
             "response_length": tokens / len(sampled) if sampled else None,
@@ -98,8 +98,7 @@ def collapse_warnings(history: list[dict], settings: HealthConfig) -> list[str]:
             continue
         steps = f"steps {last[0]['step']}-{last[-1]['step']}"
         shares = [row["top_answer_share"] for row in last]
-        # Not "and rising": a checker paid for "yes" sat at 0.91-1.00 for 8 steps, and a monotone rule fired on
-        # one of them (tests/test_collapse_run.py).
+        # Above the threshold alone, not also rising: real shares jitter near 1 (docs/ARCHITECTURE.md, "Dagster")
         if None not in shares and min(shares) > settings.top_answer_share:
             warnings.append(f"{agent} may be collapsing: the same response is {_figures(shares)} of its responses "
                             f"in one turn over {steps} (health.top_answer_share: {settings.top_answer_share:g})")
