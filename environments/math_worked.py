@@ -85,7 +85,8 @@ class MathChatWorkedOptions(MathChatOptions):
     groups every step, the working in one or two a step, and the verdict's gradients set the size of every update
     (BENCHMARKS.md). Below 1 a right working weighs more against the verdict in each update. Measured after the
     cold start on seed 0 it changed nothing: the working was right in 1 of 768 samples, so it had no advantage to
-    weigh up."""
+    weigh up. 0: the verdict is not trained in RL; it keeps its cold start (``warmup.adapter``), and RL's adapters,
+    which it shares with the working, move it only as the working's training does."""
     working_weight: float = Field(0.5, ge=0, le=1)
     """Share of the verifier's episode reward paid for its working being right; the rest pays a verdict that agrees
     with its working."""
