@@ -63,13 +63,17 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
     instance.add_dynamic_partitions(RUNS.name, [config.run])
     timeline = TimelineRecorder()  # what the run report needs of each event; the events themselves are dropped
     reported: list[str] = []  # the last step's collapse warnings (the health check still fails on every step)
+    previews: dict = {}  # per micro-batch, its committed rollouts' text columns until its rewards commit
     for event in train(config):
         timeline.add(event)
         if isinstance(event, StageCommitted):
             key = event.key
             # A rewards partition's episode preview shows the conversation with its rewards: the micro-batch's
-            # rollouts are committed by then (one small read, text columns only).
-            rollouts = store.read("rollouts", key, columns=PREVIEW_COLUMNS) if event.stage == "rewards" else None
+            # rollouts, committed before (their event's table; read from the store if this launch resumed past them).
+            if event.stage == "rollouts":
+                previews[key] = event.table.select(PREVIEW_COLUMNS)
+            rollouts = (previews.pop(key, None) or store.read("rollouts", key, columns=PREVIEW_COLUMNS)
+                        if event.stage == "rewards" else None)
             context.log_event(dg.AssetMaterialization(
                 asset_key=event.stage, partition=stage_partition(key.run, key.step, key.micro_batch),
                 metadata=stage_metadata(event.stage, event.path, event.seconds, event.table, rollouts)))

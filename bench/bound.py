@@ -22,9 +22,9 @@ For each ``--staleness``, in one process run:
 Step time / bound is the issue's ratio (tiny model: at most 1.5; SmolLM2: at most 1.1 at staleness 0, below 1 at
 staleness 1). Per micro-batch, the stage table compares each stage's span with the bare work replayed for it
 (rollouts: generation; policy_updates: forward/backward); the difference is what the pipeline adds. It also shows
-what of the span the actors' own work covers, from the launch's stored rows (``own_work``: requests out, the
-trainers' compute); the rest is the pipeline's overhead (issue 28.2): store reads and commits, hand-overs, the
-driver's loop between a turn's result and its next request.
+what of the span the stage's own work covers, from the launch's stored rows (``own_work``: requests out, the
+plugin's execution and scoring, the trainers' compute); the rest is the pipeline's overhead (issue 28.2): store
+reads and commits, hand-overs, the driver's loop between a turn's result and its next request.
 
     .venv/bin/python bench/bound.py configs/demo.yaml --steps 6 --staleness 0 1 --warmup-steps 20
     .venv/bin/python bench/bound.py configs/demo.yaml --steps 3 --staleness 0 1 --warmup-steps 0 \
@@ -78,10 +78,11 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
             elif isinstance(event, StageCommitted):
                 t = event.timing
                 spans[event.stage].append((event.key.step, event.key.micro_batch, t.enqueued, t.started, t.ended,
-                                           own_work(event.stage, event.table), engine_steps(event.stage, event.table)))
+                                           own_work(event.stage, event.table), engine_steps(event.stage, event.table),
+                                           event.committed - t.ended))
             elif isinstance(event, PolicyCommitted):
                 t = event.timing
-                spans["optimizer_step"].append((event.step, -1, t.enqueued, t.started, t.ended, None, None))
+                spans["optimizer_step"].append((event.step, -1, t.enqueued, t.started, t.ended, None, None, 0.0))
             elif isinstance(event, StepFinished):
                 steps_seen.append((event.step, event.seconds))
                 print(f"  step {event.step}: {event.seconds:.3f} s", flush=True)
@@ -141,18 +142,27 @@ def utilisation_by_phase(samples: list, spans: dict, measured: list[int]) -> dic
             for name, (seconds, busy, every) in sorted(phases.items())}
 
 
+# The columns holding each row's own work, per stage: the interval the driver saw it computed (rollouts: a turn's
+# request out, engine steps and the call's round trip; environment_results: the plugin's execution of the micro-batch;
+# rewards: each episode's scoring).
+WORK_INTERVALS = {"rollouts": ("rollout_start", "rollout_end"),
+                  "environment_results": ("environment_start", "environment_end"),
+                  "rewards": ("reward_start", "reward_end")}
+
+
 def own_work(stage: str, table) -> float | None:
-    """Seconds of a stage's span its actors' work covers, from the rows it committed: for rollouts, the time at least
-    one turn's request was out (the union of the turns' rollout_start -> rollout_end, as the driver saw them:
-    engine steps and the calls' round trips); for policy_updates, the slowest trainer's own compute
-    (``compute_seconds``, measured in its actor; the trainers run side by side). None: not recorded."""
+    """Seconds of a stage's span its own work covers, from the rows it committed: for rollouts, environment_results
+    and rewards, the union of the rows' work intervals (``WORK_INTERVALS``); for policy_updates, the slowest
+    trainer's own compute (``compute_seconds``, measured in its actor; the trainers run side by side). What is left
+    of the span is the pipeline's: reads, commits, hand-overs, Ray calls. None: not recorded."""
     if stage == "policy_updates":
         seconds = [s for s in table.column("compute_seconds").to_pylist() if s is not None]
         return max(seconds) if seconds else None
-    if stage != "rollouts" or not table.num_rows:
+    if stage not in WORK_INTERVALS or not table.num_rows:
         return None
-    intervals = sorted(zip((t.timestamp() for t in table.column("rollout_start").to_pylist()),
-                           (t.timestamp() for t in table.column("rollout_end").to_pylist())))
+    begin_column, end_column = WORK_INTERVALS[stage]
+    intervals = sorted(zip((t.timestamp() for t in table.column(begin_column).to_pylist()),
+                           (t.timestamp() for t in table.column(end_column).to_pylist())))
     covered, (start, end) = 0.0, intervals[0]
     for begin, finish in intervals[1:]:
         if begin > end:
@@ -308,7 +318,10 @@ def stage_table(spans: dict, steps: list[int], generation: dict, passes: dict) -
                      "own_work_ms": round(1000 * statistics.mean(own), 1) if own else None,
                      # rollouts: the busiest engine's steps; the rest of "own work" is calls and idle engine time
                      "engine_steps_ms": round(1000 * statistics.mean(engine), 1) if engine else None,
-                     "overhead_ms": round(1000 * statistics.mean(s[4] - s[3] - (s[5] or 0.0) for s in chosen), 1),
+                     # the commit's write follows the span (StageCommitted.committed): overhead too
+                     "commit_ms": round(1000 * statistics.mean(s[7] for s in chosen), 1),
+                     "overhead_ms": round(1000 * statistics.mean(s[4] - s[3] - (s[5] or 0.0) + s[7] for s in chosen),
+                                          1),
                      "wait_ms": round(1000 * statistics.mean(s[3] - s[2] for s in chosen), 1),
                      "bare_work_ms": None if bare is None else round(1000 * statistics.mean(bare), 1),
                      "added_ms": round(1000 * statistics.mean(span) - (1000 * statistics.mean(bare) if bare else 0),
@@ -410,13 +423,13 @@ def main() -> None:
               f"{r['training_s']}), {r['bound']}; other: {r['bounds']} | {r['ratio']} |")
     for r in results:
         print(f"\nstaleness {r['staleness']}, per micro-batch (means over steps after 0):")
-        print("| stage | span (ms) | wait (ms) | bare work (ms) | added (ms) | actors' own work (ms) "
-              "| busiest engine's steps (ms) | overhead (ms) |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| stage | span (ms) | wait (ms) | bare work (ms) | added (ms) | own work (ms) "
+              "| busiest engine's steps (ms) | commit (ms) | overhead: span - own work + commit (ms) |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for row in r["stages"]:
             print(f"| {row['stage']} | {row['span_ms']} | {row['wait_ms']} | {row['bare_work_ms'] or '-'} | "
                   f"{row['added_ms']} | {row['own_work_ms'] or '-'} | {row['engine_steps_ms'] or '-'} | "
-                  f"{row['overhead_ms']} |")
+                  f"{row['commit_ms']} | {row['overhead_ms']} |")
         print(f"overhead, all stages: {sum(row['overhead_ms'] for row in r['stages'] if row['stage'] in STAGES):.1f} "
               f"ms per micro-batch (bar 2: at most 50)")
         print("| phase (bar 5) | share of the time | the node's CPU utilisation |")

@@ -25,7 +25,7 @@ class StageTiming:
     """When the micro-batch became ready for the stage (its inputs committed, or the gate opened)."""
     started: float
     ended: float
-    """When its output was committed."""
+    """When its output was computed; the commit's write follows (``StageCommitted.committed``)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class StageCommitted:
     path: Path | str
     timing: StageTiming
     table: pa.Table = field(repr=False)
+    committed: float | None = None
+    """When the commit's write finished (epoch seconds): ``committed - timing.ended`` is the write."""
 
     @property
     def seconds(self) -> float:

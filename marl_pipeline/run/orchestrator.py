@@ -55,6 +55,7 @@ from marl_pipeline.stages.reward import ModelReward, score_micro_batch
 from marl_pipeline.stages.training import train_micro_batch
 from marl_pipeline.stages.trajectories import sample_micro_batch, token_demand
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
+from marl_pipeline.store.recent import RecentCommits
 from marl_pipeline.store.schema import with_stage_timing
 
 
@@ -96,6 +97,8 @@ class Orchestrator:
         self.micro_batches = pipeline.micro_batches_per_step
         self.synchronous = pipeline.mode == "synchronous"
         self.staleness = 0 if self.synchronous else pipeline.staleness
+        # Every stage's partitions from rollout to training: what the next stages read back (store/recent.py).
+        self.recent = RecentCommits(store, 4 * self.micro_batches * (self.staleness + 2))
         pool, settings = workers.reward_pool, config.reward_model
         self._model_reward = (ModelReward.from_settings(settings, pool.score)
                               if pool is not None and settings is not None else None)
@@ -189,7 +192,7 @@ class Orchestrator:
     def _rebalance_replicas(self, previous: int) -> None:
         """FlexMARL's inter-agent level: the replica budget split by each agent's tokens in step ``previous``; run
         by the rollout thread between steps, so none of its requests is in flight."""
-        tables = [self.store.read("rollouts", key, columns=["agent", "prompt_ids", "response_ids"])
+        tables = [self.recent.read("rollouts", key, columns=["agent", "prompt_ids", "response_ids"])
                   for key in self.keys(previous)]
         demand = token_demand(pa.concat_tables(tables), list(self.config.agents))
         engines = self.workers.engines
@@ -201,11 +204,11 @@ class Orchestrator:
         return sample_micro_batch(self.env, self.workers.engines, key, self.config, self.workers.action_pool)
 
     def _environment(self, key: MicroBatchKey) -> pa.Table:
-        return execute_micro_batch(self.env, self.store.read("rollouts", key), pool=self.workers.action_pool)
+        return execute_micro_batch(self.env, self.recent.read("rollouts", key), pool=self.workers.action_pool)
 
     def _reward(self, key: MicroBatchKey) -> pa.Table:
-        return score_micro_batch(self.env, self.store.read("rollouts", key),
-                                 self.store.read("environment_results", key), self.config.algorithm.advantage,
+        return score_micro_batch(self.env, self.recent.read("rollouts", key),
+                                 self.recent.read("environment_results", key), self.config.algorithm.advantage,
                                  model_reward=self._model_reward)
 
     def _map_loop(self, stage: Stage, inbox: queue.Queue, outbox: queue.Queue, next_stage: str,
@@ -236,7 +239,7 @@ class Orchestrator:
                     # step rebuild its gradient: gradients are not checkpointed.
                     if not self._run_stage(
                             "policy_updates", key,
-                            partial(train_micro_batch, self.store, trainers={a: trainers[a] for a in learners},
+                            partial(train_micro_batch, self.recent, trainers={a: trainers[a] for a in learners},
                                     drop_zero_advantage_groups=self.config.algorithm.drop_zero_advantage_groups),
                             recompute_if_committed=bool(learners)):
                         return  # no optimizer step on a partly accumulated gradient
@@ -294,7 +297,8 @@ class Orchestrator:
             since = now - (self._last_step_end if self._last_step_end is not None else first_rollout)
             self._last_step_end = now
         versions = {agent: step + 1 for agent in self.config.agents}  # step s makes version s + 1
-        health = commit_step_health(self.store, self.config.run, step, versions, self._grad_norms.pop(step, {}))
+        health = commit_step_health(self.recent, self.config.run, step, versions, self._grad_norms.pop(step, {}),
+                                    self.keys(step))
         return StepFinished(step, self.step_rewards(step), since, now - first_rollout, signals_by_agent(health),
                             stored_collapse(self.store, self.config.run, step, self.config.health))
 
@@ -305,7 +309,7 @@ class Orchestrator:
 
     def step_rewards(self, step: int) -> dict[str, float]:
         """Mean episode reward of each agent over a step's committed micro-batches."""
-        tables = [self.store.read("rewards", key, columns=["agent", "reward"]) for key in self.keys(step)]
+        tables = [self.recent.read("rewards", key, columns=["agent", "reward"]) for key in self.keys(step)]
         table = pa.concat_tables(tables).group_by("agent").aggregate([("reward", "mean")])
         return dict(zip(table.column("agent").to_pylist(), table.column("reward_mean").to_pylist()))
 
@@ -327,8 +331,8 @@ class Orchestrator:
         table = compute(key)
         timing = StageTiming(enqueued, started, time.time())
         table = with_stage_timing(table, timing.enqueued, timing.started, timing.ended)
-        path = self.store.commit(stage, key, table)
-        self._events.put(StageCommitted(stage, key, path, timing, table))
+        path = self.recent.commit(stage, key, table)
+        self._events.put(StageCommitted(stage, key, path, timing, table, time.time()))
         return True
 
     def _spawn(self, name: str, workers: int, target: Callable[[], None], outbox: queue.Queue | None = None,

@@ -19,6 +19,7 @@ import pyarrow.dataset as ds
 
 from marl_pipeline.config import HealthConfig
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
+from marl_pipeline.store.recent import RecentCommits
 from marl_pipeline.store.schema import HEALTH
 
 ROLLOUT_COLUMNS = ["agent", "group_id", "turn", "response_text", "response_ids", "logprobs", "finish_reason"]
@@ -28,23 +29,27 @@ HEALTH_SIGNALS = [field.name for field in HEALTH if field.name not in ("policy_v
 """The signals proper (not the row's version and group count), as events, logs and plots show them."""
 
 
-def step_health(store: ExperienceStore, run: str, step: int, versions: dict[str, int],
-                grad_norms: dict[str, float | None]) -> pa.Table:
-    """The health table of ``step`` (one row per agent of ``versions``: the version each agent's update made)."""
-    this_step = ds.field("step") == step
-    rollouts, rewards, updates = (store.read_stage(run, stage, columns=columns, filter=this_step).to_pylist()
-                                  for stage, columns in (("rollouts", ROLLOUT_COLUMNS), ("rewards", REWARD_COLUMNS),
-                                                         ("policy_updates", UPDATE_COLUMNS)))
-    return health_table(rollouts, rewards, updates, versions, grad_norms)
+def step_health(store: ExperienceStore | RecentCommits, run: str, step: int, versions: dict[str, int],
+                grad_norms: dict[str, float | None], keys: list[MicroBatchKey] | None = None) -> pa.Table:
+    """The health table of ``step`` (one row per agent of ``versions``: the version each agent's update made).
+    ``keys``: the step's micro-batches, read one by one; else the stage is scanned for the step, which opens every
+    committed partition's manifest (72 ms a step by step 100 of the demo)."""
+    def rows(stage: str, columns: list[str]) -> list[dict]:
+        if keys is None:
+            return store.read_stage(run, stage, columns=columns, filter=ds.field("step") == step).to_pylist()
+        return pa.concat_tables([store.read(stage, key, columns=columns) for key in keys]).to_pylist()
+
+    return health_table(rows("rollouts", ROLLOUT_COLUMNS), rows("rewards", REWARD_COLUMNS),
+                        rows("policy_updates", UPDATE_COLUMNS), versions, grad_norms)
 
 
-def commit_step_health(store: ExperienceStore, run: str, step: int, versions: dict[str, int],
-                       grad_norms: dict[str, float | None]) -> pa.Table:
+def commit_step_health(store: ExperienceStore | RecentCommits, run: str, step: int, versions: dict[str, int],
+                       grad_norms: dict[str, float | None], keys: list[MicroBatchKey] | None = None) -> pa.Table:
     """:func:`step_health`, committed as the ``health`` partition of the step (once: a committed one is read)."""
     key = MicroBatchKey(run, step, 0)
     if store.is_committed("health", key):
         return store.read("health", key)
-    table = step_health(store, run, step, versions, grad_norms)
+    table = step_health(store, run, step, versions, grad_norms, keys)
     store.commit("health", key, table)
     return table
 

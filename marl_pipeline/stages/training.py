@@ -17,11 +17,12 @@ import pyarrow.compute as pc
 import ray
 
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
+from marl_pipeline.store.recent import RecentCommits
 from marl_pipeline.store.schema import POLICY_UPDATES, with_agent
 from marl_pipeline.training.batches import TrainBatch
 
 
-def train_batch_for(store: ExperienceStore, key: MicroBatchKey, agent: str,
+def train_batch_for(store: ExperienceStore | RecentCommits, key: MicroBatchKey, agent: str,
                     drop_zero_advantage_groups: bool = False) -> TrainBatch:
     """One agent's shard of a micro-batch, in ``sample_id`` order (so recomputations sum in the same order)."""
     rollouts = store.read("rollouts", key, agent=agent,
@@ -66,8 +67,8 @@ def issue_order(agents: list[str], micro_batch: int) -> list[str]:
     return list(reversed(agents)) if micro_batch % 2 else list(agents)
 
 
-def train_micro_batch(store: ExperienceStore, key: MicroBatchKey, trainers: dict[str, ray.actor.ActorHandle],
-                      drop_zero_advantage_groups: bool = False) -> pa.Table:
+def train_micro_batch(store: ExperienceStore | RecentCommits, key: MicroBatchKey,
+                      trainers: dict[str, ray.actor.ActorHandle], drop_zero_advantage_groups: bool = False) -> pa.Table:
     """Accumulate every agent's gradient for one micro-batch (in parallel); one stats row per agent."""
     refs = {agent: trainers[agent].accumulate.remote(train_batch_for(store, key, agent, drop_zero_advantage_groups))
             for agent in issue_order(list(trainers), key.micro_batch)}

@@ -120,7 +120,7 @@ class ExperienceStore:
         already committed is replaced whole. Returns the partition's directory (a URI on S3).
         """
         target = self.partition_path(stage, key)
-        body, agents = self._validated(stage, key, table)
+        body, agents = self.validated(stage, key, table)
         attempt = commits.new_attempt()
         local = self.location.local
         directory = f"{target.rsplit('/', 1)[0]}/_staging-micro_batch={key.micro_batch}-{attempt}" if local else target
@@ -150,7 +150,8 @@ class ExperienceStore:
                                                                         commits.GRACE_SECONDS))
         return Path(target) if local else self.location.uri_of(target)
 
-    def _validated(self, stage: str, key: MicroBatchKey, table: pa.Table) -> tuple[pa.Table, pa.ChunkedArray]:
+    def validated(self, stage: str, key: MicroBatchKey, table: pa.Table) -> tuple[pa.Table, pa.ChunkedArray]:
+        """The table as a commit stores it (the stage's schema and types) and its agent column; bad input raises."""
         schema, what = DATASET_SCHEMAS[stage], f"{stage} {key}"
         if "agent" not in table.column_names:
             raise StoreError(f"{what}: the table to commit has no 'agent' column")
