@@ -119,7 +119,7 @@ def test_two_nodes_pin_sync_and_survive_the_loss_of_the_trainers_node(cluster, d
     import ray
 
     address, start_worker, nodes = cluster
-    steps, micro_batches = 3, 2
+    steps, micro_batches = 5, 2  # the node dies at step 1 with steps to go: 3 steps ended before the kill landed
     data = small_config_data(demo_config_data, tmp_path, steps=steps, micro_batches_per_step=micro_batches)
     data["store"] = {"uri": f"s3://marl/{tmp_path.name}", "endpoint_url": s3_endpoint, "region": "us-east-1",
                      "access_key_id": "testing", "secret_access_key": "testing"}  # each node caches in its own cwd

@@ -33,7 +33,7 @@ def step_health(store: ExperienceStore | RecentCommits, run: str, step: int, ver
                 grad_norms: dict[str, float | None], keys: list[MicroBatchKey] | None = None) -> pa.Table:
     """The health table of ``step`` (one row per agent of ``versions``: the version each agent's update made).
     ``keys``: the step's micro-batches, read one by one; else the stage is scanned for the step, which opens every
-    committed partition's manifest (72 ms a step by step 100 of the demo)."""
+    committed partition's manifest: a cost that grows with the run."""
     def rows(stage: str, columns: list[str]) -> list[dict]:
         if keys is None:
             return store.read_stage(run, stage, columns=columns, filter=ds.field("step") == step).to_pylist()

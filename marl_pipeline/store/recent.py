@@ -1,12 +1,10 @@
 """Reads of what this process just committed, answered from memory (the orchestrator's stages).
 
-Each micro-batch's stage output is committed to the store and then read back by the next stages in the same
-process: the environment stage reads the rollouts, the reward stage the rollouts and the environment results, the
-train stage each agent's rollouts and rewards. On the tiny demo those reads were a quarter of what the pipeline
-adds per micro-batch (BENCHMARKS.md, issue 28.2). :class:`RecentCommits` commits through the store as before and
-keeps the committed table, so a read of a recent partition costs a projection and a filter of it in memory; the
-table is the one written, so the read returns what the store would (tested against ``ExperienceStore.read``). A
-partition it no longer holds (a resumed launch's, or one pushed out by newer ones) is read from the store.
+The next stages read each micro-batch's partitions back right after the orchestrator commits them (environment:
+the rollouts; reward: those and the environment results; train: each agent's rollouts and rewards), each read a
+pyarrow dataset over local disk or S3 (BENCHMARKS.md, issue 28.2). :class:`RecentCommits` commits through the store
+and keeps the table as stored, so such a read is a filter and a projection in memory and returns what the store's
+would; a partition it no longer holds (a resumed launch's, one pushed out by newer ones) is read from the store.
 """
 
 from __future__ import annotations
