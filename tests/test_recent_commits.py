@@ -18,9 +18,10 @@ def test_a_recent_read_is_the_stores(tmp_path: Path, agent: str | None, columns:
     store = ExperienceStore(str(tmp_path / "store"))
     recent = RecentCommits(store, capacity=4)
     key = MicroBatchKey("r", 0, 0)
-    # Agents interleaved, rewards as float64 (the schema's float32) and model_score missing: the stored table is
-    # cast, padded and grouped by agent, and the one held must be too.
+    # Agents interleaved (as large strings), rewards as float64 (the schema's float32) and model_score missing: the
+    # stored table is cast, padded and grouped by agent, and the one held must be too.
     table = _rewards(["verifier", "solver"], 0.25, per_agent=3)
+    table = table.set_column(table.column_names.index("agent"), "agent", table.column("agent").cast(pa.large_string()))
     assert "model_score" not in table.column_names and table.schema.field("reward").type == pa.float64()
     recent.commit("rewards", key, table)
     held, stored = recent.read("rewards", key, agent=agent, columns=columns), store.read("rewards", key, agent, columns)

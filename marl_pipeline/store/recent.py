@@ -37,7 +37,9 @@ class RecentCommits:
         the order of the partition's files."""
         path = self.store.commit(stage, key, table)
         body, agents = self.store.validated(stage, key, table)
-        body = body.append_column(pa.field("agent", PARTITION_SCHEMA.field("agent").type), agents)
+        agent_type = PARTITION_SCHEMA.field("agent").type  # the type a read gives the partition column
+        agents = agents.cast(agent_type)
+        body = body.append_column(pa.field("agent", agent_type), agents)
         stored = pa.concat_tables([body.filter(pc.equal(agents, agent))
                                    for agent in sorted(pc.unique(agents).to_pylist())]) if body.num_rows else body
         with self._lock:
