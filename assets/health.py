@@ -29,8 +29,9 @@ def health(context: dg.AssetExecutionContext, experiment: ExperimentResource,
     from marl_pipeline.stages.health import commit_step_health, signals_by_agent
 
     run, step = parse_version_key(context.partition_key)
-    agents = experiment.load().agents
-    table = commit_step_health(store.open(), run, step, {agent: step + 1 for agent in agents}, {})
+    config = experiment.load()
+    table = commit_step_health(store.open(), run, step, {agent: step + 1 for agent in config.agents}, {},
+                               config.pipeline.micro_batches_per_step)
     return dg.MaterializeResult(metadata=health_metadata(signals_by_agent(table)))
 
 

@@ -122,7 +122,8 @@ def test_each_step_records_every_agents_health_as_stored(trained) -> None:
     for record in records:
         step = int(record.asset_materialization.partition.rsplit("-", 1)[1])
         stored = store.read("health", MicroBatchKey("small", step, 0)).to_pylist()
-        again = step_health(store, "small", step, {"solver": step + 1, "verifier": step + 1}, {}).to_pylist()
+        again = step_health(store, "small", step, {"solver": step + 1, "verifier": step + 1}, {},
+                            MICRO_BATCHES).to_pylist()
         metadata = record.asset_materialization.metadata
         for row, recomputed in zip(stored, again):
             assert row["policy_version"] == step + 1 and row["groups"] == MICRO_BATCHES * 4

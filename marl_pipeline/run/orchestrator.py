@@ -298,7 +298,7 @@ class Orchestrator:
             self._last_step_end = now
         versions = {agent: step + 1 for agent in self.config.agents}  # step s makes version s + 1
         health = commit_step_health(self.recent, self.config.run, step, versions, self._grad_norms.pop(step, {}),
-                                    self.keys(step))
+                                    self.micro_batches)
         return StepFinished(step, self.step_rewards(step), since, now - first_rollout, signals_by_agent(health),
                             stored_collapse(self.store, self.config.run, step, self.config.health))
 

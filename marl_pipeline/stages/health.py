@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 
 from marl_pipeline.config import HealthConfig
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
@@ -30,13 +29,13 @@ HEALTH_SIGNALS = [field.name for field in HEALTH if field.name not in ("policy_v
 
 
 def step_health(store: ExperienceStore | RecentCommits, run: str, step: int, versions: dict[str, int],
-                grad_norms: dict[str, float | None], keys: list[MicroBatchKey] | None = None) -> pa.Table:
-    """The health table of ``step`` (one row per agent of ``versions``: the version each agent's update made).
-    ``keys``: the step's micro-batches, read one by one; else the stage is scanned for the step, which opens every
-    committed partition's manifest: a cost that grows with the run."""
+                grad_norms: dict[str, float | None], micro_batches: int) -> pa.Table:
+    """The health table of ``step`` (one row per agent of ``versions``: the version each agent's update made), from
+    its ``micro_batches`` partitions, read by key: a scan of the stage would open every committed partition's
+    manifest, a cost that grows with the run."""
+    keys = [MicroBatchKey(run, step, micro_batch) for micro_batch in range(micro_batches)]
+
     def rows(stage: str, columns: list[str]) -> list[dict]:
-        if keys is None:
-            return store.read_stage(run, stage, columns=columns, filter=ds.field("step") == step).to_pylist()
         return pa.concat_tables([store.read(stage, key, columns=columns) for key in keys]).to_pylist()
 
     return health_table(rows("rollouts", ROLLOUT_COLUMNS), rows("rewards", REWARD_COLUMNS),
@@ -44,12 +43,12 @@ def step_health(store: ExperienceStore | RecentCommits, run: str, step: int, ver
 
 
 def commit_step_health(store: ExperienceStore | RecentCommits, run: str, step: int, versions: dict[str, int],
-                       grad_norms: dict[str, float | None], keys: list[MicroBatchKey] | None = None) -> pa.Table:
+                       grad_norms: dict[str, float | None], micro_batches: int) -> pa.Table:
     """:func:`step_health`, committed as the ``health`` partition of the step (once: a committed one is read)."""
     key = MicroBatchKey(run, step, 0)
     if store.is_committed("health", key):
         return store.read("health", key)
-    table = step_health(store, run, step, versions, grad_norms, keys)
+    table = step_health(store, run, step, versions, grad_norms, micro_batches)
     store.commit("health", key, table)
     return table
 

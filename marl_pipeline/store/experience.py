@@ -114,19 +114,20 @@ class ExperienceStore:
 
     # -- commits ----------------------------------------------------------------------------------
     def commit(self, stage: str, key: MicroBatchKey, table: pa.Table) -> Path | str:
-        """Write one micro-batch's stage output (all agents) and make it visible at once.
+        """Write one micro-batch's stage output (all agents) and make it visible at once: ``table`` has the stage's
+        columns plus an ``agent`` column; rows are split by agent. A partition already committed is replaced whole.
+        Returns the partition's directory (a URI on S3)."""
+        return self.commit_validated(stage, key, *self.validated(stage, key, table))
 
-        ``table`` has the stage's columns plus an ``agent`` column; rows are split by agent. A partition
-        already committed is replaced whole. Returns the partition's directory (a URI on S3).
-        """
+    def commit_validated(self, stage: str, key: MicroBatchKey, body: pa.Table, agents: pa.ChunkedArray) -> Path | str:
+        """:meth:`commit` of what :meth:`validated` made of a table."""
         target = self.partition_path(stage, key)
-        body, agents = self.validated(stage, key, table)
         attempt = commits.new_attempt()
         local = self.location.local
         directory = f"{target.rsplit('/', 1)[0]}/_staging-micro_batch={key.micro_batch}-{attempt}" if local else target
         files, rows = {}, {}
         try:
-            for agent, part in _split_by_agent(body, agents):
+            for agent, part in split_by_agent(body, agents):
                 files[agent] = f"agent={agent}/part-{attempt}.parquet"
                 rows[agent] = part.num_rows
                 if local:
@@ -152,6 +153,7 @@ class ExperienceStore:
 
     def validated(self, stage: str, key: MicroBatchKey, table: pa.Table) -> tuple[pa.Table, pa.ChunkedArray]:
         """The table as a commit stores it (the stage's schema and types) and its agent column; bad input raises."""
+        self.partition_path(stage, key)  # an unknown stage, a bad run name or key: the error names it first
         schema, what = DATASET_SCHEMAS[stage], f"{stage} {key}"
         if "agent" not in table.column_names:
             raise StoreError(f"{what}: the table to commit has no 'agent' column")
@@ -386,7 +388,7 @@ def _check_name(kind: str, value: object) -> None:
         raise StoreError(f"invalid {kind} name {value!r}: use letters, digits, '_', '.' and '-' (it names a directory)")
 
 
-def _split_by_agent(table: pa.Table, agents: pa.ChunkedArray):
+def split_by_agent(table: pa.Table, agents: pa.ChunkedArray):
     """(agent, rows) per agent, agents sorted; a contiguous run of rows is sliced (no copy), not filtered."""
     for agent in sorted(pc.unique(agents).to_pylist()):
         positions = pc.indices_nonzero(pc.equal(agents, agent))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from marl_pipeline.store.experience import ExperienceStore, MicroBatchKey
+from marl_pipeline.store.experience import ExperienceStore, MicroBatchKey, split_by_agent
 from marl_pipeline.store.schema import PARTITION_SCHEMA, upgraded
 
 
@@ -35,13 +35,12 @@ class RecentCommits:
     def commit(self, stage: str, key: MicroBatchKey, table: pa.Table) -> Path | str:
         """``ExperienceStore.commit``, keeping the table as stored: the stage's schema, rows grouped by agent in
         the order of the partition's files."""
-        path = self.store.commit(stage, key, table)
         body, agents = self.store.validated(stage, key, table)
+        path = self.store.commit_validated(stage, key, body, agents)
         agent_type = PARTITION_SCHEMA.field("agent").type  # the type a read gives the partition column
         agents = agents.cast(agent_type)
         body = body.append_column(pa.field("agent", agent_type), agents)
-        stored = pa.concat_tables([body.filter(pc.equal(agents, agent))
-                                   for agent in sorted(pc.unique(agents).to_pylist())]) if body.num_rows else body
+        stored = pa.concat_tables([part for _, part in split_by_agent(body, agents)]) if body.num_rows else body
         with self._lock:
             self._tables[(stage, key)] = stored
             self._tables.move_to_end((stage, key))
