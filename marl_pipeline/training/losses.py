@@ -55,8 +55,13 @@ class TokenTerms:
 
     def scattered(self, name: str, positions: torch.Tensor) -> torch.Tensor:
         """One term as [batch, length - 1], zero where ``positions`` is False (the layout the per-token losses use)."""
-        return torch.zeros(positions.shape, dtype=torch.float32, device=positions.device).masked_scatter(
-            positions, getattr(self, name))
+        values, flat = getattr(self, name), positions.flatten()
+        if not len(values):
+            return torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
+        # Gathered by the mask's running count, not masked_scatter: that one's backward (masked_select) makes a GPU
+        # wait for the whole forward pass before it can queue the backward's kernels.
+        index = (flat.cumsum(0) - 1).clamp(min=0)
+        return torch.where(flat, values[index], 0.0).view(positions.shape)
 
 
 def scored_token_terms(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, *,
@@ -67,12 +72,13 @@ def scored_token_terms(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     the backward pass rather than kept (activation checkpointing): a [tokens x vocabulary] float32 tensor never exists
     for the whole pass, and prompt positions cost no head at all. ``start``: a frozen model whose log-probabilities
     and KL from which are wanted too (the warm-up's rehearsal)."""
-    targets = input_ids[:, 1:][positions]
-    features, head = _features(model, input_ids, attention_mask, positions)
+    index = positions.flatten().nonzero().squeeze(1)  # the scored positions, flat: read once (a device sync)
+    targets = input_ids[:, 1:].flatten()[index]
+    features, head = _features(model, input_ids, attention_mask, index)
     start_features = start_head = None
     if start is not None:
         with torch.no_grad():
-            start_features, start_head = _features(start, input_ids, attention_mask, positions)
+            start_features, start_head = _features(start, input_ids, attention_mask, index)
     columns = []
     for low in range(0, len(targets), chunk):
         part = slice(low, low + chunk)
@@ -87,15 +93,17 @@ def scored_token_terms(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     return TokenTerms(values[0], values[1] if entropy else None, *(values[-2:] if start is not None else (None, None)))
 
 
-def _features(model, input_ids, attention_mask, positions):
-    """The last hidden state at the scored positions and the output head that maps it to logits; for a model whose
-    head is more than a linear layer, its own logits there and no head."""
+def _features(model, input_ids, attention_mask, index):
+    """The last hidden state at the scored positions (``index`` into the flat [batch x (length - 1)] positions) and
+    the output head that maps it to logits; for a model whose head is more than a linear layer, its own logits there
+    and no head."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if any(getattr(base.config, name, None) for name in _SCALED_HEADS):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-        return logits[:, :-1][positions], None
-    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    return hidden[:, :-1][positions], base.get_output_embeddings()
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return logits[:, :-1].flatten(0, 1)[index], None
+    # No KV cache: a training pass never reads one, and building it keeps every layer's keys and values
+    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    return hidden[:, :-1].flatten(0, 1)[index], base.get_output_embeddings()
 
 
 def _chunk_terms(head, start_head, entropy: bool, features, targets, start_features) -> torch.Tensor:
@@ -242,9 +250,9 @@ def mismatch_stats(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: 
     diff = logprobs - engine_logprobs
     ratio = torch.exp(diff)
     mean_ratio = (ratio * mask).sum() / tokens
-    return {"mean_ratio": float(mean_ratio),
-            "mismatch_abs_logprob": float((diff.abs() * mask).sum() / tokens),
-            "mismatch_ratio_std": float(torch.sqrt(((ratio - mean_ratio) ** 2 * mask).sum() / tokens))}
+    std = torch.sqrt(((ratio - mean_ratio) ** 2 * mask).sum() / tokens)
+    values = torch.stack([mean_ratio, (diff.abs() * mask).sum() / tokens, std]).tolist()  # one device-to-host copy
+    return dict(zip(("mean_ratio", "mismatch_abs_logprob", "mismatch_ratio_std"), values))
 
 
 @torch.no_grad()

@@ -11,21 +11,29 @@ from marl_pipeline.training.losses import LOGIT_CHUNK
 
 def trainer_peak_bytes(config: dict, *, parameters: int, trainable: int, tokens: int, reference: bool = False,
                        activation_checkpointing: bool = True, chunk: int = LOGIT_CHUNK) -> int:
-    """Peak bytes of one trainer's pass and step over ``tokens`` tokens (one pass: ``chunk_tokens``).
+    """Peak bytes of one trainer's pass and step over ``tokens`` tokens (one pass: ``chunk_tokens``): the larger of
+    its two high points, measured on an H200 (BENCHMARKS.md, "Trainer on a GPU").
 
-    - state: float32 weights (4 bytes a parameter), and for the trainable ones their gradient (4) and AdamW's two
-      moments (8), fused on a GPU so the step makes no parameter-sized temporaries; a KL reference adds 4;
-    - the output head's chunks: four [chunk x vocabulary] float32 tensors (losses.LOGIT_CHUNK);
-    - activations, with checkpointing: each layer's float32 input (the residual stream), kept for the backward
-      pass, and one layer's working set while it is recomputed (bf16 projections, the MLP's three
-      intermediate-sized tensors and their gradients); without it, that working set for every layer.
+    - at rest: float32 weights (4 bytes a parameter) and, for the trainable ones, AdamW's two moments (8), fused on a
+      GPU so the step makes no parameter-sized temporaries; a KL reference adds 4;
+    - the output head's backward, first in the pass, while the other gradients do not exist yet: the activations
+      kept for the backward pass (with checkpointing each layer's float32 input, the residual stream; without it
+      every layer's working set: bf16 projections, the MLP's three intermediate-sized tensors and their gradients),
+      the head's gradient and bf16 copy, and three [chunk x vocabulary] float32 tensors (the logits, their
+      log-softmax and its gradient: losses.LOGIT_CHUNK);
+    - the end of the backward pass: every gradient (4 bytes a trainable parameter), the first layer's working set,
+      and with tied embeddings the embedding's own gradient before it is added to the head's.
     """
-    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
-    state = 4 * parameters + 12 * trainable + (4 * parameters if reference else 0)
-    logits = 4 * min(chunk, tokens) * config["vocab_size"] * 4
+    hidden, layers, vocabulary = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    rest = 4 * parameters + 8 * trainable + (4 * parameters if reference else 0)
+    head = vocabulary * hidden
+    head_gradient = 4 * head if trainable == parameters else 0  # a LoRA agent's head is frozen
     layer = tokens * (8 * hidden + 6 * config["intermediate_size"]) * 2
-    activations = tokens * hidden * layers * 4 + layer if activation_checkpointing else layer * layers
-    return state + logits + activations
+    kept = tokens * hidden * layers * 4 if activation_checkpointing else layer * layers
+    head_backward = rest + kept + head_gradient + 2 * head + 3 * min(chunk, tokens) * vocabulary * 4
+    tied = head_gradient if config.get("tie_word_embeddings") else 0
+    backward_end = rest + 4 * trainable + layer + tied
+    return max(head_backward, backward_end)
 
 
 def move_state(models: list[torch.nn.Module | None], optimizer: torch.optim.Optimizer, device: torch.device) -> int:

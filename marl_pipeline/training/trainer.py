@@ -145,16 +145,16 @@ class PolicyTrainer:
             passes.append(self._accumulate_rows(batch, rows))
         self._use_adapter(None)
         self._idle_passes(idle)
-        # Statistics over the response tokens of every pass, as if the micro-batch had been one tensor.
-        logprobs, engine, ratio = (torch.cat([p[i] for p in passes])[None] for i in range(3))
-        every = torch.ones_like(logprobs)
-        tokens = sum(p[3] for p in passes)
+        # Statistics over the response tokens of every pass, as if the micro-batch had been one tensor; masked, not
+        # selected, so that a GPU waits for them once a micro-batch (a boolean index is a device-to-host sync).
+        logprobs, engine, ratio, mask = (torch.cat([p[i] for p in passes])[None] for i in range(4))
+        tokens = sum(p[4] for p in passes)
         self._step_tokens += tokens
-        self._step_sequences += sum(p[4] for p in passes)
-        return {"rows": len(batch.prompt_ids), "tokens": tokens, "loss_sum": sum(p[5] for p in passes),
+        self._step_sequences += sum(p[5] for p in passes)
+        return {"rows": len(batch.prompt_ids), "tokens": tokens, "loss_sum": float(sum(p[6] for p in passes)),
                 "policy_version": self.version, "dropped_rows": batch.dropped_rows,
-                "clip_fraction": clip_fraction(ratio, every, self.clip_eps),
-                **mismatch_stats(logprobs, engine, every), "compute_seconds": time.perf_counter() - began}
+                "clip_fraction": clip_fraction(ratio, mask, self.clip_eps),
+                **mismatch_stats(logprobs, engine, mask), "compute_seconds": time.perf_counter() - began}
 
     def _passes_short(self, passes: int) -> int:
         # FSDP's collectives run per pass: every rank runs as many (training/sharded.py)
@@ -191,11 +191,12 @@ class PolicyTrainer:
 
     def _accumulate_rows(self, batch: TrainBatch, rows: list[int]):
         """One forward/backward pass over some rows of a micro-batch, padded to the longest of them. Returns the
-        response tokens' trainer logprobs, engine logprobs and clip ratios (flat), the token and sequence counts,
-        and the summed loss."""
+        trainer logprobs, engine logprobs, clip ratios and the response tokens' mask (flat, every position), the token
+        and sequence counts, and the summed loss (a tensor: read once a micro-batch)."""
         prompts = [batch.prompt_ids[row] for row in rows]
         input_ids, attention_mask, mask = pad_sequences(prompts, [batch.response_ids[row] for row in rows],
                                                          self.pad_id)
+        counts = int(mask.sum()), loss_units(mask, "sequence")  # on the host, before the mask moves
         engine = torch.zeros_like(mask)
         for position, (prompt, row) in enumerate(zip(prompts, rows)):
             logprobs = batch.old_logprobs[row]
@@ -219,8 +220,8 @@ class PolicyTrainer:
                                             entropy_coef=self.entropy_coef)
         loss_sum = summed_loss(token_loss, mask, self.loss_normalization)
         loss_sum.backward()
-        return (logprobs.detach()[taken], engine[taken], ratio.detach()[taken], int(mask.sum()),
-                loss_units(mask, "sequence"), float(loss_sum.detach()))
+        return (logprobs.detach().flatten(), engine.flatten(), ratio.detach().flatten(), mask.flatten(), *counts,
+                loss_sum.detach())
 
     def keep_start_copy(self) -> None:
         """Freeze a copy of the policy as it is now as the reference (a warm-up's rehearsal keeps to where it
@@ -267,10 +268,9 @@ class PolicyTrainer:
         if self.rank is not None:  # every rank divides by the step's counts over all of them
             self._step_tokens, self._step_sequences = sharded.summed(self._step_tokens, self._step_sequences)
         units = self._step_tokens if self.loss_normalization == "token" else self._step_sequences
-        units = max(units, 1)
-        for param in self.model.parameters():
-            if param.grad is not None:
-                param.grad.div_(units)
+        # One kernel for every gradient, not one a parameter (a GPU step is launch-bound at small batches).
+        torch._foreach_div_([param.grad for param in self.model.parameters() if param.grad is not None],
+                            float(max(units, 1)))
         grad_norm = sharded.full_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(self.version)
