@@ -50,8 +50,10 @@ import yaml
 STAGES = ("rollouts", "environment_results", "rewards", "policy_updates")
 
 
-def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: int | None) -> dict:
-    """One launch of the experiment; its step times, spans and configuration."""
+def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: int | None,
+           s3_endpoint: str | None = None) -> dict:
+    """One launch of the experiment; its step times, spans and configuration. ``s3_endpoint``: the store on that
+    S3-compatible server (bucket ``marl``, a fresh prefix) instead of ``store``, which then holds its policy cache."""
     import ray
 
     from marl_pipeline.config import parse_config
@@ -60,6 +62,16 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
 
     data = json.loads(json.dumps(data))
     data.update(run="bound", store=str(store))
+    if s3_endpoint:
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="testing",
+                              aws_secret_access_key="testing", region_name="us-east-1")
+        if "marl" not in [bucket["Name"] for bucket in client.list_buckets()["Buckets"]]:
+            client.create_bucket(Bucket="marl")
+        data["store"] = {"uri": f"s3://marl/bound-{staleness}-{time.time_ns()}", "endpoint_url": s3_endpoint,
+                         "region": "us-east-1", "access_key_id": "testing", "secret_access_key": "testing",
+                         "policy_cache": str(store / "cache")}
     data["pipeline"].update(steps=steps, staleness=staleness)
     data.pop("evaluation", None)
     if warmup_steps is not None:
@@ -79,7 +91,9 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
                 t = event.timing
                 spans[event.stage].append((event.key.step, event.key.micro_batch, t.enqueued, t.started, t.ended,
                                            own_work(event.stage, event.table), engine_steps(event.stage, event.table),
-                                           event.committed - t.ended))
+                                           # what the commit costs the stage: up to its hand-over to the
+                                           # store's writer thread (before those, the write itself)
+                                           (getattr(event, "handed", None) or event.committed) - t.ended))
             elif isinstance(event, PolicyCommitted):
                 t = event.timing
                 spans["optimizer_step"].append((event.step, -1, t.enqueued, t.started, t.ended, None, None, 0.0))
@@ -183,14 +197,14 @@ def engine_steps(stage: str, table) -> float | None:
     return max(by_agent.values(), default=None)
 
 
-def recorded_work(store: Path, config, steps: list[int]) -> dict:
+def recorded_work(config, steps: list[int]) -> dict:
     """Per (step, micro-batch, agent): the recorded prompt and response ids of its turns, from the store."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     from marl_pipeline.store import ExperienceStore
 
-    table = ExperienceStore(str(store)).read_stage(
+    table = ExperienceStore(config.store).read_stage(
         config.run, "rollouts", columns=["step", "micro_batch", "agent", "prompt_ids", "response_ids", "logprobs"])
     table = table.filter(pc.is_in(table.column("step"), value_set=pa.array(steps)))
     work: dict[tuple[int, int, str], list[dict]] = defaultdict(list)
@@ -318,7 +332,7 @@ def stage_table(spans: dict, steps: list[int], generation: dict, passes: dict) -
                      "own_work_ms": round(1000 * statistics.mean(own), 1) if own else None,
                      # rollouts: the busiest engine's steps; the rest of "own work" is calls and idle engine time
                      "engine_steps_ms": round(1000 * statistics.mean(engine), 1) if engine else None,
-                     # the commit's write follows the span (StageCommitted.committed): overhead too
+                     # the commit follows the span (StageCommitted.handed, or .committed): overhead too
                      "commit_ms": round(1000 * statistics.mean(s[7] for s in chosen), 1),
                      "overhead_ms": round(1000 * statistics.mean(s[4] - s[3] - (s[5] or 0.0) + s[7] for s in chosen),
                                           1),
@@ -364,6 +378,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--warmup-steps", type=int, default=None, help="override every agent's warm-up steps")
+    parser.add_argument("--s3-endpoint", default=None,
+                        help="the store on this S3-compatible server (e.g. `moto_server -p 5055`; bucket marl)")
     parser.add_argument("--pipeline-only", action="store_true",
                         help="no bare replay: the launches' step times and CPU utilisation per phase only")
     args, data = config_arguments(parser, Path("/tmp/marl-bench-bound"))
@@ -377,7 +393,8 @@ def main() -> None:
     launches = {}
     for staleness in args.staleness:  # every launch first: the bare replays hold memory a later launch needs
         print(f"pipeline, staleness {staleness}:", flush=True)
-        launches[staleness] = launch(data, args.work / f"s{staleness}", args.steps, staleness, args.warmup_steps)
+        launches[staleness] = launch(data, args.work / f"s{staleness}", args.steps, staleness, args.warmup_steps,
+                                     args.s3_endpoint)
     if args.pipeline_only:
         for staleness, ran in launches.items():
             measured = [step for step, _ in ran["steps"] if step > 0]
@@ -386,13 +403,12 @@ def main() -> None:
         return
     results = []
     for staleness, ran in launches.items():
-        store = args.work / f"s{staleness}"
         config = ran["config"]
         measured = [step for step, _ in ran["steps"] if step > 0]
-        work = recorded_work(store, config, measured)
+        work = recorded_work(config, measured)
         from marl_pipeline.store import ExperienceStore
 
-        model_dirs = {agent: str(ExperienceStore(str(store)).policy_dir(config.run, agent, 0))
+        model_dirs = {agent: str(ExperienceStore(config.store).require_policy(config.run, agent, 0))
                       for agent in config.agents}
         torch.set_num_threads(os.cpu_count())
         print(f"bound (bare vLLM and torch, {torch.get_num_threads()} threads):", flush=True)

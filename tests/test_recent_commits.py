@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pyarrow as pa
@@ -41,3 +42,55 @@ def test_older_commits_are_read_from_the_store_and_a_recommit_replaces(tmp_path:
         store, *args, **kwargs))
     assert [set(recent.read("rewards", key).column("reward").to_pylist()) for key in keys] == [{0.0}, {1.0}, {7.0}]
     assert reads == [keys[0]]  # only the oldest, pushed out of memory, was read from the store
+
+
+def test_commits_written_behind_land_in_order_and_reads_never_wait_for_them(tmp_path: Path, monkeypatch) -> None:
+    """With ``behind``, a commit returns before its write: the next stage reads it from memory, even past the
+    capacity while its write is pending; writes land in the order the commits were made, each ``written`` callback
+    once durable, and flush waits for all of them. The slow disk is a fake (an event holds the writer): the real one
+    cannot be made slow on demand."""
+    store = ExperienceStore(str(tmp_path / "store"))
+    recent = RecentCommits(store, capacity=1, behind=True)
+    release, order = threading.Event(), []
+    real = store.commit_validated
+
+    def slow(stage, key, *args):
+        release.wait(timeout=30)
+        return real(stage, key, *args)
+
+    monkeypatch.setattr(store, "commit_validated", slow)
+    keys = [MicroBatchKey("r", step, 0) for step in range(3)]
+    for step, key in enumerate(keys):
+        recent.commit("rewards", key, _rewards(["solver"], float(step)),
+                      lambda path, handed, key=key: order.append((key, store.is_committed("rewards", key))))
+    assert not any(store.is_committed("rewards", key) for key in keys)  # none written yet, all readable
+    assert [recent.read("rewards", key).column("reward").to_pylist()[0] for key in keys] == [0.0, 1.0, 2.0]
+    release.set()
+    recent.flush()
+    assert order == [(key, True) for key in keys]
+    assert [store.read("rewards", key).column("reward").to_pylist()[0] for key in keys] == [0.0, 1.0, 2.0]
+    recent.close()
+
+
+def test_a_failed_write_stops_every_later_one_and_is_raised_to_the_next_commit(tmp_path: Path, monkeypatch) -> None:
+    """What a killed launch leaves durable must be a prefix of its commits: after a write fails (a fake failure: a
+    full disk cannot be made on demand), nothing later is written, and the next commit and flush raise the error."""
+    store = ExperienceStore(str(tmp_path / "store"))
+    recent = RecentCommits(store, capacity=8, behind=True)
+    real = store.commit_validated
+    keys = [MicroBatchKey("r", step, 0) for step in range(3)]
+
+    def failing(stage, key, *args):
+        if key == keys[1]:
+            raise OSError("No space left on device")
+        return real(stage, key, *args)
+
+    monkeypatch.setattr(store, "commit_validated", failing)
+    for step, key in enumerate(keys):
+        recent.commit("rewards", key, _rewards(["solver"], float(step)))
+    with pytest.raises(OSError, match="No space left"):
+        recent.flush()
+    assert [store.is_committed("rewards", key) for key in keys] == [True, False, False]
+    with pytest.raises(OSError, match="No space left"):
+        recent.commit("rewards", MicroBatchKey("r", 3, 0), _rewards(["solver"], 3.0))
+    recent.close()

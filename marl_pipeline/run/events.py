@@ -25,7 +25,7 @@ class StageTiming:
     """When the micro-batch became ready for the stage (its inputs committed, or the gate opened)."""
     started: float
     ended: float
-    """When its output was computed; the commit's write follows (``StageCommitted.committed``)."""
+    """When its output was computed; the commit follows (``StageCommitted.handed`` and ``committed``)."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,10 @@ class StageCommitted:
     timing: StageTiming
     table: pa.Table = field(repr=False)
     committed: float | None = None
-    """When the commit's write finished (epoch seconds): ``committed - timing.ended`` is the write."""
+    """When the commit's write finished (epoch seconds), on the store's writer thread."""
+    handed: float | None = None
+    """When the stage's thread was done with the commit (validated, kept in memory, queued for the writer):
+    ``handed - timing.ended`` is what the commit costs the stage."""
 
     @property
     def seconds(self) -> float:

@@ -97,8 +97,9 @@ class Orchestrator:
         self.micro_batches = pipeline.micro_batches_per_step
         self.synchronous = pipeline.mode == "synchronous"
         self.staleness = 0 if self.synchronous else pipeline.staleness
-        # Every stage's partitions from rollout to training: what the next stages read back (store/recent.py).
-        self.recent = RecentCommits(store, 4 * self.micro_batches * (self.staleness + 2))
+        # Every stage's partitions from rollout to training: what the next stages read back, written behind the
+        # stages by a thread of their own (store/recent.py).
+        self.recent = RecentCommits(store, 4 * self.micro_batches * (self.staleness + 2), behind=True)
         pool, settings = workers.reward_pool, config.reward_model
         self._model_reward = (ModelReward.from_settings(settings, pool.score)
                               if pool is not None and settings is not None else None)
@@ -157,12 +158,16 @@ class Orchestrator:
                     raise item
                 else:
                     yield item
+            self.recent.flush()  # the last commits' events, once written
+            while not self._events.empty():
+                yield self._events.get()
         finally:
             self._stop.set()
             with self._served_changed:
                 self._served_changed.notify_all()
             for thread in threads:
                 thread.join(timeout=60)
+            self.recent.close()  # what the stages committed is written before the launch ends
 
     def _replica_changed(self, agent: str, replica: int, state: str, version: int | None, detail: str) -> None:
         self._events.put(ReplicaChanged(agent, replica, state, version, detail))
@@ -279,6 +284,7 @@ class Orchestrator:
                 timing = StageTiming(pending.enqueued, started, time.time())
                 record = json.dumps({"step": pending.step, **asdict(timing), "sync_seconds": synced - applied,
                                      "engine_asleep": self.turns.last_turn(agent), **asdict(result)}).encode()
+                self.recent.flush()  # the step's partitions are durable before the version that trained on them
                 path = self.store.publish_policy(upload, {"timing.json": record})
                 # The newest version is kept (a resumed launch starts from it); evaluations use the engine's copy.
                 self.store.prune_policies(self.config.run, agent, self.config.store.retention)
@@ -299,6 +305,7 @@ class Orchestrator:
         versions = {agent: step + 1 for agent in self.config.agents}  # step s makes version s + 1
         health = commit_step_health(self.recent, self.config.run, step, versions, self._grad_norms.pop(step, {}),
                                     self.micro_batches)
+        self.recent.flush()  # the collapse check reads the store's health partitions
         return StepFinished(step, self.step_rewards(step), since, now - first_rollout, signals_by_agent(health),
                             stored_collapse(self.store, self.config.run, step, self.config.health))
 
@@ -331,8 +338,8 @@ class Orchestrator:
         table = compute(key)
         timing = StageTiming(enqueued, started, time.time())
         table = with_stage_timing(table, timing.enqueued, timing.started, timing.ended)
-        path = self.recent.commit(stage, key, table)
-        self._events.put(StageCommitted(stage, key, path, timing, table, time.time()))
+        self.recent.commit(stage, key, table, lambda path, handed: self._events.put(  # once written
+            StageCommitted(stage, key, path, timing, table, time.time(), handed)))
         return True
 
     def _spawn(self, name: str, workers: int, target: Callable[[], None], outbox: queue.Queue | None = None,
