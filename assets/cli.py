@@ -23,6 +23,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train teams 
 console = Console()
 
 
+_RAY_INIT = {"include_dashboard": False, "log_to_driver": False}
+"""The CLI's ``ray.init`` options for the job's Ray resource (its UI is Dagster's; the workers' logs stay theirs)."""
+
 _QUIET_ENV = {"TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
               "VLLM_LOGGING_LEVEL": "ERROR", "RAY_DEDUP_LOGS": "1", "PYTHONWARNINGS": "ignore"}
 
@@ -51,6 +54,7 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     # (set before Ray starts, so the engine and trainer actors inherit them). Errors still propagate.
     for name, value in _QUIET_ENV.items():
         os.environ.setdefault(name, value)
+    local_ray = _LocalRay(config) if config.ray.address is None else None
     import dagster as dg
 
     from assets.definitions import defs
@@ -62,7 +66,7 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     # address and local CPU count come from the YAML's `ray:` through the resource, as in `dagster dev`.
     run_config = {"resources": {
         "experiment": {"config": {"config_path": str(config_path)}},
-        "ray": {"config": {"ray_init_options": {"include_dashboard": False, "log_to_driver": False}}},
+        "ray": {"config": {"ray_init_options": _RAY_INIT}},
     }, "loggers": {"console": {"config": {"log_level": "WARNING"}}}}  # the event log keeps everything
     outcome: dict = {}
 
@@ -75,10 +79,14 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
             outcome["error"] = error
 
     started = time.perf_counter()
+    if local_ray is not None:
+        local_ray.ready.wait()  # the Ray resource joins it (resources/ray_cluster.py)
     worker = threading.Thread(target=execute, name="marl-train-job")
     worker.start()
     _follow(instance, run_id, config.run, worker)
     worker.join()
+    if local_ray is not None:
+        local_ray.release()  # the resource has shut Ray down
     if "error" in outcome:
         raise outcome["error"]
     result = outcome["result"]
@@ -94,6 +102,33 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     _print_reward_table(store, config.run)
     _print_evaluation_table(store, config.run)
     console.print(f"run {run_id} finished in {time.perf_counter() - started:.0f} s; DAGSTER_HOME={home}")
+
+
+class _LocalRay:
+    """The embedded local Ray the job's Ray resource would start (``resolved``: the YAML's ``ray.num_cpus``), started
+    at once on a thread of its own: its processes come up while this one imports Dagster and the assets, about 2 s
+    of a launch's start-up. The resource finds it running and joins it. A failed start is left to the resource,
+    which reports it."""
+
+    def __init__(self, config) -> None:
+        self.options = {**_RAY_INIT, **({"num_cpus": config.ray.num_cpus} if config.ray.num_cpus is not None else {})}
+        self.ready, self._done = threading.Event(), threading.Event()
+        threading.Thread(target=self._run, name="marl-ray-start", daemon=True).start()
+
+    def _run(self) -> None:
+        import ray
+
+        try:
+            ray.init(**self.options)
+        except Exception:  # the resource starts it, or says why not
+            pass
+        finally:
+            self.ready.set()
+        # Ray's processes are killed when the thread that started them ends (PR_SET_PDEATHSIG): it waits for the job
+        self._done.wait()
+
+    def release(self) -> None:
+        self._done.set()
 
 
 class _PolicyProgress:

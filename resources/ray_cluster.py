@@ -48,10 +48,12 @@ class RayCluster(RayResource):
     def yield_for_execution(self, context: dg.InitResourceContext) -> Generator["RayCluster", None, None]:
         # dagster-ray's connect reads ``ray_address`` and ``ray_init_options`` off the resource it runs on, so
         # the step gets (and connects) the resolved copy; the YAML is read when a step starts, never at import.
-        started = time.perf_counter()
+        import ray as ray_library
+
+        started, running = time.perf_counter(), ray_library.is_initialized()  # running: the marl CLI started it
         with RayResource.yield_for_execution(self.resolved(), context) as ray:
-            context.log.info(f"{SETUP_PREFIX}{ray.name} {'joined' if ray.address else 'started'} "
-                             f"({time.perf_counter() - started:.1f} s)")
+            how = "joined" if ray.address else "joined (started as the command loaded)" if running else "started"
+            context.log.info(f"{SETUP_PREFIX}{ray.name} {how} ({time.perf_counter() - started:.1f} s)")
             yield ray
 
     def connect(self, context: dg.InitResourceContext):
@@ -65,6 +67,9 @@ class RayCluster(RayResource):
         if env_vars := self.get_env_vars_to_inject():  # its debugging switches (enable_tracing...)
             runtime_env = dict(options.get("runtime_env") or {})
             options["runtime_env"] = {**runtime_env, "env_vars": {**runtime_env.get("env_vars", {}), **env_vars}}
+        elif self.ray_address is None and ray.is_initialized():
+            # An embedded Ray this process started already: the marl CLI's, begun with these options while it loaded
+            options["ignore_reinit_error"] = True
         self._context = ray.init(address=self.ray_address, **options)
         return self._context
 
