@@ -160,7 +160,9 @@ class Orchestrator:
                     yield item
             self.recent.flush()  # the last commits' events, once written
             while not self._events.empty():
-                yield self._events.get()
+                if isinstance(item := self._events.get(), BaseException):
+                    raise item
+                yield item
         finally:
             self._stop.set()
             with self._served_changed:
