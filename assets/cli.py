@@ -111,7 +111,7 @@ class _LocalRay:
     which reports it."""
 
     def __init__(self, config) -> None:
-        self.options = {**_RAY_INIT, **({"num_cpus": config.ray.num_cpus} if config.ray.num_cpus is not None else {})}
+        self.options = config.ray.local_init_options(_RAY_INIT)
         self.ready, self._done = threading.Event(), threading.Event()
         threading.Thread(target=self._run, name="marl-ray-start", daemon=True).start()
 

@@ -153,9 +153,8 @@ def main() -> None:
                            "bare_s": bare, "ours_s": ours, "ratio": bare / ours, "ours_tokens_per_s": tokens / ours,
                            "bare_peak_gib": bare_peak / gib, "parameters": parameters,
                            **{f"{k}_gib": v / gib for k, v in memory.items()}, "estimate_gib": estimate / gib}
-                    print(json.dumps({k: v for k, v in run.items() if k != "held"}), flush=True)
-                    results["runs"].append(run)
-                    run["held"] = _held(trainer)
+                    print(json.dumps(run), flush=True)
+                    results["runs"].append({**run, "held": _held(trainer)})
                     if f"{name}:{shape}:{int(checkpointing)}" in args.device_profile:
                         results.setdefault("device_profiles", {})[f"{name}:{shape}:{int(checkpointing)}"] = {
                             "ours": _profile(_ours_step(trainer, batch), device=True),

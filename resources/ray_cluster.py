@@ -39,9 +39,8 @@ class RayCluster(RayResource):
         settings = self.experiment.load().ray
         address = self.address if self.address is not None else settings.address
         options = dict(self.ray_init_options)
-        # ray.init refuses num_cpus when it joins an existing cluster: the YAML's count sizes a local Ray only.
-        if address is None and settings.num_cpus is not None:
-            options.setdefault("num_cpus", settings.num_cpus)
+        if address is None:  # ray.init refuses num_cpus when it joins a cluster: the YAML's sizes a local Ray only
+            options = settings.local_init_options(options)
         return self.model_copy(update={"address": address, "ray_init_options": options})
 
     @contextlib.contextmanager

@@ -132,6 +132,11 @@ class RayConfig(StrictModel):
     all the replicas, in buckets (gloo on CPU, NCCL on GPUs: policy/transfer.py). Each agent's trainer must be its
     own actor (not with ``resident_trainers`` below the number of agents)."""
 
+    def local_init_options(self, options: dict) -> dict:
+        """``ray.init`` options for the embedded local Ray: ``options`` with ``num_cpus`` unless they name one (the
+        Ray resource and the ``marl`` CLI, which starts that Ray early, both start it so)."""
+        return options if self.num_cpus is None else {"num_cpus": self.num_cpus, **options}
+
     @field_validator("engine_resources", "trainer_resources")
     @classmethod
     def validate_custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
