@@ -35,7 +35,7 @@ from marl_pipeline.training.trainer import PolicyTrainer
 from tests.gpu.conftest import build_model_dir
 from tests.gpu.test_trainer_cuda import _bare_step, _batch
 
-SHAPES = {"16x160": (16, 96, 64), "16x768": (16, 256, 512)}  # rows, prompt tokens, response tokens
+SHAPES = {"16x160": (16, 96, 64), "16x768": (16, 256, 512), "32x768": (32, 256, 512)}  # rows, prompt, response tokens
 
 
 def _timed(step, repeats: int) -> float:
@@ -107,6 +107,25 @@ def _profile(step, device: bool = False) -> list[dict]:
             for e in rows]
 
 
+def _trace(step, path: Path) -> None:
+    """Two untimed steps, then a third as a chrome trace (CPU operators with Python stacks, GPU kernels), gzipped."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    with open(path, "rb") as raw, gzip.open(f"{path}.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    path.unlink()
+
+
 def _held(trainer) -> list[dict]:
     """CUDA tensors alive between steps that are neither the policy's parameters nor AdamW's state."""
     import gc
@@ -129,6 +148,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--device-profile", nargs="*", default=[],
                         help="model:shape:checkpointing triples (e.g. smollm2-135m:16x768:0) to profile on the GPU")
+    parser.add_argument("--trace", nargs="*", default=[],
+                        help="model:shape:checkpointing triples whose steps (ours, bare) are saved as chrome traces, "
+                             "with Python stacks, in --trace-dir (bench/gpu_gaps.py reads them)")
+    parser.add_argument("--trace-dir", type=Path, default=Path("."))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     gib = 2**30
@@ -159,6 +182,10 @@ def main() -> None:
                         results.setdefault("device_profiles", {})[f"{name}:{shape}:{int(checkpointing)}"] = {
                             "ours": _profile(_ours_step(trainer, batch), device=True),
                             "bare": _profile(_bare_step_of(model_dir, batch, checkpointing)[1], device=True)}
+                    if (spec := f"{name}:{shape}:{int(checkpointing)}") in args.trace:
+                        for who, step in (("ours", _ours_step(trainer, batch)),
+                                          ("bare", _bare_step_of(model_dir, batch, checkpointing)[1])):
+                            _trace(step, args.trace_dir / f"{spec.replace(':', '-')}-{who}.json")
                     if args.profile and shape == args.shapes[0] and not checkpointing:
                         results.setdefault("profiles", {})[name] = {"ours": _profile(_ours_step(trainer, batch))}
                     del trainer
