@@ -34,8 +34,42 @@ ROOT = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"^(set-up: .*|step \d+: .*)$")
 
 
-def marl_train(config: Path, home: Path) -> list[tuple[float, str]]:
-    """``marl train CONFIG``'s set-up and step lines, each with its seconds from the command's start."""
+def _title(argv: list[str]) -> str:
+    """``ray::<class>`` for an actor's process, the script for a Python one, else the executable."""
+    if argv[0].startswith("ray::"):
+        return argv[0].split(".")[0].split()[0]
+    if Path(argv[0]).name.startswith("python"):
+        argv = [arg for arg in argv[1:] if arg and not arg.startswith("-")] or argv
+    return Path(argv[0]).name or "?"
+
+
+def cpu_by_process(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of ``root`` and every process under it, summed by process title (Ray names
+    an actor's process ``ray::<class>``; the rest by executable): where start-up's CPU went."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents, seconds, titles = {}, {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            argv = (stat.parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:  # it ended meanwhile
+            continue
+        pid = int(stat.parent.name)
+        parents[pid], seconds[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+        titles[pid] = _title(argv)
+    totals: dict[str, float] = {}
+    for pid in seconds:
+        ancestor = pid
+        while ancestor not in (root, 0, 1) and ancestor in parents:
+            ancestor = parents[ancestor]
+        if ancestor == root:
+            totals[titles[pid]] = round(totals.get(titles[pid], 0.0) + seconds[pid], 2)
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def marl_train(config: Path, home: Path, cpu: dict | None = None) -> list[tuple[float, str]]:
+    """``marl train CONFIG``'s set-up and step lines, each with its seconds from the command's start; ``cpu`` gets
+    :func:`cpu_by_process` as the first rollout starts."""
     env = {**os.environ, "DAGSTER_HOME": str(home), "COLUMNS": "400"}  # one line per message: no wrapping
     started = time.perf_counter()
     process = subprocess.Popen([str(ROOT / ".venv/bin/marl"), "train", str(config)], stdout=subprocess.PIPE,
@@ -45,6 +79,9 @@ def marl_train(config: Path, home: Path) -> list[tuple[float, str]]:
         if LINE.match(line.strip()):
             lines.append((round(time.perf_counter() - started, 2), line.strip()))
             print(f"  {lines[-1][0]:6.2f} s  {lines[-1][1]}", flush=True)
+            if cpu is not None and not cpu and lines[-1][1].startswith("set-up: engines"):
+                cpu.update(cpu_by_process(process.pid))
+                print(f"  CPU seconds by process at the first rollout: {cpu}", flush=True)
     if process.wait() != 0:
         raise SystemExit(f"marl train {config} failed ({process.returncode})")
     return lines
@@ -115,13 +152,15 @@ def main() -> None:
     print("first launch (makes version 0):", flush=True)
     first = marl_train(config, args.work / "dagster")
     print("second launch (resumes from the store):", flush=True)
-    second = marl_train(config, args.work / "dagster")
+    cpu: dict[str, float] = {}
+    second = marl_train(config, args.work / "dagster", cpu)
     to_rollout = next(seconds for seconds, line in second if line.startswith("set-up: engines"))
     print("bare libraries, one process:", flush=True)
     floor = bare(config)
     print(f"  {floor}", flush=True)
     result = {"config": str(args.config), "set": args.set, "cpu": cpu, "first_launch": first, "second_launch": second,
-              "to_first_rollout_s": to_rollout, "bare": floor, "ratio": round(to_rollout / floor["process_s"], 2)}
+              "to_first_rollout_s": to_rollout,
+              "cpu_at_first_rollout": cpu, "bare": floor, "ratio": round(to_rollout / floor["process_s"], 2)}
     print(f"command to first rollout: {to_rollout:.1f} s; bare libraries: {floor['process_s']:.1f} s; "
           f"ratio {result['ratio']}")
     if args.out:
