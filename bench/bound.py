@@ -81,7 +81,7 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
     shutil.rmtree(store, ignore_errors=True)
     ray.init(include_dashboard=False, log_to_driver=False)
     spans, steps_seen, setup = defaultdict(list), [], []
-    sampler = CpuSampler()
+    sampler, driver_cpu, collector = CpuSampler(), {}, GcTimer()
     try:
         for event in train(config):
             if isinstance(event, SetupPhase):
@@ -99,11 +99,65 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
                 spans["optimizer_step"].append((event.step, -1, t.enqueued, t.started, t.ended, None, None, 0.0))
             elif isinstance(event, StepFinished):
                 steps_seen.append((event.step, event.seconds))
+                driver_cpu["first" if event.step == 0 else "last"] = {**thread_cpu(), **collector.totals()}
                 print(f"  step {event.step}: {event.seconds:.3f} s", flush=True)
     finally:
         sampler.stop()
+        collector.stop()
         ray.shutdown()
-    return {"config": config, "spans": dict(spans), "steps": steps_seen, "setup": setup, "cpu": sampler.samples}
+    return {"config": config, "spans": dict(spans), "steps": steps_seen, "setup": setup, "cpu": sampler.samples,
+            "driver_cpu": driver_cpu}
+
+
+class GcTimer:
+    """Seconds the driver spent in Python's cyclic garbage collector, by generation (``gc.callbacks``): part of the
+    thread times :func:`thread_cpu` reports, in whichever thread allocated."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self._seconds, self._started = defaultdict(float), {}
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        import threading
+
+        now, thread = time.perf_counter(), threading.get_ident()
+        if phase == "start":
+            self._started[thread] = now
+        elif thread in self._started:
+            self._seconds[f"gc, generation {info['generation']}"] += now - self._started.pop(thread)
+
+    def totals(self) -> dict[str, float]:
+        return dict(self._seconds)
+
+    def stop(self) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
+
+
+def thread_cpu() -> dict[str, float]:
+    """This process's CPU seconds so far, by thread name: Python's threads carry the process's, Ray's C++ threads
+    their own (the driver's side of the pipeline: its stages' Python, Ray's calls and transfers)."""
+    tick, seconds = os.sysconf("SC_CLK_TCK"), defaultdict(float)
+    for stat in Path("/proc/self/task").glob("*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = text.rsplit(")", 1)[1].split()
+        seconds[text[text.index("(") + 1 : text.rindex(")")]] += (int(fields[11]) + int(fields[12])) / tick
+    return dict(seconds)
+
+
+def driver_cpu_per_micro_batch(ran: dict) -> dict[str, float]:
+    """The driver's CPU milliseconds a micro-batch over the steps after step 0, by thread name (largest first), and
+    of it the garbage collector's (wall time, by generation)."""
+    first, last = ran["driver_cpu"].get("first", {}), ran["driver_cpu"].get("last", {})
+    batches = (len(ran["steps"]) - 1) * ran["config"].pipeline.micro_batches_per_step
+    spent = {name: (last[name] - first.get(name, 0.0)) * 1e3 / max(batches, 1) for name in last}
+    return {name: round(ms, 1) for name, ms in sorted(spent.items(), key=lambda item: -item[1]) if ms >= 0.5}
 
 
 class CpuSampler:
@@ -399,7 +453,8 @@ def main() -> None:
         for staleness, ran in launches.items():
             measured = [step for step, _ in ran["steps"] if step > 0]
             print(json.dumps({"staleness": staleness, "step_times_s": [round(s, 3) for _, s in ran["steps"]],
-                              "cpu_by_phase": utilisation_by_phase(ran["cpu"], ran["spans"], measured)}), flush=True)
+                              "cpu_by_phase": utilisation_by_phase(ran["cpu"], ran["spans"], measured),
+                              "driver_cpu_ms_per_micro_batch": driver_cpu_per_micro_batch(ran)}), flush=True)
         return
     results = []
     for staleness, ran in launches.items():
@@ -427,7 +482,7 @@ def main() -> None:
         step_time = statistics.median(seconds for step, seconds in ran["steps"] if step > 0)
         phases = utilisation_by_phase(ran["cpu"], ran["spans"], measured)
         result = {"staleness": staleness, "step_time_s": round(step_time, 3), "bound": tighter, **bounds[tighter],
-                  "cpu_by_phase": phases,
+                  "cpu_by_phase": phases, "driver_cpu_ms_per_micro_batch": driver_cpu_per_micro_batch(ran),
                   "ratio": round(step_time / bounds[tighter]["bound_s"], 2), "bounds": bounds,
                   "step_times_s": [round(s, 3) for _, s in ran["steps"]], "stages": stages, "setup": ran["setup"]}
         results.append(result)
@@ -448,6 +503,9 @@ def main() -> None:
                   f"{row['commit_ms']} | {row['overhead_ms']} |")
         print(f"overhead, all stages: {sum(row['overhead_ms'] for row in r['stages'] if row['stage'] in STAGES):.1f} "
               f"ms per micro-batch (bar 2: at most 50)")
+        driver = r["driver_cpu_ms_per_micro_batch"]
+        threads = sum(ms for name, ms in driver.items() if not name.startswith("gc"))
+        print(f"the driver's CPU a micro-batch: {threads:.1f} ms; by thread, and the collector's part: {driver}")
         print("| phase (bar 5) | share of the time | the node's CPU utilisation |")
         print("| --- | ---: | ---: |")
         for name, phase in r["cpu_by_phase"].items():
