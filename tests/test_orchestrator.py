@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -95,7 +96,14 @@ def test_streaming_s0_ends_with_the_synchronous_parameters(local_ray, demo_confi
 def test_staleness_1_never_trains_on_older_samples(local_ray, demo_config_data, tmp_path: Path) -> None:
     config = parse_config(small_config_data(demo_config_data, tmp_path / "store", steps=4, micro_batches_per_step=2,
                                             staleness=1))
-    steps = [event for event in _run(config) if isinstance(event, StepFinished)]
+    frozen_before, frozen = gc.get_freeze_count(), []
+    steps = []
+    for event in train(config):
+        if isinstance(event, StepFinished):
+            steps.append(event)
+            frozen.append(gc.get_freeze_count())
+    # While it streams, the launch's start-up heap is out of the collector's reach; after, back in it.
+    assert min(frozen) > frozen_before and gc.get_freeze_count() == frozen_before, (frozen_before, frozen)
     # Step time runs from one step's end to the next; a step's span from its first rollout, which at staleness 1
     # comes before the previous step ends: the spans overlap, the step times add up to the launch.
     assert [step.step for step in steps] == [0, 1, 2, 3]
@@ -119,6 +127,7 @@ def test_a_dead_trainer_stops_the_launch_before_anything_is_sampled_past_the_sta
     import ray
 
     config = parse_config(small_config_data(demo_config_data, tmp_path / "store", steps=4, micro_batches_per_step=2))
+    frozen_before = gc.get_freeze_count()
     with pytest.raises(ray.exceptions.RayActorError):
         for event in train(config):
             if isinstance(event, StepFinished) and event.step == 0:
@@ -129,6 +138,7 @@ def test_a_dead_trainer_stops_the_launch_before_anything_is_sampled_past_the_sta
     served = set(zip(rollouts.column("step").to_pylist(), rollouts.column("policy_version").to_pylist()))
     assert served <= {(0, 0), (1, 1)}, served  # step 2 needs version 2, which the dead trainer never made
     assert warm_actors.idle_count() == 0  # a failed launch keeps none of its actors (ray.keep_actors is on)
+    assert gc.get_freeze_count() == frozen_before  # nor leaves its heap frozen
 
 
 def test_two_launches_end_with_the_parameters_of_one_adamw_included(uninterrupted, demo_config_data,
