@@ -55,12 +55,15 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     for name, value in _QUIET_ENV.items():
         os.environ.setdefault(name, value)
     local_ray = _LocalRay(config) if config.ray.address is None else None
-    import dagster as dg
+    from marl_pipeline.cluster.heap import collector_paused
 
-    from assets.definitions import defs
-    from assets.train import RUN_TAG
+    with collector_paused():  # what the imports make lives as long as the command (cluster/heap.py)
+        import dagster as dg
 
-    instance = dg.DagsterInstance.get()
+        from assets.definitions import defs
+        from assets.train import RUN_TAG
+
+        instance = dg.DagsterInstance.get()
     run_id = str(uuid.uuid4())  # what Dagster's own run ids are; the CLI needs it before the run starts
     # The Definitions' store and Ray resources nest `experiment`, so this one path configures all three; Ray's
     # address and local CPU count come from the YAML's `ray:` through the resource, as in `dagster dev`.

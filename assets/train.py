@@ -39,20 +39,23 @@ STEP_PREFIX = "step "
 @dg.op(description="Stream micro-batches through rollout, environment, reward and train on Ray.",
        out=dg.Out(dict, description="Run-level pipeline figures of the launch."))
 def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResource, ray: RayCluster):
-    from marl_pipeline.run.events import (
-        EvaluationCommitted,
-        PolicyCommitted,
-        ReplicaChanged,
-        RunFinished,
-        RunStarted,
-        SetupPhase,
-        StageCommitted,
-        StepFinished,
-        mean_reward,
-    )
-    from marl_pipeline.run.pipeline_metrics import TimelineRecorder
-    from marl_pipeline.run.recipe import train
-    from marl_pipeline.store import ExperienceStore
+    from marl_pipeline.cluster.heap import collector_paused
+
+    with collector_paused():  # torch's import, among others (marl_pipeline/cluster/heap.py)
+        from marl_pipeline.run.events import (
+            EvaluationCommitted,
+            PolicyCommitted,
+            ReplicaChanged,
+            RunFinished,
+            RunStarted,
+            SetupPhase,
+            StageCommitted,
+            StepFinished,
+            mean_reward,
+        )
+        from marl_pipeline.run.pipeline_metrics import TimelineRecorder
+        from marl_pipeline.run.recipe import train
+        from marl_pipeline.store import ExperienceStore
 
     config = experiment.load()
     store = ExperienceStore(config.store)  # read-only here: the previews' rollouts and the run's plots

@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from marl_pipeline.actions.pool import ActionPool
 from marl_pipeline.bootstrap.policies import BasePolicy, make_on_ray
 from marl_pipeline.cluster import colocation, warm_actors
+from marl_pipeline.cluster.heap import collector_paused
 from marl_pipeline.cluster.placement import assign_workers, bundle
 from marl_pipeline.cluster.trainers import StoreTrainer, remote_trainer, start_sharded_trainer
 from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, StoreConfig, TrainerConfig
@@ -75,13 +76,10 @@ class Workers:
 
 
 def shared_threads(num_cpus: float, reserved: list[float], cluster_cpus: float, node_cpus: float) -> int:
-    """Threads for an actor reserving ``num_cpus`` when the run's engines and trainers reserve ``reserved``:
-    its share of the cluster's CPUs in proportion to its reservation (equal shares when nothing is reserved),
-    rounded down, at least 1 and at most one node's CPUs.
-
-    Why not Ray's own rule: Ray gives an actor with fractional ``num_cpus`` one OpenMP thread, so a 0.5-CPU
-    trainer on an idle 2-core machine computed on one core.
-    """
+    """Threads for an actor reserving ``num_cpus`` when the run's engines and trainers reserve ``reserved``: its
+    share of the cluster's CPUs in proportion to its reservation (equal shares when nothing is reserved), rounded
+    down, at least 1 and at most one node's CPUs. Not Ray's rule, which gives an actor with fractional ``num_cpus``
+    one OpenMP thread (a 0.5-CPU trainer on an idle 2-core machine computed on one core)."""
     total = sum(reserved)
     share = num_cpus / total if total > 0 else 1 / max(len(reserved), 1)
     return int(max(1, min(node_cpus, cluster_cpus * share)))
@@ -119,12 +117,13 @@ class StoreAsyncEngine(AsyncRolloutEngine):
                  **options) -> None:
         """``after``: references to wait for before the version is read (its trainer preparing version 0); vLLM,
         the engine's longest import, is imported meanwhile."""
-        if after:
-            import vllm  # noqa: F401
+        with collector_paused():  # vLLM's import and the engine's build (cluster/heap.py)
+            if after:
+                import vllm  # noqa: F401
 
-            ray.get(after)
-        model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
-        super().__init__(model_dir, version, adapter_dir=adapter_dir, **options)
+                ray.get(after)
+            model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
+            super().__init__(model_dir, version, adapter_dir=adapter_dir, **options)
 
     async def restart(self, store: StoreConfig, run: str, agent: str, version: int, after: list | None = None,
                       **options) -> bool:

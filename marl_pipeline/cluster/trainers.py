@@ -18,6 +18,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from marl_pipeline.cluster.heap import collector_paused
 from marl_pipeline.cluster.placement import bundle
 from marl_pipeline.config import StoreConfig, TrainerConfig
 from marl_pipeline.policy.transfer import SyncGroup
@@ -62,10 +63,11 @@ class StoreTrainer(TrainerActor):
                  **options) -> None:
         """``prepare``: the agent's version 0 is missing; ``prepare(threads)`` makes it here first, with this
         actor's resources and device, while the engines start (bootstrap/policies.py: ``base_policy_makers``)."""
-        self.prepared = None if prepare is None else prepare(options.get("num_threads"))
-        self.store, self.run, self.agent = ExperienceStore(store), run, agent
-        super().__init__(str(self.store.require_policy(run, agent, version)), version,
-                         **with_local_base(self.store, run, agent, options))
+        with collector_paused():  # transformers' import and the model's load (cluster/heap.py)
+            self.prepared = None if prepare is None else prepare(options.get("num_threads"))
+            self.store, self.run, self.agent = ExperienceStore(store), run, agent
+            super().__init__(str(self.store.require_policy(run, agent, version)), version,
+                             **with_local_base(self.store, run, agent, options))
 
     def base_policy(self):
         """The ``BasePolicy`` this trainer prepared (None: version 0 was already in the store)."""

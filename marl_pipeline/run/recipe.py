@@ -5,7 +5,6 @@ Ray must already be initialised by the caller (the Dagster Ray resource, a test 
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Iterator
 
@@ -13,6 +12,7 @@ import ray
 
 from marl_pipeline.bootstrap.policies import BasePolicy, base_policy_makers, require_turn_adapters
 from marl_pipeline.bootstrap.reward_model import prepare_reward_model
+from marl_pipeline.cluster.heap import heap_frozen
 from marl_pipeline.cluster.placement import plan_placement
 from marl_pipeline.cluster.spawn import start_workers
 from marl_pipeline.config import ExperimentConfig
@@ -75,17 +75,10 @@ def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
                          for agent in config.agents]
         yield RunStarted(config.run, plan, base_policies, time.perf_counter() - started, placement)
         streaming_started = time.time()
-        # The heap so far (torch, Ray, Dagster: ~350k objects, 0.2 s a full collection) lives as long as the launch:
-        # frozen, the collector stops walking it, which cost the driver ~30 ms a micro-batch in whatever thread
-        # allocated, Ray's IO thread most (bench/bound.py). vLLM and Ray Serve freeze theirs after start-up too.
-        gc.collect()
-        gc.freeze()
-        try:
+        with heap_frozen():  # the start-up heap lives as long as the launch (cluster/heap.py)
             for event in Orchestrator(config, env, store, workers, plan).run():
                 metrics.add(event)
                 yield event
-        finally:
-            gc.unfreeze()
         finish_launch(store, config.run, plan.last_step)
         finished = True
         yield RunFinished(config.run, plan, streaming_started, time.time(), placement)
