@@ -137,17 +137,25 @@ class GcTimer:
         gc.callbacks.remove(self._callback)
 
 
+def read_stat(path: Path) -> tuple[str, int, float] | None:
+    """A ``/proc/<pid>[/task/<tid>]/stat`` file's name, parent pid and CPU seconds so far (user + system); None
+    when the process or thread ended meanwhile."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return text[text.index("(") + 1 : text.rindex(")")], int(fields[1]), seconds
+
+
 def thread_cpu() -> dict[str, float]:
     """This process's CPU seconds so far, by thread name: Python's threads carry the process's, Ray's C++ threads
     their own (the driver's side of the pipeline: its stages' Python, Ray's calls and transfers)."""
-    tick, seconds = os.sysconf("SC_CLK_TCK"), defaultdict(float)
+    seconds = defaultdict(float)
     for stat in Path("/proc/self/task").glob("*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:  # the thread ended meanwhile
-            continue
-        fields = text.rsplit(")", 1)[1].split()
-        seconds[text[text.index("(") + 1 : text.rindex(")")]] += (int(fields[11]) + int(fields[12])) / tick
+        if (read := read_stat(stat)) is not None:
+            seconds[read[0]] += read[2]
     return dict(seconds)
 
 

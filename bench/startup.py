@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import yaml
-from bound import config_arguments  # bench/ is on the path
+from bound import config_arguments, read_stat  # bench/ is on the path
 
 ROOT = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"^(set-up: .*|step \d+: .*)$")
@@ -46,17 +46,16 @@ def _title(argv: list[str]) -> str:
 def cpu_by_process(root: int) -> dict[str, float]:
     """CPU seconds (user + system) so far of ``root`` and every process under it, summed by process title (Ray names
     an actor's process ``ray::<class>``; the rest by executable): where start-up's CPU went."""
-    tick = os.sysconf("SC_CLK_TCK")
     parents, seconds, titles = {}, {}, {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
             argv = (stat.parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:  # it ended meanwhile
             continue
-        pid = int(stat.parent.name)
-        parents[pid], seconds[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
-        titles[pid] = _title(argv)
+        if (read := read_stat(stat)) is not None:
+            pid = int(stat.parent.name)
+            _, parents[pid], seconds[pid] = read
+            titles[pid] = _title(argv)
     totals: dict[str, float] = {}
     for pid in seconds:
         ancestor = pid

@@ -87,11 +87,6 @@ def _device_work(step) -> tuple[float, int]:
     return sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3, launches
 
 
-def _device_ms(step) -> float:
-    """The GPU's kernel time in one call of ``step``."""
-    return _device_work(step)[0]
-
-
 def _steps(model_dir, batch: TrainBatch, checkpointing: bool):
     """Our trainer's step and a bare loop's step on the same model object (the bare loop with an AdamW of its own):
     the same weights, the same activation checkpointing, nothing loaded twice."""
