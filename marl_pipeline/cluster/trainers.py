@@ -63,7 +63,7 @@ class StoreTrainer(TrainerActor):
                  **options) -> None:
         """``prepare``: the agent's version 0 is missing; ``prepare(threads)`` makes it here first, with this
         actor's resources and device, while the engines start (bootstrap/policies.py: ``base_policy_makers``)."""
-        with collector_paused():  # transformers' import and the model's load (cluster/heap.py)
+        with collector_paused():  # transformers' import, version 0's making if asked, the model's load (heap.py)
             self.prepared = None if prepare is None else prepare(options.get("num_threads"))
             self.store, self.run, self.agent = ExperienceStore(store), run, agent
             super().__init__(str(self.store.require_policy(run, agent, version)), version,
