@@ -51,6 +51,7 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
             SetupPhase,
             StageCommitted,
             StepFinished,
+            ThreadsChanged,
             mean_reward,
         )
         from marl_pipeline.run.pipeline_metrics import TimelineRecorder
@@ -103,6 +104,10 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
             reported = event.warnings
         elif isinstance(event, ReplicaChanged):
             _log_replica(context, event)
+        elif isinstance(event, ThreadsChanged):
+            moved = ", ".join(f"{name} {old} -> {new}" for name, (old, new) in event.changed.items())
+            used = ", ".join(f"{name} {cores:.2f}" for name, cores in sorted(event.cores.items()))
+            context.log.info(f"{STEP_PREFIX}{event.step}: threads {moved} (cores each used in the step: {used})")
         elif isinstance(event, SetupPhase):
             context.log.info(f"{SETUP_PREFIX}{event.name} ({event.seconds:.1f} s)")
         elif isinstance(event, RunStarted):

@@ -57,7 +57,7 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
     import ray
 
     from marl_pipeline.config import parse_config
-    from marl_pipeline.run.events import PolicyCommitted, SetupPhase, StageCommitted, StepFinished
+    from marl_pipeline.run.events import PolicyCommitted, SetupPhase, StageCommitted, StepFinished, ThreadsChanged
     from marl_pipeline.run.recipe import train
 
     data = json.loads(json.dumps(data))
@@ -101,6 +101,9 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
                 steps_seen.append((event.step, event.seconds))
                 driver_cpu["first" if event.step == 0 else "last"] = {**thread_cpu(), **collector.totals()}
                 print(f"  step {event.step}: {event.seconds:.3f} s", flush=True)
+            elif isinstance(event, ThreadsChanged):
+                print(f"  after step {event.step}: threads {event.changed}, cores used "
+                      f"{ {name: round(cores, 2) for name, cores in event.cores.items()} }", flush=True)
     finally:
         sampler.stop()
         collector.stop()

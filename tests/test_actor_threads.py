@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
-from marl_pipeline.cluster.spawn import actor_threads, shared_threads, start_trainers
+from marl_pipeline.cluster import placement
+from marl_pipeline.cluster.cores import CoreSplit, CpuReport, cores_used, demand_threads
+from marl_pipeline.cluster.placement import shared_threads
+from marl_pipeline.cluster.spawn import actor_threads, start_trainers
 from marl_pipeline.config import ConfigError, parse_config
 from marl_pipeline.store import ExperienceStore
 
@@ -52,6 +56,81 @@ def test_trainer_actors_compute_on_their_threads(local_ray, demo_config_data: di
         threads = {agent: local_ray.get(handle.__ray_call__.remote(lambda self: torch.get_num_threads()))
                    for agent, handle in trainers.items()}
         assert threads == {"solver": 2, "verifier": 1}
+    finally:
+        for handle in trainers.values():
+            local_ray.kill(handle)
+
+
+def test_engines_and_trainers_taking_turns_each_get_the_cores(demo_config_data: dict, tmp_path: Path) -> None:
+    def threads(agents: list[str], mode: str, cpus: float) -> tuple[int, int]:
+        environment = {**demo_config_data["environment"], "name": "arithmetic_solo" if len(agents) == 1 else
+                       demo_config_data["environment"]["name"]}
+        config = parse_config({**demo_config_data, "store": str(tmp_path), "environment": environment,
+                               "agents": {name: demo_config_data["agents"][name] for name in agents},
+                               "pipeline": {**demo_config_data["pipeline"], "mode": mode}})
+        solver = config.agents["solver"]
+        return (placement.actor_threads(config, solver.engine, cpus, cpus),
+                placement.actor_threads(config, solver.trainer, cpus, cpus))
+
+    # streaming: an agent's engine samples while its trainer trains, so all four (or both) share the cores
+    assert threads(["solver", "verifier"], "streaming", 2) == (1, 1)
+    assert threads(["solver"], "streaming", 2) == (1, 1)
+    assert threads(["solver", "verifier"], "streaming", 8) == (2, 2)
+    # synchronous: the step's rollout, then its training; each kind shares the cores only with its own kind
+    assert threads(["solver"], "synchronous", 2) == (2, 2)
+    assert threads(["solver", "verifier"], "synchronous", 2) == (1, 1)
+    assert threads(["solver", "verifier"], "synchronous", 8) == (4, 4)
+
+
+def test_demand_threads_follow_the_cores_used() -> None:
+    # SmolLM2 alone on 2 cores: the trainer computes 90% of the step on one thread, its engine 30%; and when the
+    # trainer has 2 threads, it uses 1.5 cores and keeps them
+    assert demand_threads({"solver/trainer": 0.9, "solver/engine/0": 0.3}, cores=2) == {"solver/trainer": 2,
+                                                                                         "solver/engine/0": 1}
+    assert demand_threads({"solver/trainer": 1.5, "solver/engine/0": 0.35}, cores=2)["solver/trainer"] == 2
+    # the demo: four actors mostly busy at once keep one thread each
+    assert set(demand_threads({"a": 0.8, "b": 0.7, "c": 0.5, "d": 0.4}, cores=2).values()) == {1}
+    # 16 cores, a trainer three times as busy as its engine: 12 and 4
+    assert demand_threads({"t": 0.9, "e": 0.3}, cores=16) == {"t": 12, "e": 4}
+    assert demand_threads({"t": 0.0, "e": 0.0}, cores=2) == {}  # nothing measured: nothing moves
+
+
+def test_cores_used_are_cpu_seconds_over_seconds() -> None:
+    before = CpuReport("node", 7, seconds=10.0, cpu_seconds=3.0, threads=2)
+    assert cores_used(before, CpuReport("node", 7, 12.0, 6.0, 2)) == pytest.approx(1.5)
+    assert cores_used(before, CpuReport("node", 8, 12.0, 6.0, 2)) is None  # a restarted actor: another process
+
+
+def test_a_busy_trainer_takes_the_cores_its_idle_neighbour_leaves(local_ray, demo_config_data: dict,
+                                                                   tiny_model_dir: Path, tmp_path: Path) -> None:
+    import torch
+
+    config = parse_config({**demo_config_data, "store": str(tmp_path / "store")})
+    store = ExperienceStore(tmp_path / "store")
+    for agent in config.agents:
+        shutil.copytree(tiny_model_dir, store.policy_dir(config.run, agent, 0))
+    trainers = start_trainers(config, store, {agent: 0 for agent in config.agents})
+    try:
+        def threads() -> dict[str, int]:
+            return {agent: local_ray.get(handle.__ray_call__.remote(lambda self: torch.get_num_threads()))
+                    for agent, handle in trainers.items()}
+
+        assert threads() == {"solver": 1, "verifier": 1}  # four 0.5-CPU actors on 2 cores
+        split = CoreSplit({f"{agent}/trainer": handle for agent, handle in trainers.items()},
+                          {"solver/trainer", "verifier/trainer"}, {local_ray.get_runtime_context().get_node_id(): 2})
+        assert split.after_step() == ({}, {})  # the first reports: nothing to compare yet
+
+        def spin(self, seconds: float) -> None:  # the solver's trainer computes for a step; the verifier's waits
+            end = time.process_time() + seconds
+            while time.process_time() < end:
+                pass
+
+        local_ray.get(trainers["solver"].__ray_call__.remote(spin, 1.0))
+        time.sleep(0.5)
+        changed, used = split.after_step()
+        assert used["solver/trainer"] > 0.5 > used["verifier/trainer"], used
+        assert changed == {"solver/trainer": (1, 2)}
+        assert threads() == {"solver": 2, "verifier": 1}  # set in the actor, seen by its next call
     finally:
         for handle in trainers.values():
             local_ray.kill(handle)

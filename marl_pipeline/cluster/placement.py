@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from marl_pipeline.config import ExperimentConfig
+from marl_pipeline.config import EngineConfig, ExperimentConfig, TrainerConfig
 
 RESOURCES = ("CPU", "GPU")
 DECIMALS = 4
@@ -72,6 +72,48 @@ def assign_workers(agents: list[str], workers: int) -> dict[str, int]:
     """Which trainer worker serves each agent: agent i by worker i mod ``workers`` (the one rule, used by the plan
     and by ``cluster/spawn.py``)."""
     return {agent: index % workers for index, agent in enumerate(agents)}
+
+
+def swapping(config: ExperimentConfig) -> bool:
+    """Whether the trainer budget (``ray.resident_trainers``) is below the number of agents."""
+    budget = config.ray.resident_trainers
+    return budget is not None and budget < len(config.agents)
+
+
+def trainer_reservations(config: ExperimentConfig, resource: str) -> list[float]:
+    """What the trainer actors reserve of ``resource`` (``cpus`` or ``gpus``), as the placement plan reserves it:
+    one per agent's worker, or with swapping one per trainer worker, each the largest agent's request."""
+    asked = [getattr(agent.trainer, f"num_{resource}") for agent in config.agents.values()
+             for _ in range(agent.trainer.workers)]
+    return [max(asked)] * config.ray.resident_trainers if swapping(config) else asked
+
+
+def shared_threads(num_cpus: float, reserved: list[float], cluster_cpus: float, node_cpus: float) -> int:
+    """Threads for an actor reserving ``num_cpus`` among actors computing at the same time that reserve ``reserved``
+    (it included): its share of the cluster's CPUs in proportion to its reservation (equal shares when nothing is
+    reserved), rounded down, at least 1 and at most one node's CPUs. Not Ray's rule, which gives an actor with
+    fractional ``num_cpus`` one OpenMP thread (a 0.5-CPU trainer on an idle 2-core machine computed on one core)."""
+    total = sum(reserved)
+    share = num_cpus / total if total > 0 else 1 / max(len(reserved), 1)
+    return int(max(1, min(node_cpus, cluster_cpus * share)))
+
+
+def actor_threads(config: ExperimentConfig, settings: EngineConfig | TrainerConfig, cluster_cpus: float,
+                  node_cpus: float) -> int:
+    """``settings.threads`` when the config sets it, else :func:`shared_threads` among the actors that compute at the
+    same time as this one. Streaming: every engine and trainer (an agent's engine samples micro-batch k+1 while its
+    trainer trains on k). ``synchronous``: those of its own kind only, as the step's rollout and its training take
+    turns, so an agent alone gets all of a node's cores for each (OpenMP threads beyond the cores of the actors
+    running at once slow them all down: BENCHMARKS.md, "The bound")."""
+    if settings.threads is not None:
+        return settings.threads
+    engines = [agent.engine.num_cpus for agent in config.agents.values() for _ in range(agent.engine.replicas)]
+    trainers = trainer_reservations(config, "cpus")
+    if config.pipeline.mode == "synchronous":
+        reserved = engines if isinstance(settings, EngineConfig) else trainers
+    else:
+        reserved = engines + trainers
+    return shared_threads(settings.num_cpus, reserved, cluster_cpus, node_cpus)
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from marl_pipeline.actions.pool import ActionPool
 from marl_pipeline.bootstrap.policies import BasePolicy, make_on_ray
-from marl_pipeline.cluster import colocation, warm_actors
+from marl_pipeline.cluster import colocation, placement, warm_actors
+from marl_pipeline.cluster.cores import CpuReport, cpu_report
 from marl_pipeline.cluster.heap import collector_paused
-from marl_pipeline.cluster.placement import assign_workers, bundle
+from marl_pipeline.cluster.placement import assign_workers, bundle, swapping, trainer_reservations
 from marl_pipeline.cluster.trainers import StoreTrainer, remote_trainer, start_sharded_trainer
 from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, StoreConfig, TrainerConfig
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine
@@ -75,38 +76,10 @@ class Workers:
                 pool.shutdown()
 
 
-def shared_threads(num_cpus: float, reserved: list[float], cluster_cpus: float, node_cpus: float) -> int:
-    """Threads for an actor reserving ``num_cpus`` when the run's engines and trainers reserve ``reserved``: its
-    share of the cluster's CPUs in proportion to its reservation (equal shares when nothing is reserved), rounded
-    down, at least 1 and at most one node's CPUs. Not Ray's rule, which gives an actor with fractional ``num_cpus``
-    one OpenMP thread (a 0.5-CPU trainer on an idle 2-core machine computed on one core)."""
-    total = sum(reserved)
-    share = num_cpus / total if total > 0 else 1 / max(len(reserved), 1)
-    return int(max(1, min(node_cpus, cluster_cpus * share)))
-
-
 def actor_threads(config: ExperimentConfig, settings: EngineConfig | TrainerConfig) -> int:
-    """``settings.threads`` when the config sets it, else :func:`shared_threads` over the running Ray cluster."""
-    if settings.threads is not None:
-        return settings.threads
-    reserved = [agent.engine.num_cpus for agent in config.agents.values() for _ in range(agent.engine.replicas)]
-    reserved += trainer_reservations(config, "cpus")
+    """The actor's threads (:func:`placement.actor_threads`) over the running Ray cluster."""
     node_cpus = max((node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"]), default=1.0)
-    return shared_threads(settings.num_cpus, reserved, ray.cluster_resources().get("CPU", 1.0), node_cpus)
-
-
-def swapping(config: ExperimentConfig) -> bool:
-    """Whether the trainer budget (``ray.resident_trainers``) is below the number of agents."""
-    budget = config.ray.resident_trainers
-    return budget is not None and budget < len(config.agents)
-
-
-def trainer_reservations(config: ExperimentConfig, resource: str) -> list[float]:
-    """What the trainer actors reserve of ``resource`` (``cpus`` or ``gpus``), as the placement plan reserves it:
-    one per agent's worker, or with swapping one per trainer worker, each the largest agent's request."""
-    asked = [getattr(agent.trainer, f"num_{resource}") for agent in config.agents.values()
-             for _ in range(agent.trainer.workers)]
-    return [max(asked)] * config.ray.resident_trainers if swapping(config) else asked
+    return placement.actor_threads(config, settings, ray.cluster_resources().get("CPU", 1.0), node_cpus)
 
 
 class StoreAsyncEngine(AsyncRolloutEngine):
@@ -124,6 +97,11 @@ class StoreAsyncEngine(AsyncRolloutEngine):
                 ray.get(after)
             model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
             super().__init__(model_dir, version, adapter_dir=adapter_dir, **options)
+        self.threads = options.get("threads") or 1
+
+    async def cpu_report(self) -> CpuReport:
+        """For the split of its node's cores (cluster/cores.py); its threads stay as built."""
+        return cpu_report(self.threads)
 
     async def restart(self, store: StoreConfig, run: str, agent: str, version: int, after: list | None = None,
                       **options) -> bool:

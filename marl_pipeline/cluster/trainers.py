@@ -15,9 +15,11 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import ray
+import torch
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from marl_pipeline.cluster.cores import CpuReport, cpu_report
 from marl_pipeline.cluster.heap import collector_paused
 from marl_pipeline.cluster.placement import bundle
 from marl_pipeline.config import StoreConfig, TrainerConfig
@@ -41,6 +43,16 @@ def remote_trainer(actor_class: type):
 class TrainerActor(PolicyTrainer):
     """A policy trainer as a Ray actor (:func:`remote_trainer`): its weight broadcasts run in their own concurrency
     group, beside the training calls."""
+
+    @ray.method(concurrency_group="weights")
+    def cpu_report(self) -> CpuReport:
+        """For the split of its node's cores (cluster/cores.py): answered beside the training calls."""
+        return cpu_report(self.num_threads)
+
+    def set_threads(self, threads: int) -> None:
+        """Its forward and backward passes' threads from the next call on (cluster/cores.py)."""
+        torch.set_num_threads(threads)
+        self.num_threads = threads
 
     @ray.method(concurrency_group="weights")
     def weights_address(self) -> str:

@@ -140,10 +140,21 @@ class ReplicaChanged:
     detail: str = ""
 
 
+@dataclass(frozen=True)
+class ThreadsChanged:
+    """Trainers' threads moved after a step to follow their measured demand (cluster/cores.py)."""
+
+    step: int
+    changed: dict[str, tuple[int, int]]
+    """Trainer -> (threads before, after)."""
+    cores: dict[str, float]
+    """The cores each engine and trainer kept busy since the previous step's end, on average."""
+
+
 Event = StageCommitted | PolicyCommitted | StepFinished | EvaluationCommitted | ReplicaChanged
 """What the orchestrator yields."""
 
-LaunchEvent = SetupPhase | RunStarted | Event | RunFinished
+LaunchEvent = SetupPhase | RunStarted | Event | ThreadsChanged | RunFinished
 """What ``recipe.train`` yields."""
 
 

@@ -12,12 +12,13 @@ import ray
 
 from marl_pipeline.bootstrap.policies import BasePolicy, base_policy_makers, require_turn_adapters
 from marl_pipeline.bootstrap.reward_model import prepare_reward_model
+from marl_pipeline.cluster.cores import CoreSplit
 from marl_pipeline.cluster.heap import heap_frozen
 from marl_pipeline.cluster.placement import plan_placement
 from marl_pipeline.cluster.spawn import start_workers
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import build_environment
-from marl_pipeline.run.events import LaunchEvent, RunFinished, RunStarted, SetupPhase
+from marl_pipeline.run.events import LaunchEvent, RunFinished, RunStarted, SetupPhase, StepFinished, ThreadsChanged
 from marl_pipeline.run.launches import finish_launch, plan_launch
 from marl_pipeline.run.orchestrator import Orchestrator
 from marl_pipeline.run.tracking import MetricsExport
@@ -75,10 +76,13 @@ def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
                          for agent in config.agents]
         yield RunStarted(config.run, plan, base_policies, time.perf_counter() - started, placement)
         streaming_started = time.time()
+        cores = CoreSplit.for_run(config, workers.engines, workers.trainers)
         with heap_frozen():  # the start-up heap lives as long as the launch (cluster/heap.py)
             for event in Orchestrator(config, env, store, workers, plan).run():
                 metrics.add(event)
                 yield event
+                if isinstance(event, StepFinished) and (moved := cores.after_step())[0]:
+                    yield ThreadsChanged(event.step, *moved)
         finish_launch(store, config.run, plan.last_step)
         finished = True
         yield RunFinished(config.run, plan, streaming_started, time.time(), placement)

@@ -65,6 +65,7 @@ class PolicyTrainer:
         self.chunk_tokens = chunk_tokens
         if num_threads:
             torch.set_num_threads(num_threads)
+        self.num_threads = torch.get_num_threads()  # what cluster/cores.py's split of the cores reads and moves
         torch.manual_seed(seed)
         # LoRA (policy/lora.py): ``lora`` is the agent's LoraAdapterConfig as a dict; ``base_dir`` its version 0.
         self.lora = lora is not None

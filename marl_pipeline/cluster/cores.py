@@ -1,0 +1,112 @@
+"""The split of a node's cores between the engines and trainers that compute at the same time, following their
+measured demand (streaming only: in ``synchronous`` mode each kind has the cores to itself, placement.py).
+
+At each step's end every engine and resident trainer reports its process's CPU seconds (``cpu_report``): over the
+step since the last report, the cores it kept busy. A trainer's threads then become its share of its node's cores
+in proportion to the cores the actors on that node used, rounded to the nearest, at least 1 and at most the node's
+cores. A trainer that computes while its engine mostly waits thus gets the cores its engine leaves (SmolLM2 alone on
+2 cores: 2 threads to the trainer, 1 to the engine), and actors all busy at once keep one each (the demo on 2 cores).
+Cores used, not the share of its threads' time: a trainer given more threads is busy a smaller share of a shorter
+step, and a split by that share took them back the step after (measured: BENCHMARKS.md, "The bound").
+
+Engines keep the threads they were built with: vLLM's CPU attention checks at every step that its thread count is
+the one it was built with (inference/async_engine.py), so only trainers move; the cores an engine uses still count.
+Trainers with ``threads`` set, on GPUs, on several workers or swapped are left as they are.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import ray
+
+from marl_pipeline.config import ExperimentConfig
+
+REPORT_TIMEOUT_S = 10.0
+"""How long a step's end waits for the reports (each is answered at once, unless the actor hangs)."""
+
+
+@dataclass(frozen=True)
+class CpuReport:
+    """What an actor reports of its process: where it runs, when, its CPU seconds so far and its threads."""
+
+    node: str
+    pid: int
+    seconds: float
+    cpu_seconds: float
+    threads: int
+
+
+def cpu_report(threads: int) -> CpuReport:
+    """This process's report, from an actor computing on ``threads`` threads."""
+    node = ray.get_runtime_context().get_node_id()
+    return CpuReport(node, os.getpid(), time.monotonic(), time.process_time(), threads)
+
+
+def cores_used(before: CpuReport, after: CpuReport) -> float | None:
+    """The cores the actor's process kept busy between two reports, on average: its CPU seconds over the seconds
+    (None: another process, as a restarted actor, or no time between them)."""
+    elapsed = after.seconds - before.seconds
+    if after.pid != before.pid or elapsed <= 0:
+        return None
+    return max(0.0, (after.cpu_seconds - before.cpu_seconds) / elapsed)
+
+
+def demand_threads(used: dict[str, float], cores: float) -> dict[str, int]:
+    """Threads for each actor on one node: its share of the node's ``cores`` in proportion to the cores it used
+    (``used``) among the actors', rounded to the nearest, at least 1 and at most ``cores``."""
+    total = sum(used.values())
+    if total <= 0:
+        return {}
+    return {name: int(max(1, min(cores, int(cores * share / total + 0.5)))) for name, share in used.items()}
+
+
+class CoreSplit:
+    """The run's side: asks its actors for reports at each step's end and moves trainers' threads."""
+
+    def __init__(self, actors: dict, movable: set[str], node_cpus: dict[str, float],
+                 engines: dict | None = None) -> None:
+        """``actors``: name -> handle (each with ``cpu_report`` and, if in ``movable``, ``set_threads``); ``engines``:
+        each agent's ``EngineReplicas``, whose replicas report too (read at each step: a dead one is restarted)."""
+        self.actors, self.movable, self.node_cpus, self.engines = actors, movable, node_cpus, engines or {}
+        self._last: dict[str, CpuReport] = {}
+
+    @classmethod
+    def for_run(cls, config: ExperimentConfig, engines: dict, trainers: dict) -> CoreSplit:
+        """Over the run's engine replicas and its movable trainers (none in ``synchronous`` mode)."""
+        movable = {agent for agent, settings in config.agents.items()
+                   if config.pipeline.mode == "streaming" and settings.trainer.threads is None
+                   and settings.trainer.num_gpus == 0 and settings.trainer.workers == 1
+                   and isinstance(trainers[agent], ray.actor.ActorHandle)}
+        nodes = {node["NodeID"]: node["Resources"].get("CPU", 1.0) for node in ray.nodes() if node["Alive"]}
+        names = {f"{agent}/trainer": trainers[agent] for agent in movable}
+        split = cls(names, set(names), nodes, engines if movable else None)
+        split.after_step()  # the reports the first step is measured from
+        return split
+
+    def after_step(self) -> tuple[dict[str, tuple[int, int]], dict[str, float]]:
+        """Ask every actor for its report and give each movable trainer its share of its node's cores by the cores
+        used since the previous call (the first call only takes the reports). -> ({trainer: (threads before, after)}
+        for those that changed, {actor: cores used})."""
+        if not self.movable:
+            return {}, {}
+        actors = self.actors | {f"{agent}/engine/{k}": handle for agent, replicas in self.engines.items()
+                                for k, handle in enumerate(replicas.handles())}
+        try:  # answered at once: a trainer reports from its weights thread, beside its training calls
+            reports = dict(zip(actors, ray.get([handle.cpu_report.remote() for handle in actors.values()],
+                                               timeout=REPORT_TIMEOUT_S)))
+        except ray.exceptions.RayError:  # an actor died or hangs: its restart or the run's failure tells
+            return {}, {}
+        used = {name: cores for name, report in reports.items()
+                if name in self._last and (cores := cores_used(self._last[name], report)) is not None}
+        self._last = reports
+        changed = {}
+        for node in {report.node for report in reports.values()}:
+            here = {name: cores for name, cores in used.items() if reports[name].node == node}
+            for name, threads in demand_threads(here, self.node_cpus.get(node, 1.0)).items():
+                if name in self.movable and threads != reports[name].threads:
+                    self.actors[name].set_threads.remote(threads)  # after the calls already issued to it
+                    changed[name] = (reports[name].threads, threads)
+        return changed, used
