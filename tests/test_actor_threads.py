@@ -92,7 +92,7 @@ def test_demand_threads_follow_the_cores_used() -> None:
     assert set(demand_threads({"a": 0.8, "b": 0.7, "c": 0.5, "d": 0.4}, cores=2).values()) == {1}
     # 16 cores, a trainer three times as busy as its engine: 12 and 4
     assert demand_threads({"t": 0.9, "e": 0.3}, cores=16) == {"t": 12, "e": 4}
-    assert demand_threads({"t": 0.0, "e": 0.0}, cores=2) == {}  # nothing measured: nothing moves
+    assert demand_threads({"t": 0.02, "e": 0.01}, cores=2) == {}  # idle: nothing moves
 
 
 def test_cores_used_are_cpu_seconds_over_seconds() -> None:
@@ -131,6 +131,8 @@ def test_a_busy_trainer_takes_the_cores_its_idle_neighbour_leaves(local_ray, dem
         assert used["solver/trainer"] > 0.5 > used["verifier/trainer"], used
         assert changed == {"solver/trainer": (1, 2)}
         assert threads() == {"solver": 2, "verifier": 1}  # set in the actor, seen by its next call
+        time.sleep(1.0)
+        assert split.after_step()[0] == {}  # both idle since: nothing moves
     finally:
         for handle in trainers.values():
             local_ray.kill(handle)

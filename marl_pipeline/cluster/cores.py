@@ -28,6 +28,10 @@ REPORT_TIMEOUT_S = 10.0
 """How long a step's end waits for the reports (each is answered at once, unless the actor hangs)."""
 
 
+IDLE_CORES = 0.1
+"""Below this many cores used on a node in all, its actors are taken as idle, and none moves."""
+
+
 @dataclass(frozen=True)
 class CpuReport:
     """What an actor reports of its process: where it runs, when, its CPU seconds so far and its threads."""
@@ -56,9 +60,10 @@ def cores_used(before: CpuReport, after: CpuReport) -> float | None:
 
 def demand_threads(used: dict[str, float], cores: float) -> dict[str, int]:
     """Threads for each actor on one node: its share of the node's ``cores`` in proportion to the cores it used
-    (``used``) among the actors', rounded to the nearest, at least 1 and at most ``cores``."""
+    (``used``) among the actors', rounded to the nearest, at least 1 and at most ``cores``; nothing when they were
+    idle (``IDLE_CORES``: their shares would be noise)."""
     total = sum(used.values())
-    if total <= 0:
+    if total < IDLE_CORES:
         return {}
     return {name: int(max(1, min(cores, int(cores * share / total + 0.5)))) for name, share in used.items()}
 
@@ -72,17 +77,20 @@ class CoreSplit:
         each agent's ``EngineReplicas``, whose replicas report too (read at each step: a dead one is restarted)."""
         self.actors, self.movable, self.node_cpus, self.engines = actors, movable, node_cpus, engines or {}
         self._last: dict[str, CpuReport] = {}
+        self._set: dict[str, tuple[int, int]] = {}  # trainer -> (its pid, the threads last set): the call may wait
 
     @classmethod
     def for_run(cls, config: ExperimentConfig, engines: dict, trainers: dict) -> CoreSplit:
-        """Over the run's engine replicas and its movable trainers (none in ``synchronous`` mode)."""
-        movable = {agent for agent, settings in config.agents.items()
+        """Over the run's engine replicas and trainer actors (a swapped trainer's worker does not report), moving the
+        trainers it may (none in ``synchronous`` mode)."""
+        movable = {f"{agent}/trainer" for agent, settings in config.agents.items()
                    if config.pipeline.mode == "streaming" and settings.trainer.threads is None
                    and settings.trainer.num_gpus == 0 and settings.trainer.workers == 1
                    and isinstance(trainers[agent], ray.actor.ActorHandle)}
+        reporting = {f"{agent}/trainer": handle for agent, handle in trainers.items()
+                     if isinstance(handle, ray.actor.ActorHandle)}
         nodes = {node["NodeID"]: node["Resources"].get("CPU", 1.0) for node in ray.nodes() if node["Alive"]}
-        names = {f"{agent}/trainer": trainers[agent] for agent in movable}
-        split = cls(names, set(names), nodes, engines if movable else None)
+        split = cls(reporting, movable, nodes, engines if movable else None)
         split.after_step()  # the reports the first step is measured from
         return split
 
@@ -106,7 +114,10 @@ class CoreSplit:
         for node in {report.node for report in reports.values()}:
             here = {name: cores for name, cores in used.items() if reports[name].node == node}
             for name, threads in demand_threads(here, self.node_cpus.get(node, 1.0)).items():
-                if name in self.movable and threads != reports[name].threads:
+                pid, current = self._set.get(name, (reports[name].pid, reports[name].threads))
+                current = current if pid == reports[name].pid else reports[name].threads
+                if name in self.movable and threads != current:
                     self.actors[name].set_threads.remote(threads)  # after the calls already issued to it
-                    changed[name] = (reports[name].threads, threads)
+                    self._set[name] = (reports[name].pid, threads)
+                    changed[name] = (current, threads)
         return changed, used
