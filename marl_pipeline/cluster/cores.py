@@ -102,7 +102,7 @@ class CoreSplit:
             return {}, {}
         actors = self.actors | {f"{agent}/engine/{k}": handle for agent, replicas in self.engines.items()
                                 for k, handle in enumerate(replicas.handles())}
-        try:  # answered at once: a trainer reports from its weights thread, beside its training calls
+        try:  # answered at once: a trainer reports from a thread of its own, beside its calls
             reports = dict(zip(actors, ray.get([handle.cpu_report.remote() for handle in actors.values()],
                                                timeout=REPORT_TIMEOUT_S)))
         except ray.exceptions.RayError:  # an actor died or hangs: its restart or the run's failure tells

@@ -30,9 +30,10 @@ from marl_pipeline.training.batches import TrainBatch
 from marl_pipeline.training.sharded import Rank, deal, merged_stats
 from marl_pipeline.training.trainer import PolicyTrainer
 
-CONCURRENCY_GROUPS = {"weights": 1}
+CONCURRENCY_GROUPS = {"weights": 1, "reports": 1}
 """A trainer actor's Ray concurrency groups: a weight broadcast runs on a thread of its own, so the next step's
-training calls go on meanwhile (``ray.remote(concurrency_groups=...)``; Ray refuses them in ``.options``)."""
+training calls go on meanwhile, and so does its CPU report, answered at once whatever else it runs
+(``ray.remote(concurrency_groups=...)``; Ray refuses them in ``.options``)."""
 
 
 def remote_trainer(actor_class: type):
@@ -44,7 +45,7 @@ class TrainerActor(PolicyTrainer):
     """A policy trainer as a Ray actor (:func:`remote_trainer`): its weight broadcasts run in their own concurrency
     group, beside the training calls."""
 
-    @ray.method(concurrency_group="weights")
+    @ray.method(concurrency_group="reports")
     def cpu_report(self) -> CpuReport:
         """For the split of its node's cores (cluster/cores.py): answered beside the training calls."""
         return cpu_report(self.num_threads)
