@@ -114,10 +114,14 @@ class CoreSplit:
         for node in {report.node for report in reports.values()}:
             here = {name: cores for name, cores in used.items() if reports[name].node == node}
             for name, threads in demand_threads(here, self.node_cpus.get(node, 1.0)).items():
-                pid, current = self._set.get(name, (reports[name].pid, reports[name].threads))
-                current = current if pid == reports[name].pid else reports[name].threads
-                if name in self.movable and threads != current:
+                if name not in self.movable:
+                    continue
+                report = reports[name]
+                pid, current = self._set.get(name, (report.pid, report.threads))
+                if pid != report.pid:  # restarted since the last move: as it reports
+                    current = report.threads
+                if threads != current:
                     self.actors[name].set_threads.remote(threads)  # after the calls already issued to it
-                    self._set[name] = (reports[name].pid, threads)
+                    self._set[name] = (report.pid, threads)
                     changed[name] = (current, threads)
         return changed, used
