@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from marl_pipeline.cluster.spawn import engine_dirs, trainer_options
+from marl_pipeline.cluster.engines import engine_dirs
+from marl_pipeline.cluster.spawn import trainer_options
 from marl_pipeline.config import ConfigError, LoraAdapterConfig, RetentionConfig, parse_config
 from marl_pipeline.policy.checkpoint import load_policy
 from marl_pipeline.policy.lora import LoraCheckpointError, merged_checkpoint

@@ -61,6 +61,9 @@ class ActorRequest:
     colocated: str | None = None
     """The agent whose engine and trainer share GPUs (``agents.<a>.colocated`` with GPUs), this actor being one of
     them: each reserves half of every GPU it uses, and they are placed on one node together (cluster/colocation.py)."""
+    process: str | None = None
+    """The hybrid agent (``agents.<a>.hybrid``) whose engine replica 0 and trainer this is: one actor on one node,
+    reserving the two requests (cluster/hybrid.py)."""
 
 
 def engine_names(agent: str, replicas: int) -> list[str]:
@@ -156,6 +159,8 @@ class PlacementPlan:
         lines = {actor.name: f"{actor.cpus:g} CPU, {actor.gpus:g} GPU" + (" (fitted)" if actor.fitted else "")
                  + "".join(f", {amount:g} {name}" for name, amount in sorted(actor.resources.items()))
                  + (f", GPUs shared by {actor.colocated}'s engine and trainer" if actor.colocated else "")
+                 + (f", in one process with {actor.process}'s " + ("trainer" if "/engine" in actor.name else "engine")
+                    if actor.process else "")
                  for actor in self.actors}
         used = {r: sum(getattr(a, f"{r.lower()}s") for a in self.actors) for r in RESOURCES}
         lines["total"] = ", ".join(f"{used[r]:g} of {self.cluster.get(r, 0):g} {r}" for r in RESOURCES)
@@ -189,6 +194,9 @@ def plan_placement(config: ExperimentConfig, nodes: list[dict[str, float]]) -> P
     try:
         return _plan(config, nodes, agents)
     except PlacementError as resident:
+        if hybrid := [agent for agent, agent_config in config.agents.items() if agent_config.hybrid]:
+            raise PlacementError(f"{resident} Swapping the trainers cannot help: agents {hybrid} are hybrid (their "
+                                 f"trainers live in their engines' processes).") from None
         if sharded:
             raise PlacementError(f"{resident} Swapping the trainers cannot help: agents {sharded} train on several "
                                  f"workers (trainer.workers).") from None
@@ -214,9 +222,11 @@ def _plan(config: ExperimentConfig, nodes: list[dict[str, float]], workers: int)
             ranks = range(agent_config.trainer.workers)
             parts += [(trainer_name(agent, rank), "trainer", agent_config.trainer) for rank in ranks]
         shares = agent_config.colocated and engine.num_gpus > 0  # an engine and a trainer rank on each GPU
+        process = agent if agent_config.hybrid else None
         for name, role, settings in parts:
             requests.append((ActorRequest(name, settings.num_cpus, settings.num_gpus * (0.5 if shares else 1.0),
-                                          resources=custom[role], colocated=agent if shares else None),
+                                          resources=custom[role], colocated=agent if shares else None,
+                                          process=process if name in (parts[0][0], trainer_name(agent)) else None),
                              "num_cpus" in settings.model_fields_set))
     if not resident:  # a worker may serve any agent: it reserves the largest trainer request
         trainers = [agent_config.trainer for agent_config in config.agents.values()]
@@ -313,9 +323,12 @@ def _custom_names(nodes: list[dict[str, float]]) -> str:
 def _check_nodes(actors: list[ActorRequest], nodes: list[dict[str, float]]) -> None:
     """First-fit decreasing: every actor on a node with room for it (CPUs, GPUs and its custom resources); an agent's
     colocated engine and trainer ranks as one, as their placement group packs them on one node."""
-    units = [actor for actor in actors if actor.colocated is None]
-    for agent in dict.fromkeys(actor.colocated for actor in actors if actor.colocated is not None):
-        shared = [actor for actor in actors if actor.colocated == agent]
+    def together(actor: ActorRequest) -> str | None:
+        return actor.colocated or actor.process
+
+    units = [actor for actor in actors if together(actor) is None]
+    for agent in dict.fromkeys(together(actor) for actor in actors if together(actor) is not None):
+        shared = [actor for actor in actors if together(actor) == agent]
         units.append(ActorRequest(f"{agent}/engine+trainer", sum(a.cpus for a in shared), sum(a.gpus for a in shared),
                                   resources={name: sum(a.resources.get(name, 0.0) for a in shared)
                                              for a in shared for name in a.resources}))

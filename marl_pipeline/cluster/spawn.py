@@ -16,7 +16,6 @@ nodes; the store is the durable copy, written once per version, read by whoever 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -30,16 +29,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from marl_pipeline.actions.pool import ActionPool
 from marl_pipeline.bootstrap.policies import BasePolicy, make_on_ray
 from marl_pipeline.cluster import colocation, placement, warm_actors
-from marl_pipeline.cluster.cores import CpuReport, cpu_report
-from marl_pipeline.cluster.heap import collector_paused
+from marl_pipeline.cluster.engines import StoreAsyncEngine
+from marl_pipeline.cluster.hybrid import InProcessTrainer, remote_agent_process
 from marl_pipeline.cluster.placement import assign_workers, bundle, swapping, trainer_reservations
 from marl_pipeline.cluster.trainers import StoreTrainer, remote_trainer, start_sharded_trainer
 from marl_pipeline.config import EngineConfig, ExperimentConfig, PoolSettings, StoreConfig, TrainerConfig
-from marl_pipeline.inference.async_engine import AsyncRolloutEngine
 from marl_pipeline.inference.engine import ENGINE_ENV, RolloutEngine
 from marl_pipeline.inference.replicas import EngineReplicas
 from marl_pipeline.inference.reward_model import RewardModelPool
-from marl_pipeline.policy.lora import is_adapter_checkpoint
 from marl_pipeline.store import ExperienceStore
 from marl_pipeline.training.swap import AgentSpec, SwappedTrainer, TrainerWorker, actor_handles
 from marl_pipeline.training.trainer import PolicyTrainer
@@ -51,8 +48,9 @@ class Workers:
 
     engines: dict[str, EngineReplicas]
     """Each agent's engine replicas (one or more), with their router."""
-    trainers: dict[str, ray.actor.ActorHandle | SwappedTrainer]
-    """Each agent's trainer actor, or its handle on the trainer worker that swaps it in (same calls)."""
+    trainers: dict[str, ray.actor.ActorHandle | SwappedTrainer | InProcessTrainer]
+    """Each agent's trainer actor, or its handle on the trainer worker that swaps it in or on its engine's process
+    (same calls)."""
     reward_pool: RewardModelPool | None = None
     """Replicas of the run's reward model (None: rule-based reward only)."""
     action_pool: ActionPool | None = None
@@ -67,8 +65,10 @@ class Workers:
         in this process instead (``ray.keep_actors``, cluster/warm_actors.py)."""
         for replicas in self.engines.values():
             replicas.shutdown(keep)
-        for handle in actor_handles(self.trainers):
-            warm_actors.release(handle, keep)  # swapped trainers' workers are never kept: not started through it
+        # swapped trainers' workers are never kept (not started through warm_actors); in-process ones go with their
+        # engines
+        for handle in actor_handles({a: t for a, t in self.trainers.items() if not isinstance(t, InProcessTrainer)}):
+            warm_actors.release(handle, keep)
         for group in self.placement_groups:
             ray.util.remove_placement_group(group)
         for pool in (self.reward_pool, self.action_pool):
@@ -80,36 +80,6 @@ def actor_threads(config: ExperimentConfig, settings: EngineConfig | TrainerConf
     """The actor's threads (:func:`placement.actor_threads`) over the running Ray cluster."""
     node_cpus = max((node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"]), default=1.0)
     return placement.actor_threads(config, settings, ray.cluster_resources().get("CPU", 1.0), node_cpus)
-
-
-class StoreAsyncEngine(AsyncRolloutEngine):
-    """A run's engine: the asynchronous engine, started from a policy version in the store, fetched on the node it
-    runs on."""
-
-    def __init__(self, store: StoreConfig, run: str, agent: str, version: int, after: list | None = None,
-                 **options) -> None:
-        """``after``: references to wait for before the version is read (its trainer preparing version 0); vLLM,
-        the engine's longest import, is imported meanwhile."""
-        with collector_paused():  # vLLM's import and the engine's build (cluster/heap.py)
-            if after:
-                import vllm  # noqa: F401
-
-                ray.get(after)
-            model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
-            super().__init__(model_dir, version, adapter_dir=adapter_dir, **options)
-        self.threads = options.get("threads") or 1
-
-    async def cpu_report(self) -> CpuReport:
-        """For the split of its node's cores (cluster/cores.py); its threads stay as built."""
-        return cpu_report(self.threads)
-
-    async def restart(self, store: StoreConfig, run: str, agent: str, version: int, after: list | None = None,
-                      **options) -> bool:
-        """Serve a stored version as a new engine with these arguments would (``RolloutEngine.restart``)."""
-        if after:
-            await asyncio.gather(*after)
-        model_dir, adapter_dir = engine_dirs(ExperienceStore(store), run, agent, version)
-        return await super().restart(model_dir, version, adapter_dir=adapter_dir, **options)
 
 
 def engine_actor(engine: EngineConfig, resources: dict[str, float] | None = None,
@@ -139,22 +109,21 @@ def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: di
 
 def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int],
                           replicas: int | None = None, after: dict[str, list] | None = None,
-                          shared: dict[str, PlacementGroup] | None = None) -> dict[str, EngineReplicas]:
+                          shared: dict[str, PlacementGroup] | None = None,
+                          first: dict | None = None) -> dict[str, EngineReplicas]:
     """Each agent's engine replicas (``agents.<name>.engine.replicas``, or ``replicas`` for every agent), serving the
     given policy version from the store once ``after[agent]`` is ready (see ``StoreAsyncEngine``); a replica that
     dies is restarted the same way (inference/replicas.py). ``shared``: the placement groups of the agents whose
-    engine and trainer share GPUs (cluster/colocation.py)."""
-    after, shared = after or {}, shared or {}
+    engine and trainer share GPUs (cluster/colocation.py); ``first``: replica 0 of the agents that have it started
+    already (the hybrid agents' processes, cluster/hybrid.py)."""
+    after, shared, first = after or {}, shared or {}, first or {}
     rebalance = config.pipeline.rollout.rebalance_replicas
     budget = sum(agent.engine.replicas for agent in config.agents.values())
     sets = {}
-    for index, (agent, agent_config) in enumerate(config.agents.items()):
+    for agent, agent_config in config.agents.items():
         engine = agent_config.engine
         actor = engine_actor(engine, config.ray.engine_resources, StoreAsyncEngine)
-        options = dict(gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
-                       dtype=engine.dtype, seed=config.seed + index, threads=actor_threads(config, engine),
-                       kv_cache_gib=engine.kv_cache_gib, tensor_parallel_size=engine.tensor_parallel_size,
-                       sleep_mode=agent_config.colocated)
+        options = engine_options(config, agent)
         # What a kept engine must have been started with to be taken instead of a new one (warm_actors.py).
         settings = ("engine", StoreAsyncEngine.__name__, engine.num_cpus, engine.num_gpus,
                     tuple(sorted(config.ray.engine_resources.items())), tuple(sorted(options.items())))
@@ -171,11 +140,23 @@ def start_engine_replicas(config: ExperimentConfig, store: ExperienceStore, vers
             release = partial(_release_split_engine, groups)
         # With rebalancing, any agent may come to hold every replica but one per other agent.
         capacity = (budget - len(config.agents) + 1) if rebalance and replicas is None else None
-        first = [spawn(k, versions[agent], after=after.get(agent)) for k in range(replicas or engine.replicas)]
-        sets[agent] = EngineReplicas(agent, first,
+        started = [first[agent]] if agent in first else []
+        started += [spawn(k, versions[agent], after=after.get(agent))
+                    for k in range(len(started), replicas or engine.replicas)]
+        sets[agent] = EngineReplicas(agent, started,
                                      versions[agent], spawn, engine.max_outstanding, capacity=capacity,
                                      release=release)
     return sets
+
+
+def engine_options(config: ExperimentConfig, agent: str) -> dict:
+    """The keyword arguments of an agent's engine actors (``StoreAsyncEngine``) beside the store and version."""
+    agent_config = config.agents[agent]
+    engine = agent_config.engine
+    return dict(gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
+                dtype=engine.dtype, seed=config.seed + list(config.agents).index(agent),
+                threads=actor_threads(config, engine), kv_cache_gib=engine.kv_cache_gib,
+                tensor_parallel_size=engine.tensor_parallel_size, sleep_mode=agent_config.colocated)
 
 
 def _spawn_engine(actor, settings: tuple, store: StoreConfig, run: str, agent: str, options: dict, replica: int,
@@ -212,16 +193,6 @@ def _release_split_engine(groups: dict, handle, keep: bool) -> None:
     ray.kill(handle)
     if (group := groups.pop(handle._actor_id, None)) is not None:
         ray.util.remove_placement_group(group)
-
-
-def engine_dirs(store: ExperienceStore, run: str, agent: str, version: int) -> tuple[str, str | None]:
-    """What an engine loads for a stored version: its directory, or for LoRA adapters (policy/lora.py) the
-    agent's base (version 0, which retention keeps) and the adapters' directory. Told by the checkpoint's
-    contents, so an engine serves whatever the version is."""
-    directory = store.require_policy(run, agent, version)  # fetched into this node's cache from an S3 store
-    if is_adapter_checkpoint(directory):
-        return str(store.require_policy(run, agent, 0)), str(directory)
-    return str(directory), None
 
 
 def trainer_options(config: ExperimentConfig, agent: str, store: ExperienceStore) -> dict:
@@ -262,6 +233,9 @@ def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: d
         trainer = agent_config.trainer
         options = {**trainer_options(config, agent, store), "num_threads": actor_threads(config, trainer),
                    "prepare": prepare.get(agent)}
+        if agent_config.hybrid:  # in replica 0 of the agent's engines (cluster/hybrid.py); never kept
+            trainers[agent] = InProcessTrainer(start_agent_process(config, store, agent, versions[agent], options))
+            continue
         if agent in shared and trainer.workers == 1:  # never kept: it holds a share of its agent's GPU
             trainers[agent] = colocation.start_trainer(agent_config, shared[agent], store.config, config.run, agent,
                                                        versions[agent], **options)
@@ -283,6 +257,19 @@ def start_trainers(config: ExperimentConfig, store: ExperienceStore, versions: d
         trainers[agent] = warm_actors.start(trainer_actor(trainer, config.ray.trainer_resources, StoreTrainer),
                                             settings, store.config, config.run, agent, versions[agent], **options)
     return trainers
+
+
+def start_agent_process(config: ExperimentConfig, store: ExperienceStore, agent: str, version: int,
+                        trainer: dict):
+    """A hybrid agent's engine replica 0 with its trainer inside (``trainer``: the trainer actor's arguments),
+    reserving what the two would (custom resources added up)."""
+    engine, ray_config = config.agents[agent], config.ray
+    resources = {name: ray_config.engine_resources.get(name, 0.0) + ray_config.trainer_resources.get(name, 0.0)
+                 for name in {*ray_config.engine_resources, *ray_config.trainer_resources}}
+    return remote_agent_process().options(
+        num_cpus=engine.engine.num_cpus + engine.trainer.num_cpus, resources=resources,
+        runtime_env={"env_vars": ENGINE_ENV}).remote(store.config, config.run, agent, version, trainer=trainer,
+                                                     **engine_options(config, agent))
 
 
 def start_swapped_trainers(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
@@ -357,7 +344,10 @@ def start_workers(config: ExperimentConfig, store: ExperienceStore, versions: di
     workers = Workers({}, start_trainers(config, store, versions, groups, prepare, shared), placement_groups=groups)
     try:
         after = {agent: [workers.trainers[agent].base_policy.remote()] for agent in prepare}
-        workers.engines = start_engine_replicas(config, store, versions, after=after, shared=shared)
+        in_process = {agent: trainer.actor for agent, trainer in workers.trainers.items()
+                      if isinstance(trainer, InProcessTrainer)}
+        workers.engines = start_engine_replicas(config, store, versions, after=after, shared=shared,
+                                                first=in_process)
         if action_pool is not None:
             workers.action_pool = ActionPool(action_pool)
         if reward_model is not None and config.reward_model is not None:

@@ -174,6 +174,27 @@ class AgentConfig(StrictModel):
     ``tensor_parallel_size`` with one GPU each (trainer rank k shares GPU k with engine rank k). Without GPUs only
     the turns are taken."""
 
+    hybrid: bool = False
+    """The agent's trainer runs in the process of its engine's replica 0, as verl's hybrid engine (cluster/hybrid.py):
+    one process imports torch, transformers and vLLM once, which shortens a CPU-bound start-up, and the two share
+    one interpreter lock. On CPUs, with one trainer worker and one engine rank (``tensor_parallel_size: 1``)."""
+
+    @model_validator(mode="after")
+    def _hybrid_on_one_cpu_process(self) -> AgentConfig:
+        if not self.hybrid:
+            return self
+        engine, trainer = self.engine, self.trainer
+        asks = {"engine.num_gpus": engine.num_gpus, "trainer.num_gpus": trainer.num_gpus,
+                "trainer.workers": trainer.workers - 1, "engine.tensor_parallel_size": engine.tensor_parallel_size - 1}
+        if wrong := [name for name, value in asks.items() if value]:
+            raise ValueError(f"hybrid: the engine's replica 0 and the trainer share one CPU process, so it needs "
+                             f"engine.num_gpus and trainer.num_gpus 0, trainer.workers and engine.tensor_parallel_size "
+                             f"1; {', '.join(wrong)} differ (colocated shares GPUs between two processes)")
+        if self.colocated:
+            raise ValueError("hybrid and colocated: pick one (hybrid puts the trainer in the engine's process on CPUs; "
+                             "colocated shares GPUs between the two)")
+        return self
+
     @model_validator(mode="after")
     def _colocated_shares_whole_gpus(self) -> AgentConfig:
         if not self.colocated:

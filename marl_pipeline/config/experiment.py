@@ -111,6 +111,15 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
         raise ConfigError(f"invalid config {source}:\n  ray.weight_sync: broadcast sends from each agent's own "
                           f"trainer actor, and ray.resident_trainers: {resident} swaps "
                           f"{len(config.agents)} agents through fewer trainers; use object_store with swapping")
+    if hybrid := [name for name, agent in config.agents.items() if agent.hybrid]:
+        if config.ray.weight_sync == "broadcast":
+            raise ConfigError(f"invalid config {source}:\n  agents {hybrid} are hybrid: their trainer and engine "
+                              f"share a process, which a broadcast group cannot join twice; use ray.weight_sync: "
+                              f"object_store")
+        if resident is not None and resident < len(config.agents):
+            raise ConfigError(f"invalid config {source}:\n  agents {hybrid} are hybrid: their trainers live in "
+                              f"their engines' processes, which ray.resident_trainers: {resident} cannot swap; leave "
+                              f"it unset")
     if colocated := [name for name, agent in config.agents.items() if agent.colocated]:
         _check_colocation(config, colocated, source)
     reward_model = config.reward_model

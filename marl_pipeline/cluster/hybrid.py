@@ -1,0 +1,116 @@
+"""An agent's trainer in its engine's process (``agents.<a>.hybrid``), as verl's hybrid engine holds its actor and
+its rollout in one worker.
+
+Why: start-up is CPU-bound on a small machine, and a trainer process of its own pays torch's and transformers'
+imports (about 3 CPU-s each here) that its engine's process has already paid for vLLM. One process per agent
+saves them (BENCHMARKS.md, "Start-up"). The cost: the engine's and the trainer's Python share one interpreter lock.
+Where every core is busy anyway (the demo: two agents on two cores) that cost was measured at a few percent of the
+trainer's throughput; an agent alone on a node loses more, so it is a choice, not the default.
+
+The actor (:class:`AgentProcess`) is replica 0 of the agent's engines with a ``StoreTrainer`` beside the engine.
+Ray runs an asynchronous actor's calls out of order (a call whose arguments arrive first starts first), and a
+trainer's calls must run in the order they were issued. So each trainer call carries its turn, numbered by the
+driver's handle (:class:`InProcessTrainer`, the trainer actor's interface), and waits for it; it then runs on a
+thread of its own lane: the training calls on one, the weight hand-overs on another (as the trainer actor's
+``weights`` concurrency group), so each thread keeps its own torch thread count. The engine's calls run as before.
+
+A replica 0 that dies takes the trainer with it: the launch fails and resumes from the newest durable version, as
+when a trainer actor dies. Its replica slot restarts as a plain engine. It is never kept between launches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import ray
+
+from marl_pipeline.cluster.engines import StoreAsyncEngine
+from marl_pipeline.cluster.trainers import StoreTrainer, TrainerActor
+from marl_pipeline.config import StoreConfig
+
+WEIGHTS = frozenset(name for name, member in vars(TrainerActor).items()
+                    if getattr(member, "__ray_concurrency_group__", None) == "weights")
+"""The trainer's calls that run on the weights lane: those of the trainer actor's ``weights`` group."""
+CONCURRENCY_GROUPS = {"train": 1000, "weights": 1000}
+"""Ray's groups for the two lanes' calls. Above any number of calls outstanding: a call waiting for its turn holds
+a slot, and the call whose turn it is must find one."""
+
+
+class _Lane:
+    """One thread running a trainer's calls in turn order."""
+
+    def __init__(self, name: str) -> None:
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"trainer-{name}")
+        self.next = 0
+        self.turn: asyncio.Condition | None = None  # made in the lane's Ray event loop, on its first call
+
+    async def call(self, turn: int, function, *args, **kwargs):
+        self.turn = self.turn or asyncio.Condition()
+        async with self.turn:
+            await self.turn.wait_for(lambda: self.next == turn)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.thread, partial(function, *args, **kwargs))
+        finally:
+            async with self.turn:
+                self.next += 1
+                self.turn.notify_all()
+
+
+class AgentProcess(StoreAsyncEngine):
+    """An agent's engine (replica 0) and trainer in one process."""
+
+    def __init__(self, store: StoreConfig, run: str, agent: str, version: int, trainer: dict, **options) -> None:
+        """``trainer``: the trainer actor's keyword arguments (``prepare`` included: version 0 is made here first,
+        then served); ``options``: the engine actor's."""
+        self._lanes = {"train": _Lane("train"), "weights": _Lane("weights")}
+        # Built on the training lane's thread, whose torch thread count it sets for its calls.
+        self.trainer = self._lanes["train"].thread.submit(
+            lambda: StoreTrainer(store, run, agent, version, **trainer)).result()
+        super().__init__(store, run, agent, version, **options)
+
+    @ray.method(concurrency_group="train")
+    async def train_call(self, turn: int, method: str, *args, **kwargs):
+        return await self._lanes["train"].call(turn, getattr(self.trainer, method), *args, **kwargs)
+
+    @ray.method(concurrency_group="weights")
+    async def weights_call(self, turn: int, method: str, *args, **kwargs):
+        return await self._lanes["weights"].call(turn, getattr(self.trainer, method), *args, **kwargs)
+
+
+def remote_agent_process():
+    """``ray.remote`` of :class:`AgentProcess`, with its lanes' concurrency groups."""
+    return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(AgentProcess)
+
+
+class InProcessTrainer:
+    """The driver's handle to the trainer of an :class:`AgentProcess`, with a trainer actor's interface:
+    ``trainer.accumulate.remote(batch)`` returns an ``ObjectRef``. Each call is numbered in its lane as it is issued,
+    under a lock, so the actor runs them in that order. Not to be passed to other processes (the numbering is here)."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+        self._turns = {"train": 0, "weights": 0}
+        self._lock = threading.Lock()
+
+    def __getattr__(self, method: str) -> _RemoteMethod:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return _RemoteMethod(self, method)
+
+    def submit(self, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef:
+        lane = "weights" if method in WEIGHTS else "train"
+        with self._lock:
+            ref = getattr(self.actor, f"{lane}_call").remote(self._turns[lane], method, *args, **kwargs)
+            self._turns[lane] += 1  # only once submitted: a call that failed to go leaves no gap
+        return ref
+
+
+class _RemoteMethod:
+    def __init__(self, trainer: InProcessTrainer, method: str) -> None:
+        self.trainer, self.method = trainer, method
+
+    def remote(self, *args, **kwargs) -> ray.ObjectRef:
+        return self.trainer.submit(self.method, args, kwargs)

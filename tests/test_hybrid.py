@@ -1,0 +1,107 @@
+"""An agent's trainer in its engine's process (``agents.<a>.hybrid``, cluster/hybrid.py): what the config and the
+placement plan refuse, the lanes that run a trainer's calls in the order they were issued whatever order they
+arrive in, and a real launch whose two agents run one process each and end with the weights of the launch with
+separate trainer actors."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import ray
+from safetensors.torch import load_file
+
+from marl_pipeline.cluster.hybrid import _Lane
+from marl_pipeline.cluster.placement import PlacementError, plan_placement
+from marl_pipeline.config import ConfigError, parse_config
+from marl_pipeline.run.events import PolicyCommitted, RunFinished
+from marl_pipeline.run.recipe import train
+from marl_pipeline.store import ExperienceStore
+from tests.conftest import small_config_data
+
+
+def _hybrid(data: dict, **agent) -> dict:
+    data = {**data, "agents": {name: {**settings, "hybrid": True, **agent}
+                               for name, settings in data["agents"].items()}}
+    return data
+
+
+def test_the_config_refuses_what_one_cpu_process_cannot_hold(demo_config_data: dict) -> None:
+    parse_config(_hybrid(demo_config_data))
+    with pytest.raises(ConfigError, match=r"hybrid: .* engine.num_gpus, trainer.workers differ"):
+        parse_config(_hybrid(demo_config_data, engine={"num_gpus": 1}, trainer={"workers": 2}))
+    with pytest.raises(ConfigError, match=r"hybrid and colocated: pick one"):
+        parse_config(_hybrid(demo_config_data, colocated=True))
+    with pytest.raises(ConfigError, match=r"agents \['solver', 'verifier'\] are hybrid: .*use ray.weight_sync: "
+                                          r"object_store"):
+        parse_config({**_hybrid(demo_config_data), "ray": {"weight_sync": "broadcast"}})
+    with pytest.raises(ConfigError, match=r"ray.resident_trainers: 1 cannot swap"):
+        parse_config({**_hybrid(demo_config_data), "ray": {"resident_trainers": 1}})
+
+
+def test_the_plan_puts_a_hybrid_agents_engine_and_trainer_on_one_node(demo_config_data: dict) -> None:
+    def config(hybrid: bool):
+        data = {**demo_config_data, "agents": {name: {**settings, "hybrid": hybrid, "engine": {"num_cpus": 0.75},
+                                                      "trainer": {"num_cpus": 0.75}}
+                                               for name, settings in demo_config_data["agents"].items()}}
+        return parse_config(data)
+
+    nodes = [{"CPU": 1.0}] * 4  # room for each actor apart, not for an engine and its trainer together
+    plan_placement(config(False), nodes)
+    with pytest.raises(PlacementError, match=r"solver/engine\+trainer needs 1.5 CPU and 0 GPU on one node"):
+        plan_placement(config(True), nodes)
+    plan = plan_placement(config(True), [{"CPU": 3.0}])
+    assert plan.summary()["solver/engine"] == "0.75 CPU, 0 GPU, in one process with solver's trainer"
+    with pytest.raises(PlacementError, match=r"Swapping the trainers cannot help: agents \['solver', 'verifier'\] "
+                                             r"are hybrid"):
+        plan_placement(config(True), [{"CPU": 2.0}])
+
+
+def test_a_lane_runs_calls_in_turn_order_on_one_thread_whatever_order_they_arrive_in() -> None:
+    lane, ran = _Lane("train"), []
+
+    def work(turn: int) -> int:
+        ran.append((turn, threading.get_ident()))
+        if turn == 1:
+            raise ValueError("turn 1 fails")
+        return turn
+
+    async def main():
+        # Turn 3 arrives first, turn 0 last (Ray starts an asynchronous actor's calls as their arguments arrive).
+        calls = [asyncio.ensure_future(lane.call(turn, work, turn)) for turn in (3, 2, 1)]
+        await asyncio.sleep(0.05)
+        assert ran == []  # all wait for turn 0
+        calls.append(asyncio.ensure_future(lane.call(0, work, 0)))
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert [turn for turn, _ in ran] == [0, 1, 2, 3]  # a failed call still passes the turn on
+    assert len({thread for _, thread in ran}) == 1 and ran[0][1] != threading.get_ident()
+    assert results[:2] == [3, 2] and isinstance(results[2], ValueError) and results[3] == 0
+
+
+def _actor_classes() -> dict[str, str]:
+    return {actor_id: info["ActorClassName"] for actor_id, info in ray._private.state.actors().items()}
+
+
+def test_a_hybrid_launch_runs_one_process_per_agent_and_trains_as_separate_actors_do(
+        local_ray, demo_config_data, tmp_path: Path) -> None:
+    stores = {}
+    for name, data in (("apart", demo_config_data), ("hybrid", _hybrid(demo_config_data))):
+        data = small_config_data(data, tmp_path / name, steps=3)
+        data["store"] = {"uri": str(tmp_path / name), "retention": {"keep_all": True}}
+        config = parse_config(data)
+        before = set(_actor_classes())
+        events = list(train(config))
+        assert isinstance(events[-1], RunFinished)
+        assert len([event for event in events if isinstance(event, PolicyCommitted)]) == 6
+        stores[name] = ExperienceStore(config.store)
+        if name == "hybrid":
+            started = sorted(cls for actor_id, cls in _actor_classes().items() if actor_id not in before)
+            assert started == ["AgentProcess", "AgentProcess"]  # no trainer actor, no other engine
+    for agent in ("solver", "verifier"):
+        apart, hybrid = (load_file(stores[n].policy_dir("demo", agent, 3) / "model.safetensors")
+                         for n in ("apart", "hybrid"))
+        assert max((apart[k] - hybrid[k]).abs().max().item() for k in apart) <= 1e-6, agent
