@@ -35,7 +35,19 @@ if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
 
 @pytest.fixture(scope="session")
 def demo_config_data() -> dict:
-    return yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    """The demo config with each agent's engine and trainer in processes of their own: what most tests vary (GPUs,
+    workers, swapping, colocation) needs them apart. tests/test_hybrid.py and tests/test_train_job.py run the demo's
+    hybrid agents (``hybrid_agents``)."""
+    data = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    for agent in data["agents"].values():
+        agent.pop("hybrid", None)
+    return data
+
+
+def hybrid_agents(data: dict, **agent) -> dict:
+    """``data`` with every agent hybrid (its trainer in its engine's process), as configs/demo.yaml has them."""
+    return {**data, "agents": {name: {**settings, "hybrid": True, **agent}
+                               for name, settings in data["agents"].items()}}
 
 
 def small_config_data(base: dict, store: Path, **pipeline) -> dict:

@@ -1,11 +1,13 @@
 """An agent's trainer in its engine's process (``agents.<a>.hybrid``, cluster/hybrid.py): what the config and the
 placement plan refuse, the lanes that run a trainer's calls in the order they were issued whatever order they
-arrive in, and a real launch whose two agents run one process each and end with the weights of the launch with
-separate trainer actors."""
+arrive in, and real launches: two agents in one process each end with the weights of the launch with separate
+trainer actors, and so does a launch whose process was killed, once resumed."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 from pathlib import Path
 
@@ -16,29 +18,23 @@ from safetensors.torch import load_file
 from marl_pipeline.cluster.hybrid import _Lane
 from marl_pipeline.cluster.placement import PlacementError, plan_placement
 from marl_pipeline.config import ConfigError, parse_config
-from marl_pipeline.run.events import PolicyCommitted, RunFinished
+from marl_pipeline.run.events import PolicyCommitted, RunFinished, StepFinished
 from marl_pipeline.run.recipe import train
 from marl_pipeline.store import ExperienceStore
-from tests.conftest import small_config_data
-
-
-def _hybrid(data: dict, **agent) -> dict:
-    data = {**data, "agents": {name: {**settings, "hybrid": True, **agent}
-                               for name, settings in data["agents"].items()}}
-    return data
+from tests.conftest import hybrid_agents, small_config_data
 
 
 def test_the_config_refuses_what_one_cpu_process_cannot_hold(demo_config_data: dict) -> None:
-    parse_config(_hybrid(demo_config_data))
+    parse_config(hybrid_agents(demo_config_data))
     with pytest.raises(ConfigError, match=r"hybrid: .* engine.num_gpus, trainer.workers differ"):
-        parse_config(_hybrid(demo_config_data, engine={"num_gpus": 1}, trainer={"workers": 2}))
+        parse_config(hybrid_agents(demo_config_data, engine={"num_gpus": 1}, trainer={"workers": 2}))
     with pytest.raises(ConfigError, match=r"hybrid and colocated: pick one"):
-        parse_config(_hybrid(demo_config_data, colocated=True))
+        parse_config(hybrid_agents(demo_config_data, colocated=True))
     with pytest.raises(ConfigError, match=r"agents \['solver', 'verifier'\] are hybrid: .*use ray.weight_sync: "
                                           r"object_store"):
-        parse_config({**_hybrid(demo_config_data), "ray": {"weight_sync": "broadcast"}})
+        parse_config({**hybrid_agents(demo_config_data), "ray": {"weight_sync": "broadcast"}})
     with pytest.raises(ConfigError, match=r"ray.resident_trainers: 1 cannot swap"):
-        parse_config({**_hybrid(demo_config_data), "ray": {"resident_trainers": 1}})
+        parse_config({**hybrid_agents(demo_config_data), "ray": {"resident_trainers": 1}})
 
 
 def test_the_plan_puts_a_hybrid_agents_engine_and_trainer_on_one_node(demo_config_data: dict) -> None:
@@ -86,13 +82,17 @@ def _actor_classes() -> dict[str, str]:
     return {actor_id: info["ActorClassName"] for actor_id, info in ray._private.state.actors().items()}
 
 
+def _small(data: dict, store: Path):
+    data = small_config_data(data, store, steps=3)
+    data["store"] = {"uri": str(store), "retention": {"keep_all": True}}
+    return parse_config(data)
+
+
 def test_a_hybrid_launch_runs_one_process_per_agent_and_trains_as_separate_actors_do(
         local_ray, demo_config_data, tmp_path: Path) -> None:
     stores = {}
-    for name, data in (("apart", demo_config_data), ("hybrid", _hybrid(demo_config_data))):
-        data = small_config_data(data, tmp_path / name, steps=3)
-        data["store"] = {"uri": str(tmp_path / name), "retention": {"keep_all": True}}
-        config = parse_config(data)
+    for name, data in (("apart", demo_config_data), ("hybrid", hybrid_agents(demo_config_data))):
+        config = _small(data, tmp_path / name)
         before = set(_actor_classes())
         events = list(train(config))
         assert isinstance(events[-1], RunFinished)
@@ -101,7 +101,20 @@ def test_a_hybrid_launch_runs_one_process_per_agent_and_trains_as_separate_actor
         if name == "hybrid":
             started = sorted(cls for actor_id, cls in _actor_classes().items() if actor_id not in before)
             assert started == ["AgentProcess", "AgentProcess"]  # no trainer actor, no other engine
+    # A hybrid process killed (as the OOM killer would) takes its trainer with it: the launch stops with Ray's
+    # error, and the next launch resumes from the store to the uninterrupted run's parameters.
+    config = _small(hybrid_agents(demo_config_data), tmp_path / "killed")
+    before = set(_actor_classes())
+    with pytest.raises(ray.exceptions.RayActorError):
+        for event in train(config):
+            if isinstance(event, StepFinished) and event.step == 0:
+                alive = ray._private.state.actors(actor_state_name="ALIVE")
+                os.kill(next(info["Pid"] for actor_id, info in alive.items()
+                             if info["ActorClassName"] == "AgentProcess" and actor_id not in before), signal.SIGKILL)
+    assert isinstance(list(train(config))[-1], RunFinished)
+    stores["killed"] = ExperienceStore(config.store)
     for agent in ("solver", "verifier"):
-        apart, hybrid = (load_file(stores[n].policy_dir("demo", agent, 3) / "model.safetensors")
-                         for n in ("apart", "hybrid"))
-        assert max((apart[k] - hybrid[k]).abs().max().item() for k in apart) <= 1e-6, agent
+        apart, *others = (load_file(stores[n].policy_dir("demo", agent, 3) / "model.safetensors")
+                          for n in ("apart", "hybrid", "killed"))
+        for other in others:
+            assert max((apart[k] - other[k]).abs().max().item() for k in apart) <= 1e-6, agent

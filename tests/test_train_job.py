@@ -25,7 +25,7 @@ from assets.stages import environment_results, policy_updates, rewards, rollouts
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import STAGES
 from resources import ExperienceStoreResource, ExperimentResource, RayCluster
-from tests.conftest import ROOT, small_config_data
+from tests.conftest import ROOT, hybrid_agents, small_config_data
 
 STEPS, MICRO_BATCHES = 2, 2
 
@@ -37,7 +37,7 @@ OVERRIDES = {"run": "small", "pipeline": {"steps": STEPS, "micro_batches_per_ste
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, demo_config_data):
     work = tmp_path_factory.mktemp("train_job")
-    data = small_config_data(demo_config_data, work / "store", steps=STEPS + 1,
+    data = small_config_data(hybrid_agents(demo_config_data), work / "store", steps=STEPS + 1,
                              micro_batches_per_step=MICRO_BATCHES + 1)
     data["run"] = "from_the_file"
     config_path = work / "small.yaml"
