@@ -263,11 +263,11 @@ def start_agent_process(config: ExperimentConfig, store: ExperienceStore, agent:
                         trainer: dict):
     """A hybrid agent's engine replica 0 with its trainer inside (``trainer``: the trainer actor's arguments),
     reserving what the two would (custom resources added up)."""
-    engine, ray_config = config.agents[agent], config.ray
+    agent_config, ray_config = config.agents[agent], config.ray
     resources = {name: ray_config.engine_resources.get(name, 0.0) + ray_config.trainer_resources.get(name, 0.0)
                  for name in {*ray_config.engine_resources, *ray_config.trainer_resources}}
     return remote_agent_process().options(
-        num_cpus=engine.engine.num_cpus + engine.trainer.num_cpus, resources=resources,
+        num_cpus=agent_config.engine.num_cpus + agent_config.trainer.num_cpus, resources=resources,
         runtime_env={"env_vars": ENGINE_ENV}).remote(store.config, config.run, agent, version, trainer=trainer,
                                                      **engine_options(config, agent))
 
