@@ -1,14 +1,15 @@
 """Spawning the Ray actors of a run: rollout engines per agent (``engine.replicas`` of them, each split over
 ``tensor_parallel_size`` GPUs in a placement group of its own when that is above 1), one trainer per agent (on
 ``trainer.workers`` actors: cluster/trainers.py; or, with a trainer budget below the number of agents, that many
-trainer workers swapping the agents' states: ``training/swap.py``), and the stage pools.
+trainer workers swapping the agents' states: ``training/swap.py``; or, for a hybrid agent, inside its engine replica
+0's process: cluster/hybrid.py), and the stage pools.
 
 ``ray.remote`` is applied here, where actors are spawned, with resources from the config (``ray.engine_resources``
 / ``ray.trainer_resources`` pin them to the nodes that offer those custom resources); the engine and trainer
 classes stay plain Python and run in-process in a script or a test just as well.
 
 An actor may run on another node than the driver, so it is handed the store's settings, not a path: it fetches
-the policy version it starts from into its own node's cache (:class:`StoreAsyncEngine`, :class:`StoreTrainer`), and a
+the policy version it starts from into its own node's cache (cluster/engines.py, cluster/trainers.py), and a
 trainer uploads each new version to the store itself. Weights for an engine's reload go through Ray's object
 store (the orchestrator passes the trainer's ``named_weights`` reference to the engine), which Ray moves between
 nodes; the store is the durable copy, written once per version, read by whoever starts from it.
