@@ -46,6 +46,8 @@ class StageCommitted:
     handed: float | None = None
     """When the stage's thread was done with the commit (validated, kept in memory, queued for the writer):
     ``handed - timing.ended`` is what the commit costs the stage."""
+    cpu_seconds: float | None = None
+    """The stage thread's CPU time while computing: what of the span the driver computed, not waited for."""
 
     @property
     def seconds(self) -> float:

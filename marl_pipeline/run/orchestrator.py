@@ -336,12 +336,12 @@ class Orchestrator:
             if recompute_if_committed:
                 compute(key)
             return True
-        enqueued, started = self._ready_at.pop((stage, key), time.time()), time.time()
+        enqueued, started, cpu = self._ready_at.pop((stage, key), time.time()), time.time(), time.thread_time()
         table = compute(key)
-        timing = StageTiming(enqueued, started, time.time())
+        timing, cpu = StageTiming(enqueued, started, time.time()), time.thread_time() - cpu
         table = with_stage_timing(table, timing.enqueued, timing.started, timing.ended)
         self.recent.commit(stage, key, table, lambda path, handed: self._events.put(  # once written
-            StageCommitted(stage, key, path, timing, table, time.time(), handed)))
+            StageCommitted(stage, key, path, timing, table, time.time(), handed, cpu)))
         return True
 
     def _spawn(self, name: str, workers: int, target: Callable[[], None], outbox: queue.Queue | None = None,
