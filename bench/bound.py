@@ -26,7 +26,7 @@ what of the span the stage's own work covers, from the launch's stored rows (``o
 plugin's execution and scoring, the trainers' compute); the rest is the pipeline's overhead (issue 28.2): store
 reads and commits, hand-overs, the driver's loop between a turn's result and its next request.
 
-    .venv/bin/python bench/bound.py configs/demo.yaml --steps 6 --staleness 0 1 --warmup-steps 20
+    .venv/bin/python bench/bound.py configs/demo.yaml --steps 6 --staleness 0 1 --warmup-steps 20 [--driver-core]
     .venv/bin/python bench/bound.py configs/demo.yaml --steps 3 --staleness 0 1 --warmup-steps 0 \
         --set 'agents.*.model=smollm2-135m-instruct' --set pipeline.prompts_per_micro_batch=2 \
         --set pipeline.micro_batches_per_step=2 --set algorithm.max_new_tokens=48 --set 'agents.*.trainer.lr=1e-5' \
@@ -51,9 +51,10 @@ STAGES = ("rollouts", "environment_results", "rewards", "policy_updates")
 
 
 def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: int | None,
-           s3_endpoint: str | None = None) -> dict:
+           s3_endpoint: str | None = None, driver_core: bool = False) -> dict:
     """One launch of the experiment; its step times, spans and configuration. ``s3_endpoint``: the store on that
-    S3-compatible server (bucket ``marl``, a fresh prefix) instead of ``store``, which then holds its policy cache."""
+    S3-compatible server (bucket ``marl``, a fresh prefix) instead of ``store``, which then holds its policy cache.
+    ``driver_core``: the driver (this process) on the last core alone, Ray and the actors on the others."""
     import ray
 
     from marl_pipeline.config import parse_config
@@ -79,7 +80,12 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
             agent["warmup"] = {**agent.get("warmup", {}), "steps": warmup_steps}
     config = parse_config(data, source=f"bound s={staleness}")
     shutil.rmtree(store, ignore_errors=True)
+    cores = os.sched_getaffinity(0)
+    if driver_core:
+        os.sched_setaffinity(0, cores - {max(cores)})  # Ray's processes inherit it from the thread starting them
     ray.init(include_dashboard=False, log_to_driver=False)
+    if driver_core:
+        pin_threads({max(cores)})  # this process's threads (Ray's own in it included); the ones it starts inherit
     spans, steps_seen, setup, committed = defaultdict(list), [], [], []
     sampler, driver_cpu, collector = CpuSampler(), {}, GcTimer()
     try:
@@ -104,6 +110,7 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
         sampler.stop()
         collector.stop()
         ray.shutdown()
+        pin_threads(cores)
     for event in committed:
         t = event.timing
         spans[event.stage].append((event.key.step, event.key.micro_batch, t.enqueued, t.started, t.ended,
@@ -114,6 +121,15 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
                                    getattr(event, "cpu_seconds", None)))
     return {"config": config, "spans": dict(spans), "steps": steps_seen, "setup": setup, "cpu": sampler.samples,
             "driver_cpu": driver_cpu}
+
+
+def pin_threads(cores: set[int]) -> None:
+    """Every thread of this process on ``cores`` (Linux affinity is a thread's own)."""
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cores)
+        except OSError:  # the thread ended meanwhile
+            pass
 
 
 class GcTimer:
@@ -453,6 +469,9 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=None, help="override every agent's warm-up steps")
     parser.add_argument("--s3-endpoint", default=None,
                         help="the store on this S3-compatible server (e.g. `moto_server -p 5055`; bucket marl)")
+    parser.add_argument("--driver-core", action="store_true",
+                        help="the driver alone on the last core, the actors on the others (bar 2: its overhead when "
+                             "it waits for no core; the bound is replayed on every core as before)")
     parser.add_argument("--pipeline-only", action="store_true",
                         help="no bare replay: the launches' step times and CPU utilisation per phase only")
     args, data = config_arguments(parser, Path("/tmp/marl-bench-bound"))
@@ -467,7 +486,7 @@ def main() -> None:
     for staleness in args.staleness:  # every launch first: the bare replays hold memory a later launch needs
         print(f"pipeline, staleness {staleness}:", flush=True)
         launches[staleness] = launch(data, args.work / f"s{staleness}", args.steps, staleness, args.warmup_steps,
-                                     args.s3_endpoint)
+                                     args.s3_endpoint, args.driver_core)
     if args.pipeline_only:
         for staleness, ran in launches.items():
             measured = [step for step, _ in ran["steps"] if step > 0]
