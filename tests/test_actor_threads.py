@@ -14,6 +14,7 @@ from marl_pipeline.cluster.placement import shared_threads
 from marl_pipeline.cluster.spawn import actor_threads, start_trainers
 from marl_pipeline.config import ConfigError, parse_config
 from marl_pipeline.store import ExperienceStore
+from tests.conftest import hybrid_agents
 
 
 def test_shared_threads_split_the_cpus_by_reservation() -> None:
@@ -136,3 +137,42 @@ def test_a_busy_trainer_takes_the_cores_its_idle_neighbour_leaves(local_ray, dem
     finally:
         for handle in trainers.values():
             local_ray.kill(handle)
+
+
+def test_a_hybrid_agents_process_reports_engine_and_trainer_apart_and_its_trainer_takes_the_idle_cores(
+        local_ray, demo_config_data: dict, tiny_model_dir: Path, tmp_path: Path) -> None:
+    import torch
+
+    data = hybrid_agents({**demo_config_data, "store": str(tmp_path / "store"),
+                          "environment": {**demo_config_data["environment"], "name": "arithmetic_solo"},
+                          "agents": {"solver": demo_config_data["agents"]["solver"]}})
+    config = parse_config(data)
+    store = ExperienceStore(tmp_path / "store")
+    shutil.copytree(tiny_model_dir, store.policy_dir(config.run, "solver", 0))
+    trainer = start_trainers(config, store, {"solver": 0})["solver"]  # the agent's process, with its engine
+    process = trainer.actor
+    try:
+        def on_trainer_lane(function, *args):  # as the trainer's calls run: on its training lane's thread
+            return local_ray.get(process.__ray_call__.remote(
+                lambda self: self._lanes["train"].thread.submit(function, *args).result()))
+
+        assert on_trainer_lane(torch.get_num_threads) == 1  # engine and trainer share 2 cores
+        split = CoreSplit.for_run(config, {}, {"solver": trainer})
+        split.actors["solver/engine/0"] = process  # the engine's part of the same process
+        assert split.movable == {"solver/trainer"}
+        split.after_step()
+
+        def spin(seconds: float) -> None:  # the trainer computes for a step; the engine waits
+            end = time.thread_time() + seconds
+            while time.thread_time() < end:
+                pass
+
+        on_trainer_lane(spin, 1.0)
+        time.sleep(0.3)
+        changed, used = split.after_step()
+        assert used["solver/trainer"] > 0.5 > used["solver/engine/0"], used  # one process, two reports
+        assert changed == {"solver/trainer": (1, 2)}
+        assert local_ray.get(trainer.policy_version.remote()) == 0  # the training lane's next call, in turn
+        assert on_trainer_lane(torch.get_num_threads) == 2  # set on the lane's thread
+    finally:
+        local_ray.kill(process)

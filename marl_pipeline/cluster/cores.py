@@ -11,14 +11,19 @@ step, and a split by that share took them back the step after (measured: BENCHMA
 
 Engines keep the threads they were built with: vLLM's CPU attention checks at every step that its thread count is
 the one it was built with (inference/async_engine.py), so only trainers move; the cores an engine uses still count.
-Trainers with ``threads`` set, on GPUs, on several workers or swapped are left as they are.
+Trainers with ``threads`` set, on GPUs, on several workers or swapped are left as they are. A hybrid agent's process
+(cluster/hybrid.py) reports its engine and its trainer apart: the trainer's threads carry an OS name of their own
+(``TRAINER_THREADS``), which the threads they start (OpenMP's) inherit.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 
@@ -43,10 +48,36 @@ class CpuReport:
     threads: int
 
 
-def cpu_report(threads: int) -> CpuReport:
-    """This process's report, from an actor computing on ``threads`` threads."""
+def cpu_report(threads: int, cpu_seconds: float | None = None) -> CpuReport:
+    """This process's report, from an actor computing on ``threads`` threads; ``cpu_seconds``: its part of the
+    process's CPU seconds (a hybrid agent's engine or trainer), else all of them."""
     node = ray.get_runtime_context().get_node_id()
-    return CpuReport(node, os.getpid(), time.monotonic(), time.process_time(), threads)
+    return CpuReport(node, os.getpid(), time.monotonic(),
+                     time.process_time() if cpu_seconds is None else cpu_seconds, threads)
+
+
+TRAINER_THREADS = "marl-trainer"
+"""The OS name of a hybrid agent's trainer threads (at most 15 characters: Linux keeps no more)."""
+
+
+def name_thread(name: str) -> None:
+    """Name this OS thread (Linux ``prctl(PR_SET_NAME)``; elsewhere nothing); the threads it starts inherit it."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)
+
+
+def named_threads_cpu(name: str) -> float:
+    """CPU seconds (user + system) of this process's threads that carry the OS name ``name`` (0 off Linux)."""
+    total = 0
+    for stat in Path("/proc/self/task").glob("*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if text[text.index("(") + 1 : text.rindex(")")] == name:
+            fields = text.rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def cores_used(before: CpuReport, after: CpuReport) -> float | None:
@@ -81,14 +112,14 @@ class CoreSplit:
 
     @classmethod
     def for_run(cls, config: ExperimentConfig, engines: dict, trainers: dict) -> CoreSplit:
-        """Over the run's engine replicas and trainer actors (a swapped trainer's worker does not report), moving the
-        trainers it may (none in ``synchronous`` mode)."""
+        """Over the run's engine replicas and trainers (actors, or in a hybrid agent's process; a swapped trainer's
+        worker does not report), moving the trainers it may (none in ``synchronous`` mode)."""
+        reporting = {f"{agent}/trainer": handle for agent, handle in trainers.items()
+                     if isinstance(handle, ray.actor.ActorHandle) or getattr(type(handle), "reports_cpu", False)}
         movable = {f"{agent}/trainer" for agent, settings in config.agents.items()
                    if config.pipeline.mode == "streaming" and settings.trainer.threads is None
                    and settings.trainer.num_gpus == 0 and settings.trainer.workers == 1
-                   and isinstance(trainers[agent], ray.actor.ActorHandle)}
-        reporting = {f"{agent}/trainer": handle for agent, handle in trainers.items()
-                     if isinstance(handle, ray.actor.ActorHandle)}
+                   and f"{agent}/trainer" in reporting}
         nodes = {node["NodeID"]: node["Resources"].get("CPU", 1.0) for node in ray.nodes() if node["Alive"]}
         split = cls(reporting, movable, nodes, engines if movable else None)
         split.after_step()  # the reports the first step is measured from

@@ -14,6 +14,8 @@ trainer's calls must run in the order they were issued. So each trainer call car
 driver's handle (:class:`InProcessTrainer`, the trainer actor's interface), and waits for it; it then runs on a
 thread of its own lane: the training calls on one, the weight hand-overs on another (as the trainer actor's
 ``weights`` concurrency group), so each thread keeps its own torch thread count. The engine's calls run as before.
+The process reports its engine's CPU and its trainer's apart (the lanes' threads carry an OS name of their own), so
+the trainer's threads follow its demand as a trainer actor's do (cluster/cores.py).
 
 A replica 0 that dies takes the trainer with it: the launch fails and resumes from the newest durable version, as
 when a trainer actor dies. Its replica slot restarts as a plain engine. It is never kept between launches.
@@ -23,11 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import ray
 
+from marl_pipeline.cluster.cores import TRAINER_THREADS, CpuReport, cpu_report, name_thread, named_threads_cpu
 from marl_pipeline.cluster.engines import StoreAsyncEngine
 from marl_pipeline.cluster.trainers import StoreTrainer, TrainerActor
 from marl_pipeline.config import StoreConfig
@@ -44,7 +48,8 @@ class _Lane:
     """One thread running a trainer's calls in turn order."""
 
     def __init__(self, name: str) -> None:
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"trainer-{name}")
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"trainer-{name}", initializer=name_thread,
+                                         initargs=(TRAINER_THREADS,))
         self.next = 0
         self.turn: asyncio.Condition | None = None  # made in the lane's Ray event loop, on its first call
 
@@ -72,6 +77,14 @@ class AgentProcess(StoreAsyncEngine):
             lambda: StoreTrainer(store, run, agent, version, **trainer)).result()
         super().__init__(store, run, agent, version, **options)
 
+    async def cpu_report(self) -> CpuReport:
+        """The engine's part of the process (cluster/cores.py): its CPU less the trainer's threads'."""
+        return cpu_report(self.threads, time.process_time() - named_threads_cpu(TRAINER_THREADS))
+
+    async def trainer_cpu_report(self) -> CpuReport:
+        """The trainer's part: the lanes' threads and those they started, by their OS name."""
+        return cpu_report(self.trainer.num_threads, named_threads_cpu(TRAINER_THREADS))
+
     @ray.method(concurrency_group="train")
     async def train_call(self, turn: int, method: str, *args, **kwargs):
         return await self._lanes["train"].call(turn, getattr(self.trainer, method), *args, **kwargs)
@@ -89,7 +102,10 @@ def remote_agent_process():
 class InProcessTrainer:
     """The driver's handle to the trainer of an :class:`AgentProcess`, with a trainer actor's interface:
     ``trainer.accumulate.remote(batch)`` returns an ``ObjectRef``. Each call is numbered in its lane as it is issued,
-    under a lock, so the actor runs them in that order. Not to be passed to other processes (the numbering is here)."""
+    under a lock, so the actor runs them in that order. Not to be passed to other processes (the numbering is here).
+    ``cpu_report`` is answered at once, beside the lanes (cluster/cores.py)."""
+
+    reports_cpu = True
 
     def __init__(self, actor) -> None:
         self.actor = actor
@@ -99,6 +115,8 @@ class InProcessTrainer:
     def __getattr__(self, method: str) -> _RemoteMethod:
         if method.startswith("_"):
             raise AttributeError(method)
+        if method == "cpu_report":
+            return self.actor.trainer_cpu_report
         return _RemoteMethod(self, method)
 
     def submit(self, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef:

@@ -52,7 +52,7 @@ class TrainerActor(PolicyTrainer):
 
     def set_threads(self, threads: int) -> None:
         """Its forward and backward passes' threads from the next call on (cluster/cores.py)."""
-        torch.set_num_threads(threads)
+        torch._C.set_num_threads(threads)  # torch's own: vLLM's CPU worker makes torch.set_num_threads a no-op (hybrid)
         self.num_threads = threads
 
     @ray.method(concurrency_group="weights")
