@@ -475,6 +475,8 @@ def main() -> None:
     parser.add_argument("--pipeline-only", action="store_true",
                         help="no bare replay: the launches' step times and CPU utilisation per phase only")
     args, data = config_arguments(parser, Path("/tmp/marl-bench-bound"))
+    if args.driver_core and len(os.sched_getaffinity(0)) < 2:
+        parser.error("--driver-core needs at least 2 cores: one for the driver, the others for the actors")
     import torch
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
