@@ -101,7 +101,8 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
                 spans["optimizer_step"].append((event.step, -1, t.enqueued, t.started, t.ended, None, None, 0.0, None))
             elif isinstance(event, StepFinished):
                 steps_seen.append((event.step, event.seconds))
-                driver_cpu["first" if event.step == 0 else "last"] = {**thread_cpu(), **collector.totals()}
+                driver_cpu["first" if event.step == 0 else "last"] = {**thread_cpu(exclude={sampler.native_id}),
+                                                                      **collector.totals()}
                 print(f"  step {event.step}: {event.seconds:.3f} s", flush=True)
             elif isinstance(event, ThreadsChanged):
                 print(f"  after step {event.step}: threads {event.changed}, cores used "
@@ -172,13 +173,27 @@ def read_stat(path: Path) -> tuple[str, int, float] | None:
     return text[text.index("(") + 1 : text.rindex(")")], int(fields[1]), seconds
 
 
-def thread_cpu() -> dict[str, float]:
-    """This process's CPU seconds so far, by thread name: Python's threads carry the process's, Ray's C++ threads
-    their own (the driver's side of the pipeline: its stages' Python, Ray's calls and transfers)."""
-    seconds = defaultdict(float)
+def thread_cpu(exclude: set[int] = frozenset()) -> dict[str, float]:
+    """This process's CPU seconds so far, by thread name (the driver's side of the pipeline: its stages' Python, Ray's
+    calls and transfers): Ray's C++ threads carry names of their own; Python's threads carry the process's, and
+    their figure is the process's CPU less the named threads' and ``exclude``'s (thread ids: the bench's own), so that
+    threads that ended (a launch's stage threads, by its last step) still count."""
+    import threading
+
+    python = {thread.native_id: thread.name for thread in threading.enumerate()}
+    seconds, process = defaultdict(float), Path("/proc/self/stat").read_text().split()[1].strip("()")
+    named = 0.0  # Ray's threads and the excluded ones
     for stat in Path("/proc/self/task").glob("*/stat"):
-        if (read := read_stat(stat)) is not None:
-            seconds[read[0]] += read[2]
+        if (read := read_stat(stat)) is None:
+            continue
+        tid = int(stat.parent.name)
+        if tid in exclude or read[0] != process:
+            named += read[2]
+            if tid not in exclude:
+                seconds[read[0]] += read[2]
+        elif tid in python:  # "of which", for the Python threads alive now: not added to the totals
+            seconds[f"{process}, of which {python[tid]}"] += read[2]
+    seconds[process] = time.process_time() - named  # every Python thread's, ended ones included
     return dict(seconds)
 
 
@@ -204,6 +219,9 @@ class CpuSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+        # Left out of the driver's CPU: reading /proc/stat 50 times a second costs about 1% of a core, which was
+        # 5 ms of the tiny demo's "python" a micro-batch and 320 ms of SmolLM2's (its micro-batches take 28 s)
+        self.native_id = self._thread.native_id
 
     def _run(self) -> None:
         while not self._stop.wait(self.PERIOD_S):
@@ -545,7 +563,7 @@ def main() -> None:
         print(f"overhead, all stages: {sum(row['overhead_ms'] for row in r['stages'] if row['stage'] in STAGES):.1f} "
               f"ms per micro-batch (bar 2: at most 50)")
         driver = r["driver_cpu_ms_per_micro_batch"]
-        threads = sum(ms for name, ms in driver.items() if not name.startswith("gc"))
+        threads = sum(ms for name, ms in driver.items() if not name.startswith("gc") and ", of which" not in name)
         print(f"the driver's CPU a micro-batch: {threads:.1f} ms; by thread, and the collector's part: {driver}")
         print("| phase (bar 5) | share of the time | the node's CPU utilisation |")
         print("| --- | ---: | ---: |")
