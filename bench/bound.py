@@ -181,7 +181,7 @@ def thread_cpu(exclude: set[int] = frozenset()) -> dict[str, float]:
     import threading
 
     python = {thread.native_id: thread.name for thread in threading.enumerate()}
-    seconds, process = defaultdict(float), Path("/proc/self/stat").read_text().split()[1].strip("()")
+    seconds, process = defaultdict(float), read_stat(Path("/proc/self/stat"))[0]
     named = 0.0  # Ray's threads and the excluded ones
     for stat in Path("/proc/self/task").glob("*/stat"):
         if (read := read_stat(stat)) is None:
