@@ -219,8 +219,7 @@ class CpuSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
-        # Left out of the driver's CPU: reading /proc/stat 50 times a second costs about 1% of a core, which was
-        # 5 ms of the tiny demo's "python" a micro-batch and 320 ms of SmolLM2's (its micro-batches take 28 s)
+        # left out of the driver's CPU: the bench's own cost, not the pipeline's (BENCHMARKS.md, "The bound")
         self.native_id = self._thread.native_id
 
     def _run(self) -> None:
