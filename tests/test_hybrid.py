@@ -1,12 +1,14 @@
 """An agent's trainer in its engine's process (``agents.<a>.hybrid``, cluster/hybrid.py): what the config and the
 placement plan refuse, the lanes that run a trainer's calls in the order they were issued whatever order they
-arrive in, and real launches: two agents in one process each end with the weights of the launch with separate
-trainer actors, and so does a launch whose process was killed, once resumed."""
+arrive in, the weights handed over in the agent's process and fetched from it by its other replicas, and real
+launches: two agents in one process each end with the weights of the launch with separate trainer actors, and so does
+a launch whose process was killed, once resumed."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -15,12 +17,16 @@ import pytest
 import ray
 from safetensors.torch import load_file
 
+from marl_pipeline.cluster.engines import HeldWeights
 from marl_pipeline.cluster.hybrid import _Lane
 from marl_pipeline.cluster.placement import PlacementError, plan_placement
+from marl_pipeline.cluster.spawn import start_engine_replicas, start_trainers
 from marl_pipeline.config import ConfigError, parse_config
+from marl_pipeline.inference.router import NoReplica
 from marl_pipeline.run.events import PolicyCommitted, RunFinished, StepFinished
 from marl_pipeline.run.recipe import train
 from marl_pipeline.store import ExperienceStore
+from marl_pipeline.training.batches import TrainBatch
 from tests.conftest import hybrid_agents, small_config_data
 
 
@@ -101,11 +107,12 @@ def test_a_hybrid_launch_runs_one_process_per_agent_and_trains_as_separate_actor
         if name == "hybrid":
             started = sorted(cls for actor_id, cls in _actor_classes().items() if actor_id not in before)
             assert started == ["AgentProcess", "AgentProcess"]  # no trainer actor, no other engine
-    # A hybrid process killed (as the OOM killer would) takes its trainer with it: the launch stops with Ray's
-    # error, and the next launch resumes from the store to the uninterrupted run's parameters.
+    # A hybrid process killed (as the OOM killer would) takes its trainer and the weights it held with it: the launch
+    # stops with Ray's error (or the replica's restart's, which had no weights to load), and the next launch resumes
+    # from the store to the uninterrupted run's parameters.
     config = _small(hybrid_agents(demo_config_data), tmp_path / "killed")
     before = set(_actor_classes())
-    with pytest.raises(ray.exceptions.RayActorError):
+    with pytest.raises((ray.exceptions.RayActorError, NoReplica), match="died"):
         for event in train(config):
             if isinstance(event, StepFinished) and event.step == 0:
                 alive = ray._private.state.actors(actor_state_name="ALIVE")
@@ -118,3 +125,37 @@ def test_a_hybrid_launch_runs_one_process_per_agent_and_trains_as_separate_actor
                           for n in ("apart", "hybrid", "killed"))
         for other in others:
             assert max((apart[k] - other[k]).abs().max().item() for k in apart) <= 1e-6, agent
+
+
+def test_a_hybrid_agents_weights_reach_its_engine_in_process_and_its_other_replicas_from_there(
+        local_ray, demo_config_data: dict, tiny_model_dir: Path, tmp_path: Path) -> None:
+    solver = demo_config_data["agents"]["solver"]
+    data = hybrid_agents({**demo_config_data, "store": str(tmp_path / "store"),
+                          "environment": {**demo_config_data["environment"], "name": "arithmetic_solo"},
+                          "agents": {"solver": {**solver, "engine": {**solver.get("engine", {}), "replicas": 2},
+                                                "trainer": {**solver["trainer"], "lr": 5e-2}}}})
+    config = parse_config(data)
+    store = ExperienceStore(tmp_path / "store")
+    shutil.copytree(tiny_model_dir, store.policy_dir(config.run, "solver", 0))
+    trainer = start_trainers(config, store, {"solver": 0})["solver"]  # the agent's process, its engine replica 0
+    replicas = start_engine_replicas(config, store, {"solver": 0}, first={"solver": trainer.actor})["solver"]
+    try:
+        prompt, response = [17, 11, 18, 29], [20, 0]
+        before = ray.get(replicas.handle(1).completion_logprobs.remote(prompt, response))
+        ray.get(trainer.accumulate.remote(TrainBatch([prompt], [response], [before], [1.0])))
+        ray.get(trainer.apply_step.remote())
+        weights = trainer.named_weights.remote()
+        held = ray.get(weights)
+        assert isinstance(held, HeldWeights) and held.version == 1  # the tensors stayed in the agent's process
+        assert replicas.load_weights(weights, 1) == 1  # replica 0 takes them there, replica 1 asks for them
+        expected = ray.get(trainer.completion_logprobs.remote(prompt, response))
+        for replica in range(2):
+            served = ray.get(replicas.handle(replica).completion_logprobs.remote(prompt, response))
+            assert served == pytest.approx(expected, abs=1e-4), replica
+            assert max(abs(a - b) for a, b in zip(served, before)) > 1e-2, replica  # the new version, served
+        # Once replica 0 serves version 1 the process lets older versions go: asking for one says so.
+        with pytest.raises(ray.exceptions.RayTaskError, match="version 0 is no longer held here"):
+            ray.get(replicas.handle(1).load_weights.remote(HeldWeights(trainer.actor, held.holder_id, 0), 0))
+    finally:
+        replicas.shutdown()
+        ray.kill(trainer.actor)

@@ -1,10 +1,12 @@
 """A run's engine actor: the asynchronous engine (inference/async_engine.py) started from a policy version in the
 store, fetched on the node it runs on, and reporting its process's CPU for the split of the cores (cluster/cores.py).
+It loads a hybrid agent's weights from the process that holds them (:class:`HeldWeights`).
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import ray
 
@@ -14,6 +16,16 @@ from marl_pipeline.config import StoreConfig
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine
 from marl_pipeline.policy.lora import is_adapter_checkpoint
 from marl_pipeline.store import ExperienceStore
+
+
+@dataclass(frozen=True)
+class HeldWeights:
+    """A policy version's weights kept in the process of a hybrid agent's trainer (cluster/hybrid.py), in place of a
+    copy in the object store: the engine in that process takes them as they are; another replica asks for them."""
+
+    holder: ray.actor.ActorHandle
+    holder_id: str
+    version: int
 
 
 class StoreAsyncEngine(AsyncRolloutEngine):
@@ -36,6 +48,12 @@ class StoreAsyncEngine(AsyncRolloutEngine):
     async def cpu_report(self) -> CpuReport:
         """For the split of its node's cores (cluster/cores.py); its threads stay as built."""
         return cpu_report(self.threads)
+
+    async def load_weights(self, named_tensors, version: int) -> int:
+        """``AsyncRolloutEngine.load_weights``, also from :class:`HeldWeights`."""
+        if isinstance(named_tensors, HeldWeights):
+            named_tensors = await named_tensors.holder.held_weights.remote(named_tensors.version)
+        return await super().load_weights(named_tensors, version)
 
     async def restart(self, store: StoreConfig, run: str, agent: str, version: int, after: list | None = None,
                       **options) -> bool:

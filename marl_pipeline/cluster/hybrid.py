@@ -14,11 +14,14 @@ trainer's calls must run in the order they were issued. So each trainer call car
 driver's handle (:class:`InProcessTrainer`, the trainer actor's interface), and waits for it; it then runs on a
 thread of its own lane: the training calls on one, the weight hand-overs on another (as the trainer actor's
 ``weights`` concurrency group), so each thread keeps its own torch thread count. The engine's calls run as before.
-The process reports its engine's CPU and its trainer's apart (the lanes' threads carry an OS name of their own), so
-the trainer's threads follow its demand as a trainer actor's do (cluster/cores.py).
+A new version's weights stay in the process: its engine loads them as they are, its other replicas ask for them
+(:class:`HeldWeights`). The process reports its engine's CPU and its trainer's apart (the lanes' threads carry an OS
+name of their own), so the trainer's threads follow its demand as a trainer actor's do (cluster/cores.py).
 
 A replica 0 that dies takes the trainer with it: the launch fails and resumes from the newest durable version, as
-when a trainer actor dies. Its replica slot restarts as a plain engine. It is never kept between launches.
+when a trainer actor dies. Its replica slot restarts as a plain engine (which finds no weights held to load: the
+rollout then fails saying so, if the trainer's error has not stopped the launch first). It is never kept between
+launches.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from functools import partial
 import ray
 
 from marl_pipeline.cluster.cores import TRAINER_THREADS, CpuReport, cpu_report, name_thread, named_threads_cpu
-from marl_pipeline.cluster.engines import StoreAsyncEngine
+from marl_pipeline.cluster.engines import HeldWeights, StoreAsyncEngine
 from marl_pipeline.cluster.trainers import StoreTrainer, TrainerActor
 from marl_pipeline.config import StoreConfig
 
@@ -76,6 +79,7 @@ class AgentProcess(StoreAsyncEngine):
         self.trainer = self._lanes["train"].thread.submit(
             lambda: StoreTrainer(store, run, agent, version, **trainer)).result()
         super().__init__(store, run, agent, version, **options)
+        self._held: dict[int, list] = {}  # version -> its weights, from the trainer's named_weights
 
     async def cpu_report(self) -> CpuReport:
         """The engine's part of the process (cluster/cores.py): its CPU less the trainer's threads'."""
@@ -87,11 +91,35 @@ class AgentProcess(StoreAsyncEngine):
 
     @ray.method(concurrency_group="train")
     async def train_call(self, turn: int, method: str, *args, **kwargs):
-        return await self._lanes["train"].call(turn, getattr(self.trainer, method), *args, **kwargs)
+        if method != "named_weights":
+            return await self._lanes["train"].call(turn, getattr(self.trainer, method), *args, **kwargs)
+        # Kept here for the engine beside it, which loads them as they are: through the object store they were
+        # serialized into it and copied out again, in this same process.
+        version, weights = await self._lanes["train"].call(
+            turn, lambda: (self.trainer.version, self.trainer.named_weights()))
+        self._held[version] = weights
+        context = ray.get_runtime_context()
+        return HeldWeights(context.current_actor, context.get_actor_id(), version)
 
     @ray.method(concurrency_group="weights")
     async def weights_call(self, turn: int, method: str, *args, **kwargs):
         return await self._lanes["weights"].call(turn, getattr(self.trainer, method), *args, **kwargs)
+
+    async def held_weights(self, version: int) -> list:
+        """A held version's weights, for another replica of the agent (through the object store)."""
+        if version not in self._held:
+            raise ValueError(f"version {version} is no longer held here (held: {sorted(self._held)})")
+        return self._held[version]
+
+    async def load_weights(self, named_tensors, version: int) -> int:
+        """Serve a version; those held here as they are. The older ones held are let go: the replicas sync in version
+        order, and a restart that asks for a version let go is given the newer one (inference/replicas.py)."""
+        here = ray.get_runtime_context().get_actor_id()
+        if isinstance(named_tensors, HeldWeights) and named_tensors.holder_id == here:
+            held = named_tensors.version
+            named_tensors = await self.held_weights(held)
+            self._held = {v: weights for v, weights in self._held.items() if v >= held}
+        return await super().load_weights(named_tensors, version)
 
 
 def remote_agent_process():

@@ -12,7 +12,8 @@ An actor may run on another node than the driver, so it is handed the store's se
 the policy version it starts from into its own node's cache (cluster/engines.py, cluster/trainers.py), and a
 trainer uploads each new version to the store itself. Weights for an engine's reload go through Ray's object
 store (the orchestrator passes the trainer's ``named_weights`` reference to the engine), which Ray moves between
-nodes; the store is the durable copy, written once per version, read by whoever starts from it.
+nodes, except where a hybrid agent's process holds them (cluster/engines.py, ``HeldWeights``); the store is the
+durable copy, written once per version, read by whoever starts from it.
 """
 
 from __future__ import annotations

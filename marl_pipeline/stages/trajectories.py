@@ -205,9 +205,11 @@ class _MicroBatch:
         while True:
             try:
                 replica = replicas.router.acquire(episode)
-            except NoReplica:
-                if not replicas.restarting():
-                    raise
+            except NoReplica as down:
+                if not replicas.restarting():  # with why, if a restart failed (a hybrid agent's process died, say)
+                    failed = replicas.restart_errors[-1:]
+                    raise NoReplica(f"{replicas.agent}: {down}" + "".join(f"; the last restart failed: {error}"
+                                                                          for error in failed)) from down
                 replica = None
             if replica is not None:
                 return replica
