@@ -112,7 +112,7 @@ def test_a_hybrid_launch_runs_one_process_per_agent_and_trains_as_separate_actor
     # from the store to the uninterrupted run's parameters.
     config = _small(hybrid_agents(demo_config_data), tmp_path / "killed")
     before = set(_actor_classes())
-    with pytest.raises((ray.exceptions.RayActorError, NoReplica), match="died"):
+    with pytest.raises((ray.exceptions.RayActorError, NoReplica), match=r"(?i)died"):
         for event in train(config):
             if isinstance(event, StepFinished) and event.step == 0:
                 alive = ray._private.state.actors(actor_state_name="ALIVE")
