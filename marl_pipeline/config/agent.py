@@ -84,8 +84,9 @@ class TrainerConfig(StrictModel):
     threads: int | None = Field(None, ge=1)
     """CPU threads of the trainer's forward and backward passes; None as for ``EngineConfig.threads`` (for the
     trainer actor; a trainer built in-process, as a recomputation's, keeps its process's threads)."""
-    chunk_tokens: int = Field(2048, ge=1)
-    """Padded tokens per forward/backward pass: rows sorted by length, cut under it (same gradient)."""
+    chunk_tokens: int | None = Field(None, ge=1)
+    """Tokens per forward/backward pass (packed on a GPU, padded on a CPU; the same gradient). None: sized to the
+    free memory on a GPU, 2,048 on a CPU."""
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     """``float32``, ``bfloat16`` (autocast over float32 weights), or ``auto`` (bf16 where the hardware has it)."""
     activation_checkpointing: bool = False

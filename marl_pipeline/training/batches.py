@@ -54,6 +54,21 @@ class StepResult:
     """Gradient norm before clipping."""
     lr: float
     """Learning rate of the step."""
+    computed_tokens: int = 0
+    """Real tokens (prompts and responses, no padding) the step's passes computed, over every worker."""
+    compute_seconds: float = 0.0
+    """The trainer's own time in the step's passes and optimizer step (one worker's: they compute side by side)."""
+    tokens_per_second: float = 0.0
+    """``computed_tokens / compute_seconds``."""
+    mfu: float = 0.0
+    """Model FLOPs utilization: 6 x parameters x ``computed_tokens`` / ``compute_seconds`` over the workers'
+    measured matmul peak (training/flops.py)."""
+    peak_tflops: float = 0.0
+    """One worker's measured matmul peak in the trainer's precision, TFLOP/s."""
+    chunk_tokens: int = 0
+    """Tokens a pass (the budget the trainer chose or was given)."""
+    passes: str = ""
+    """``packed`` (padding-free, attention per row) or ``padded`` (training/packing.py)."""
 
 
 def length_chunks(lengths: list[int], budget: int) -> list[list[int]]:

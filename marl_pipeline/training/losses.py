@@ -64,21 +64,24 @@ class TokenTerms:
         return torch.where(flat, values[index], 0.0).view(positions.shape)
 
 
-def scored_token_terms(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, *,
-                       entropy: bool = False, start=None, chunk: int = LOGIT_CHUNK) -> TokenTerms:
+def scored_token_terms(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor, *,
+                       entropy: bool = False, start=None, chunk: int = LOGIT_CHUNK,
+                       packing: dict | None = None) -> TokenTerms:
     """The next-token terms at the ``positions`` ([batch, length - 1], bool; position t predicts token t + 1).
 
     The output head runs on the scored positions alone, ``chunk`` of them at a time, each chunk's logits recomputed in
     the backward pass rather than kept (activation checkpointing): a [tokens x vocabulary] float32 tensor never exists
     for the whole pass, and prompt positions cost no head at all. ``start``: a frozen model whose log-probabilities
-    and KL from which are wanted too (the warm-up's rehearsal)."""
+    and KL from which are wanted too (the warm-up's rehearsal). ``packing``: a packed pass's keyword arguments
+    (training/packing.py), with no ``attention_mask``."""
     index = positions.flatten().nonzero().squeeze(1)  # the scored positions, flat: read once (a device sync)
     targets = input_ids[:, 1:].flatten()[index]
-    features, head = _features(model, input_ids, attention_mask, index)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False, **(packing or {})}
+    features, head = _features(model, inputs, index)
     start_features = start_head = None
     if start is not None:
         with torch.no_grad():
-            start_features, start_head = _features(start, input_ids, attention_mask, index)
+            start_features, start_head = _features(start, inputs, index)
     columns = []
     for low in range(0, len(targets), chunk):
         part = slice(low, low + chunk)
@@ -93,16 +96,15 @@ def scored_token_terms(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     return TokenTerms(values[0], values[1] if entropy else None, *(values[-2:] if start is not None else (None, None)))
 
 
-def _features(model, input_ids, attention_mask, index):
+def _features(model, inputs: dict, index):
     """The last hidden state at the scored positions (``index`` into the flat [batch x (length - 1)] positions) and
     the output head that maps it to logits; for a model whose head is more than a linear layer, its own logits there
-    and no head."""
+    and no head. ``inputs``: the model's keyword arguments, with no KV cache (a training pass never reads one, and
+    building it keeps every layer's keys and values)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if any(getattr(base.config, name, None) for name in _SCALED_HEADS):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        return logits[:, :-1].flatten(0, 1)[index], None
-    # No KV cache: a training pass never reads one, and building it keeps every layer's keys and values
-    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return model(**inputs).logits[:, :-1].flatten(0, 1)[index], None
+    hidden = base.get_decoder()(**inputs).last_hidden_state
     return hidden[:, :-1].flatten(0, 1)[index], base.get_output_embeddings()
 
 
@@ -152,7 +154,7 @@ def clipped_pg_token_loss(
     Args:
         logprobs: the trainer's log-probabilities of the taken tokens, [batch, length].
         engine_logprobs: the rollout engine's log-probabilities of the same tokens, [batch, length].
-        advantages: one advantage per sequence, [batch].
+        advantages: one advantage per sequence, [batch], or per token, [batch, length].
         clip_eps: ratios are clipped to [1 - clip_eps, 1 + clip_eps].
         tis_cap: truncate the importance weight at this value (None: no weight, the clip uses the engine ratio).
 
@@ -163,7 +165,7 @@ def clipped_pg_token_loss(
         ratio = torch.exp(logprobs - engine_logprobs)
     else:
         ratio = torch.exp(logprobs - logprobs.detach())
-    adv = advantages[:, None]
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages  # per sequence, or per token (a packed pass)
     pg_loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps))
     if tis_cap is not None:
         pg_loss = pg_loss * truncated_is_weights(logprobs, engine_logprobs, tis_cap)

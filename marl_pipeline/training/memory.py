@@ -36,6 +36,30 @@ def trainer_peak_bytes(config: dict, *, parameters: int, trainable: int, tokens:
     return max(head_backward, backward_end)
 
 
+def token_budget(config: dict, *, parameters: int, trainable: int, available: float, reference: bool = False,
+                 activation_checkpointing: bool = True, limit: int = 1 << 22) -> int:
+    """The most tokens a pass can hold with :func:`trainer_peak_bytes` within ``available`` bytes (at least 256, at
+    most ``limit``): a GPU trainer's pass size when ``chunk_tokens`` is unset."""
+    low, high = 256, limit
+    while low < high:  # the estimate grows with the tokens
+        middle = (low + high + 1) // 2
+        peak = trainer_peak_bytes(config, parameters=parameters, trainable=trainable, tokens=middle,
+                                  reference=reference, activation_checkpointing=activation_checkpointing)
+        low, high = (middle, high) if peak <= available else (low, middle - 1)
+    return low
+
+
+def architecture(model: torch.nn.Module) -> dict:
+    """What :func:`trainer_peak_bytes` reads of a Hugging Face model's config (a LoRA model's base's)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    keys = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "tie_word_embeddings")
+    missing = [key for key in keys[:4] if getattr(config, key, None) is None]
+    if missing:
+        raise ValueError(f"{type(base).__name__}'s config has no {', '.join(missing)}: set trainer.chunk_tokens")
+    return {key: getattr(config, key, None) for key in keys}
+
+
 def move_state(models: list[torch.nn.Module | None], optimizer: torch.optim.Optimizer, device: torch.device) -> int:
     """Move ``models``' parameters and gradients (the policy, its KL reference) and ``optimizer``'s state (AdamW's
     moments and step counts, on the GPU with the fused AdamW) to ``device`` in place; bytes moved. The parameters

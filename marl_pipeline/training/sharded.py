@@ -54,8 +54,10 @@ class ShardedScorer(torch.nn.Module):
         super().__init__()
         self.policy = model
 
-    def forward(self, input_ids, attention_mask, positions, entropy: bool = False, start=None) -> tuple:
-        terms = scored_token_terms(self.policy, input_ids, attention_mask, positions, entropy=entropy, start=start)
+    def forward(self, input_ids, attention_mask, positions, entropy: bool = False, start=None,
+                packing: dict | None = None) -> tuple:
+        terms = scored_token_terms(self.policy, input_ids, attention_mask, positions, entropy=entropy, start=start,
+                                   packing=packing)
         # Tensors, so that FSDP hooks their backward; copies, not views of one (a view's hook an in-place op drops)
         return tuple(None if t is None else t.clone()
                      for t in (terms.logprobs, terms.entropy, terms.start_logprobs, terms.start_kl))

@@ -7,9 +7,11 @@ One optimizer step = one RL step. Micro-batches arrive one at a time through :me
 total response-token count (or sequence count, with sequence normalisation), clips and steps. This is
 exactly the full-batch update of the mean loss over the whole step, whatever the micro-batch sizes.
 
-Inside a micro-batch, rows are sorted by length and cut into passes of at most ``chunk_tokens`` padded tokens
-(:func:`length_chunks`): a pass pads every row to its longest one, so a micro-batch padded as one tensor computed
-mostly padding when lengths varied. The loss is a sum, so the passes' gradients add up to the micro-batch's.
+Inside a micro-batch, rows are cut into passes of at most ``chunk_tokens`` tokens (training/packing.py): on a GPU
+packed into one sequence each, attention per row, no padding; elsewhere sorted by length and padded to the longest
+of each pass (:func:`length_chunks`). The loss is a sum, so the passes' gradients add up to the micro-batch's. With
+``chunk_tokens`` unset a GPU trainer sizes its passes to its free memory (training/memory.py), a CPU one takes 2,048.
+Every step reports its tokens a second and MFU (training/flops.py).
 """
 
 from __future__ import annotations
@@ -32,18 +34,19 @@ from marl_pipeline.policy.lora import (
     use_adapter,
 )
 from marl_pipeline.policy.precision import autocast, resolve_dtype
-from marl_pipeline.training import memory, sharded
+from marl_pipeline.training import flops, memory, packing, sharded
 from marl_pipeline.training.batches import SUPERVISED_TERMS, StepResult, SupervisedBatch, TrainBatch, length_chunks
 from marl_pipeline.training.losses import (
     TokenTerms,
     clip_fraction,
     grpo_token_loss,
-    loss_units,
     mismatch_stats,
     pad_sequences,
     scored_token_terms,
-    summed_loss,
 )
+
+CPU_CHUNK_TOKENS = 2048
+"""A CPU trainer's tokens a pass when ``chunk_tokens`` is unset: what the CPU benchmarks were tuned at."""
 
 
 class PolicyTrainer:
@@ -57,12 +60,13 @@ class PolicyTrainer:
                  clip_eps: float, seed: int, num_threads: int | None = None, lr_decay_steps: int | None = None,
                  min_lr_ratio: float = 0.1, kl_coef: float = 0.0, reference_dir: str | None = None,
                  entropy_coef: float = 0.0, loss_normalization: str = "token", tis_cap: float | None = None,
-                 dtype: str = "float32", chunk_tokens: int = 2048, lora: dict | None = None,
+                 dtype: str = "float32", chunk_tokens: int | None = None, lora: dict | None = None,
                  base_dir: str | None = None, activation_checkpointing: bool = False,
                  device: str | None = None, rank: sharded.Rank | None = None) -> None:
-        if chunk_tokens < 1:
+        if chunk_tokens is not None and chunk_tokens < 1:
             raise ValueError(f"chunk_tokens {chunk_tokens}: expected a positive token budget per pass")
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens = chunk_tokens  # None: sized at the first pass (:meth:`_pass_budget`)
+        self.budget_why = "set" if chunk_tokens is not None else None
         if num_threads:
             torch.set_num_threads(num_threads)
         self.num_threads = torch.get_num_threads()  # what cluster/cores.py's split of the cores reads and moves
@@ -90,6 +94,9 @@ class PolicyTrainer:
             sharded.join(rank, self.device)
             self.scorer = sharded.shard(self.model)
         self.dtype = resolve_dtype(dtype, self.device_type)
+        self.padded_why = packing.choose(self.model, self.device, self.dtype)  # None: packed passes
+        self.parameters = sum(param.numel() for param in self.model.parameters())
+        self.activation_checkpointing = activation_checkpointing
         # Only the trainable parameters (all of them, or a LoRA agent's adapters): AdamW keeps moments for these.
         trainable = [param for param in self.model.parameters() if param.requires_grad]
         # Fused on a GPU: one kernel, and no parameter-sized temporaries in the step (training/memory.py).
@@ -112,10 +119,14 @@ class PolicyTrainer:
             # pass (no backward) per micro-batch.
             self.reference, _ = self.load(reference_dir)
             self.reference.to(self.device).eval().requires_grad_(False)
+        if self.padded_why is None:
+            for model in (self.model, self.reference):
+                if model is not None:
+                    packing.use_varlen(model)
         self.version = version
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self._step_tokens = 0
-        self._step_sequences = 0
+        self._step_tokens = self._step_sequences = self._step_computed = 0
+        self._step_seconds = 0.0
         self._outbox = transfer.Outbox()  # versions staged for a weight broadcast
 
     def restart(self, *args, **kwargs) -> bool:
@@ -138,7 +149,7 @@ class PolicyTrainer:
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         plan = [(adapter, [rows[i] for i in chunk])  # a pass computes with one set of adapters
                 for adapter, rows in self._rows_by_adapter(batch)
-                for chunk in length_chunks([lengths[row] for row in rows], self.chunk_tokens)]
+                for chunk in self._chunks([lengths[row] for row in rows])]
         idle = self._passes_short(len(plan))
         passes = []
         for adapter, rows in plan:
@@ -152,10 +163,43 @@ class PolicyTrainer:
         tokens = sum(p[4] for p in passes)
         self._step_tokens += tokens
         self._step_sequences += sum(p[5] for p in passes)
-        return {"rows": len(batch.prompt_ids), "tokens": tokens, "loss_sum": float(sum(p[6] for p in passes)),
-                "policy_version": self.version, "dropped_rows": batch.dropped_rows,
-                "clip_fraction": clip_fraction(ratio, mask, self.clip_eps),
-                **mismatch_stats(logprobs, engine, mask), "compute_seconds": time.perf_counter() - began}
+        stats = {"rows": len(batch.prompt_ids), "tokens": tokens, "loss_sum": float(sum(p[6] for p in passes)),
+                 "policy_version": self.version, "dropped_rows": batch.dropped_rows,
+                 "clip_fraction": clip_fraction(ratio, mask, self.clip_eps), **mismatch_stats(logprobs, engine, mask)}
+        self._step_computed += sum(lengths)
+        self._step_seconds += time.perf_counter() - began  # read above: the GPU has finished the passes
+        return {**stats, "compute_seconds": time.perf_counter() - began}
+
+    def _chunks(self, lengths: list[int]) -> list[list[int]]:
+        """Rows cut into passes: packed under the token budget, or sorted and padded under it."""
+        budget = self._pass_budget()
+        return packing.packed_chunks(lengths, budget) if self.padded_why is None else length_chunks(lengths, budget)
+
+    def _pass_budget(self) -> int:
+        """``chunk_tokens``; unset, a CPU's :data:`CPU_CHUNK_TOKENS`, or on a GPU the most tokens whose estimated peak
+        (training/memory.py) fits in the memory free at the first pass (a colocated engine asleep by then) with the
+        trainer's own, less a tenth for the allocator's fragments."""
+        if self.chunk_tokens is None:
+            if self.device_type != "cuda":
+                self.chunk_tokens, self.budget_why = CPU_CHUNK_TOKENS, "the CPU's default"
+            else:
+                free, _ = torch.cuda.mem_get_info(self.device)
+                available = 0.9 * (free + torch.cuda.memory_allocated(self.device))
+                trainable = sum(param.numel() for param in self.model.parameters() if param.requires_grad)
+                self.chunk_tokens = memory.token_budget(
+                    memory.architecture(self.model), parameters=self.parameters, trainable=trainable,
+                    available=available, reference=self.reference is not None,
+                    activation_checkpointing=self.activation_checkpointing)
+                self.budget_why = f"sized to {available / 2**30:.1f} GiB of {torch.cuda.get_device_name(self.device)}"
+        return self.chunk_tokens
+
+    def pass_settings(self) -> dict:
+        """How this trainer's passes run, for the run's log: packed or padded (and why), the token budget (and where
+        it came from; None until the first pass sizes it), the device and its measured peak."""
+        return {"passes": "packed" if self.padded_why is None else "padded", "padded_why": self.padded_why,
+                "chunk_tokens": self.chunk_tokens, "budget_why": self.budget_why,
+                "device": torch.cuda.get_device_name(self.device) if self.device_type == "cuda" else "cpu",
+                "dtype": str(self.dtype).removeprefix("torch.")}
 
     def _passes_short(self, passes: int) -> int:
         # FSDP's collectives run per pass: every rank runs as many (training/sharded.py)
@@ -190,36 +234,39 @@ class PolicyTrainer:
         if self.named_adapters:
             use_adapter(self.model, adapter)
 
+    def _pass(self, prompts: list[list[int]], responses: list[list[int]]) -> packing.Pass:
+        """A pass's inputs on the host, packed or padded as this trainer computes."""
+        if self.padded_why is None:
+            return packing.packed_pass(prompts, responses)
+        return packing.padded_pass(prompts, responses, self.pad_id)
+
     def _accumulate_rows(self, batch: TrainBatch, rows: list[int]):
-        """One forward/backward pass over some rows of a micro-batch, padded to the longest of them. Returns the
-        trainer logprobs, engine logprobs, clip ratios and the response tokens' mask (flat, every position), the token
-        and sequence counts, and the summed loss (a tensor: read once a micro-batch)."""
-        prompts = [batch.prompt_ids[row] for row in rows]
-        input_ids, attention_mask, mask = pad_sequences(prompts, [batch.response_ids[row] for row in rows],
-                                                         self.pad_id)
-        counts = int(mask.sum()), loss_units(mask, "sequence")  # on the host, before the mask moves
-        engine = torch.zeros_like(mask)
-        for position, (prompt, row) in enumerate(zip(prompts, rows)):
-            logprobs = batch.old_logprobs[row]
-            engine[position, len(prompt) - 1 : len(prompt) - 1 + len(logprobs)] = torch.tensor(logprobs)
-        advantages = torch.tensor([batch.advantages[row] for row in rows], dtype=torch.float32)
-        input_ids, attention_mask, mask, engine, advantages = (
-            tensor.to(self.device) for tensor in (input_ids, attention_mask, mask, engine, advantages))
-        taken = mask.bool()
+        """One forward/backward pass over some rows of a micro-batch. Returns the trainer logprobs, engine logprobs,
+        clip ratios and the response tokens' mask (flat, every position), the token and sequence counts, and the
+        summed loss (a tensor: read once a micro-batch)."""
+        built = self._pass([batch.prompt_ids[row] for row in rows], [batch.response_ids[row] for row in rows])
+        counts = built.counts()
+        engine, advantages, weights = (built.spread([batch.old_logprobs[row] for row in rows]),
+                                       built.spread([batch.advantages[row] for row in rows]),
+                                       built.loss_weights(self.loss_normalization))
+        engine, advantages, weights = (tensor.to(self.device) for tensor in (engine, advantages, weights))
+        built = built.to(self.device)
+        mask, taken = built.mask, built.mask.bool()
         entropy = ref_logprobs = None
         with autocast(self.dtype, self.device_type):
-            terms = self._terms(input_ids, attention_mask, taken, entropy=self.entropy_coef > 0)
+            terms = self._terms(built.input_ids, built.attention_mask, taken, entropy=self.entropy_coef > 0,
+                                packing=built.packing)
             if self.reference is not None:
                 with torch.no_grad():
-                    ref_logprobs = scored_token_terms(self.reference, input_ids, attention_mask,
-                                                      taken).scattered("logprobs", taken)
+                    ref_logprobs = scored_token_terms(self.reference, built.input_ids, built.attention_mask, taken,
+                                                      packing=built.packing).scattered("logprobs", taken)
         logprobs = terms.scattered("logprobs", taken)
         if terms.entropy is not None:
             entropy = terms.scattered("entropy", taken)
         token_loss, ratio = grpo_token_loss(logprobs, engine, advantages, self.clip_eps, tis_cap=self.tis_cap,
                                             ref_logprobs=ref_logprobs, kl_coef=self.kl_coef, entropy=entropy,
                                             entropy_coef=self.entropy_coef)
-        loss_sum = summed_loss(token_loss, mask, self.loss_normalization)
+        loss_sum = (token_loss * weights).sum()
         loss_sum.backward()
         return (logprobs.detach().flatten(), engine.flatten(), ratio.detach().flatten(), mask.flatten(), *counts,
                 loss_sum.detach())
@@ -231,25 +278,26 @@ class PolicyTrainer:
 
     def accumulate_supervised(self, batch: SupervisedBatch) -> dict[str, float]:
         """Add one supervised batch's gradient of its summed loss (every response token counts in the step's
-        token total), in the same length-sorted passes as :meth:`accumulate`; returns its token count and loss."""
+        token total), in the same passes as :meth:`accumulate`; returns its token count and loss."""
         unknown = sorted(set(batch.terms) - set(SUPERVISED_TERMS))
         if unknown or len(batch.terms) != len(batch.prompt_ids):
             raise ValueError(f"supervised terms {unknown or len(batch.terms)}: expected one of {SUPERVISED_TERMS} "
                              f"per row ({len(batch.prompt_ids)} rows)")
         if self.reference is None and set(batch.terms) - {"teach"}:
             raise ValueError("a supervised batch that keeps rows needs the reference model (keep_start_copy)")
+        began = time.perf_counter()
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         tokens, loss = 0, 0.0
-        for chunk in length_chunks(lengths, self.chunk_tokens):
-            input_ids, attention_mask, mask = pad_sequences([batch.prompt_ids[row] for row in chunk],
-                                                            [batch.response_ids[row] for row in chunk], self.pad_id)
-            input_ids, attention_mask, mask = (tensor.to(self.device) for tensor in (input_ids, attention_mask, mask))
-            taken = mask.bool()
+        for chunk in self._chunks(lengths):
+            built = self._pass([batch.prompt_ids[row] for row in chunk], [batch.response_ids[row] for row in chunk])
+            weight = {name: built.spread([float(batch.terms[row] == name) for row in chunk]).to(self.device)
+                      for name in SUPERVISED_TERMS}
+            built = built.to(self.device)
+            mask, taken = built.mask, built.mask.bool()
             kept = [batch.terms[row] != "teach" for row in chunk]
             with autocast(self.dtype, self.device_type):
-                terms = self._terms(input_ids, attention_mask, taken, start=self.reference if any(kept) else None)
-            weight = {name: mask * torch.tensor([[batch.terms[row] == name] for row in chunk], device=self.device)
-                      for name in SUPERVISED_TERMS}
+                terms = self._terms(built.input_ids, built.attention_mask, taken,
+                                    start=self.reference if any(kept) else None, packing=built.packing)
             logprobs = terms.scattered("logprobs", taken)
             token_loss = -logprobs * weight["teach"]
             if any(kept):
@@ -262,12 +310,19 @@ class PolicyTrainer:
             loss += float(chunk_loss.detach())
         self._step_tokens += tokens
         self._step_sequences += len(batch.prompt_ids)
+        self._step_computed += sum(lengths)
+        self._step_seconds += time.perf_counter() - began
         return {"rows": len(batch.prompt_ids), "tokens": tokens, "loss_sum": loss}
 
     def apply_step(self) -> StepResult:
         """Turn the accumulated gradients into one optimizer step; the policy version goes up by one."""
+        peak = flops.peak_flops(self.device, self.dtype)  # measured once (per thread count on a CPU), untimed
+        began = time.perf_counter()
+        computed, world = self._step_computed, 1
         if self.rank is not None:  # every rank divides by the step's counts over all of them
-            self._step_tokens, self._step_sequences = sharded.summed(self._step_tokens, self._step_sequences)
+            self._step_tokens, self._step_sequences, computed = sharded.summed(
+                self._step_tokens, self._step_sequences, computed)
+            world = self.rank.world
         units = self._step_tokens if self.loss_normalization == "token" else self._step_sequences
         # One kernel for every gradient, not one a parameter (a GPU step is launch-bound at small batches).
         torch._foreach_div_([param.grad for param in self.model.parameters() if param.grad is not None],
@@ -277,9 +332,17 @@ class PolicyTrainer:
             group["lr"] = self.learning_rate(self.version)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        result = StepResult(self.version + 1, self._step_tokens, self._step_sequences, float(grad_norm),
-                            self.learning_rate(self.version))
-        self._step_tokens = self._step_sequences = 0
+        grad_norm = float(grad_norm)  # waits for the backward passes' last kernels, not for the optimizer's
+        seconds = self._step_seconds + time.perf_counter() - began
+        result = StepResult(self.version + 1, self._step_tokens, self._step_sequences, grad_norm,
+                            self.learning_rate(self.version), computed_tokens=computed, compute_seconds=seconds,
+                            tokens_per_second=computed / seconds if seconds else 0.0,
+                            mfu=flops.training_flops(self.parameters, computed) / seconds / (peak * world)
+                            if seconds else 0.0,
+                            peak_tflops=peak / 1e12, chunk_tokens=self.chunk_tokens or 0,
+                            passes="packed" if self.padded_why is None else "padded")
+        self._step_tokens = self._step_sequences = self._step_computed = 0
+        self._step_seconds = 0.0
         self.version += 1
         return result
 
@@ -292,7 +355,8 @@ class PolicyTrainer:
     def discard_gradients(self) -> None:
         """Drop accumulated gradients without stepping (a recomputed micro-batch, a failed step)."""
         self.optimizer.zero_grad(set_to_none=True)
-        self._step_tokens = self._step_sequences = 0
+        self._step_tokens = self._step_sequences = self._step_computed = 0
+        self._step_seconds = 0.0
 
     def offload(self) -> int:
         """Weights, gradients, AdamW state and KL reference to host memory, freeing the GPU for the agent's engine

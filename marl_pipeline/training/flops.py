@@ -1,0 +1,45 @@
+"""A trainer's model FLOPs utilization (MFU): the work its passes did against what its device can do.
+
+The work is the usual 6 x parameters x tokens (forward 2, backward 4 FLOPs per parameter and token: PaLM's
+appendix B, verl's ``perf/mfu/actor``, torchtitan's), counting every real token the passes computed, prompts
+included, padding not. It leaves out attention's score matrices and counts the output head at every token
+although the trainer computes it at response tokens alone, so the figure compares runs and bounds, not kernels.
+The device's peak is measured once per trainer and precision (a square matmul, what a GPU's spec sheet promises
+and rarely gives: 790 of 989 bf16 TFLOP/s on an H200), and per thread count on a CPU, whose cores the split moves.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+_PEAKS: dict[tuple, float] = {}
+
+
+def training_flops(parameters: int, tokens: int) -> float:
+    """FLOPs of a forward and backward pass over ``tokens`` tokens of a model of ``parameters`` parameters."""
+    return 6.0 * parameters * tokens
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """The device's measured matmul FLOP/s in ``dtype`` (best of a few square products), cached per process."""
+    threads = torch.get_num_threads() if device.type == "cpu" else 0
+    key = (str(device), dtype, threads)
+    if key not in _PEAKS:
+        size, repeats = (8192, 10) if device.type == "cuda" else (512, 4)
+        a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first is the warm-up: kernel choice, allocation
+            _sync(device)
+            began = time.perf_counter()
+            a @ b
+            _sync(device)
+            best = min(best, time.perf_counter() - began)
+        _PEAKS[key] = 2.0 * size**3 / best
+    return _PEAKS[key]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
