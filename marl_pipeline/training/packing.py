@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -192,7 +193,7 @@ def per_row_attention(q, k, v, cumulative, scaling):
     any precision), for tests to hold the packing to the padded passes."""
     bounds = cumulative.tolist()
     rows = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         q_row, k_row, v_row = (tensor[start:end].transpose(0, 1) for tensor in (q, k, v))  # [heads, n, d]
         rows.append(torch.nn.functional.scaled_dot_product_attention(
             q_row, k_row, v_row, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1))
