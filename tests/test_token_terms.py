@@ -52,6 +52,33 @@ def test_terms_on_the_scored_positions_equal_the_full_logits_in_any_chunk(tiny_m
         assert (terms.scattered("logprobs", taken)[~taken] == 0).all()
 
 
+@pytest.mark.parametrize("entropy", [False, True], ids=["logprobs", "logprobs+entropy"])
+def test_the_fused_head_gives_the_unfused_heads_terms_and_gradients(tiny_model_dir: Path, entropy: bool) -> None:
+    """training/head.py, eager here (compiled on CUDA: tests/gpu), in float64: the same values and gradients, with
+    the gradients of both terms weighted as a loss weighs them, in chunks that cut rows."""
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    model.double()
+    input_ids, attention_mask, mask = _batch(tokenizer)
+    taken = mask.bool()
+    figures = []
+    for fused in (False, True):
+        model.zero_grad()
+        terms = scored_token_terms(model, input_ids, attention_mask, taken, entropy=entropy, chunk=2, fused=fused)
+        weights = torch.linspace(-1.0, 2.0, len(terms.logprobs), dtype=torch.float64)
+        loss = (terms.logprobs * weights).sum() + (0.3 * terms.entropy.sum() if entropy else 0.0)
+        loss.backward()
+        figures.append((terms, [param.grad.clone() for param in model.parameters()]))
+    (unfused, unfused_grads), (fused_terms, fused_grads) = figures
+    assert torch.allclose(fused_terms.logprobs, unfused.logprobs, atol=1e-6)  # both leave the head in float32
+    assert (fused_terms.entropy is None) == (not entropy)
+    if entropy:
+        assert torch.allclose(fused_terms.entropy, unfused.entropy, atol=1e-6)
+    for fused_grad, unfused_grad in zip(fused_grads, unfused_grads):
+        # float32 inside either head (the logits' softmax): rounding-level apart, against the largest gradient
+        assert (fused_grad - unfused_grad).abs().max() <= 1e-6 * unfused_grad.abs().max()
+    assert max(grad.abs().max() for grad in fused_grads) > 1e-3  # a gradient to compare
+
+
 _PEAK = textwrap.dedent("""
     import json, sys
     import torch

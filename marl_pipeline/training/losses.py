@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from marl_pipeline.training.head import fused_token_terms
+
 
 def pad_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int):
     """Right-padded ``input_ids`` of prompt+response, the attention mask, and a mask over response tokens.
@@ -66,18 +68,22 @@ class TokenTerms:
 
 def scored_token_terms(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor, *,
                        entropy: bool = False, start=None, chunk: int = LOGIT_CHUNK,
-                       packing: dict | None = None) -> TokenTerms:
+                       packing: dict | None = None, fused: bool = False) -> TokenTerms:
     """The next-token terms at the ``positions`` ([batch, length - 1], bool; position t predicts token t + 1).
 
     The output head runs on the scored positions alone, ``chunk`` of them at a time, each chunk's logits recomputed in
     the backward pass rather than kept (activation checkpointing): a [tokens x vocabulary] float32 tensor never exists
     for the whole pass, and prompt positions cost no head at all. ``start``: a frozen model whose log-probabilities
     and KL from which are wanted too (the warm-up's rehearsal). ``packing``: a packed pass's keyword arguments
-    (training/packing.py), with no ``attention_mask``."""
+    (training/packing.py), with no ``attention_mask``. ``fused``: the log-probabilities and entropy from
+    training/head.py's fused head, where the head is a plain linear layer and no ``start`` model is asked for."""
     index = positions.flatten().nonzero().squeeze(1)  # the scored positions, flat: read once (a device sync)
     targets = input_ids[:, 1:].flatten()[index]
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False, **(packing or {})}
     features, head = _features(model, inputs, index)
+    if fused and start is None and head is not None and head.bias is None:
+        logprobs, entropies = fused_token_terms(features, head.weight, targets, entropy=entropy, chunk=chunk)
+        return TokenTerms(logprobs, entropies)
     start_features = start_head = None
     if start is not None:
         with torch.no_grad():

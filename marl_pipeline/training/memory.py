@@ -10,7 +10,8 @@ from marl_pipeline.training.losses import LOGIT_CHUNK
 
 
 def trainer_peak_bytes(config: dict, *, parameters: int, trainable: int, tokens: int, reference: bool = False,
-                       activation_checkpointing: bool = True, chunk: int = LOGIT_CHUNK) -> int:
+                       activation_checkpointing: bool = True, chunk: int = LOGIT_CHUNK,
+                       fused_head: bool = False) -> int:
     """Peak bytes of one trainer's pass and step over ``tokens`` tokens (one pass: ``chunk_tokens``): the larger of
     its two high points, measured on an H200 (BENCHMARKS.md, "Trainer on a GPU").
 
@@ -20,7 +21,8 @@ def trainer_peak_bytes(config: dict, *, parameters: int, trainable: int, tokens:
       kept for the backward pass (with checkpointing each layer's float32 input, the residual stream; without it
       every layer's working set: bf16 projections, the MLP's three intermediate-sized tensors and their gradients),
       the head's gradient and bf16 copy, and three [chunk x vocabulary] float32 tensors (the logits, their
-      log-softmax and its gradient: losses.LOGIT_CHUNK);
+      log-softmax and its gradient: losses.LOGIT_CHUNK); the fused head (training/head.py) holds a chunk's bf16 logits
+      and their bf16 gradient instead, and a bf16 product of the head's size before it adds it to the gradient;
     - the end of the backward pass: every gradient (4 bytes a trainable parameter), the first layer's working set,
       and with tied embeddings the embedding's own gradient before it is added to the head's.
     """
@@ -30,21 +32,23 @@ def trainer_peak_bytes(config: dict, *, parameters: int, trainable: int, tokens:
     head_gradient = 4 * head if trainable == parameters else 0  # a LoRA agent's head is frozen
     layer = tokens * (8 * hidden + 6 * config["intermediate_size"]) * 2
     kept = tokens * hidden * layers * 4 if activation_checkpointing else layer * layers
-    head_backward = rest + kept + head_gradient + 2 * head + 3 * min(chunk, tokens) * vocabulary * 4
+    logits = min(chunk, tokens) * vocabulary * (2 + 2 if fused_head else 3 * 4) + (2 * head if fused_head else 0)
+    head_backward = rest + kept + head_gradient + 2 * head + logits
     tied = head_gradient if config.get("tie_word_embeddings") else 0
     backward_end = rest + 4 * trainable + layer + tied
     return max(head_backward, backward_end)
 
 
 def token_budget(config: dict, *, parameters: int, trainable: int, available: float, reference: bool = False,
-                 activation_checkpointing: bool = True, limit: int = 1 << 22) -> int:
+                 activation_checkpointing: bool = True, fused_head: bool = False, limit: int = 1 << 22) -> int:
     """The most tokens a pass can hold with :func:`trainer_peak_bytes` within ``available`` bytes (at least 256, at
     most ``limit``): a GPU trainer's pass size when ``chunk_tokens`` is unset."""
     low, high = 256, limit
     while low < high:  # the estimate grows with the tokens
         middle = (low + high + 1) // 2
         peak = trainer_peak_bytes(config, parameters=parameters, trainable=trainable, tokens=middle,
-                                  reference=reference, activation_checkpointing=activation_checkpointing)
+                                  reference=reference, activation_checkpointing=activation_checkpointing,
+                                  fused_head=fused_head)
         low, high = (middle, high) if peak <= available else (low, middle - 1)
     return low
 

@@ -62,7 +62,7 @@ class PolicyTrainer:
                  entropy_coef: float = 0.0, loss_normalization: str = "token", tis_cap: float | None = None,
                  dtype: str = "float32", chunk_tokens: int | None = None, lora: dict | None = None,
                  base_dir: str | None = None, activation_checkpointing: bool = False,
-                 device: str | None = None, rank: sharded.Rank | None = None) -> None:
+                 device: str | None = None, rank: sharded.Rank | None = None, fused_head: bool | None = None) -> None:
         if chunk_tokens is not None and chunk_tokens < 1:
             raise ValueError(f"chunk_tokens {chunk_tokens}: expected a positive token budget per pass")
         self.chunk_tokens = chunk_tokens  # None: sized at the first pass (:meth:`_pass_budget`)
@@ -95,6 +95,8 @@ class PolicyTrainer:
             self.scorer = sharded.shard(self.model)
         self.dtype = resolve_dtype(dtype, self.device_type)
         self.padded_why = packing.choose(self.model, self.device, self.dtype)  # None: packed passes
+        # The head's terms in one pass a chunk (training/head.py): compiled on a GPU; None: there, one worker's
+        self.fused_head = self.device_type == "cuda" and rank is None if fused_head is None else fused_head
         self.parameters = sum(param.numel() for param in self.model.parameters())
         self.activation_checkpointing = activation_checkpointing
         # Only the trainable parameters (all of them, or a LoRA agent's adapters): AdamW keeps moments for these.
@@ -189,7 +191,7 @@ class PolicyTrainer:
                 self.chunk_tokens = memory.token_budget(
                     memory.architecture(self.model), parameters=self.parameters, trainable=trainable,
                     available=available, reference=self.reference is not None,
-                    activation_checkpointing=self.activation_checkpointing)
+                    activation_checkpointing=self.activation_checkpointing, fused_head=self.fused_head)
                 self.budget_why = f"sized to {available / 2**30:.1f} GiB of {torch.cuda.get_device_name(self.device)}"
         return self.chunk_tokens
 
@@ -198,6 +200,7 @@ class PolicyTrainer:
         it came from; None until the first pass sizes it), the device and its measured peak."""
         return {"passes": "packed" if self.padded_why is None else "padded", "padded_why": self.padded_why,
                 "chunk_tokens": self.chunk_tokens, "budget_why": self.budget_why,
+                "head": "fused" if self.fused_head else "chunked",
                 "device": torch.cuda.get_device_name(self.device) if self.device_type == "cuda" else "cpu",
                 "dtype": str(self.dtype).removeprefix("torch.")}
 
@@ -213,7 +216,7 @@ class PolicyTrainer:
         """The policy's token terms (``scored_token_terms``), through FSDP's root on a sharded trainer."""
         if self.scorer is not None:
             return self.scorer.terms(*args, **kwargs)
-        return scored_token_terms(self.model, *args, **kwargs)
+        return scored_token_terms(self.model, *args, fused=self.fused_head, **kwargs)
 
     def _rows_by_adapter(self, batch: TrainBatch) -> list[tuple[str | None, list[int]]]:
         """The batch's rows split by the named adapter they are computed with (None first), each part in row
