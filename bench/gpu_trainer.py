@@ -15,17 +15,31 @@ counts of one step of each (the small shapes are launch-bound); with ``--device-
 tests/gpu runs (torch, transformers, peft; no Ray, vLLM or Dagster):
 
     python3 bench/gpu_trainer.py --out results.json [--profile]
+
+With ``--rl``, an RL-shaped micro-batch instead (issue 49): 64 rows, prompts of 256 tokens, responses drawn uniformly
+from 32 to 1,024 tokens (seed 0), one step of ``PolicyTrainer.accumulate`` + ``apply_step`` in bf16 autocast, against
+**the packed bound** measured in the same process: the same Hugging Face model and kernels on the same real tokens
+concatenated into full 4,096-token rows (no padding, attention across the rows' seams), the head on the response
+positions (the unfused chunked head), a clipped fused AdamW step. Variants of ours: ``default`` (no settings: the
+budget sized to the GPU, packed passes, the fused head), ``unfused`` (the same with the old head), ``padded2048``
+(the old default: padded passes of 2,048 tokens, the old head). MFU = 6 x parameters x real tokens / s over the
+matmul peak measured here (training/flops.py):
+
+    python3 bench/gpu_trainer.py --rl --models llama-1b qwen2.5-3b --out rl.json
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -140,8 +154,151 @@ def _held(trainer) -> list[dict]:
     return [{"tensor": k, "gib": v / 2**30} for k, v in sorted(held.items(), key=lambda kv: -kv[1])[:10]]
 
 
+RL_ROWS, RL_PROMPT, RL_RESPONSES, BOUND_ROW = 64, 256, (32, 1024), 4096
+
+
+def rl_batch(seed: int = 0):
+    """The RL-shaped micro-batch: prompts of 256 tokens, responses of 32 to 1,024 (uniform), random ids."""
+    from marl_pipeline.training.batches import TrainBatch
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(RL_RESPONSES[0], RL_RESPONSES[1] + 1, size=RL_ROWS)
+    prompts = [rng.integers(1, 300, size=RL_PROMPT).tolist() for _ in range(RL_ROWS)]
+    responses = [rng.integers(1, 300, size=int(n)).tolist() for n in lengths]
+    return TrainBatch(prompts, responses, [[-5.0] * len(r) for r in responses], rng.normal(size=RL_ROWS).tolist())
+
+
+def _bound_step(model_dir: Path, batch, checkpointing: bool):
+    """The packed bound's model and step: every row's tokens one stream, cut into full rows of ``BOUND_ROW`` tokens
+    (the rest a shorter row of its own), SDPA's causal attention over each, today's chunked head on the response
+    positions, a clipped fused AdamW step; in passes of as many rows as training/memory.py fits in the free memory, as
+    the trainer sizes its own."""
+    from transformers import AutoModelForCausalLM
+
+    from marl_pipeline.training import memory
+    from marl_pipeline.training.losses import scored_token_terms
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids, scored, weight = [], [], []
+    for prompt, response, advantage in zip(batch.prompt_ids, batch.response_ids, batch.advantages):
+        ids += prompt + response
+        scored += [0] * (len(prompt) - 1) + [1] * len(response) + [0]  # position t predicts token t + 1
+        weight += [advantage] * (len(prompt) + len(response))
+    free, _ = torch.cuda.mem_get_info()
+    parameters = sum(p.numel() for p in model.parameters())
+    budget = memory.token_budget(memory.architecture(model), parameters=parameters, trainable=parameters,
+                                 available=0.9 * (free + torch.cuda.memory_allocated()),
+                                 activation_checkpointing=checkpointing)
+    rows_per_pass = max(1, budget // BOUND_ROW)
+    full = len(ids) // BOUND_ROW * BOUND_ROW
+    parts = []
+    bounds = [(low, min(low + rows_per_pass * BOUND_ROW, full), BOUND_ROW)
+              for low in range(0, full, rows_per_pass * BOUND_ROW)] + [(full, len(ids), len(ids) - full)]
+    for low, high, width in bounds:
+        if high > low:
+            tensors = (torch.tensor(values[low:high]).view(-1, width) for values in (ids, scored, weight))
+            row_ids, row_scored, row_weight = (t.cuda() for t in tensors)
+            parts.append((row_ids, row_scored[:, :-1].bool(), row_weight[:, :-1].float()))
+    model.bound_passes = len(parts)
+
+    def step() -> None:
+        for row_ids, positions, advantages in parts:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                terms = scored_token_terms(model, row_ids, None, positions)
+            (-(terms.scattered("logprobs", positions) * advantages).sum()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return model, step
+
+
+def _rl_variant(model_dir: Path, variant: str, checkpointing: bool, batch):
+    """(the step, the trainer or model it holds) of one variant."""
+    if variant == "bound":
+        model, step = _bound_step(model_dir, batch, checkpointing)
+        return step, model
+    settings = {"default": {}, "unfused": {"fused_head": False},
+                "padded2048": {"fused_head": False, "chunk_tokens": 2048}}[variant]
+    trainer = PolicyTrainer(str(model_dir), 0, lr=1e-5, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, seed=0,
+                            dtype="bfloat16", device="cuda", activation_checkpointing=checkpointing, **settings)
+    if variant == "padded2048":  # padded passes call the packed trainer's attention without lengths: SDPA's
+        trainer.padded_why = "padded: the old default, for the comparison"
+    results = []
+
+    def step() -> None:
+        trainer.accumulate(batch)
+        results[:] = [trainer.apply_step()]
+
+    trainer.last_result = results
+    return step, trainer
+
+
+def rl_main(args) -> None:
+    from marl_pipeline.training.flops import peak_flops, training_flops
+
+    batch = rl_batch()
+    tokens = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+    peak = peak_flops(torch.device("cuda"), torch.bfloat16)
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": tokens,
+               "response_tokens": sum(map(len, batch.response_ids)), "peak_tflops": peak / 1e12, "runs": []}
+    print(json.dumps({key: value for key, value in results.items() if key != "runs"}), flush=True)
+    with tempfile.TemporaryDirectory() as root:
+        for name in args.models:
+            model_dir = build_model_dir(Path(root) / name, name)
+            config = json.loads((model_dir / "architecture.json").read_text())
+            for checkpointing in args.checkpointing:
+                for variant in args.variants:
+                    run = {"model": name, "checkpointing": bool(checkpointing), "variant": variant}
+                    step = holder = model = None
+                    try:
+                        step, holder = _rl_variant(model_dir, variant, bool(checkpointing), batch)
+                        model = holder if variant == "bound" else holder.model
+                        parameters = sum(p.numel() for p in model.parameters())
+                        torch.cuda.reset_peak_memory_stats()
+                        seconds = _timed(step, args.repeats)
+                        run.update(seconds=seconds, tokens_per_s=tokens / seconds, parameters=parameters,
+                                   mfu=training_flops(parameters, tokens) / seconds / peak,
+                                   peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+                        if variant != "bound":
+                            result = holder.last_result[0]
+                            settings = holder.pass_settings()
+                            largest = max(sum(len(batch.prompt_ids[r]) + len(batch.response_ids[r]) for r in chunk)
+                                          for chunk in holder._chunks([len(p) + len(r) for p, r in
+                                                                       zip(batch.prompt_ids, batch.response_ids)]))
+                            estimate = trainer_peak_bytes(config, parameters=parameters, trainable=parameters,
+                                                          tokens=largest, activation_checkpointing=bool(checkpointing),
+                                                          fused_head=holder.fused_head)
+                            run.update(trainer_mfu=result.mfu, trainer_tokens_per_s=result.tokens_per_second,
+                                       chunk_tokens=settings["chunk_tokens"], budget_why=settings["budget_why"],
+                                       passes=settings["passes"], head=settings["head"], largest_pass=largest,
+                                       estimate_gib=estimate / 2**30)
+                        else:
+                            run["passes"] = holder.bound_passes
+                    except Exception as error:  # the other variants still run; the error is the figure
+                        run["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                        run["traceback"] = traceback.format_exc().splitlines()[-12:]
+                    step = holder = model = None
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    bound = next((r for r in results["runs"] if r["model"] == name and r["variant"] == "bound"
+                                  and r["checkpointing"] == run["checkpointing"] and "seconds" in r), None)
+                    if bound and "seconds" in run:
+                        run["of_bound"] = bound["seconds"] / run["seconds"]
+                    print(json.dumps(run), flush=True)
+                    results["runs"].append(run)
+                    if args.out:
+                        args.out.write_text(json.dumps(results, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rl", action="store_true", help="the RL-shaped micro-batch against the packed bound")
+    parser.add_argument("--variants", nargs="+", default=["bound", "default", "unfused", "padded2048"])
+    parser.add_argument("--checkpointing", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "llama-1b"])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=5)
@@ -154,6 +311,8 @@ def main() -> None:
     parser.add_argument("--trace-dir", type=Path, default=Path("."))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.rl:
+        return rl_main(args)
     gib = 2**30
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": []}
     with tempfile.TemporaryDirectory() as root:

@@ -16,6 +16,7 @@ of the unfused head (one forward, one recomputed, two backward).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -92,5 +93,24 @@ def _gradient(logits, targets, normaliser, entropy, grad_logprobs, grad_entropy)
 def _kernels(device_type: str):
     """The two elementwise functions, compiled on CUDA (one kernel each; Triton ships with torch there)."""
     if device_type == "cuda":
-        return torch.compile(_terms, dynamic=True), torch.compile(_gradient, dynamic=True)
+        return _compiled(_terms), _compiled(_gradient)
     return _terms, _gradient
+
+
+def _compiled(function):
+    """``function`` compiled at its first call, or as it is where compiling fails (warned, naming why): the same
+    arithmetic, more memory traffic."""
+    state = {"call": torch.compile(function, dynamic=True)}
+
+    def call(*args):
+        try:
+            return state["call"](*args)
+        except Exception as error:  # a machine without a C compiler for Triton's launcher, say
+            if state["call"] is function:
+                raise
+            warnings.warn(f"the fused head runs uncompiled: torch.compile failed ({type(error).__name__}: {error})",
+                          stacklevel=2)
+            state["call"] = function
+            return function(*args)
+
+    return call

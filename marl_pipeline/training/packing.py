@@ -176,9 +176,17 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
 def _varlen(q, k, v, cumulative, longest: int, scaling):
     from torch.nn.attention.varlen import varlen_attn
 
-    # torch 2.11 takes grouped key/value heads as they are; later versions ask for them by name
-    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] and "enable_gqa" in _varlen_parameters() else {}
-    return varlen_attn(q, k, v, cumulative, cumulative, longest, longest, scale=scaling, window_size=(-1, 0), **gqa)
+    # The signature moves between torch versions: causal by a window (2.11) or by name, grouped key/value heads as
+    # they are (2.11) or asked for by name, the scale given or the default 1 / sqrt(head_dim)
+    parameters = _varlen_parameters()
+    options = {"is_causal": True} if "is_causal" in parameters else {"window_size": (-1, 0)}
+    if q.shape[1] != k.shape[1] and "enable_gqa" in parameters:
+        options["enable_gqa"] = True
+    if "scale" in parameters:
+        options["scale"] = scaling
+    elif scaling is not None and abs(scaling - q.shape[-1] ** -0.5) > 1e-6:
+        raise ValueError(f"torch {torch.__version__}'s varlen attention takes no scale, the model's is {scaling}")
+    return varlen_attn(q, k, v, cumulative, cumulative, longest, longest, **options)
 
 
 @functools.cache

@@ -21,24 +21,30 @@ ARCHITECTURES = {
     "llama-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
                      max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    # Qwen2.5-3B's config.json: biases on the query, key and value projections, 2 key/value heads of 16.
+    "qwen2.5-3b": dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                       num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False),
 }
+TESTED = ("smollm2-135m", "llama-1b")
+"""The architectures the suite builds (bench/gpu_trainer.py builds any of them)."""
 
 
 def build_model_dir(directory: Path, name: str) -> Path:
     """A Hugging Face directory of ``name``'s architecture with random weights (seed 0) and a small tokenizer."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from marl_pipeline.bootstrap.tiny_model import EOS_TOKEN, train_tokenizer
 
     if (directory / "config.json").is_file():
         return directory
     torch.manual_seed(0)
-    settings = {key: value for key, value in ARCHITECTURES[name].items() if key != "model_type"}
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**settings, torch_dtype="float32"))
+    settings = dict(ARCHITECTURES[name])
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(settings.pop("model_type"), **settings))
     tokenizer = train_tokenizer([f"{a} + {b} = {a + b}" for a in range(60) for b in range(60)])
     eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     model.config.eos_token_id = model.config.pad_token_id = eos
-    model.save_pretrained(directory)
+    model.to(torch.bfloat16).save_pretrained(directory)  # half the bytes to write and read; trainers load float32
     tokenizer.save_pretrained(directory)
     (directory / "architecture.json").write_text(json.dumps(ARCHITECTURES[name]))
     return directory
@@ -47,4 +53,4 @@ def build_model_dir(directory: Path, name: str) -> Path:
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gpu-models")
-    return {name: build_model_dir(root / name, name) for name in ARCHITECTURES}
+    return {name: build_model_dir(root / name, name) for name in TESTED}

@@ -29,8 +29,70 @@ def _batch(seed: int = 0, rows: int = ROWS, prompt: int = PROMPT, response: int 
 
 
 def _trainer(model_dir, device: str, dtype: str, **options) -> PolicyTrainer:
+    options = {"chunk_tokens": 1 << 20, **options}
     return PolicyTrainer(str(model_dir), 0, lr=1e-5, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, seed=0,
-                         dtype=dtype, device=device, chunk_tokens=1 << 20, **options)
+                         dtype=dtype, device=device, **options)
+
+
+def _uneven_batch(seed: int = 0, rows: int = 8) -> TrainBatch:
+    """Rows of 40 to 400 tokens: a padded pass of them computes mostly padding, a packed one none."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(1, 300, size=int(n)).tolist() for n in rng.integers(8, 100, size=rows)]
+    responses = [rng.integers(1, 300, size=int(n)).tolist() for n in rng.integers(32, 300, size=rows)]
+    return TrainBatch(prompts, responses, [[-5.0] * len(r) for r in responses], rng.normal(size=rows).tolist())
+
+
+def test_packed_passes_and_the_fused_head_on_cuda_match_the_padded_unfused_pass(model_dirs) -> None:
+    """bf16 on the GPU: varlen attention over packed rows (and the compiled fused head) against SDPA over the same rows
+    padded with the unfused head: each response token's log-probability within 0.01 nats on average, the gradient's
+    cosine at least 0.99. (tests/test_packing.py holds the packing itself to the padded passes exactly, in float64.)"""
+    from marl_pipeline.training import packing
+
+    batch = _uneven_batch()
+    trainers = {"padded": _trainer(model_dirs["llama-1b"], "cuda", "bfloat16", fused_head=False),
+                "packed": _trainer(model_dirs["llama-1b"], "cuda", "bfloat16", fused_head=False),
+                "packed+fused": _trainer(model_dirs["llama-1b"], "cuda", "bfloat16")}
+    trainers["padded"].padded_why = "padded: the reference of this test"
+    assert trainers["packed+fused"].pass_settings()["passes"] == "packed" and trainers["packed+fused"].fused_head
+    logprobs, grads = {}, {}
+    for name, trainer in trainers.items():
+        built = trainer._pass(batch.prompt_ids, batch.response_ids).to(trainer.device)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            logprobs[name] = trainer._terms(built.input_ids, built.attention_mask, built.mask.bool(),
+                                            packing=built.packing).logprobs.float().cpu()
+        trainer.accumulate(batch)
+        grads[name] = torch.cat([param.grad.float().flatten() for param in trainer.model.parameters()])
+        result = trainer.apply_step()
+        assert result.passes == ("padded" if name == "padded" else "packed") and 0 < result.mfu < 1
+        for param in trainer.model.parameters():
+            param.grad = None
+    for name in ("packed", "packed+fused"):
+        assert len(logprobs[name]) == sum(map(len, batch.response_ids))
+        assert (logprobs[name] - logprobs["padded"]).abs().mean() < 0.01, name
+        assert torch.nn.functional.cosine_similarity(grads[name], grads["padded"], dim=0) > 0.99, name
+    assert packing.choose(trainers["padded"].model, torch.device("cuda"), torch.float32).startswith("padded: varlen")
+
+
+def test_an_unset_budget_is_sized_to_the_gpu_and_the_step_reports_its_mfu(model_dirs) -> None:
+    """With ``chunk_tokens`` unset the trainer sizes its passes from the free memory and training/memory.py: far
+    above the CPU's 2,048 on a data-center GPU, an estimated peak within the memory it saw, and each step's figures
+    carry its tokens/s and MFU."""
+    trainer = _trainer(model_dirs["llama-1b"], "cuda", "bfloat16", chunk_tokens=None, activation_checkpointing=True)
+    batch = _uneven_batch(rows=16)
+    trainer.accumulate(batch)
+    result = trainer.apply_step()
+    settings = trainer.pass_settings()
+    print(json.dumps({"gpu": torch.cuda.get_device_name(), **settings, "mfu": result.mfu,
+                      "tokens_per_second": result.tokens_per_second, "peak_tflops": result.peak_tflops}))
+    assert settings["chunk_tokens"] > 16384 and settings["budget_why"].startswith("sized to")
+    assert result.chunk_tokens == settings["chunk_tokens"] and result.passes == "packed"
+    parameters = sum(param.numel() for param in trainer.model.parameters())
+    estimate = trainer_peak_bytes(json.loads((model_dirs["llama-1b"] / "architecture.json").read_text()),
+                                  parameters=parameters, trainable=parameters, tokens=settings["chunk_tokens"],
+                                  fused_head=True)
+    assert estimate <= torch.cuda.get_device_properties(0).total_memory
+    assert result.computed_tokens == sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+    assert 0 < result.mfu < 1 and result.tokens_per_second > 0 and result.peak_tflops > 50
 
 
 def test_a_bf16_step_on_cuda_matches_the_cpu_float32_step(model_dirs) -> None:
@@ -155,7 +217,8 @@ def test_peak_memory_against_the_estimate(model_dirs, name: str) -> None:
             trainer.apply_step()
         peak = torch.cuda.max_memory_allocated()
         estimate = trainer_peak_bytes(json.loads((model_dirs[name] / "architecture.json").read_text()),
-                                      parameters=parameters, trainable=parameters, tokens=tokens)
+                                      parameters=parameters, trainable=parameters, tokens=tokens,
+                                      fused_head=trainer.fused_head)
         figure = {"gpu": torch.cuda.get_device_name(), "tokens": tokens, "peak_gib": peak / 2**30,
                   "estimate_gib": estimate / 2**30}
         print(json.dumps({name: figure}))  # BENCHMARKS.md takes its figures from here (pytest -s)
