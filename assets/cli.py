@@ -223,8 +223,9 @@ HEALTH_HEADERS = {"zero_variance_groups": "zero-var groups", "distinct_responses
 
 
 def _print_health_table(store, run: str, step: int | None, agent: str | None) -> None:
-    """Each agent's training-health signals per step (the ``health`` dataset): the newest steps, or ``step``."""
-    from marl_pipeline.stages.health import HEALTH_SIGNALS
+    """Each agent's training-health signals per step (the ``health`` dataset): the newest steps, or ``step``. The
+    trainer's throughput (``PERF_SIGNALS``) is left out: the table is wide already."""
+    from marl_pipeline.stages.health import HEALTH_SIGNALS, PERF_SIGNALS
     from marl_pipeline.store import MicroBatchKey
 
     steps = sorted({key.step for key in store.committed_keys(run, "health")})
@@ -237,11 +238,11 @@ def _print_health_table(store, run: str, step: int | None, agent: str | None) ->
                                                                     if step is None else ""))
     table.add_column("step", justify="right")
     table.add_column("agent")
-    for name in HEALTH_SIGNALS:
+    shown = [name for name in HEALTH_SIGNALS if name not in PERF_SIGNALS]
+    for name in shown:
         table.add_column(HEALTH_HEADERS[name], justify="right")
     for s, row in rows:
-        table.add_row(str(s), row["agent"], *("-" if row[name] is None else f"{row[name]:.3g}"
-                                              for name in HEALTH_SIGNALS))
+        table.add_row(str(s), row["agent"], *("-" if row[name] is None else f"{row[name]:.3g}" for name in shown))
     console.print(table)
 
 

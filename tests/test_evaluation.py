@@ -275,8 +275,13 @@ def test_step_metrics_reach_tensorboard_and_mlflow(evaluated) -> None:
             stored = ExperienceStore(config.store).read("health", MicroBatchKey(config.run, event.step, 0))
             assert {row["agent"]: {name: row[name] for name in event.health[row["agent"]]}
                     for row in stored.to_pylist()} == event.health
-            expected |= {(f"{agent}/{name}", event.step): value for agent, signals in event.health.items()
-                         for name, value in signals.items() if value is not None}
+            # The trainer's throughput under perf/<agent>/ (as verl's perf/mfu/actor), the health signals beside it.
+            assert all(signals["trainer_tokens_per_s"] > 0 and 0 < signals["mfu"] < 1
+                       for signals in event.health.values())
+            perf = {"trainer_tokens_per_s": "perf/{}/tokens_per_s", "mfu": "perf/{}/mfu"}
+            expected |= {(perf.get(name, "{}/" + name).format(agent), event.step): value
+                         for agent, signals in event.health.items() for name, value in signals.items()
+                         if value is not None}
             expected |= {(f"{agent}/reward", event.step): value for agent, value in event.mean_reward.items()}
             expected[("time/step_seconds", event.step)] = event.seconds
         elif isinstance(event, EvaluationCommitted):
@@ -292,6 +297,7 @@ def test_step_metrics_reach_tensorboard_and_mlflow(evaluated) -> None:
             share = pc.sum(flat).as_py() / len(mine)
             assert expected[(f"{agent}/zero_variance_groups", step)] == pytest.approx(share, rel=1e-6)
     assert sorted(step for name, step in expected if name == "solver/reward") == [0, 1, 2]
+    assert sorted(step for name, step in expected if name == "perf/verifier/mfu") == [0, 1, 2]
     assert sorted(step for name, step in expected if name == "verifier/eval/balanced_accuracy") == [0, 2, 3]
     history = {}
     for (name, step), value in expected.items():

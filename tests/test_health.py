@@ -3,13 +3,21 @@ from the stored signals of the last steps, as the run's warnings and the ``healt
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from marl_pipeline.config import HealthConfig
-from marl_pipeline.stages.health import collapse_warnings, health_table, recent_health, started_warnings
+from marl_pipeline.stages.health import (
+    PERF_SIGNALS,
+    collapse_warnings,
+    health_table,
+    recent_health,
+    started_warnings,
+)
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 
 
@@ -32,7 +40,8 @@ def test_signals_by_hand() -> None:
     rewards += [{"agent": "verifier", "group_id": "g1", "reward": r} for r in (0.5, 0.5)]
     updates = [{"agent": "solver", "tokens": 4, "loss_sum": 2.0, "clip_fraction": 0.5, "mismatch_abs_logprob": 0.1},
                {"agent": "solver", "tokens": 2, "loss_sum": 1.0, "clip_fraction": 0.0, "mismatch_abs_logprob": 0.4}]
-    table = health_table(rollouts, rewards, updates, {"solver": 3, "verifier": 3}, {"solver": 2.5})
+    trained = {"solver": {"grad_norm": 2.5, "trainer_tokens_per_s": 1200.0, "mfu": 0.25}}
+    table = health_table(rollouts, rewards, updates, {"solver": 3, "verifier": 3}, trained)
     solver, verifier = table.to_pylist()
     assert solver["agent"] == "solver" and solver["policy_version"] == 3 and solver["groups"] == 2
     assert solver["zero_variance_groups"] == 0.5  # g2's rewards are all 1
@@ -44,12 +53,13 @@ def test_signals_by_hand() -> None:
     assert solver["loss_per_token"] == pytest.approx(3 / 6)
     assert solver["clip_fraction"] == pytest.approx((0.5 * 4) / 6)
     assert solver["mismatch_abs_logprob"] == pytest.approx((0.1 * 4 + 0.4 * 2) / 6)
-    assert solver["grad_norm"] == 2.5
+    assert solver["grad_norm"] == 2.5 and solver["trainer_tokens_per_s"] == 1200.0 and solver["mfu"] == 0.25
     # The verifier collapsed on "yes": one answer per prompt, no reward variance; it did not train this step.
     assert verifier["top_response_share"] == 1.0 and verifier["distinct_responses"] == 0.5
     assert verifier["top_answer_share"] == 1.0 and solver["top_answer_share"] == pytest.approx(2 / 5)
     assert verifier["zero_variance_groups"] == 1.0
-    assert verifier["loss_per_token"] is None and verifier["clip_fraction"] is None and verifier["grad_norm"] is None
+    assert verifier["loss_per_token"] is None and verifier["clip_fraction"] is None
+    assert verifier["grad_norm"] is None and verifier["trainer_tokens_per_s"] is None and verifier["mfu"] is None
 
 
 def test_a_collapsed_turn_shows_beside_an_agents_varied_one() -> None:
@@ -153,3 +163,40 @@ def test_a_streak_is_logged_as_it_starts_not_at_each_of_its_steps() -> None:
     assert started_warnings(step_5, step_5) == []
     assert started_warnings(step_5, step_4) == []  # the solver's ended
     assert started_warnings([], step_4) == step_4  # and the verifier's, once over, is said again when it recurs
+
+
+def _as_version_7(store: ExperienceStore, key: MicroBatchKey) -> None:
+    """Rewrite a committed local health partition as schema 7 wrote it: no trainer throughput columns."""
+    partition = Path(store.partition_path("health", key))
+    for name in store.manifest("health", key).files.values():
+        table = pq.ParquetFile(partition / name).read().drop_columns(list(PERF_SIGNALS))  # raises if absent
+        pq.write_table(table.replace_schema_metadata({b"marl_pipeline.schema_version": b"7"}), partition / name)
+    record = json.loads((partition / "_manifest.json").read_text())
+    (partition / "_manifest.json").write_text(json.dumps({**record, "schema_version": 7}))
+
+
+def test_health_stored_before_the_trainer_throughput_reads_with_it_null(tmp_path: Path, capsys) -> None:
+    """A run stored before schema 8 keeps its health readable: collapse is read from it, ``marl inspect`` shows it,
+    and the new columns come back null. The inspect table leaves the throughput out (it is wide already)."""
+    from assets.cli import _print_health_table, console
+
+    store = _stored(tmp_path, "old", [_step(s, share) for s, share in enumerate([0.95, 0.95, 1.0])])
+    trained = {"solver": {"grad_norm": 1.5, "trainer_tokens_per_s": 900.0, "mfu": 0.125}}
+    new = health_table([], [], [], {"solver": 4}, trained)
+    store.commit("health", MicroBatchKey("old", 3, 0), new)
+    for step in range(3):
+        _as_version_7(store, MicroBatchKey("old", step, 0))
+    rows = recent_health(store, "old", 3, 4)
+    assert [row["mfu"] for row in rows if row["agent"] == "solver"] == [None, None, None, 0.125]
+    assert {row["trainer_tokens_per_s"] for row in rows if row["step"] < 3} == {None}
+    (warning,) = collapse_warnings(recent_health(store, "old", 2, 3), HealthConfig())
+    assert warning.startswith("verifier may be collapsing")
+    width = console.width
+    console.width = 200
+    try:
+        _print_health_table(store, "old", None, None)
+    finally:
+        console.width = width
+    shown = capsys.readouterr().out
+    assert "training health per step" in shown and "grad norm" in shown
+    assert "mfu" not in shown and "tokens" not in shown and "900" not in shown

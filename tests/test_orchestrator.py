@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from marl_pipeline.cluster import warm_actors
 from marl_pipeline.config import HealthConfig, parse_config
-from marl_pipeline.run.events import PolicyCommitted, RunFinished, StepFinished
+from marl_pipeline.run.events import PolicyCommitted, RunFinished, StepFinished, TrainerPasses
 from marl_pipeline.run.recipe import train
 from marl_pipeline.stages.health import collapse_warnings, recent_health
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
@@ -79,11 +79,22 @@ def test_streaming_s0_ends_with_the_synchronous_parameters(local_ray, demo_confi
         # the publisher's time on the version, which goes on to the checkpoint's save and commit after it.
         committed = [e for e in events if isinstance(e, PolicyCommitted)]
         assert len(committed) == 6 and all(0 < e.sync_seconds < e.timing.ended - e.timing.started for e in committed)
+        assert all(e.computed_tokens > e.tokens and e.tokens_per_second > 0 and 0 < e.mfu < 1 for e in committed)
         kept = [e for e in committed if e.version in results[mode].policy_versions("demo", e.agent)]  # retention
         for event in kept:
             record = json.loads(results[mode].checkpoints.read_file("demo", event.agent, event.version, "timing.json"))
             assert record["sync_seconds"] == pytest.approx(event.sync_seconds)
+            assert record["mfu"] == event.mfu and record["tokens_per_second"] == event.tokens_per_second
+            assert record["passes"] == "padded" and record["chunk_tokens"] > 0 and record["peak_tflops"] > 0
         assert kept
+        # Each trainer's passes told once, with its first step; its figures in every step's health.
+        told = [e for e in events if isinstance(e, TrainerPasses)]
+        assert sorted((e.agent, e.step) for e in told) == [("solver", 0), ("verifier", 0)]
+        assert all(e.settings["chunk_tokens"] > 0 and e.settings["padded_why"] for e in told)
+        assert all(e.describe().startswith(f"{e.agent}'s trainer: padded passes of ") for e in told), told
+        steps = [e for e in events if isinstance(e, StepFinished)]
+        assert all(signals["trainer_tokens_per_s"] > 0 and 0 < signals["mfu"] < 1
+                   for e in steps for signals in e.health.values())
     for agent in ("solver", "verifier"):
         synchronous = _weights(results["synchronous"], "demo", agent, 3)
         streaming = _weights(results["streaming"], "demo", agent, 3)

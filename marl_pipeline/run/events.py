@@ -69,6 +69,31 @@ class PolicyCommitted:
     sync_seconds: float = 0.0
     """From the optimizer step's end to every engine replica serving the version: what holds the next rollout at
     staleness 0 (the checkpoint is saved and committed after it, while rollout goes on)."""
+    computed_tokens: int = 0
+    """Real tokens (prompts and responses, no padding) the step's passes computed."""
+    tokens_per_second: float = 0.0
+    """The trainer's ``computed_tokens`` over its own seconds in the step's passes and optimizer step."""
+    mfu: float = 0.0
+    """The trainer's model FLOPs utilization in the step, a fraction (training/flops.py)."""
+
+
+@dataclass(frozen=True)
+class TrainerPasses:
+    """How one agent's trainer runs its passes, told once a launch, with its first step (the token budget is sized at
+    the first pass): ``PolicyTrainer.pass_settings()``."""
+
+    agent: str
+    step: int
+    settings: dict
+
+    def describe(self) -> str:
+        """One line for the run's log: passes, budget and why, device and precision."""
+        settings = self.settings
+        budget = (f" of {settings['chunk_tokens']:,} tokens ({settings['budget_why']})"
+                  if settings.get("chunk_tokens") else " (no pass ran to size their budget)")
+        why = f" ({settings['padded_why']})" if settings.get("padded_why") else ""
+        return (f"{self.agent}'s trainer: {settings['passes']} passes{budget} on {settings['device']}, "
+                f"{settings['dtype']}{why}")
 
 
 @dataclass(frozen=True)
@@ -153,7 +178,7 @@ class ThreadsChanged:
     """The cores each engine and trainer kept busy since the previous step's end, on average."""
 
 
-Event = StageCommitted | PolicyCommitted | StepFinished | EvaluationCommitted | ReplicaChanged
+Event = StageCommitted | PolicyCommitted | TrainerPasses | StepFinished | EvaluationCommitted | ReplicaChanged
 """What the orchestrator yields."""
 
 LaunchEvent = SetupPhase | RunStarted | Event | ThreadsChanged | RunFinished

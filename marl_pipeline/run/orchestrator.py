@@ -45,12 +45,13 @@ from marl_pipeline.run.events import (
     StageCommitted,
     StageTiming,
     StepFinished,
+    TrainerPasses,
 )
 from marl_pipeline.run.launches import LaunchPlan
 from marl_pipeline.run.queues import StepBarrier, get_until_stopped, put_until_stopped
 from marl_pipeline.stages.evaluation import EvaluationSettings, is_evaluated
 from marl_pipeline.stages.execution import execute_micro_batch
-from marl_pipeline.stages.health import commit_step_health, signals_by_agent, stored_collapse
+from marl_pipeline.stages.health import commit_step_health, signals_by_agent, stored_collapse, trainer_signals
 from marl_pipeline.stages.reward import ModelReward, score_micro_batch
 from marl_pipeline.stages.training import train_micro_batch
 from marl_pipeline.stages.trajectories import sample_micro_batch, token_demand
@@ -82,6 +83,8 @@ class PendingStep:
     saved: ray.ObjectRef | None
     """-> the ``PolicyUpload`` of the new version: saved and uploaded by the trainer (None: not due a checkpoint)."""
     enqueued: float
+    settings: ray.ObjectRef | None = None
+    """-> the trainer's ``pass_settings()`` after the agent's first step of the launch (None: told already)."""
 
 
 _DONE = object()
@@ -121,7 +124,8 @@ class Orchestrator:
         self._ready_at: dict[tuple[str, MicroBatchKey], float] = {}
         self._step_started: dict[int, float] = {}
         self._last_step_end: float | None = None  # when the previous StepFinished was put (None: none yet)
-        self._grad_norms: dict[int, dict[str, float]] = defaultdict(dict)  # per step, of the agents stepped here
+        # Per step, per agent stepped here: its trainer's figures of the optimizer step (health's TRAINER_SIGNALS).
+        self._trained: dict[int, dict[str, dict[str, float]]] = defaultdict(dict)
         self.turns = Turns(config, workers.engines, workers.trainers)  # agents whose engine and trainer share GPUs
         for agent, replicas in workers.engines.items():  # a replica's death and restart, to the caller's log
             replicas.listener = partial(self._replica_changed, agent)
@@ -231,6 +235,7 @@ class Orchestrator:
         trainers = self.workers.trainers
         version = dict(self.plan.versions)  # per agent: the version its trainer holds once the issued calls run
         arrived: set[MicroBatchKey] = set()  # keys may arrive out of order when a stage has several workers
+        told: set[str] = set()  # agents whose trainer's pass settings were asked for
         try:
             for step in self.steps():
                 learners = [agent for agent in trainers if version[agent] == step]
@@ -253,11 +258,14 @@ class Orchestrator:
                 for agent in learners:
                     trainer = trainers[agent]
                     applied = trainer.apply_step.remote()  # issued in actor order: the next step's calls queue behind
+                    # Asked now, while a swapped agent's state is loaded: its first pass has sized the budget.
+                    settings = trainer.pass_settings.remote() if agent not in told else None
+                    told.add(agent)
                     weights = (trainer.stage_weights if self._broadcast else trainer.named_weights).remote()
                     saved = (trainer.save_version.remote(step + 1)
                              if self.config.pipeline.checkpoint_due(step, self.plan.last_step) else None)
                     self.turns.to_engine(agent)
-                    publish[agent].put(PendingStep(step, applied, weights, saved, time.time()))
+                    publish[agent].put(PendingStep(step, applied, weights, saved, time.time(), settings))
                     version[agent] = step + 1
         finally:
             for box in publish.values():
@@ -275,6 +283,8 @@ class Orchestrator:
             # One replica at a time (the others keep serving); the trainer saves the version meanwhile.
             replicas.sync_from(self.workers.trainers[agent], pending.weights, result.policy_version, self._broadcast)
             synced = time.time()
+            if pending.settings is not None:  # done before the weights the sync waited for
+                self._events.put(TrainerPasses(agent, pending.step, ray.get(pending.settings)))
             self._evaluate_if_due(agent, result.policy_version)  # before rollout can ask this engine for more
             # Rollout goes on once the engines serve the version; its checkpoint (if due) is committed meanwhile. A
             # launch killed before resumes from an older version, retraining from the committed partitions.
@@ -291,8 +301,9 @@ class Orchestrator:
                 # The newest version is kept (a resumed launch starts from it); evaluations use the engine's copy.
                 self.store.prune_policies(self.config.run, agent, self.config.store.retention)
                 self._events.put(PolicyCommitted(agent, result.policy_version, pending.step, path, result.grad_norm,
-                                                 result.tokens, timing, synced - applied))
-            self._grad_norms[pending.step][agent] = result.grad_norm
+                                                 result.tokens, timing, synced - applied, result.computed_tokens,
+                                                 result.tokens_per_second, result.mfu))
+            self._trained[pending.step][agent] = trainer_signals(result)
             with self._served_changed:  # committed, or stepped past without a checkpoint
                 self._committed[agent] = result.policy_version
                 everyone_past = min(self._committed.values()) > pending.step
@@ -305,7 +316,7 @@ class Orchestrator:
             since = now - (self._last_step_end if self._last_step_end is not None else first_rollout)
             self._last_step_end = now
         versions = {agent: step + 1 for agent in self.config.agents}  # step s makes version s + 1
-        health = commit_step_health(self.recent, self.config.run, step, versions, self._grad_norms.pop(step, {}),
+        health = commit_step_health(self.recent, self.config.run, step, versions, self._trained.pop(step, {}),
                                     self.micro_batches)
         self.recent.flush()  # the collapse check reads the store's health partitions
         return StepFinished(step, self.step_rewards(step), since, now - first_rollout, signals_by_agent(health),

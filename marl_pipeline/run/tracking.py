@@ -1,10 +1,11 @@
 """Step metrics sent where ML engineers follow training (``tracking`` in the experiment file): TensorBoard event
 files and MLflow. The Dagster UI stays the primary view; this is a copy of the figures as the launch makes them.
 
-Per step (the run's global step, so the launches of a run continue one curve), per agent: its mean reward and its
-training-health signals (stages/health.py); for the team, the mean reward and the step's time (between step ends)
-and span (first rollout to commit). Held-out evaluations go in at the evaluated version's step. One MLflow run per
-run (tagged ``marl.run``), taken up again by its later launches.
+Per step (the run's global step, so the launches of a run continue one curve), per agent: its mean reward, its
+training-health signals (stages/health.py) and its trainer's throughput (``perf/<agent>/tokens_per_s``, real tokens a
+second, and ``perf/<agent>/mfu``, a fraction, as verl's ``perf/mfu/actor``); for the team, the mean reward and the
+step's time (between step ends) and span (first rollout to commit). Held-out evaluations go in at the evaluated
+version's step. One MLflow run per run (tagged ``marl.run``), taken up again by its later launches.
 """
 
 from __future__ import annotations
@@ -15,8 +16,14 @@ from pathlib import Path
 
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.run.events import EvaluationCommitted, StepFinished, mean_reward
+from marl_pipeline.stages.health import PERF_SIGNALS
 
 RUN_TAG = "marl.run"
+
+
+def signal_metric(agent: str, signal: str) -> str:
+    """The tracked name of one of an agent's step signals: its trainer's throughput under ``perf/<agent>/``."""
+    return f"perf/{agent}/{signal.removeprefix('trainer_')}" if signal in PERF_SIGNALS else f"{agent}/{signal}"
 
 
 class MetricsExport:
@@ -34,7 +41,7 @@ class MetricsExport:
             self._write(event.version, {f"{agent}/eval/{name}": float(value) for agent, metrics in event.metrics.items()
                                         for name, value in metrics.items()})
         elif isinstance(event, StepFinished):
-            self._write(event.step, {**{f"{agent}/{name}": value for agent, signals in event.health.items()
+            self._write(event.step, {**{signal_metric(agent, name): value for agent, signals in event.health.items()
                                         for name, value in signals.items() if value is not None},
                                      **{f"{agent}/reward": value for agent, value in event.mean_reward.items()},
                                      "team/mean_reward": mean_reward(event.mean_reward),

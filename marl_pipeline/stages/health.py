@@ -6,13 +6,15 @@ Per agent: the share of GRPO groups whose rewards are all equal (they carry no l
 turns, and the share of its most frequent response over the whole step, in the turn where it is highest), the mean
 -log p of the sampled tokens (an unbiased estimate of the policy's token entropy at temperature 1), response length
 and the share cut at the token limit, the update's loss per token, clip fraction and engine-vs-trainer mismatch
-(token-weighted over the step's micro-batches) and its gradient norm. :func:`collapse_warnings` reads collapse from
-them (``health.*`` settings).
+(token-weighted over the step's micro-batches) and its gradient norm; beside them, the trainer's throughput at the
+update (real tokens a second, and MFU: 6 x parameters x real tokens / seconds over the measured matmul peak,
+training/flops.py). :func:`collapse_warnings` reads collapse from them (``health.*`` settings).
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -21,40 +23,53 @@ from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.recent import RecentCommits
 from marl_pipeline.store.schema import HEALTH
 
+if TYPE_CHECKING:
+    from marl_pipeline.training.batches import StepResult
+
 ROLLOUT_COLUMNS = ["agent", "group_id", "turn", "response_text", "response_ids", "logprobs", "finish_reason"]
 REWARD_COLUMNS = ["agent", "group_id", "reward"]
 UPDATE_COLUMNS = ["agent", "tokens", "loss_sum", "clip_fraction", "mismatch_abs_logprob"]
 HEALTH_SIGNALS = [field.name for field in HEALTH if field.name not in ("policy_version", "groups")]
 """The signals proper (not the row's version and group count), as events, logs and plots show them."""
+TRAINER_SIGNALS = ("grad_norm", "trainer_tokens_per_s", "mfu")
+"""The signals the trainer reports with its optimizer step: known only to the launch that stepped (a step recomputed
+from the store has them null)."""
+PERF_SIGNALS = ("trainer_tokens_per_s", "mfu")
+"""Throughput rather than health: tracked under ``perf/``, left out of ``marl inspect``'s health table."""
+
+
+def trainer_signals(result: StepResult) -> dict[str, float]:
+    """An optimizer step's :data:`TRAINER_SIGNALS`, from the trainer's result."""
+    return {"grad_norm": result.grad_norm, "trainer_tokens_per_s": result.tokens_per_second, "mfu": result.mfu}
 
 
 def step_health(store: ExperienceStore | RecentCommits, run: str, step: int, versions: dict[str, int],
-                grad_norms: dict[str, float | None], micro_batches: int) -> pa.Table:
+                trainer: dict[str, dict[str, float]], micro_batches: int) -> pa.Table:
     """The health table of ``step`` (one row per agent of ``versions``: the version each agent's update made), from
-    its ``micro_batches`` partitions, read by key: a scan of the stage would open every committed partition's
-    manifest, a cost that grows with the run."""
+    its ``micro_batches`` partitions, read by key (a scan of the stage would open every committed partition's
+    manifest, a cost that grows with the run), and ``trainer``: per agent stepped here, its :func:`trainer_signals`."""
     keys = [MicroBatchKey(run, step, micro_batch) for micro_batch in range(micro_batches)]
 
     def rows(stage: str, columns: list[str]) -> list[dict]:
         return pa.concat_tables([store.read(stage, key, columns=columns) for key in keys]).to_pylist()
 
     return health_table(rows("rollouts", ROLLOUT_COLUMNS), rows("rewards", REWARD_COLUMNS),
-                        rows("policy_updates", UPDATE_COLUMNS), versions, grad_norms)
+                        rows("policy_updates", UPDATE_COLUMNS), versions, trainer)
 
 
 def commit_step_health(store: ExperienceStore | RecentCommits, run: str, step: int, versions: dict[str, int],
-                       grad_norms: dict[str, float | None], micro_batches: int) -> pa.Table:
+                       trainer: dict[str, dict[str, float]], micro_batches: int) -> pa.Table:
     """:func:`step_health`, committed as the ``health`` partition of the step (once: a committed one is read)."""
     key = MicroBatchKey(run, step, 0)
     if store.is_committed("health", key):
         return store.read("health", key)
-    table = step_health(store, run, step, versions, grad_norms, micro_batches)
+    table = step_health(store, run, step, versions, trainer, micro_batches)
     store.commit("health", key, table)
     return table
 
 
 def health_table(rollouts: list[dict], rewards: list[dict], updates: list[dict], versions: dict[str, int],
-                 grad_norms: dict[str, float | None]) -> pa.Table:
+                 trainer: dict[str, dict[str, float]]) -> pa.Table:
     """The signals from the step's rows (dicts of the stored columns); see the module's docstring."""
     rows = []
     for agent, version in versions.items():
@@ -85,7 +100,7 @@ def health_table(rollouts: list[dict], rewards: list[dict], updates: list[dict],
             "loss_per_token": loss / trained_tokens if trained_tokens else None,
             "clip_fraction": _token_mean(trained, "clip_fraction"),
             "mismatch_abs_logprob": _token_mean(trained, "mismatch_abs_logprob"),
-            "grad_norm": grad_norms.get(agent)})
+            **{name: trainer.get(agent, {}).get(name) for name in TRAINER_SIGNALS}})
     return pa.Table.from_pylist(rows, schema=pa.schema([pa.field("agent", pa.string()), *HEALTH]))
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 SCHEMA_CHANGES = {
     1: "first version",
     2: "environment_start/environment_end and reward_start/reward_end: timestamps of every stage",
@@ -29,9 +29,10 @@ SCHEMA_CHANGES = {
     5: "group_id on every turn: the GRPO group, stored instead of parsed out of sample_id (derived so for older files)",
     6: "rollouts.adapter: the named adapter of version 0 that served the turn (agents.<a>.turn_adapters); null: none",
     7: "policy_updates.compute_seconds, rollouts.engine_seconds: the actors' own time on the micro-batch (null: older)",
+    8: "health.trainer_tokens_per_s, health.mfu: the trainer's throughput and MFU at the step's update (null: older)",
 }
 # Versions whose files this code reads: each change so far only added columns, null or derived in older files.
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 SCHEMA_VERSION_KEY = b"marl_pipeline.schema_version"
 
 PARTITION_SCHEMA = pa.schema(
@@ -130,7 +131,8 @@ STAGE_TIMING = [pa.field(name, pa.timestamp("us", tz="UTC"))
 # policy-update rows made before the mismatch statistics (or dynamic sampling) existed have none.
 OPTIONAL_COLUMNS = frozenset([field.name for field in STAGE_TIMING]
                              + ["observation", "model_score", "mismatch_abs_logprob", "mismatch_ratio_std",
-                                "dropped_rows", "adapter", "grad_norm", "compute_seconds", "engine_seconds"])
+                                "dropped_rows", "adapter", "grad_norm", "compute_seconds", "engine_seconds",
+                                "trainer_tokens_per_s", "mfu"])
 # Columns a commit refuses null values in: a reader takes a null group_id for a row written before it existed.
 NON_NULL_COLUMNS = frozenset(["group_id"])
 
@@ -236,6 +238,9 @@ HEALTH = pa.schema(
         pa.field("clip_fraction", pa.float32()),  # token-weighted over the step's micro-batches
         pa.field("mismatch_abs_logprob", pa.float32()),  # token-weighted |trainer - engine| log-probability
         pa.field("grad_norm", pa.float32()),  # null: stepped by an earlier launch of the run
+        # The trainer's step: real tokens computed a second, and MFU as a fraction (training/flops.py); null as above
+        pa.field("trainer_tokens_per_s", pa.float32()),
+        pa.field("mfu", pa.float32()),
     ]
 )
 
