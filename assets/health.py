@@ -2,7 +2,8 @@
 
 Partitioned like ``evaluations`` (``<run>-<step>``): the train job records it as each step ends, and its numeric
 metadata per agent is what the UI plots across steps; materializing a partition from the UI recomputes a step's
-signals from the store (its gradient norms are known only to the launch that stepped, so they stay empty).
+signals from the store (its trainer's figures, gradient norms, tokens/s and MFU, are known only to the launch that
+stepped, so they stay empty).
 """
 
 import warnings
@@ -25,7 +26,8 @@ def health_metadata(health: dict[str, dict[str, float | None]]) -> dict[str, dg.
 def health(context: dg.AssetExecutionContext, experiment: ExperimentResource,
            store: ExperienceStoreResource) -> dg.MaterializeResult:
     """Per agent at the step: zero-variance GRPO groups, answer diversity, token entropy, response length and
-    truncation, loss, clip fraction, engine-vs-trainer mismatch, gradient norm; from the stored partitions."""
+    truncation, loss, clip fraction, engine-vs-trainer mismatch, gradient norm; from the stored partitions (with the
+    trainer's tokens/s and MFU when the train job records it)."""
     from marl_pipeline.stages.health import commit_step_health, signals_by_agent
 
     run, step = parse_version_key(context.partition_key)

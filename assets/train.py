@@ -52,6 +52,7 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
             StageCommitted,
             StepFinished,
             ThreadsChanged,
+            TrainerPasses,
             mean_reward,
         )
         from marl_pipeline.run.pipeline_metrics import TimelineRecorder
@@ -86,7 +87,12 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
                 asset_key="policies", partition=agent_key(config.run, event.agent),
                 metadata={"policy_version": event.version, "step": event.step,
                           "path": dg.MetadataValue.path(str(event.path)), "grad_norm": event.grad_norm,
-                          "tokens": event.tokens, "sync_seconds": event.sync_seconds}))
+                          "tokens": event.tokens, "sync_seconds": event.sync_seconds,
+                          "trainer_computed_tokens": event.computed_tokens,
+                          "trainer_tokens_per_s": round(event.tokens_per_second, 1),
+                          "mfu_percent": round(100 * event.mfu, 3)}))
+        elif isinstance(event, TrainerPasses):
+            context.log.info(f"{STEP_PREFIX}{event.step}: {event.describe()}")
         elif isinstance(event, EvaluationCommitted):
             _log_evaluation(context, config, event)
         elif isinstance(event, StepFinished):

@@ -104,9 +104,13 @@ def test_a_new_policy_version_per_step_and_agent(trained) -> None:
     instance, store = trained["instance"], trained["store"]
     for agent in ("solver", "verifier"):
         records = instance.fetch_materializations(dg.AssetKey("policies"), limit=100).records
-        versions = sorted(r.asset_materialization.metadata["policy_version"].value for r in records
-                          if r.asset_materialization.partition == agent_key("small", agent))
-        assert versions == [1, 2]
+        mine = [r.asset_materialization.metadata for r in records
+                if r.asset_materialization.partition == agent_key("small", agent)]
+        assert sorted(metadata["policy_version"].value for metadata in mine) == [1, 2]
+        # The trainer's throughput of the step that made the version: real tokens a second, MFU in percent.
+        for metadata in mine:
+            assert metadata["trainer_computed_tokens"].value >= metadata["tokens"].value > 0
+            assert metadata["trainer_tokens_per_s"].value > 0 and 0 < metadata["mfu_percent"].value < 100
         assert store.policy_versions("small", agent) == [0, 1, 2]
     assert _materialized_partitions(instance, "base_policies") == [None]
 
@@ -114,7 +118,7 @@ def test_a_new_policy_version_per_step_and_agent(trained) -> None:
 def test_each_step_records_every_agents_health_as_stored(trained) -> None:
     """The ``health`` materialization of each step holds what the store's ``health`` partition holds, which is what
     the step's stored partitions give again (gradient norms aside: only the launch that stepped knows them)."""
-    from marl_pipeline.stages.health import HEALTH_SIGNALS, step_health
+    from marl_pipeline.stages.health import HEALTH_SIGNALS, TRAINER_SIGNALS, step_health
 
     instance, store = trained["instance"], trained["store"]
     records = instance.fetch_materializations(dg.AssetKey("health"), limit=100).records
@@ -127,9 +131,10 @@ def test_each_step_records_every_agents_health_as_stored(trained) -> None:
         metadata = record.asset_materialization.metadata
         for row, recomputed in zip(stored, again):
             assert row["policy_version"] == step + 1 and row["groups"] == MICRO_BATCHES * 4
-            assert row["grad_norm"] > 0 and recomputed["grad_norm"] is None
+            assert row["grad_norm"] > 0 and row["trainer_tokens_per_s"] > 0 and 0 < row["mfu"] < 1
+            assert all(recomputed[name] is None for name in TRAINER_SIGNALS)
             for name in HEALTH_SIGNALS:
-                if name != "grad_norm":
+                if name not in TRAINER_SIGNALS:
                     assert row[name] == pytest.approx(recomputed[name], rel=1e-6), name
                 assert metadata[f"{row['agent']}/{name}"].value == pytest.approx(row[name], abs=1e-4), name
 
@@ -225,6 +230,19 @@ def test_the_run_and_its_partitions_show_plots_and_conversations(trained) -> Non
     rewards = instance.fetch_materializations(dg.AssetKey("rewards"), limit=1).records[0].asset_materialization
     assert re.search(r"\*\*solver\*\* \(turn 0, policy v\d, reward -?\d\.\d{3}, advantage [+-]\d\.\d{3}\)",
                      rewards.metadata["episodes"].value)
+
+
+def test_each_trainers_passes_are_in_the_runs_log_once(trained) -> None:
+    """With its first step, each agent's trainer says in the run's log (and so on the ``marl`` CLI) how it runs its
+    passes: packed or padded and why, the token budget and where it came from, its device and precision."""
+    from assets.train import STEP_PREFIX
+
+    entries = trained["instance"].all_logs(trained["result"].run_id)
+    lines = sorted(entry.user_message for entry in entries
+                   if entry.user_message.startswith(STEP_PREFIX) and "'s trainer: " in entry.user_message)
+    assert [line.split("'s trainer")[0] for line in lines] == ["step 0: solver", "step 0: verifier"], lines
+    passes = r"padded passes of [\d,]+ tokens \((the CPU's default|set)\) on cpu, \w+ \(padded: .+\)"
+    assert all(re.fullmatch(rf"step 0: \w+'s trainer: {passes}", line) for line in lines), lines
 
 
 def test_each_set_up_phase_is_in_the_runs_log_as_it_ends(trained) -> None:
