@@ -6,7 +6,7 @@
 #   bash bench/gpu_check.sh OUT_DIR [SECONDS]
 set -u
 out=${1:-.}
-deadline=${2:-570}
+deadline=${2:-570}  # seconds; LLAMA_VARIANTS="bound default unfused padded2048" adds the old default
 export PYTHONUNBUFFERED=1
 left() { echo $((deadline - SECONDS)); }
 quiet() { grep --line-buffered -v -e "Loading weights" -e "Writing model shards"; }
@@ -15,8 +15,8 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
   | tee -a "$out/gpu.txt"
 suite=(python3 -m pytest tests/gpu --confcutdir=tests/gpu -p no:cacheprovider -s -q -rA)
 timeout 130 "${suite[@]}" -k "packed or unset_budget" 2>&1 | quiet | tee "$out/suite_new.log"
-timeout 210 python3 bench/gpu_trainer.py --rl --models llama-1b --checkpointing 1 0 --repeats 3 \
-  --out "$out/rl_llama.json" 2>&1 | quiet | tee "$out/rl_llama.log"
+timeout 200 python3 bench/gpu_trainer.py --rl --models llama-1b --checkpointing 1 0 --repeats 3 \
+  --variants ${LLAMA_VARIANTS:-bound default unfused} --out "$out/rl_llama.json" 2>&1 | quiet | tee "$out/rl_llama.log"
 timeout "$(left)" python3 bench/gpu_trainer.py --rl --models qwen2.5-3b --checkpointing 1 0 --variants bound default \
   --repeats 2 --out "$out/rl_qwen.json" 2>&1 | quiet | tee "$out/rl_qwen.log"
 [ "$(left)" -gt 60 ] && timeout "$(left)" "${suite[@]}" -k "not (packed or unset_budget)" 2>&1 | quiet \

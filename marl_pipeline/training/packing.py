@@ -165,7 +165,11 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
                                       **kwargs)
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None or dropout:
         raise ValueError("a packed pass computes full causal attention without dropout (packing.choose)")
-    q, k, v = (tensor.transpose(1, 2).squeeze(0).contiguous() for tensor in (query, key, value))  # [tokens, heads, d]
+    # [tokens, heads, d], in autocast's precision as SDPA would take them (rotary embeddings leave q and k in float32)
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else value.dtype
+    q, k, v = (tensor.transpose(1, 2).squeeze(0).to(dtype, memory_format=torch.contiguous_format)
+               for tensor in (query, key, value))
     if q.is_cuda:
         out = _varlen(q, k, v, cumulative, kwargs["max_length_q"], scaling)
     else:
