@@ -226,7 +226,7 @@ def _rl_variant(model_dir: Path, variant: str, checkpointing: bool, batch):
     trainer = PolicyTrainer(str(model_dir), 0, lr=1e-5, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, seed=0,
                             dtype="bfloat16", device="cuda", activation_checkpointing=checkpointing, **settings)
     if variant == "padded2048":  # padded passes call the packed trainer's attention without lengths: SDPA's
-        trainer.padded_why = "padded: the old default, for the comparison"
+        trainer.passes.padded_why = "padded: the old default, for the comparison"
     results = []
 
     def step() -> None:
@@ -267,11 +267,11 @@ def rl_main(args) -> None:
                             result = holder.last_result[0]
                             settings = holder.pass_settings()
                             largest = max(sum(len(batch.prompt_ids[r]) + len(batch.response_ids[r]) for r in chunk)
-                                          for chunk in holder._chunks([len(p) + len(r) for p, r in
+                                          for chunk in holder.passes.chunks([len(p) + len(r) for p, r in
                                                                        zip(batch.prompt_ids, batch.response_ids)]))
                             estimate = trainer_peak_bytes(config, parameters=parameters, trainable=parameters,
                                                           tokens=largest, activation_checkpointing=bool(checkpointing),
-                                                          fused_head=holder.fused_head)
+                                                          fused_head=holder.passes.fused_head)
                             run.update(trainer_mfu=result.mfu, trainer_tokens_per_s=result.tokens_per_second,
                                        chunk_tokens=settings["chunk_tokens"], budget_why=settings["budget_why"],
                                        passes=settings["passes"], head=settings["head"], largest_pass=largest,

@@ -20,9 +20,9 @@ from tests.test_trainer import ALGORITHM_OPTIONS, _random_batch
 def _trainer(model_dir: Path, packed: bool, **options) -> PolicyTrainer:
     trainer = PolicyTrainer(str(model_dir), 0, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, clip_eps=0.2, seed=0,
                             num_threads=1, **options)
-    assert trainer.padded_why.startswith("padded: varlen attention runs on CUDA")  # a CPU trainer pads
+    assert trainer.passes.padded_why.startswith("padded: varlen attention runs on CUDA")  # a CPU trainer pads
     if packed:  # what packing.choose does on a GPU, with the per-row SDPA standing in for varlen attention
-        trainer.padded_why = None
+        trainer.passes.padded_why = None
         for model in (trainer.model, trainer.reference):
             if model is not None:
                 packing.use_varlen(model)

@@ -81,3 +81,16 @@ def length_chunks(lengths: list[int], budget: int) -> list[list[int]]:
         else:
             chunks.append([row])
     return chunks
+
+
+def rows_by_adapter(batch: TrainBatch) -> list[tuple[str | None, list[int]]]:
+    """The batch's rows split by the named adapter they are computed with (None first), each part in row
+    order."""
+    rows = range(len(batch.prompt_ids))
+    if not batch.adapters or not any(batch.adapters):
+        return [(None, list(rows))]
+    if len(batch.adapters) != len(batch.prompt_ids):
+        raise ValueError(f"{len(batch.prompt_ids)} rows but {len(batch.adapters)} adapter names: one per row")
+    names = sorted({name for name in batch.adapters if name})
+    parts = [(name, [row for row in rows if batch.adapters[row] == name]) for name in [None, *names]]
+    return [(name, part) for name, part in parts if part]

@@ -11,10 +11,32 @@ and rarely gives: 790 of 989 bf16 TFLOP/s on an H200), and per thread count on a
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 _PEAKS: dict[tuple, float] = {}
+
+
+@dataclass
+class StepWork:
+    """What a trainer's passes computed since its last optimizer step: real tokens, and the seconds they took."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, began: float) -> None:
+        """``tokens`` computed since ``began`` (``time.perf_counter()``)."""
+        self.tokens += tokens
+        self.seconds += time.perf_counter() - began
+
+    def figures(self, parameters: int, peak: float, tokens: int, seconds: float, workers: int = 1) -> dict:
+        """The step's ``StepResult`` figures: ``tokens`` over every worker in ``seconds`` (one worker's, the passes'
+        and the optimizer's), against ``workers`` devices of ``peak`` FLOP/s."""
+        return {"computed_tokens": tokens, "compute_seconds": seconds,
+                "tokens_per_second": tokens / seconds if seconds else 0.0,
+                "mfu": training_flops(parameters, tokens) / seconds / (peak * workers) if seconds else 0.0,
+                "peak_tflops": peak / 1e12}
 
 
 def training_flops(parameters: int, tokens: int) -> float:

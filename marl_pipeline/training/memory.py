@@ -39,6 +39,11 @@ def trainer_peak_bytes(config: dict, *, parameters: int, trainable: int, tokens:
     return max(head_backward, backward_end)
 
 
+PASS_SHARE = 0.8
+"""The share of a GPU's memory a trainer's pass budget plans for: the estimate runs up to an eighth under measured
+peaks, and unequal passes left the allocator a tenth of the card in fragments (docs/gpu.md)."""
+
+
 def token_budget(config: dict, *, parameters: int, trainable: int, available: float, reference: bool = False,
                  activation_checkpointing: bool = True, fused_head: bool = False, limit: int = 1 << 22) -> int:
     """The most tokens a pass can hold with :func:`trainer_peak_bytes` within ``available`` bytes (at least 256, at

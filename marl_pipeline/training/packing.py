@@ -102,17 +102,23 @@ def packed_pass(prompts: list[list[int]], responses: list[list[int]]) -> Pass:
 
 
 def packed_chunks(lengths: list[int], budget: int) -> list[list[int]]:
-    """Row indices in order, cut so that each chunk's tokens stay within ``budget`` (a longer row alone)."""
-    chunks: list[list[int]] = []
-    total = 0
-    for row, length in enumerate(lengths):
-        if chunks and total + length <= budget:
-            chunks[-1].append(row)
-            total += length
-        else:
-            chunks.append([row])
-            total = length
-    return chunks
+    """Row indices in order, cut into as few chunks as ``budget`` tokens allow, of about equal tokens (a row longer
+    than the budget alone): passes of one size reuse the allocator's blocks, where a long pass then a short one left
+    fragments that cost a pass near the memory's limit its last allocation."""
+    total = sum(lengths)
+    passes = max(1, -(-total // budget))
+    while True:
+        share = total / passes
+        chunks: list[list[int]] = [[] for _ in range(passes)]
+        before = 0
+        for row, length in enumerate(lengths):  # each row to the share its middle falls in
+            chunks[min(int((before + length / 2) // share), passes - 1)].append(row)
+            before += length
+        chunks = [chunk for chunk in chunks if chunk]
+        largest = max((sum(lengths[row] for row in chunk) for chunk in chunks if len(chunk) > 1), default=0)
+        if largest <= budget:
+            return chunks
+        passes = max(passes + 1, int(passes * largest / budget))
 
 
 def choose(model, device: torch.device, dtype: torch.dtype) -> str | None:

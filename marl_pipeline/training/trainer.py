@@ -7,11 +7,9 @@ One optimizer step = one RL step. Micro-batches arrive one at a time through :me
 total response-token count (or sequence count, with sequence normalisation), clips and steps. This is
 exactly the full-batch update of the mean loss over the whole step, whatever the micro-batch sizes.
 
-Inside a micro-batch, rows are cut into passes of at most ``chunk_tokens`` tokens (training/packing.py): on a GPU
-packed into one sequence each, attention per row, no padding; elsewhere sorted by length and padded to the longest
-of each pass (:func:`length_chunks`). The loss is a sum, so the passes' gradients add up to the micro-batch's. With
-``chunk_tokens`` unset a GPU trainer sizes its passes to its free memory (training/memory.py), a CPU one takes 2,048.
-Every step reports its tokens a second and MFU (training/flops.py).
+Inside a micro-batch, rows are cut into passes of at most ``chunk_tokens`` tokens (training/passes.py): on a GPU
+packed, no padding; elsewhere sorted by length and padded. The loss is a sum, so the passes' gradients add up to the
+micro-batch's. Every step reports its tokens a second and MFU (training/flops.py).
 """
 
 from __future__ import annotations
@@ -34,8 +32,8 @@ from marl_pipeline.policy.lora import (
     use_adapter,
 )
 from marl_pipeline.policy.precision import autocast, resolve_dtype
-from marl_pipeline.training import flops, memory, packing, sharded
-from marl_pipeline.training.batches import SUPERVISED_TERMS, StepResult, SupervisedBatch, TrainBatch, length_chunks
+from marl_pipeline.training import flops, memory, sharded
+from marl_pipeline.training.batches import SUPERVISED_TERMS, StepResult, SupervisedBatch, TrainBatch, rows_by_adapter
 from marl_pipeline.training.losses import (
     TokenTerms,
     clip_fraction,
@@ -44,9 +42,7 @@ from marl_pipeline.training.losses import (
     pad_sequences,
     scored_token_terms,
 )
-
-CPU_CHUNK_TOKENS = 2048
-"""A CPU trainer's tokens a pass when ``chunk_tokens`` is unset: what the CPU benchmarks were tuned at."""
+from marl_pipeline.training.passes import Passes
 
 
 class PolicyTrainer:
@@ -63,10 +59,6 @@ class PolicyTrainer:
                  dtype: str = "float32", chunk_tokens: int | None = None, lora: dict | None = None,
                  base_dir: str | None = None, activation_checkpointing: bool = False,
                  device: str | None = None, rank: sharded.Rank | None = None, fused_head: bool | None = None) -> None:
-        if chunk_tokens is not None and chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens {chunk_tokens}: expected a positive token budget per pass")
-        self.chunk_tokens = chunk_tokens  # None: sized at the first pass (:meth:`_pass_budget`)
-        self.budget_why = "set" if chunk_tokens is not None else None
         if num_threads:
             torch.set_num_threads(num_threads)
         self.num_threads = torch.get_num_threads()  # what cluster/cores.py's split of the cores reads and moves
@@ -94,11 +86,7 @@ class PolicyTrainer:
             sharded.join(rank, self.device)
             self.scorer = sharded.shard(self.model)
         self.dtype = resolve_dtype(dtype, self.device_type)
-        self.padded_why = packing.choose(self.model, self.device, self.dtype)  # None: packed passes
-        # The head's terms in one pass a chunk (training/head.py): compiled on a GPU; None: there, one worker's
-        self.fused_head = self.device_type == "cuda" and rank is None if fused_head is None else fused_head
         self.parameters = sum(param.numel() for param in self.model.parameters())
-        self.activation_checkpointing = activation_checkpointing
         # Only the trainable parameters (all of them, or a LoRA agent's adapters): AdamW keeps moments for these.
         trainable = [param for param in self.model.parameters() if param.requires_grad]
         # Fused on a GPU: one kernel, and no parameter-sized temporaries in the step (training/memory.py).
@@ -121,14 +109,13 @@ class PolicyTrainer:
             # pass (no backward) per micro-batch.
             self.reference, _ = self.load(reference_dir)
             self.reference.to(self.device).eval().requires_grad_(False)
-        if self.padded_why is None:
-            for model in (self.model, self.reference):
-                if model is not None:
-                    packing.use_varlen(model)
         self.version = version
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self._step_tokens = self._step_sequences = self._step_computed = 0
-        self._step_seconds = 0.0
+        self.passes = Passes(self.model, self.reference, self.device, self.dtype, chunk_tokens=chunk_tokens,
+                             activation_checkpointing=activation_checkpointing, fused_head=fused_head,
+                             sharded=rank is not None, pad_id=self.pad_id)
+        self._step_tokens = self._step_sequences = 0
+        self._work = flops.StepWork()  # real tokens and seconds since the last step, for its MFU
         self._outbox = transfer.Outbox()  # versions staged for a weight broadcast
 
     def restart(self, *args, **kwargs) -> bool:
@@ -140,8 +127,8 @@ class PolicyTrainer:
         return True
 
     def accumulate(self, batch: TrainBatch) -> dict[str, float]:
-        """Add one micro-batch's gradient of the summed loss, in passes of at most ``chunk_tokens`` padded
-        tokens; returns its statistics, with the seconds it computed (the stage's span less this is overhead)."""
+        """Add one micro-batch's gradient of the summed loss, in passes of at most ``chunk_tokens`` tokens; returns
+        its statistics, with the seconds it computed (the stage's span less this is overhead)."""
         began = time.perf_counter()
         if not batch.prompt_ids:
             self._idle_passes(self._passes_short(0))
@@ -150,8 +137,8 @@ class PolicyTrainer:
                     "dropped_rows": batch.dropped_rows, "compute_seconds": time.perf_counter() - began}
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         plan = [(adapter, [rows[i] for i in chunk])  # a pass computes with one set of adapters
-                for adapter, rows in self._rows_by_adapter(batch)
-                for chunk in self._chunks([lengths[row] for row in rows])]
+                for adapter, rows in rows_by_adapter(batch)
+                for chunk in self.passes.chunks([lengths[row] for row in rows])]
         idle = self._passes_short(len(plan))
         passes = []
         for adapter, rows in plan:
@@ -168,41 +155,12 @@ class PolicyTrainer:
         stats = {"rows": len(batch.prompt_ids), "tokens": tokens, "loss_sum": float(sum(p[6] for p in passes)),
                  "policy_version": self.version, "dropped_rows": batch.dropped_rows,
                  "clip_fraction": clip_fraction(ratio, mask, self.clip_eps), **mismatch_stats(logprobs, engine, mask)}
-        self._step_computed += sum(lengths)
-        self._step_seconds += time.perf_counter() - began  # read above: the GPU has finished the passes
+        self._work.add(sum(lengths), began)  # after the figures' read: the GPU has finished the passes
         return {**stats, "compute_seconds": time.perf_counter() - began}
 
-    def _chunks(self, lengths: list[int]) -> list[list[int]]:
-        """Rows cut into passes: packed under the token budget, or sorted and padded under it."""
-        budget = self._pass_budget()
-        return packing.packed_chunks(lengths, budget) if self.padded_why is None else length_chunks(lengths, budget)
-
-    def _pass_budget(self) -> int:
-        """``chunk_tokens``; unset, a CPU's :data:`CPU_CHUNK_TOKENS`, or on a GPU the most tokens whose estimated peak
-        (training/memory.py) fits in the memory free at the first pass (a colocated engine asleep by then) with the
-        trainer's own, less a tenth for the allocator's fragments."""
-        if self.chunk_tokens is None:
-            if self.device_type != "cuda":
-                self.chunk_tokens, self.budget_why = CPU_CHUNK_TOKENS, "the CPU's default"
-            else:
-                free, _ = torch.cuda.mem_get_info(self.device)
-                available = 0.9 * (free + torch.cuda.memory_allocated(self.device))
-                trainable = sum(param.numel() for param in self.model.parameters() if param.requires_grad)
-                self.chunk_tokens = memory.token_budget(
-                    memory.architecture(self.model), parameters=self.parameters, trainable=trainable,
-                    available=available, reference=self.reference is not None,
-                    activation_checkpointing=self.activation_checkpointing, fused_head=self.fused_head)
-                self.budget_why = f"sized to {available / 2**30:.1f} GiB of {torch.cuda.get_device_name(self.device)}"
-        return self.chunk_tokens
-
     def pass_settings(self) -> dict:
-        """How this trainer's passes run, for the run's log: packed or padded (and why), the token budget (and where
-        it came from; None until the first pass sizes it), the device and its measured peak."""
-        return {"passes": "packed" if self.padded_why is None else "padded", "padded_why": self.padded_why,
-                "chunk_tokens": self.chunk_tokens, "budget_why": self.budget_why,
-                "head": "fused" if self.fused_head else "chunked",
-                "device": torch.cuda.get_device_name(self.device) if self.device_type == "cuda" else "cpu",
-                "dtype": str(self.dtype).removeprefix("torch.")}
+        """How this trainer's passes run, for the run's log (:meth:`Passes.settings`)."""
+        return self.passes.settings()
 
     def _passes_short(self, passes: int) -> int:
         # FSDP's collectives run per pass: every rank runs as many (training/sharded.py)
@@ -216,19 +174,7 @@ class PolicyTrainer:
         """The policy's token terms (``scored_token_terms``), through FSDP's root on a sharded trainer."""
         if self.scorer is not None:
             return self.scorer.terms(*args, **kwargs)
-        return scored_token_terms(self.model, *args, fused=self.fused_head, **kwargs)
-
-    def _rows_by_adapter(self, batch: TrainBatch) -> list[tuple[str | None, list[int]]]:
-        """The batch's rows split by the named adapter they are computed with (None first), each part in row
-        order."""
-        rows = range(len(batch.prompt_ids))
-        if not batch.adapters or not any(batch.adapters):
-            return [(None, list(rows))]
-        if len(batch.adapters) != len(batch.prompt_ids):
-            raise ValueError(f"{len(batch.prompt_ids)} rows but {len(batch.adapters)} adapter names: one per row")
-        names = sorted({name for name in batch.adapters if name})
-        parts = [(name, [row for row in rows if batch.adapters[row] == name]) for name in [None, *names]]
-        return [(name, part) for name, part in parts if part]
+        return scored_token_terms(self.model, *args, fused=self.passes.fused_head, **kwargs)
 
     def _use_adapter(self, adapter: str | None) -> None:
         if adapter is not None and adapter not in self.named_adapters:
@@ -237,17 +183,11 @@ class PolicyTrainer:
         if self.named_adapters:
             use_adapter(self.model, adapter)
 
-    def _pass(self, prompts: list[list[int]], responses: list[list[int]]) -> packing.Pass:
-        """A pass's inputs on the host, packed or padded as this trainer computes."""
-        if self.padded_why is None:
-            return packing.packed_pass(prompts, responses)
-        return packing.padded_pass(prompts, responses, self.pad_id)
-
     def _accumulate_rows(self, batch: TrainBatch, rows: list[int]):
         """One forward/backward pass over some rows of a micro-batch. Returns the trainer logprobs, engine logprobs,
         clip ratios and the response tokens' mask (flat, every position), the token and sequence counts, and the
         summed loss (a tensor: read once a micro-batch)."""
-        built = self._pass([batch.prompt_ids[row] for row in rows], [batch.response_ids[row] for row in rows])
+        built = self.passes.build([batch.prompt_ids[row] for row in rows], [batch.response_ids[row] for row in rows])
         counts = built.counts()
         engine, advantages, weights = (built.spread([batch.old_logprobs[row] for row in rows]),
                                        built.spread([batch.advantages[row] for row in rows]),
@@ -291,8 +231,9 @@ class PolicyTrainer:
         began = time.perf_counter()
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         tokens, loss = 0, 0.0
-        for chunk in self._chunks(lengths):
-            built = self._pass([batch.prompt_ids[row] for row in chunk], [batch.response_ids[row] for row in chunk])
+        for chunk in self.passes.chunks(lengths):
+            built = self.passes.build([batch.prompt_ids[row] for row in chunk],
+                                      [batch.response_ids[row] for row in chunk])
             weight = {name: built.spread([float(batch.terms[row] == name) for row in chunk]).to(self.device)
                       for name in SUPERVISED_TERMS}
             built = built.to(self.device)
@@ -313,19 +254,17 @@ class PolicyTrainer:
             loss += float(chunk_loss.detach())
         self._step_tokens += tokens
         self._step_sequences += len(batch.prompt_ids)
-        self._step_computed += sum(lengths)
-        self._step_seconds += time.perf_counter() - began
+        self._work.add(sum(lengths), began)
         return {"rows": len(batch.prompt_ids), "tokens": tokens, "loss_sum": loss}
 
     def apply_step(self) -> StepResult:
         """Turn the accumulated gradients into one optimizer step; the policy version goes up by one."""
         peak = flops.peak_flops(self.device, self.dtype)  # measured once (per thread count on a CPU), untimed
         began = time.perf_counter()
-        computed, world = self._step_computed, 1
+        computed = self._work.tokens
         if self.rank is not None:  # every rank divides by the step's counts over all of them
             self._step_tokens, self._step_sequences, computed = sharded.summed(
                 self._step_tokens, self._step_sequences, computed)
-            world = self.rank.world
         units = self._step_tokens if self.loss_normalization == "token" else self._step_sequences
         # One kernel for every gradient, not one a parameter (a GPU step is launch-bound at small batches).
         torch._foreach_div_([param.grad for param in self.model.parameters() if param.grad is not None],
@@ -335,17 +274,14 @@ class PolicyTrainer:
             group["lr"] = self.learning_rate(self.version)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        grad_norm = float(grad_norm)  # waits for the backward passes' last kernels, not for the optimizer's
-        seconds = self._step_seconds + time.perf_counter() - began
+        grad_norm = float(grad_norm)  # waits for the optimizer's kernels too: the step's time is all of it
+        figures = self._work.figures(self.parameters, peak, computed, self._work.seconds + time.perf_counter() - began,
+                                     self.rank.world if self.rank is not None else 1)
         result = StepResult(self.version + 1, self._step_tokens, self._step_sequences, grad_norm,
-                            self.learning_rate(self.version), computed_tokens=computed, compute_seconds=seconds,
-                            tokens_per_second=computed / seconds if seconds else 0.0,
-                            mfu=flops.training_flops(self.parameters, computed) / seconds / (peak * world)
-                            if seconds else 0.0,
-                            peak_tflops=peak / 1e12, chunk_tokens=self.chunk_tokens or 0,
-                            passes="packed" if self.padded_why is None else "padded")
-        self._step_tokens = self._step_sequences = self._step_computed = 0
-        self._step_seconds = 0.0
+                            self.learning_rate(self.version), **figures,
+                            chunk_tokens=self.passes.chunk_tokens or 0, passes=self.passes.kind)
+        self._step_tokens = self._step_sequences = 0
+        self._work = flops.StepWork()
         self.version += 1
         return result
 
@@ -358,8 +294,8 @@ class PolicyTrainer:
     def discard_gradients(self) -> None:
         """Drop accumulated gradients without stepping (a recomputed micro-batch, a failed step)."""
         self.optimizer.zero_grad(set_to_none=True)
-        self._step_tokens = self._step_sequences = self._step_computed = 0
-        self._step_seconds = 0.0
+        self._step_tokens = self._step_sequences = 0
+        self._work = flops.StepWork()
 
     def offload(self) -> int:
         """Weights, gradients, AdamW state and KL reference to host memory, freeing the GPU for the agent's engine
