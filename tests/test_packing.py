@@ -107,3 +107,21 @@ def test_a_cpu_trainer_pads_and_says_why_and_keeps_its_default_budget(tiny_model
     assert result.chunk_tokens == 2048 and result.computed_tokens == 4 and result.passes == "padded"
     assert result.compute_seconds > 0 and result.tokens_per_second == pytest.approx(4 / result.compute_seconds)
     assert 0 < result.mfu < 1 and result.peak_tflops > 0
+
+
+def test_the_token_budget_is_the_most_tokens_whose_estimated_peak_fits() -> None:
+    """training/memory.py: what an unset ``chunk_tokens`` becomes on a GPU (Llama-3.2-1B's shape)."""
+    from marl_pipeline.training.memory import token_budget, trainer_peak_bytes
+
+    config = {"hidden_size": 2048, "num_hidden_layers": 16, "vocab_size": 128256, "intermediate_size": 8192,
+              "tie_word_embeddings": True}
+    common = {"parameters": 1_235_814_400, "trainable": 1_235_814_400, "fused_head": True}
+    for checkpointing in (False, True):
+        available = 60 * 2**30
+        budget = token_budget(config, available=available, activation_checkpointing=checkpointing, **common)
+        peak = [trainer_peak_bytes(config, tokens=tokens, activation_checkpointing=checkpointing, **common)
+                for tokens in (budget, budget + 1)]
+        assert peak[0] <= available < peak[1]
+    kept = token_budget(config, available=available, activation_checkpointing=False, **common)
+    assert budget > 5 * kept  # checkpointing keeps each layer's input alone
+    assert token_budget(config, available=1, **common) == 256  # the floor: a pass of a few rows, whatever fits

@@ -12,8 +12,9 @@ from marl_pipeline.training.losses import LOGIT_CHUNK
 def trainer_peak_bytes(config: dict, *, parameters: int, trainable: int, tokens: int, reference: bool = False,
                        activation_checkpointing: bool = True, chunk: int = LOGIT_CHUNK,
                        fused_head: bool = False) -> int:
-    """Peak bytes of one trainer's pass and step over ``tokens`` tokens (one pass: ``chunk_tokens``): the larger of
-    its two high points, measured on an H200 (BENCHMARKS.md, "Trainer on a GPU").
+    """Peak bytes of one trainer's pass and step over ``tokens`` tokens (one pass: ``chunk_tokens``): the largest of
+    its high points, measured on an H200 (BENCHMARKS.md, "Trainer on a GPU" and "The GPU trainer at the hardware's
+    bound").
 
     - at rest: float32 weights (4 bytes a parameter) and, for the trainable ones, AdamW's two moments (8), fused on a
       GPU so the step makes no parameter-sized temporaries; a KL reference adds 4;
@@ -23,6 +24,8 @@ def trainer_peak_bytes(config: dict, *, parameters: int, trainable: int, tokens:
       the head's gradient and bf16 copy, and three [chunk x vocabulary] float32 tensors (the logits, their
       log-softmax and its gradient: losses.LOGIT_CHUNK); the fused head (training/head.py) holds a chunk's bf16 logits
       and their bf16 gradient instead, and a bf16 product of the head's size before it adds it to the gradient;
+    - with activation checkpointing, the decoder's backward as it starts: the head's high point less its logits, and
+      the last layer's working set recomputed;
     - the end of the backward pass: every gradient (4 bytes a trainable parameter), the first layer's working set,
       and with tied embeddings the embedding's own gradient before it is added to the head's.
     """
@@ -34,9 +37,10 @@ def trainer_peak_bytes(config: dict, *, parameters: int, trainable: int, tokens:
     kept = tokens * hidden * layers * 4 if activation_checkpointing else layer * layers
     logits = min(chunk, tokens) * vocabulary * (2 + 2 if fused_head else 3 * 4) + (2 * head if fused_head else 0)
     head_backward = rest + kept + head_gradient + 2 * head + logits
+    decoder_backward = rest + kept + head_gradient + layer if activation_checkpointing else 0
     tied = head_gradient if config.get("tie_word_embeddings") else 0
     backward_end = rest + 4 * trainable + layer + tied
-    return max(head_backward, backward_end)
+    return max(head_backward, decoder_backward, backward_end)
 
 
 PASS_SHARE = 0.8
