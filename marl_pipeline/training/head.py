@@ -55,7 +55,7 @@ class _FusedHead(torch.autograd.Function):
         grad_logprobs = torch.zeros_like(normaliser) if grad_logprobs is None else grad_logprobs.float()
         grad_entropy = (torch.zeros_like(normaliser) if grad_entropy is None or not ctx.entropy
                         else grad_entropy.float())
-        grad_features = inputs.new_empty(inputs.shape, dtype=ctx.features_dtype) if ctx.needs_input_grad[0] else None
+        grad_features = []  # a chunk's each, cast and joined once (a copy a chunk was a kernel launch a chunk)
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         gradient = _kernels(inputs.device.type)[1]
         for low in range(0, len(targets), ctx.chunk):
@@ -63,11 +63,14 @@ class _FusedHead(torch.autograd.Function):
             logits = inputs[part] @ head.T
             grad_logits = gradient(logits, targets[part], normaliser[part], entropy_values[part],
                                    grad_logprobs[part], grad_entropy[part])
-            if grad_features is not None:
-                grad_features[part] = grad_logits @ head
+            if ctx.needs_input_grad[0]:
+                grad_features.append(grad_logits @ head)
             if grad_weight is not None:
                 grad_weight += grad_logits.T @ inputs[part]
-        return grad_features, grad_weight, None, None, None, None
+        joined = torch.cat(grad_features).to(ctx.features_dtype) if grad_features else None
+        if ctx.needs_input_grad[0] and joined is None:
+            joined = inputs.new_zeros(inputs.shape, dtype=ctx.features_dtype)
+        return joined, grad_weight, None, None, None, None
 
 
 def _terms(logits: torch.Tensor, targets: torch.Tensor):
