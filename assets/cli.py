@@ -17,7 +17,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from marl_pipeline.config import ConfigError, load_config
+from marl_pipeline.config import (
+    ConfigError,
+    apply_overrides,
+    dotted_overrides,
+    load_config,
+    parse_config,
+    read_config_data,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train teams of LLM agents with RL.")
 console = Console()
@@ -41,11 +48,28 @@ def _dagster_home() -> Path:
     return home
 
 
+def train_run_config(config_path: Path, settings: list[str]):
+    """The experiment CONFIG with ``--set`` KEY=VALUE settings, validated, and the train job's ``experiment``
+    resource config that gives a run the same: the file and the settings as the launchpad's ``overrides``."""
+    data = read_config_data(config_path)
+    if not settings:
+        return load_config(config_path), {"config_path": str(config_path)}
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid config {config_path}: expected a mapping at the top level")
+    overrides = dotted_overrides(settings, list(data.get("agents") or {}))
+    config = parse_config(apply_overrides(data, overrides), source=f"{config_path} with --set {' '.join(settings)}")
+    return config, {"config_path": str(config_path), "overrides": overrides}
+
+
 @app.command()
-def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", metavar="CONFIG")) -> None:
+def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", metavar="CONFIG"),
+          settings: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
+                                             help="Override a setting, as the launchpad's overrides do: "
+                                                  "pipeline.steps=5, seed=1, agents.*.trainer.lr=1e-5 (every agent); "
+                                                  "the value is read as YAML. Repeatable.")) -> None:
     """Run the Dagster `train` job on CONFIG, with a progress bar and a reward-per-step table."""
     try:
-        config = load_config(config_path)
+        config, experiment = train_run_config(config_path, settings)
     except ConfigError as error:
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(2) from None
@@ -68,7 +92,7 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     # The Definitions' store and Ray resources nest `experiment`, so this one path configures all three; Ray's
     # address and local CPU count come from the YAML's `ray:` through the resource, as in `dagster dev`.
     run_config = {"resources": {
-        "experiment": {"config": {"config_path": str(config_path)}},
+        "experiment": {"config": experiment},
         "ray": {"config": {"ray_init_options": _RAY_INIT}},
     }, "loggers": {"console": {"config": {"log_level": "WARNING"}}}}  # the event log keeps everything
     outcome: dict = {}

@@ -20,6 +20,7 @@ from marl_pipeline.config.base import BUILTIN_TINY, ConfigError, StrictModel
 from marl_pipeline.config.experiment import (
     ExperimentConfig,
     apply_overrides,
+    dotted_overrides,
     load_config,
     parse_config,
     read_config_data,
@@ -70,6 +71,7 @@ __all__ = [
     "TrainerConfig",
     "WarmupConfig",
     "apply_overrides",
+    "dotted_overrides",
     "load_config",
     "parse_config",
     "read_config_data",

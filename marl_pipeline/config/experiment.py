@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -177,6 +178,25 @@ def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> di
     if isinstance(data.get("store"), str | Path) and isinstance(overrides.get("store"), Mapping):
         data = {**data, "store": _store_from_uri(data["store"])}
     return _merged(data, overrides)
+
+
+def dotted_overrides(settings: list[str], agents: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` settings (``pipeline.steps=5``, ``seed=1``; each value read as YAML) as overrides nested like the
+    experiment file, for :func:`apply_overrides`; ``agents.*.KEY`` sets KEY for every one of ``agents``."""
+    overrides: dict[str, Any] = {}
+    for setting in settings:
+        path, equals, text = setting.partition("=")
+        keys = path.strip().split(".")
+        if not equals or not all(keys):
+            raise ConfigError(f"--set {setting!r}: expected KEY=VALUE, the key dotted as the file nests it "
+                              f"(pipeline.steps=5, agents.solver.trainer.lr=1e-5, agents.*.engine.replicas=2)")
+        if "*" in keys[:1] + keys[2:] or (keys[1:2] == ["*"] and keys[0] != "agents"):
+            raise ConfigError(f"--set {setting!r}: '*' stands for every agent, as agents.*.KEY, and nowhere else")
+        value = yaml.safe_load(text)
+        for path_keys in ([["agents", agent, *keys[2:]] for agent in agents] if keys[1:2] == ["*"] else [keys]):
+            overrides = _merged(overrides, functools.reduce(lambda inner, key: {key: inner}, reversed(path_keys),
+                                                            value))
+    return overrides
 
 
 def _merged(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,49 @@
+"""``marl train CONFIG --set KEY=VALUE``: settings overridden as the launchpad's ``overrides`` do, validated before
+anything starts, and handed to the train job's experiment resource (the real one, loaded as a run loads it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from assets.cli import app, train_run_config
+from marl_pipeline.config import ConfigError, dotted_overrides
+from resources.experiment import ExperimentResource
+
+DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+
+
+def test_dotted_settings_nest_as_the_file_does_and_a_star_means_every_agent() -> None:
+    overrides = dotted_overrides(["pipeline.steps=5", "seed=1", "agents.*.trainer.lr=1e-5",
+                                  "agents.solver.engine.replicas=2", "environment.options.max_terms=[2, 3]"],
+                                 agents=["solver", "verifier"])
+    assert overrides == {"pipeline": {"steps": 5}, "seed": 1,
+                         "agents": {"solver": {"trainer": {"lr": "1e-5"}, "engine": {"replicas": 2}},
+                                    "verifier": {"trainer": {"lr": "1e-5"}}},
+                         "environment": {"options": {"max_terms": [2, 3]}}}  # YAML 1.1 reads 1e-5 as a string
+    for bad in ("pipeline.steps", "=5", "pipeline..steps=5", "pipeline.*=5", "*.steps=1"):
+        with pytest.raises(ConfigError, match="--set"):
+            dotted_overrides([bad], agents=["solver"])
+
+
+def test_the_cli_overrides_reach_the_run_as_the_launchpads_do() -> None:
+    config, experiment = train_run_config(DEMO, ["pipeline.steps=3", "seed=7", "agents.*.trainer.lr=0.002"])
+    assert (config.pipeline.steps, config.seed) == (3, 7)
+    assert {agent.trainer.lr for agent in config.agents.values()} == {0.002}
+    loaded = ExperimentResource(**experiment).load()  # what the train job's resource gives its run
+    assert loaded == config
+    untouched, plain = train_run_config(DEMO, [])
+    assert plain == {"config_path": str(DEMO)} and untouched.pipeline.steps != 3
+
+
+def test_a_bad_setting_fails_at_once_naming_it() -> None:
+    runner = CliRunner()
+    result = runner.invoke(app, ["train", str(DEMO), "--set", "pipeline.steps=many"])
+    assert result.exit_code == 2
+    assert "pipeline.steps" in result.output and "many" in result.output
+    result = runner.invoke(app, ["train", str(DEMO), "--set", "pipeline.stepz=3"])
+    assert result.exit_code == 2 and "stepz" in result.output
+    result = runner.invoke(app, ["train", str(DEMO), "--set", "pipeline.steps"])
+    assert result.exit_code == 2 and "KEY=VALUE" in result.output
