@@ -69,7 +69,7 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
     timeline = TimelineRecorder()  # what the run report needs of each event; the events themselves are dropped
     reported: list[str] = []  # the last step's collapse warnings (the health check still fails on every step)
     previews: dict = {}  # per micro-batch, its committed rollouts' text columns until its rewards commit
-    for event in train(config):
+    for event in train(config, launch_id=context.run_id):
         timeline.add(event)
         if isinstance(event, StageCommitted):
             key = event.key

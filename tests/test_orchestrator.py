@@ -174,7 +174,13 @@ def assert_every_micro_batch_once(store: ExperienceStore, steps: int, micro_batc
     assert len(sample_ids) == len(set(sample_ids)) == steps * micro_batches * 4 * 4 * 2
     for agent in ("solver", "verifier"):  # retention: 0 and the last 2 committed
         assert store.policy_versions("demo", agent) == [0, steps - checkpoint_every, steps]
-    assert store.read_record("demo", "launch.json") == {"last_step": steps - 1, "finished": True}
+    record = store.read_record("demo", "launch.json")
+    assert (record["last_step"], record["finished"]) == (steps - 1, True)
+    # Its history: the first launch, each later one resuming it at the same target, the last one finishing.
+    launches = record["launches"]
+    assert [launch["resumed"] for launch in launches] == [False] + [True] * (len(launches) - 1), launches
+    assert [launch["finished"] for launch in launches] == [False] * (len(launches) - 1) + [True], launches
+    assert {launch["last_step"] for launch in launches} == {steps - 1}
 
 
 def _committed(store: ExperienceStore) -> int:

@@ -26,8 +26,13 @@ from marl_pipeline.stages.execution import action_pool_settings
 from marl_pipeline.store import ExperienceStore
 
 
-def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
-    """Run one launch: resume an unfinished one, or add ``pipeline.steps`` steps after the newest policies."""
+def train(config: ExperimentConfig, launch_id: str | None = None) -> Iterator[LaunchEvent]:
+    """Run one launch: resume an unfinished one, or add ``pipeline.steps`` steps after the newest policies.
+
+    Args:
+        config: the experiment.
+        launch_id: what names this launch elsewhere (the Dagster run id), kept in the run's launch record.
+    """
     started = phase = time.perf_counter()
     launched = time.time()
 
@@ -52,7 +57,7 @@ def train(config: ExperimentConfig) -> Iterator[LaunchEvent]:
     reward_model = prepare_reward_model(config, env, store)  # after the built-in model: it shares its tokenizer
     if reward_model is not None:
         yield done("reward model ready")
-    plan = plan_launch(store, config)
+    plan = plan_launch(store, config, launch_id, started=launched)
     if plan.resumed:  # what the launch that died left half-written (older than this launch: none of its own)
         if removed := store.vacuum(older_than=time.time() - launched, run=config.run):
             yield done(f"removed {len(removed)} uncommitted leftovers of the launch that died")
