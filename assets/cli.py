@@ -1,5 +1,6 @@
 """The ``marl`` command: ``train CONFIG`` runs the Dagster train job; ``inspect STORE`` summarises a stored run;
-``runs STORE`` lists a store's runs; ``export STORE`` writes a policy version as a plain Hugging Face model.
+``runs STORE`` lists a store's runs; ``export STORE`` writes a policy version as a plain Hugging Face model with its
+model card and provenance.
 
 Heavy imports (Dagster, Ray, torch) happen after the arguments are parsed and the config validated.
 """
@@ -361,30 +362,48 @@ def runs(store_uri: str = typer.Argument(".marl/store", help="Experience store: 
 @app.command()
 def export(store_uri: str = typer.Argument(..., help="Experience store: a directory or s3://bucket/prefix.",
                                            metavar="STORE"),
-           run: str = typer.Option(..., help="The run."), agent: str = typer.Option(..., help="The agent."),
+           run: str = typer.Option(..., help="The run."),
+           agent: str | None = typer.Option(None, help="The agent (or --all-agents)."),
+           all_agents: bool = typer.Option(False, "--all-agents", help="Every agent of the run, each in OUT/<agent>."),
            out: Path = typer.Option(..., help="New directory to write the model to."),
            version: int | None = typer.Option(None, help="Policy version (default: the newest)."),
            merge: bool = typer.Option(True, help="Merge a LoRA version into a full model (else: its adapters).")
            ) -> None:
-    """Write a policy version as a plain Hugging Face directory, loadable by transformers and vLLM."""
-    from marl_pipeline.policy.export import export_policy
+    """Write a policy version as a plain Hugging Face directory, loadable by transformers and vLLM, with its model
+    card (README.md) and provenance.json: the steps, teammates, evaluation, health and launches that made it."""
+    from marl_pipeline.policy.export import require_empty
+    from marl_pipeline.run.cards import CARD, PROVENANCE, export_release
     from marl_pipeline.store import StoreError
 
+    if (agent is None) != all_agents:
+        console.print("[red]name the agent with --agent, or export every agent with --all-agents (not both)[/red]")
+        raise typer.Exit(2)
     store = _open_store(store_uri)
-    versions = store.policy_versions(run, agent)
-    if not versions:
-        console.print(f"[red]no policy versions of agent {agent!r} in run {run!r} of {store.uri} (agents there: "
-                      f"{store.checkpoints.agents(run) or 'none'})[/red]")
+    agents = store.checkpoints.agents(run) if all_agents else [agent]
+    if not agents:
+        console.print(f"[red]no agents in run {run!r} of {store.uri} (runs there: {store.runs() or 'none'})[/red]")
         raise typer.Exit(1)
-    chosen = max(versions) if version is None else version
+    chosen = {}
+    for name in agents:  # every agent's version checked before anything is written
+        versions = store.policy_versions(run, name)
+        if not versions:
+            console.print(f"[red]no policy versions of agent {name!r} in run {run!r} of {store.uri} (agents there: "
+                          f"{store.checkpoints.agents(run) or 'none'})[/red]")
+            raise typer.Exit(1)
+        chosen[name] = max(versions) if version is None else version
+        if chosen[name] not in versions:
+            console.print(f"[red]agent {name!r} of run {run!r} has no version {chosen[name]} (versions there, the "
+                          f"others pruned or never written: {versions})[/red]")
+            raise typer.Exit(1)
     try:
-        directory = store.require_policy(run, agent, chosen)
-        base = store.require_policy(run, agent, 0) if chosen else directory
-        export_policy(directory, base, out, merge=merge)
+        require_empty(out)
+        for name, number in chosen.items():
+            target = out / name if all_agents else out
+            export_release(store, run, name, number, target, merge=merge)
+            console.print(f"{run}/{name} version {number} written to {target}, with {CARD} and {PROVENANCE}")
     except (StoreError, FileExistsError, FileNotFoundError) as error:
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(1) from None
-    console.print(f"{run}/{agent} version {chosen} written to {out}")
 
 
 def _print_run(store, run: str, step: int | None, agent: str | None, sample: int) -> None:

@@ -42,6 +42,7 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
     from marl_pipeline.cluster.heap import collector_paused
 
     with collector_paused():  # torch's import, among others (marl_pipeline/cluster/heap.py)
+        from marl_pipeline.run.cards import card_summary
         from marl_pipeline.run.events import (
             EvaluationCommitted,
             PolicyCommitted,
@@ -55,7 +56,9 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
             TrainerPasses,
             mean_reward,
         )
+        from marl_pipeline.run.launches import launch_history
         from marl_pipeline.run.pipeline_metrics import TimelineRecorder
+        from marl_pipeline.run.provenance import ServedVersions, covering_launches
         from marl_pipeline.run.recipe import train
         from marl_pipeline.store import ExperienceStore
 
@@ -69,6 +72,8 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
     timeline = TimelineRecorder()  # what the run report needs of each event; the events themselves are dropped
     reported: list[str] = []  # the last step's collapse warnings (the health check still fails on every step)
     previews: dict = {}  # per micro-batch, its committed rollouts' text columns until its rewards commit
+    # Each version's card summary from the launch's own rollouts and launch record: no read per version.
+    served, launches = ServedVersions(store, config.run, config.pipeline.micro_batches_per_step), []
     for event in train(config, launch_id=context.run_id):
         timeline.add(event)
         if isinstance(event, StageCommitted):
@@ -77,12 +82,16 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
             # rollouts, committed before (their event's table; read from the store if this launch resumed past them).
             if event.stage == "rollouts":
                 previews[key] = event.table.select(PREVIEW_COLUMNS)
+                served.add(key, event.table)
             rollouts = (previews.pop(key, None) or store.read("rollouts", key, columns=PREVIEW_COLUMNS)
                         if event.stage == "rewards" else None)
             context.log_event(dg.AssetMaterialization(
                 asset_key=event.stage, partition=stage_partition(key.run, key.step, key.micro_batch),
                 metadata=stage_metadata(event.stage, event.path, event.seconds, event.table, rollouts)))
         elif isinstance(event, PolicyCommitted):
+            teammates = {name: found for name, found in served.at(event.step).items() if name != event.agent}
+            card = card_summary(config.run, event.agent, event.version, config.agents[event.agent].model, event.tokens,
+                                teammates, covering_launches(launches, event.version))
             context.log_event(dg.AssetMaterialization(
                 asset_key="policies", partition=agent_key(config.run, event.agent),
                 metadata={"policy_version": event.version, "step": event.step,
@@ -90,7 +99,7 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
                           "tokens": event.tokens, "sync_seconds": event.sync_seconds,
                           "trainer_computed_tokens": event.computed_tokens,
                           "trainer_tokens_per_s": round(event.tokens_per_second, 1),
-                          "mfu_percent": round(100 * event.mfu, 3)}))
+                          "mfu_percent": round(100 * event.mfu, 3), "card": dg.MetadataValue.md(card)}))
         elif isinstance(event, TrainerPasses):
             context.log.info(f"{STEP_PREFIX}{event.step}: {event.describe()}")
         elif isinstance(event, EvaluationCommitted):
@@ -103,6 +112,7 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
             context.log_event(dg.AssetMaterialization(asset_key="health", partition=step_key(config.run, event.step),
                                                       metadata=health_metadata(event.health)))
             context.log_event(collapse_evaluation(config.run, event.step, event.warnings, config.health))
+            served.forget(event.step)  # every agent has committed past it
             # Logged (and so on the `marl` CLI) as a streak starts, not at each of its steps, which can be dozens; the
             # health check fails at every one of them.
             for warning in started_warnings(reported, event.warnings):
@@ -117,6 +127,7 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
         elif isinstance(event, SetupPhase):
             context.log.info(f"{SETUP_PREFIX}{event.name} ({event.seconds:.1f} s)")
         elif isinstance(event, RunStarted):
+            launches = launch_history(store, config.run)[0]  # planned: this launch is in it
             _fail_dead_predecessors(context, config.run, event.plan.resumed)
             _log_start(context, config, event)
         elif isinstance(event, RunFinished):

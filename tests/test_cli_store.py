@@ -97,3 +97,31 @@ def test_export_writes_a_loadable_model_with_the_trained_weights(tiny_model_dir:
     assert "no policy versions of agent 'critic' in run 'r'" in export("--agent", "critic", "--out", "x")
     assert "agents there: ['full', 'lora']" in export("--agent", "critic", "--out", "x")
     assert export("--agent", "full", "--version", "7", "--out", str(tmp_path / "v7")).startswith("1:")
+
+
+def test_export_all_agents_writes_one_release_each(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``--all-agents``: each agent's newest version in OUT/<agent>, weights beside their card and provenance; a run
+    with no stored stages or launch record says so rather than inventing them."""
+    import json
+
+    store = ExperienceStore(tmp_path / "store")
+    _trained(store, "r", "full", tiny_model_dir, None)
+    _trained(store, "r", "lora", tiny_model_dir, LORA)
+    runner = CliRunner()
+    out = tmp_path / "release"
+    result = runner.invoke(app, ["export", str(tmp_path / "store"), "--run", "r", "--all-agents", "--version", "2",
+                                 "--out", str(out)])
+    assert result.exit_code == 1 and "has no version 2" in " ".join(result.output.split()) and not out.exists()
+    result = runner.invoke(app, ["export", str(tmp_path / "store"), "--run", "r", "--all-agents", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert sorted(path.name for path in out.iterdir()) == ["full", "lora"]
+    for agent, weights in (("full", "full"), ("lora", "lora merged")):
+        provenance = json.loads((out / agent / "provenance.json").read_text())
+        assert (provenance["agent"], provenance["version"], provenance["weights"]) == (agent, 1, weights)
+        assert (provenance["steps"], provenance["steps_missing"], provenance["launches"]) == ([], [0], [])
+        card = (out / agent / "README.md").read_text()
+        assert card.startswith("---\nlibrary_name: transformers\n")
+        assert "no policy updates of this agent for steps 0" in card
+        assert {"config.json", "model.safetensors"} <= {path.name for path in (out / agent).iterdir()}
+    result = runner.invoke(app, ["export", str(tmp_path / "store"), "--run", "r", "--all-agents", "--out", str(out)])
+    assert result.exit_code == 1 and "is not empty" in " ".join(result.output.split())

@@ -101,6 +101,21 @@ def test_train_job_evaluates_every_agent_and_a_recomputation_agrees(evaluated) -
     assert again.column("response_text").to_pylist() == stored.column("response_text").to_pylist()
 
 
+def test_an_exported_version_carries_its_held_out_evaluation_and_provenance(evaluated, tmp_path: Path) -> None:
+    """Version 2, evaluated, exported from the store: its card and provenance.json hold the evaluation and every
+    other field as stored (a launch without a Dagster run: its id is None)."""
+    from marl_pipeline.run.cards import export_release
+    from tests.test_policy_cards import assert_release_matches_store
+
+    config, _ = evaluated
+    store = ExperienceStore(config.store)
+    export_release(store, config.run, "solver", 2, tmp_path / "solver")
+    provenance = assert_release_matches_store(tmp_path / "solver", store, config.run, "solver", 2,
+                                              config.pipeline.micro_batches_per_step, [None])
+    assert "accuracy" in provenance["evaluation"]["metrics"] and provenance["evaluation"]["team"]
+    assert provenance["config"]["evaluation"] == config.model_dump(mode="json")["evaluation"]
+
+
 def test_the_team_plays_whole_episodes_on_the_solvers_cases_and_its_figures_follow_from_them(evaluated) -> None:
     """The team's rows: each of the solver's held-out cases played n times (solver, then the verifier judging that
     answer, at the version evaluated); the figures recomputed here from the stored episodes by hand."""

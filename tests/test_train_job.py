@@ -260,3 +260,29 @@ def test_each_set_up_phase_is_in_the_runs_log_as_it_ends(trained) -> None:
     first_commit = next(i for i, entry in enumerate(entries)
                         if entry.dagster_event is not None and entry.dagster_event.is_step_materialization)
     assert max(i for i, entry in enumerate(entries) if entry.user_message in lines) < first_commit
+
+
+def test_each_version_shows_its_card_and_exports_with_what_the_store_holds(trained, tmp_path: Path) -> None:
+    """The launch record names the Dagster run that trained the run; each version's ``policies`` materialization
+    shows its card's summary; ``marl export --all-agents`` writes each agent's release, every field as stored."""
+    from typer.testing import CliRunner
+
+    from assets.cli import app
+    from tests.test_policy_cards import assert_release_matches_store
+
+    instance, store, run_id = trained["instance"], trained["store"], trained["result"].run_id
+    commit = store.read_record("small", "launch.json")["launches"][0]["commit"]
+    for record in instance.fetch_materializations(dg.AssetKey("policies"), limit=100).records:
+        agent = record.asset_materialization.partition.removeprefix("small-")
+        version = record.asset_materialization.metadata["policy_version"].value
+        card = record.asset_materialization.metadata["card"].value
+        teammate = "verifier" if agent == "solver" else "solver"
+        assert f"**run `small`, agent `{agent}`, version {version}** (base model `builtin:tiny`)" in card
+        # staleness 0: step s is served by version s
+        assert f"teammates at step {version - 1}: {teammate} v{version - 1}" in card
+        assert f"launches: `{run_id}` (steps 0..{STEPS - 1}, commit `{(commit or '-')[:12]}`)" in card
+    out = tmp_path / "release"
+    result = CliRunner().invoke(app, ["export", str(store.root), "--run", "small", "--all-agents", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    for agent in ("solver", "verifier"):
+        assert_release_matches_store(out / agent, store, "small", agent, STEPS, MICRO_BATCHES, [run_id])

@@ -13,8 +13,7 @@ from marl_pipeline.policy.lora import NAMED_ADAPTERS, is_adapter_checkpoint
 def export_policy(version_dir: Path, base_dir: Path | None, out: Path, merge: bool = True) -> Path:
     """Write the policy in ``version_dir`` to ``out`` (new or empty). A LoRA version (adapters over ``base_dir``,
     the agent's version 0) is merged into a full model, or with ``merge=False`` written as its peft adapters."""
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} is not empty: export into a new directory")
+    require_empty(out)
     if is_adapter_checkpoint(version_dir) and merge:
         import peft
 
@@ -27,3 +26,9 @@ def export_policy(version_dir: Path, base_dir: Path | None, out: Path, merge: bo
     # Version 0's named adapters serve chosen turns inside a run (policy/lora.py): not part of the policy.
     shutil.copytree(version_dir, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*RECORD_FILES, NAMED_ADAPTERS))
     return out
+
+
+def require_empty(out: Path) -> None:
+    """Raise ``FileExistsError`` naming ``out`` unless it is absent or an empty directory."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} is not empty: export into a new directory")
