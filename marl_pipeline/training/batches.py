@@ -3,7 +3,7 @@ are cut into passes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -56,14 +56,15 @@ class StepResult:
     """Learning rate of the step."""
     computed_tokens: int = 0
     """Real tokens (prompts and responses, no padding) the step's passes computed, over every worker."""
-    compute_seconds: float = 0.0
+    # Measurements, left out of equality: two steps that computed the same differ in them
+    compute_seconds: float = field(default=0.0, compare=False)
     """The trainer's own time in the step's passes and optimizer step (one worker's: they compute side by side)."""
-    tokens_per_second: float = 0.0
+    tokens_per_second: float = field(default=0.0, compare=False)
     """``computed_tokens / compute_seconds``."""
-    mfu: float = 0.0
+    mfu: float = field(default=0.0, compare=False)
     """Model FLOPs utilization: 6 x parameters x ``computed_tokens`` / ``compute_seconds`` over the workers'
     measured matmul peak (training/flops.py)."""
-    peak_tflops: float = 0.0
+    peak_tflops: float = field(default=0.0, compare=False)
     """One worker's measured matmul peak in the trainer's precision, TFLOP/s."""
     chunk_tokens: int = 0
     """Tokens a pass (the budget the trainer chose or was given)."""
