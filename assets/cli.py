@@ -245,29 +245,64 @@ HEALTH_HEADERS = {"zero_variance_groups": "zero-var groups", "distinct_responses
                   "top_response_share": "top share", "top_answer_share": "top overall", "token_entropy": "entropy",
                   "response_length": "length", "truncated_share": "cut", "loss_per_token": "loss/token",
                   "clip_fraction": "clipped", "mismatch_abs_logprob": "mismatch", "grad_norm": "grad norm"}
+HEALTH_NARROW = {"top_answer_share": "top", "zero_variance_groups": "0-var", "token_entropy": "entropy",
+                 "response_length": "length", "clip_fraction": "clip", "grad_norm": "grad"}
+"""The signals an 80-column terminal shows (the collapse rules' two first): ``--wide`` shows every one, ``--format
+json`` or ``csv`` gives the whole table to scripts."""
+FORMATS = ("table", "json", "csv")
 
 
-def _print_health_table(store, run: str, step: int | None, agent: str | None) -> None:
-    """Each agent's training-health signals per step (the ``health`` dataset): the newest steps, or ``step``. The
-    trainer's throughput (``PERF_SIGNALS``) is left out: the table is wide already."""
-    from marl_pipeline.stages.health import HEALTH_SIGNALS, PERF_SIGNALS
+def _check_format(output: str) -> None:
+    if output not in FORMATS:
+        console.print(f"[red]--format {output!r}: expected one of {', '.join(FORMATS)}[/red]")
+        raise typer.Exit(2)
+
+
+def _write_rows(rows: list[dict], output: str) -> None:
+    """Rows as JSON (a list of objects) or CSV (a header, then a line a row) on standard output, for scripts."""
+    import csv
+    import json
+    import sys
+
+    if output == "json":
+        sys.stdout.write(json.dumps(rows, default=str, indent=1) + "\n")
+        return
+    writer = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]) if rows else [], lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def _health_rows(store, run: str, step: int | None, agent: str | None) -> tuple[list[dict], int]:
+    """The ``health`` rows of the newest steps (or ``step``), each with its run and step, and how many steps."""
     from marl_pipeline.store import MicroBatchKey
 
     steps = sorted({key.step for key in store.committed_keys(run, "health")})
     steps = [s for s in steps if s == step] if step is not None else steps[-HEALTH_STEPS_SHOWN:]
-    if not steps:
-        return
-    rows = [(s, row) for s in steps for row in store.read("health", MicroBatchKey(run, s, 0)).to_pylist()
+    rows = [{"run": run, "step": s, **row} for s in steps
+            for row in store.read("health", MicroBatchKey(run, s, 0)).to_pylist()
             if agent is None or row["agent"] == agent]
-    table = Table(title=f"training health per step, run {run}" + (f" (the last {len(steps)} steps)"
-                                                                    if step is None else ""))
+    return rows, len(steps)
+
+
+def _print_health_table(store, run: str, step: int | None, agent: str | None, wide: bool = False) -> None:
+    """Each agent's training-health signals per step (the ``health`` dataset): the newest steps, or ``step``; the
+    signals that matter (:data:`HEALTH_NARROW`), or with ``wide`` every one but the trainer's throughput."""
+    from marl_pipeline.stages.health import HEALTH_SIGNALS, PERF_SIGNALS
+
+    rows, steps = _health_rows(store, run, step, agent)
+    if not rows:
+        return
+    headers = ({name: HEALTH_HEADERS[name] for name in HEALTH_SIGNALS if name not in PERF_SIGNALS} if wide
+               else HEALTH_NARROW)
+    table = Table(title=f"training health, run {run}" + (f", the last {steps} steps" if step is None else "")
+                  + ("" if wide else " (--wide: every signal)"))
     table.add_column("step", justify="right")
     table.add_column("agent")
-    shown = [name for name in HEALTH_SIGNALS if name not in PERF_SIGNALS]
-    for name in shown:
-        table.add_column(HEALTH_HEADERS[name], justify="right")
-    for s, row in rows:
-        table.add_row(str(s), row["agent"], *("-" if row[name] is None else f"{row[name]:.3g}" for name in shown))
+    for header in headers.values():
+        table.add_column(header, justify="right")
+    for row in rows:
+        table.add_row(str(row["step"]), row["agent"],
+                      *("-" if row[name] is None else f"{row[name]:.3g}" for name in headers))
     console.print(table)
 
 
@@ -304,10 +339,14 @@ def inspect(store_uri: str = typer.Argument(..., help="Experience store: a direc
             run: str | None = typer.Option(None, help="Run to summarise (default: every run)."),
             step: int | None = typer.Option(None, help="Only this step."),
             agent: str | None = typer.Option(None, help="Only this agent's turns (samples: episodes it took part in)."),
-            sample: int = typer.Option(0, help="Also render N sample episodes as the agents' conversation.")) -> None:
+            sample: int = typer.Option(0, help="Also render N sample episodes as the agents' conversation."),
+            wide: bool = typer.Option(False, "--wide", help="Every health signal, for a wide terminal."),
+            output: str = typer.Option("table", "--format", help="table, or the health rows of every column as "
+                                                                  "json or csv (for scripts).")) -> None:
     """Summarise a stored run: episodes, tokens, reward and staleness distributions, failures, sample episodes."""
     from marl_pipeline.store import ExperienceStore, StoreError
 
+    _check_format(output)
     try:
         store = ExperienceStore(store_uri)
         runs = [run] if run else store.runs()
@@ -318,8 +357,11 @@ def inspect(store_uri: str = typer.Argument(..., help="Experience store: a direc
         console.print(f"[yellow]no runs in {store.uri}[/yellow]")
         raise typer.Exit(1)
     try:
+        if output != "table":
+            _write_rows([row for name in runs for row in _health_rows(store, name, step, agent)[0]], output)
+            return
         for name in runs:
-            _print_run(store, name, step, agent, sample)
+            _print_run(store, name, step, agent, sample, wide)
     except StoreError as error:
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(1) from None
@@ -337,24 +379,30 @@ def _open_store(store_uri: str):
 
 @app.command()
 def runs(store_uri: str = typer.Argument(".marl/store", help="Experience store: a directory or s3://bucket/prefix.",
-                                         metavar="STORE")) -> None:
+                                         metavar="STORE"),
+         output: str = typer.Option("table", "--format", help="table, json or csv (for scripts).")) -> None:
     """The runs in a store: each agent's newest policy version, the launch's target step and state, last activity."""
+    from dataclasses import asdict
     from datetime import datetime
 
     from marl_pipeline.run.launches import run_overview
 
+    _check_format(output)
     store = _open_store(store_uri)
     names = store.runs()
     if not names:
         console.print(f"[yellow]no runs in {store.uri}[/yellow]")
         raise typer.Exit(1)
+    overviews = [run_overview(store, name) for name in names]
+    if output != "table":
+        _write_rows([asdict(run) for run in overviews], output)
+        return
     table = Table(title=f"runs in {store.uri}")
-    for column in ("run", "newest versions", "target step", "state", "last version committed"):
-        table.add_column(column)
-    for name in names:
-        run = run_overview(store, name)
-        when = "-" if run.last_activity is None else datetime.fromtimestamp(run.last_activity).isoformat(" ", "seconds")
-        table.add_row(name, ", ".join(f"{a} v{v}" for a, v in run.versions.items()) or "-",
+    for column in ("run", "newest versions", "target", "state", "last version"):
+        table.add_column(column, overflow="fold")  # a long run name folds onto a second line, never cut
+    for run in overviews:
+        when = "-" if run.last_activity is None else datetime.fromtimestamp(run.last_activity).strftime("%m-%d %H:%M")
+        table.add_row(run.run, ", ".join(f"{a} v{v}" for a, v in run.versions.items()) or "-",
                       "-" if run.target_step is None else str(run.target_step), run.state, when)
     console.print(table)
 
@@ -406,7 +454,7 @@ def export(store_uri: str = typer.Argument(..., help="Experience store: a direct
         raise typer.Exit(1) from None
 
 
-def _print_run(store, run: str, step: int | None, agent: str | None, sample: int) -> None:
+def _print_run(store, run: str, step: int | None, agent: str | None, sample: int, wide: bool = False) -> None:
     from marl_pipeline.store.inspection import inspect_run, sample_episodes, text_histogram
 
     report = inspect_run(store, run, step, agent)
@@ -418,7 +466,7 @@ def _print_run(store, run: str, step: int | None, agent: str | None, sample: int
     if step is None and agent is None:
         _print_reward_table(store, run)
         _print_evaluation_table(store, run)
-    _print_health_table(store, run, step, agent)
+    _print_health_table(store, run, step, agent, wide)
     table = Table(title="turns, tokens and reward per agent")
     for column in ("agent", "turns", "tokens", "reward mean", "std", "min", "p50", "max"):
         table.add_column(column, justify="left" if column == "agent" else "right")

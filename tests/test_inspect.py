@@ -113,3 +113,55 @@ def test_inspect_reads_only_the_filtered_partitions(tmp_path: Path, agent: str |
         path.write_bytes(b"not parquet")
     assert inspect_run(store, "r", step=1, agent=agent)["steps"] == 1
     assert store.dataset("r", "rewards").to_table(filter=ds.field("step") == 1).num_rows == 16
+
+
+def _with_health(store: ExperienceStore, steps: int = 2) -> None:
+    """Health partitions of write_run's steps, as a launch commits them (its trainers' figures included)."""
+    import pyarrow as pa
+
+    from marl_pipeline.stages.health import REWARD_COLUMNS, ROLLOUT_COLUMNS, health_table
+
+    for step in range(steps):
+        keys = [MicroBatchKey("r", step, m) for m in range(2)]
+        rows = {stage: pa.concat_tables([store.read(stage, key, columns=columns) for key in keys]).to_pylist()
+                for stage, columns in (("rollouts", ROLLOUT_COLUMNS), ("rewards", REWARD_COLUMNS))}
+        trained = {agent: {"grad_norm": 12.3456 + step, "trainer_tokens_per_s": 4321.5, "mfu": 0.0123}
+                   for agent in ("solver", "verifier")}
+        store.commit("health", keys[0], health_table(rows["rollouts"], rows["rewards"], [],
+                                                     {"solver": step + 1, "verifier": step + 1}, trained))
+
+
+def test_inspect_and_runs_fit_80_columns_and_give_scripts_every_column(tmp_path: Path) -> None:
+    """Rendered at 80 columns no cell is cut (Rich marks a cut with an ellipsis); --wide has every signal;
+    --format json and csv carry the whole health table, the trainer's throughput too."""
+    import csv
+    import io
+    import json
+
+    from typer.testing import CliRunner
+
+    from assets.cli import HEALTH_NARROW, app
+
+    store = ExperienceStore(tmp_path)
+    write_run(store)
+    _with_health(store)
+    runner = CliRunner()
+    narrow = runner.invoke(app, ["inspect", str(tmp_path), "--run", "r"], env={"COLUMNS": "80"})
+    assert narrow.exit_code == 0, narrow.output
+    assert "…" not in narrow.output and max(map(len, narrow.output.splitlines())) <= 80
+    assert all(header in narrow.output for header in HEALTH_NARROW.values()) and "12.3" in narrow.output
+    assert "mismatch" not in narrow.output  # a signal behind --wide
+    wide = runner.invoke(app, ["inspect", str(tmp_path), "--run", "r", "--wide"], env={"COLUMNS": "250"})
+    assert "mismatch" in wide.output and "distinct" in wide.output and "…" not in wide.output
+    rows = json.loads(runner.invoke(app, ["inspect", str(tmp_path), "--run", "r", "--format", "json"]).output)
+    assert len(rows) == 4 and {row["step"] for row in rows} == {0, 1}
+    assert {"grad_norm", "trainer_tokens_per_s", "mfu", "mismatch_abs_logprob"} <= set(rows[0])
+    assert rows[0]["mfu"] == pytest.approx(0.0123) and rows[0]["run"] == "r"
+    table = list(csv.DictReader(io.StringIO(
+        runner.invoke(app, ["inspect", str(tmp_path), "--run", "r", "--format", "csv", "--step", "1"]).output)))
+    assert [row["agent"] for row in table] == ["solver", "verifier"] and table[0]["grad_norm"].startswith("13.3")
+    bad = runner.invoke(app, ["inspect", str(tmp_path), "--format", "yaml"])
+    assert bad.exit_code == 2 and "table, json, csv" in bad.output
+    listed = runner.invoke(app, ["runs", str(tmp_path)], env={"COLUMNS": "80"})
+    assert listed.exit_code == 0 and "…" not in listed.output and "solver v0" in listed.output
+    assert json.loads(runner.invoke(app, ["runs", str(tmp_path), "--format", "json"]).output)[0]["run"] == "r"
