@@ -7,6 +7,7 @@ Heavy imports (Dagster, Ray, torch) happen after the arguments are parsed and th
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -36,6 +37,25 @@ _RAY_INIT = {"include_dashboard": False, "log_to_driver": False}
 
 _QUIET_ENV = {"TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
               "VLLM_LOGGING_LEVEL": "ERROR", "RAY_DEDUP_LOGS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+class _RayStartNotices(logging.Filter):
+    """Drops two warnings ``ray.init`` logs that ask nothing of a ``marl train`` user: that Ray set no SIGTERM handler
+    (the CLI starts Ray on a thread of its own, for start-up time, and handles the signals itself) and that Ray
+    enabled token authentication by default (it stays enabled; the notice only says how to turn it off)."""
+
+    NOTICES = ("SIGTERM handler is not set", "Token authentication is enabled for this Ray cluster")
+    LOGGERS = ("ray._private.worker", "ray._private.authentication.authentication_token_setup")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.NOTICES)
+
+    @classmethod
+    def install(cls) -> None:
+        for name in cls.LOGGERS:
+            logger = logging.getLogger(name)
+            if not any(isinstance(existing, cls) for existing in logger.filters):
+                logger.addFilter(cls())
 
 
 def _dagster_home() -> Path:
@@ -79,6 +99,7 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     # (set before Ray starts, so the engine and trainer actors inherit them). Errors still propagate.
     for name, value in _QUIET_ENV.items():
         os.environ.setdefault(name, value)
+    _RayStartNotices.install()
     local_ray = _LocalRay(config) if config.ray.address is None else None
     from marl_pipeline.cluster.heap import collector_paused
 

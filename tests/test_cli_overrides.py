@@ -47,3 +47,31 @@ def test_a_bad_setting_fails_at_once_naming_it() -> None:
     assert result.exit_code == 2 and "stepz" in result.output
     result = runner.invoke(app, ["train", str(DEMO), "--set", "pipeline.steps"])
     assert result.exit_code == 2 and "KEY=VALUE" in result.output
+
+
+def test_rays_start_notices_are_dropped_and_its_other_warnings_kept() -> None:
+    """The two ``ray.init`` warnings that ask nothing of a ``marl train`` user, filtered on Ray's own loggers."""
+    import logging
+
+    from assets.cli import _RayStartNotices
+
+    _RayStartNotices.install()
+    _RayStartNotices.install()  # once per logger, however often the command runs in a process
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    worker, ray_logger = logging.getLogger("ray._private.worker"), logging.getLogger("ray")
+    handler = Keep()
+    ray_logger.addHandler(handler)  # where both loggers' records reach Ray's own handlers
+    try:
+        worker.warning("SIGTERM handler is not set because current thread is not the main thread.")
+        logging.getLogger("ray._private.authentication.authentication_token_setup").warning(
+            "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
+        worker.warning("Some other warning a user should see")
+    finally:
+        ray_logger.removeHandler(handler)
+    assert records == ["Some other warning a user should see"]
+    assert sum(isinstance(f, _RayStartNotices) for f in worker.filters) == 1
