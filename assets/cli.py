@@ -266,8 +266,8 @@ HEALTH_HEADERS = {"zero_variance_groups": "zero-var groups", "distinct_responses
                   "top_response_share": "top share", "top_answer_share": "top overall", "token_entropy": "entropy",
                   "response_length": "length", "truncated_share": "cut", "loss_per_token": "loss/token",
                   "clip_fraction": "clipped", "mismatch_abs_logprob": "mismatch", "grad_norm": "grad norm"}
-HEALTH_NARROW = {"top_answer_share": "top", "zero_variance_groups": "0-var", "token_entropy": "entropy",
-                 "response_length": "length", "clip_fraction": "clip", "grad_norm": "grad"}
+HEALTH_NARROW = {"top_answer_share": "top", "zero_variance_groups": "zero-var", "token_entropy": "entropy",
+                 "response_length": "length", "clip_fraction": "clip", "grad_norm": "grad norm"}
 """The signals an 80-column terminal shows (the collapse rules' two first): ``--wide`` shows every one, ``--format
 json`` or ``csv`` gives the whole table to scripts."""
 FORMATS = ("table", "json", "csv")
@@ -315,7 +315,7 @@ def _print_health_table(store, run: str, step: int | None, agent: str | None, wi
         return
     headers = ({name: HEALTH_HEADERS[name] for name in HEALTH_SIGNALS if name not in PERF_SIGNALS} if wide
                else HEALTH_NARROW)
-    table = Table(title=f"training health, run {run}" + (f", the last {steps} steps" if step is None else "")
+    table = Table(title=f"training health per step, run {run}" + (f", the last {steps}" if step is None else "")
                   + ("" if wide else " (--wide: every signal)"))
     table.add_column("step", justify="right")
     table.add_column("agent")
