@@ -23,7 +23,6 @@ from marl_pipeline.config import (
     ConfigError,
     apply_overrides,
     dotted_overrides,
-    load_config,
     parse_config,
     read_config_data,
 )
@@ -73,8 +72,8 @@ def train_run_config(config_path: Path, settings: list[str]):
     """The experiment CONFIG with ``--set`` KEY=VALUE settings, validated, and the train job's ``experiment``
     resource config that gives a run the same: the file and the settings as the launchpad's ``overrides``."""
     data = read_config_data(config_path)
-    if not settings:
-        return load_config(config_path), {"config_path": str(config_path)}
+    if not settings:  # as load_config, from the data read once
+        return parse_config(data, source=str(config_path)), {"config_path": str(config_path)}
     if not isinstance(data, dict):
         raise ConfigError(f"invalid config {config_path}: expected a mapping at the top level")
     overrides = dotted_overrides(settings, list(data.get("agents") or {}))

@@ -1,7 +1,9 @@
 """GRPO's loss terms per token, their normalisation, and the token log-probabilities they need.
 
 Every term is a [batch, length] tensor of per-token values; :func:`summed_loss` masks and sums them the
-way the step normalises them (by tokens or by sequences), so the trainer divides once per step.
+way the step normalises them (by tokens or by sequences), so the trainer divides once per step. The trainer sums
+them with per-token weights (training/packing.py ``Pass.loss_weights``): the same normalisation, in a form that holds
+for a packed pass too, whose rows share one row of the tensor.
 """
 
 from __future__ import annotations
