@@ -105,7 +105,7 @@ def copy_figures(nbytes: int) -> str:
 def bench_swapping(args, model_dir: Path, work: Path) -> None:
     import ray
 
-    from marl_pipeline.cluster.spawn import start_trainers
+    from marl_pipeline.cluster.spawn import plan_on_ray, start_trainers
     from marl_pipeline.config import ExperimentConfig
     from marl_pipeline.store import ExperienceStore
 
@@ -124,7 +124,7 @@ def bench_swapping(args, model_dir: Path, work: Path) -> None:
     for agent in agents:
         shutil.copytree(model_dir, store.policy_dir("bench", agent, 0))
     versions = dict.fromkeys(agents, 0)
-    trainers = {name: start_trainers(config, store, versions) for name, (config, _) in layouts.items()}
+    trainers = {name: start_trainers(plan_on_ray(config), store, versions) for name, (config, _) in layouts.items()}
     ray.get([t.policy_version.remote() for handles in trainers.values() for t in handles.values()])
     vocab = model_vocab(model_dir)
     rng = np.random.default_rng(0)

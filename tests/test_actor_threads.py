@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from marl_pipeline.cluster import placement
 from marl_pipeline.cluster.cores import CoreSplit, CpuReport, cores_used, demand_threads
-from marl_pipeline.cluster.placement import shared_threads
-from marl_pipeline.cluster.spawn import actor_threads, start_trainers
+from marl_pipeline.cluster.placement import plan_placement
+from marl_pipeline.cluster.spawn import plan_on_ray, start_trainers
+from marl_pipeline.cluster.specs import shared_threads
 from marl_pipeline.config import ConfigError, parse_config
 from marl_pipeline.store import ExperienceStore
 from tests.conftest import hybrid_agents
@@ -49,9 +49,9 @@ def test_trainer_actors_compute_on_their_threads(local_ray, demo_config_data: di
     for agent in config.agents:
         shutil.copytree(tiny_model_dir, store.policy_dir(config.run, agent, 0))
     # local_ray has 2 CPUs for four 0.5-CPU actors: the verifier's default share is one thread
-    assert (actor_threads(config, config.agents["solver"].trainer),
-            actor_threads(config, config.agents["verifier"].trainer)) == (2, 1)
-    trainers = start_trainers(config, store, {agent: 0 for agent in config.agents})
+    plan = plan_on_ray(config)
+    assert [spec.threads for spec in plan.specs if spec.role == "trainer"] == [2, 1]
+    trainers = start_trainers(plan, store, {agent: 0 for agent in config.agents})
     try:
         # in the actor's process, from a method call (not only its constructor): what the forward passes get
         threads = {agent: local_ray.get(handle.__ray_call__.remote(lambda self: torch.get_num_threads()))
@@ -69,9 +69,8 @@ def test_engines_and_trainers_taking_turns_each_get_the_cores(demo_config_data: 
         config = parse_config({**demo_config_data, "store": str(tmp_path), "environment": environment,
                                "agents": {name: demo_config_data["agents"][name] for name in agents},
                                "pipeline": {**demo_config_data["pipeline"], "mode": mode}})
-        solver = config.agents["solver"]
-        return (placement.actor_threads(config, solver.engine, cpus, cpus),
-                placement.actor_threads(config, solver.trainer, cpus, cpus))
+        plan = plan_placement(config, [{"CPU": cpus}])
+        return plan.agent_specs("solver", "engine")[0].threads, plan.agent_specs("solver", "trainer")[0].threads
 
     # streaming: an agent's engine samples while its trainer trains, so all four (or both) share the cores
     assert threads(["solver", "verifier"], "streaming", 2) == (1, 1)
@@ -110,7 +109,7 @@ def test_a_busy_trainer_takes_the_cores_its_idle_neighbour_leaves(local_ray, dem
     store = ExperienceStore(tmp_path / "store")
     for agent in config.agents:
         shutil.copytree(tiny_model_dir, store.policy_dir(config.run, agent, 0))
-    trainers = start_trainers(config, store, {agent: 0 for agent in config.agents})
+    trainers = start_trainers(plan_on_ray(config), store, {agent: 0 for agent in config.agents})
     try:
         def threads() -> dict[str, int]:
             return {agent: local_ray.get(handle.__ray_call__.remote(lambda self: torch.get_num_threads()))
@@ -149,7 +148,7 @@ def test_a_hybrid_agents_process_reports_engine_and_trainer_apart_and_its_traine
     config = parse_config(data)
     store = ExperienceStore(tmp_path / "store")
     shutil.copytree(tiny_model_dir, store.policy_dir(config.run, "solver", 0))
-    trainer = start_trainers(config, store, {"solver": 0})["solver"]  # the agent's process, with its engine
+    trainer = start_trainers(plan_on_ray(config), store, {"solver": 0})["solver"]  # the agent's process
     process = trainer.actor
     try:
         def on_trainer_lane(function, *args):  # as the trainer's calls run: on its training lane's thread

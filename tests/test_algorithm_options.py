@@ -159,13 +159,11 @@ def test_bf16_trainer_keeps_float32_weights_and_close_logprobs(tiny_model_dir: P
 
 
 def test_trainer_options_carry_the_algorithm_and_precision(demo_config_data: dict, tmp_path: Path) -> None:
-    from marl_pipeline.cluster.spawn import trainer_options
+    from marl_pipeline.cluster.specs import BASE_POLICY, trainer_options
     from marl_pipeline.config import parse_config
-    from marl_pipeline.store import ExperienceStore
 
-    store = ExperienceStore(tmp_path / "store")
     default = parse_config({**demo_config_data, "store": str(tmp_path / "store")})
-    options = trainer_options(default, "solver", store)
+    options = trainer_options(default, "solver")
     assert (options["kl_coef"], options["reference_dir"], options["entropy_coef"], options["tis_cap"]) == (
         0.0, None, 0.0, None)
     assert (options["loss_normalization"], options["dtype"]) == ("token", "float32")
@@ -174,8 +172,8 @@ def test_trainer_options_carry_the_algorithm_and_precision(demo_config_data: dic
     config = parse_config({**demo_config_data, "store": str(tmp_path / "store"), "agents": agents,
                            "algorithm": {"kl_coef": 0.05, "entropy_coef": 0.001, "loss_normalization": "sequence",
                                          "tis_cap": 2.0}})
-    options = trainer_options(config, "solver", store)
-    assert options["reference_dir"] == str(store.policy_dir(config.run, "solver", 0))
+    options = trainer_options(config, "solver")
+    assert options["reference_dir"] == BASE_POLICY  # version 0, fetched where the trainer is built
     assert (options["kl_coef"], options["entropy_coef"], options["loss_normalization"], options["tis_cap"],
             options["dtype"]) == (0.05, 0.001, "sequence", 2.0, "auto")
 

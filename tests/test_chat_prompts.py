@@ -183,7 +183,7 @@ def chat_run(local_ray, smollm2_dir, tmp_path_factory):
 @needs_smollm2
 def test_engine_stored_and_trainer_ids_are_the_templates_and_a_recomputation_repeats_them(chat_run,
                                                                                          chat_tokenizer) -> None:
-    from marl_pipeline.cluster.spawn import trainer_options
+    from marl_pipeline.cluster.specs import trainer_options
     from marl_pipeline.stages.recompute import recompute_stage
     from marl_pipeline.stages.training import train_batch_for
     from marl_pipeline.training.losses import pad_sequences
@@ -227,7 +227,7 @@ def test_engine_stored_and_trainer_ids_are_the_templates_and_a_recomputation_rep
     for row, r in enumerate(by_order):
         width = int(attention_mask[row].sum())
         assert input_ids[row, :width].tolist() == r["prompt_ids"] + r["response_ids"]
-    trainer = PolicyTrainer(str(store.policy_dir("chat", "solver", 0)), 0, **trainer_options(config, "solver", store))
+    trainer = PolicyTrainer(str(store.policy_dir("chat", "solver", 0)), 0, **trainer_options(config, "solver"))
     for r in by_order:
         trained = trainer.completion_logprobs(r["prompt_ids"], r["response_ids"])
         assert np.abs(np.asarray(trained) - np.asarray(r["logprobs"])).max() < 1e-3  # measured: under 6e-5

@@ -82,19 +82,22 @@ def test_the_plan_gives_each_shared_gpu_half_to_the_engine_and_half_to_the_train
 
 PROBE = textwrap.dedent("""
     import json, os, sys
-    import ray
-    from marl_pipeline.cluster import colocation
-    from marl_pipeline.cluster.trainers import start_sharded_trainer
-    from marl_pipeline.config import AgentConfig
+    import ray, yaml
+    from marl_pipeline.cluster.options import actor_options, placement_group
+    from marl_pipeline.cluster.placement import plan_placement
+    from marl_pipeline.cluster.spawn import start_trainers
+    from marl_pipeline.config import parse_config
     from tests import logical_gpus
 
     store = logical_gpus.start(sys.argv[1], sys.argv[2])
     seen = lambda actor: ray.get(actor.__ray_call__.remote(lambda self: os.environ.get("CUDA_VISIBLE_DEVICES")))
 
-    # One GPU: the engine and the trainer in bundle 0, each with half of it
-    one = AgentConfig(colocated=True, engine={"num_gpus": 1, "num_cpus": 0.25},
-                      trainer={"num_gpus": 1, "num_cpus": 0.25})
-    group = colocation.colocation_group(one, {}, {})
+    def plan(engine, trainer):
+        # the colocated solver alone, planned on this node, as a run plans it
+        data = yaml.safe_load(open("configs/demo_solver_alone.yaml"))
+        data |= {"run": "r", "store": sys.argv[2], "pipeline": {**data["pipeline"], "mode": "synchronous"}}
+        data["agents"]["solver"] |= {"colocated": True, "engine": engine, "trainer": {**trainer, "threads": 1}}
+        return plan_placement(parse_config(data), [{"CPU": 2.0, "GPU": 4.0}])
 
     @ray.remote
     class Probe:
@@ -109,21 +112,23 @@ PROBE = textwrap.dedent("""
                     group, placement_group_bundle_index=k)).remote() for k in bundles]
             return os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get(workers)
 
-    engine = Probe.options(**colocation.engine_options(one, group)).remote()
-    trainer = colocation.start_trainer(one, group, store.config, "r", "solver", 0, lr=1e-3, weight_decay=0.0,
-                                       max_grad_norm=1.0, clip_eps=0.2, seed=0, num_threads=1)
+    # One GPU: the engine and the trainer in bundle 0, each with half of it
+    one = plan({"num_gpus": 1, "num_cpus": 0.25}, {"num_gpus": 1, "num_cpus": 0.25})
+    spec = one.agent_specs("solver", "engine")[0]
+    group = placement_group(spec.group)
+    engine = Probe.options(**actor_options(spec, group)).remote()
+    trainer = start_trainers(one, store, {"solver": 0}, groups={"solver": group})["solver"]
     result = {"one": {"engine": ray.get(engine.devices.remote()), "trainer": seen(trainer),
                       "bundles": list(ray.util.placement_group_table(group)["bundles"].values())}}
     ray.kill(engine), ray.kill(trainer), ray.util.remove_placement_group(group)
 
     # Two GPUs: the engine split over both (its workers half of each), the trainer on 2 ranks, rank k on GPU k
-    two = AgentConfig(colocated=True, engine={"num_gpus": 2, "tensor_parallel_size": 2, "num_cpus": 0.25},
-                      trainer={"num_gpus": 1, "workers": 2, "num_cpus": 0.25})
-    group = colocation.colocation_group(two, {}, {})
-    engine = Probe.options(**colocation.engine_options(two, group)).remote()
-    halves = two.trainer.model_copy(update={"num_gpus": colocation.SHARE})
-    leader, _ = start_sharded_trainer(halves, {}, store.config, "r", "solver", 0, group=group, lr=1e-3,
-                                      weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, seed=0, num_threads=1)
+    two = plan({"num_gpus": 2, "tensor_parallel_size": 2, "num_cpus": 0.25},
+               {"num_gpus": 1, "workers": 2, "num_cpus": 0.25})
+    spec = two.agent_specs("solver", "engine")[0]
+    group = placement_group(spec.group)
+    engine = Probe.options(**actor_options(spec, group)).remote()
+    leader = start_trainers(two, store, {"solver": 0}, groups={"solver": group})["solver"]
     followers = ray.get(leader.__ray_call__.remote(lambda self: self.followers))
     table = ray.util.placement_group_table(group)
     result["two"] = {"engine": ray.get(engine.devices.remote()), "ranks": [seen(leader)] + [seen(f) for f in followers],

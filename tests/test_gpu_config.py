@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from marl_pipeline.cluster.options import actor_options
 from marl_pipeline.cluster.placement import PlacementError, plan_placement
-from marl_pipeline.cluster.spawn import split_engine_bundles, split_engine_options
 from marl_pipeline.config import EngineConfig, parse_config
 from marl_pipeline.environment import build_environment
 
@@ -51,34 +51,43 @@ def test_a_split_engine_reserves_whole_gpus_in_its_placement_group() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size 2 splits a replica over that many whole GPUs: set "
                                          "num_gpus to 2"):
         EngineConfig(tensor_parallel_size=2, num_gpus=1)
-    engine = EngineConfig(tensor_parallel_size=4, num_gpus=4, num_cpus=2)
-    assert split_engine_bundles(engine, {"big_node": 1.0}) == [
-        {"GPU": 1.0, "CPU": 2.0, "big_node": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]
-    options = split_engine_options(engine, None)
-    assert options["num_gpus"] == 0 and options["scheduling_strategy"].placement_group_capture_child_tasks
+    data = yaml.safe_load((ROOT / "configs" / "demo_solver_alone.yaml").read_text())
+    data["agents"]["solver"]["engine"] = {"tensor_parallel_size": 4, "num_gpus": 4, "num_cpus": 2}
+    data["ray"] = {"engine_resources": {"big_node": 1.0}}
+    plan = plan_placement(parse_config(data), [{"CPU": 8.0, "GPU": 8.0, "big_node": 1.0}])
+    spec = plan.agent_specs("solver", "engine")[0]
+    assert (spec.group.kind, spec.group.strategy, spec.bundle) == ("engine", "STRICT_PACK", 0)
+    assert spec.group.bundles == ({"GPU": 1.0, "CPU": 2.0, "big_node": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0})
+    assert actor_options(spec)["num_gpus"] == 0 and spec.capture_children  # vLLM's workers take the group's GPUs
 
 
 PROBE = textwrap.dedent("""
     import json, os, sys
-    import ray
-    from marl_pipeline.cluster.spawn import split_engine_bundles, split_engine_options
-    from marl_pipeline.cluster.trainers import start_sharded_trainer
-    from marl_pipeline.config import EngineConfig, TrainerConfig
+    import ray, yaml
+    from marl_pipeline.cluster.options import actor_options, placement_group
+    from marl_pipeline.cluster.placement import plan_placement
+    from marl_pipeline.cluster.spawn import start_trainers
+    from marl_pipeline.config import parse_config
     from tests import logical_gpus
 
     store = logical_gpus.start(sys.argv[1], sys.argv[2])
-    # A trainer on 2 workers of 1 GPU each: every rank sees its own GPU (and trains on the CPU: none is real)
-    trainer = TrainerConfig(workers=2, num_gpus=1, num_cpus=0.5)
-    leader, group = start_sharded_trainer(trainer, {}, store.config, "r", "solver", 0, lr=1e-3, weight_decay=0.0,
-                                          max_grad_norm=1.0, clip_eps=0.2, seed=0, num_threads=1)
+    # The solver alone, planned on this node as a run plans it: a trainer on 2 workers of 1 GPU each, every rank
+    # seeing its own GPU (and training on the CPU: none is real), and an engine replica split over 2 GPUs
+    data = yaml.safe_load(open("configs/demo_solver_alone.yaml"))
+    data |= {"run": "r", "store": sys.argv[2]}
+    data["agents"]["solver"] |= {"engine": {"tensor_parallel_size": 2, "num_gpus": 2, "num_cpus": 0.5},
+                                 "trainer": {"workers": 2, "num_gpus": 1, "num_cpus": 0.5, "threads": 1}}
+    plan = plan_placement(parse_config(data), [{"CPU": 2.0, "GPU": 4.0}])
+    groups = []
+    leader = start_trainers(plan, store, {"solver": 0}, groups)["solver"]
     devices = lambda actor: ray.get(actor.__ray_call__.remote(
         lambda self: (os.environ["CUDA_VISIBLE_DEVICES"], str(self.device), ray.get_runtime_context().get_node_id())))
     followers = ray.get(leader.__ray_call__.remote(lambda self: self.followers))
     ranks = [devices(leader)] + [devices(f) for f in followers]
-    ray.util.remove_placement_group(group)
-    # A replica split over 2 GPUs: the engine actor is assigned no GPU, its children (vLLM's workers) one each
-    engine = EngineConfig(tensor_parallel_size=2, num_gpus=2, num_cpus=0.5)
-    split = ray.util.placement_group(split_engine_bundles(engine, {}), strategy="STRICT_PACK")
+    ray.util.remove_placement_group(groups[0])
+    # The split replica: the engine actor is assigned no GPU, its children (vLLM's workers) one each
+    spec = plan.agent_specs("solver", "engine")[0]
+    split = placement_group(spec.group)
 
     @ray.remote
     class Engine:
@@ -87,7 +96,7 @@ PROBE = textwrap.dedent("""
             worker = ray.remote(num_gpus=1, num_cpus=0)(lambda: os.environ["CUDA_VISIBLE_DEVICES"])
             return ray.get_gpu_ids(), sorted(ray.get([worker.remote() for _ in range(2)]))
 
-    own, workers = ray.get(Engine.options(**split_engine_options(engine, split)).remote().devices.remote())
+    own, workers = ray.get(Engine.options(**actor_options(spec, split)).remote().devices.remote())
     table = ray.util.placement_group_table(split)
     print(json.dumps({"ranks": ranks, "engine": own, "workers": workers, "strategy": table["strategy"],
                       "bundles": list(table["bundles"].values())}))

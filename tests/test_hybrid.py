@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from marl_pipeline.cluster.engines import HeldWeights
 from marl_pipeline.cluster.hybrid import _Lane
 from marl_pipeline.cluster.placement import PlacementError, plan_placement
-from marl_pipeline.cluster.spawn import start_engine_replicas, start_trainers
+from marl_pipeline.cluster.spawn import plan_on_ray, start_engine_replicas, start_trainers
 from marl_pipeline.config import ConfigError, parse_config
 from marl_pipeline.inference.router import NoReplica
 from marl_pipeline.run.events import PolicyCommitted, RunFinished, StepFinished
@@ -137,8 +137,9 @@ def test_a_hybrid_agents_weights_reach_its_engine_in_process_and_its_other_repli
     config = parse_config(data)
     store = ExperienceStore(tmp_path / "store")
     shutil.copytree(tiny_model_dir, store.policy_dir(config.run, "solver", 0))
-    trainer = start_trainers(config, store, {"solver": 0})["solver"]  # the agent's process, its engine replica 0
-    replicas = start_engine_replicas(config, store, {"solver": 0}, first={"solver": trainer.actor})["solver"]
+    plan = plan_on_ray(config)
+    trainer = start_trainers(plan, store, {"solver": 0})["solver"]  # the agent's process, its engine replica 0
+    replicas = start_engine_replicas(plan, store, {"solver": 0}, first={"solver": trainer.actor})["solver"]
     try:
         prompt, response = [17, 11, 18, 29], [20, 0]
         before = ray.get(replicas.handle(1).completion_logprobs.remote(prompt, response))

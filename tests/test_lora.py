@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from marl_pipeline.cluster.engines import engine_dirs
-from marl_pipeline.cluster.spawn import trainer_options
+from marl_pipeline.cluster.specs import BASE_POLICY, trainer_options
 from marl_pipeline.config import ConfigError, LoraAdapterConfig, RetentionConfig, parse_config
 from marl_pipeline.policy.checkpoint import load_policy
 from marl_pipeline.policy.lora import LoraCheckpointError, merged_checkpoint
@@ -142,9 +142,9 @@ def test_lora_and_full_agents_in_one_config(demo_config_data: dict, tiny_model_d
     data["agents"]["solver"]["lora"] = {"rank": 4, "target_modules": ["q_proj", "v_proj"]}
     config = parse_config(data)
     store = ExperienceStore(config.store)
-    solver, verifier = (trainer_options(config, agent, store) for agent in ("solver", "verifier"))
+    solver, verifier = (trainer_options(config, agent) for agent in ("solver", "verifier"))
     assert solver["lora"] == {"rank": 4, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]}
-    assert solver["base_dir"] == str(store.policy_dir("demo", "solver", 0))
+    assert solver["base_dir"] == BASE_POLICY  # version 0, fetched where the trainer is built
     assert verifier["lora"] is None and verifier["base_dir"] is None
 
     for agent, trainer in (("solver", _trainer(tiny_model_dir, 0, None, lora=solver["lora"])),

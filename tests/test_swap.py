@@ -104,7 +104,7 @@ def test_an_agent_the_worker_does_not_serve_is_named(local_ray, tiny_model_dir: 
 
 def test_swapped_trainer_actors_match_resident_ones(local_ray, tmp_path: Path, tiny_model_dir: Path) -> None:
     """Through Ray as a run spawns them (``start_trainers``, budget 1 for 3 agents) against resident actors."""
-    from marl_pipeline.cluster.spawn import Workers, start_trainers
+    from marl_pipeline.cluster.spawn import Workers, plan_on_ray, start_trainers
     from marl_pipeline.config import parse_config
     from marl_pipeline.store import ExperienceStore
     from tests.test_placement import RelayOfThree  # noqa: F401  (registers relay_of_three)
@@ -119,8 +119,8 @@ def test_swapped_trainer_actors_match_resident_ones(local_ray, tmp_path: Path, t
     for agent in agents:
         shutil.copytree(tiny_model_dir, store.policy_dir("swap", agent, 0))
     versions = dict.fromkeys(agents, 0)
-    resident = start_trainers(resident_config, store, versions)
-    swapped = start_trainers(swapped_config, store, versions)
+    resident = start_trainers(plan_on_ray(resident_config), store, versions)
+    swapped = start_trainers(plan_on_ray(swapped_config), store, versions)
     assert all(isinstance(handle, SwappedTrainer) for handle in swapped.values())
     assert len({handle.worker._actor_id for handle in swapped.values()}) == 1
     rng = np.random.default_rng(1)

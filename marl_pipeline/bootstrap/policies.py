@@ -44,24 +44,24 @@ def prepare_base_policies(config: ExperimentConfig, env: Environment, store: Exp
     existing = {agent: BasePolicy(agent, store.policy_dir(config.run, agent, 0), created=False)
                 for agent in config.agents if store.policy_versions(config.run, agent)}
     makers = base_policy_makers(config, env, store)
-    created = make_on_ray(config, makers) if on_ray else [make() for make in makers.values()]
+    trainers = {agent: config.agents[agent].trainer for agent in makers}
+    options = {agent: dict(num_cpus=trainer.num_cpus, num_gpus=trainer.num_gpus,
+                           resources=dict(config.ray.trainer_resources)) for agent, trainer in trainers.items()}
+    created = make_on_ray(makers, options) if on_ray else [make() for make in makers.values()]
     created_by_agent = {policy.agent: policy for policy in created}
     policies = [existing.get(agent) or created_by_agent[agent] for agent in config.agents]
     require_turn_adapters(config, store)
     return policies
 
 
-def make_on_ray(config: ExperimentConfig, makers: dict[str, Callable[..., BasePolicy]]) -> list[BasePolicy]:
-    """Run ``makers`` in Ray tasks with each agent's trainer resources, all at once, each with its share of the
-    cluster's cores."""
+def make_on_ray(makers: dict[str, Callable[..., BasePolicy]], options: dict[str, dict]) -> list[BasePolicy]:
+    """Run ``makers`` in Ray tasks, each with its agent's ``options`` (a trainer's resources), all at once, each with
+    its share of the cluster's cores."""
     import ray
 
     threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // max(len(makers), 1))
-    trainers = {agent: config.agents[agent].trainer for agent in makers}
     task = ray.remote(_make)  # a partial is not a function to ray.remote
-    return ray.get([task.options(num_cpus=trainers[agent].num_cpus, num_gpus=trainers[agent].num_gpus,
-                                 resources=dict(config.ray.trainer_resources)).remote(make, threads)
-                    for agent, make in makers.items()])
+    return ray.get([task.options(**options[agent]).remote(make, threads) for agent, make in makers.items()])
 
 
 def _make(make: Callable[..., BasePolicy], threads: int) -> BasePolicy:

@@ -23,17 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from marl_pipeline.config import EngineConfig, ExperimentConfig, TrainerConfig
+from marl_pipeline.cluster.specs import ActorSpec, EngineSet, actor_specs, engine_sets
+from marl_pipeline.config import ExperimentConfig
 
 RESOURCES = ("CPU", "GPU")
 DECIMALS = 4
 """Ray rounds fractional resources to 4 decimals; a fitted request is rounded down to stay within the total."""
 WORKER = "trainer-worker-{}"
-
-
-def bundle(cpus: float, gpus: float, resources: dict[str, float]) -> dict[str, float]:
-    """A placement group bundle: what one actor in it reserves, zero amounts left out (Ray refuses them)."""
-    return {name: amount for name, amount in {"CPU": cpus, "GPU": gpus, **resources}.items() if amount > 0}
 
 
 def trainer_name(agent: str, rank: int = 0) -> str:
@@ -83,42 +79,6 @@ def swapping(config: ExperimentConfig) -> bool:
     return budget is not None and budget < len(config.agents)
 
 
-def trainer_reservations(config: ExperimentConfig, resource: str) -> list[float]:
-    """What the trainer actors reserve of ``resource`` (``cpus`` or ``gpus``), as the placement plan reserves it:
-    one per agent's worker, or with swapping one per trainer worker, each the largest agent's request."""
-    asked = [getattr(agent.trainer, f"num_{resource}") for agent in config.agents.values()
-             for _ in range(agent.trainer.workers)]
-    return [max(asked)] * config.ray.resident_trainers if swapping(config) else asked
-
-
-def shared_threads(num_cpus: float, reserved: list[float], cluster_cpus: float, node_cpus: float) -> int:
-    """Threads for an actor reserving ``num_cpus`` among actors computing at the same time that reserve ``reserved``
-    (it included): its share of the cluster's CPUs in proportion to its reservation (equal shares when nothing is
-    reserved), rounded down, at least 1 and at most one node's CPUs. Not Ray's rule, which gives an actor with
-    fractional ``num_cpus`` one OpenMP thread (a 0.5-CPU trainer on an idle 2-core machine computed on one core)."""
-    total = sum(reserved)
-    share = num_cpus / total if total > 0 else 1 / max(len(reserved), 1)
-    return int(max(1, min(node_cpus, cluster_cpus * share)))
-
-
-def actor_threads(config: ExperimentConfig, settings: EngineConfig | TrainerConfig, cluster_cpus: float,
-                  node_cpus: float) -> int:
-    """``settings.threads`` when the config sets it, else :func:`shared_threads` among the actors that compute at the
-    same time as this one. Streaming: every engine and trainer (an agent's engine samples micro-batch k+1 while its
-    trainer trains on k). ``synchronous``: those of its own kind only, as the step's rollout and its training take
-    turns, so an agent alone gets all of a node's cores for each (OpenMP threads beyond the cores of the actors
-    running at once slow them all down: BENCHMARKS.md, "The bound")."""
-    if settings.threads is not None:
-        return settings.threads
-    engines = [agent.engine.num_cpus for agent in config.agents.values() for _ in range(agent.engine.replicas)]
-    trainers = trainer_reservations(config, "cpus")
-    if config.pipeline.mode == "synchronous":
-        reserved = engines if isinstance(settings, EngineConfig) else trainers
-    else:
-        reserved = engines + trainers
-    return shared_threads(settings.num_cpus, reserved, cluster_cpus, node_cpus)
-
-
 @dataclass(frozen=True)
 class PlacementPlan:
     """What each actor reserves, which trainers are resident or swapped, and where the plan came from; shown in
@@ -130,6 +90,15 @@ class PlacementPlan:
     swapped_trainers: list[str] = field(default_factory=list)
     trainer_workers: int = 0
     """Worker actors serving the swapped trainers (0: every trainer resident)."""
+    specs: list[ActorSpec] = field(default_factory=list)
+    """One per actor to start (a hybrid agent's two requests are one process): what spawn.py starts."""
+    engine_sets: dict[str, EngineSet] = field(default_factory=dict)
+    """How each agent's engine replicas are routed."""
+    run: str = ""
+
+    def agent_specs(self, agent: str, role: str) -> list[ActorSpec]:
+        """An agent's specs of one role (``engine``, ``trainer``; its process counts as both when hybrid)."""
+        return [spec for spec in self.specs if spec.agent == agent and spec.role in (role, "agent-process")]
 
     def request(self, name: str) -> ActorRequest:
         return next(actor for actor in self.actors if actor.name == name)
@@ -246,9 +215,13 @@ def _plan(config: ExperimentConfig, nodes: list[dict[str, float]], workers: int)
     _check_custom(actors, nodes)
     _check_nodes(actors, nodes)
     trainers = [f"{agent}/trainer" for agent in config.agents]
+    node_cpus = max((node.get("CPU", 0.0) for node in nodes), default=1.0)
+    specs = actor_specs(config, {a.name: (a.cpus, a.gpus, a.fitted) for a in actors}, 0 if resident else workers,
+                        cluster["CPU"] or 1.0, node_cpus or 1.0)
+    layout = dict(specs=specs, engine_sets=engine_sets(config), run=config.run)
     if resident:
-        return PlacementPlan(actors, cluster, resident_trainers=trainers)
-    return PlacementPlan(actors, cluster, swapped_trainers=trainers, trainer_workers=workers)
+        return PlacementPlan(actors, cluster, resident_trainers=trainers, **layout)
+    return PlacementPlan(actors, cluster, swapped_trainers=trainers, trainer_workers=workers, **layout)
 
 
 def _round_down(value: float) -> float:

@@ -17,12 +17,12 @@ from dataclasses import replace
 import ray
 import torch
 from ray.util.placement_group import PlacementGroup
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from marl_pipeline.cluster.cores import CpuReport, cpu_report
 from marl_pipeline.cluster.heap import collector_paused
-from marl_pipeline.cluster.placement import bundle
-from marl_pipeline.config import StoreConfig, TrainerConfig
+from marl_pipeline.cluster.options import actor_options
+from marl_pipeline.cluster.specs import ActorSpec
+from marl_pipeline.config import StoreConfig
 from marl_pipeline.policy.transfer import SyncGroup
 from marl_pipeline.store import ExperienceStore
 from marl_pipeline.store.checkpoints import PolicyUpload
@@ -96,47 +96,32 @@ class StoreTrainer(TrainerActor):
 
 
 def with_local_base(store: ExperienceStore, run: str, agent: str, options: dict) -> dict:
-    """``trainer_options`` with the base version it names (the KL reference, a LoRA agent's base: version 0) fetched
-    into this node's cache, for a trainer built here (an actor on its node, a recomputation in the driver)."""
+    """A trainer's options (specs.py: ``trainer_options``) with the base version they name (``BASE_POLICY``: the KL
+    reference, a LoRA agent's base) fetched into this node's cache, for a trainer built here (an actor on its node,
+    a recomputation in the driver)."""
     return {**options, **{name: str(store.require_policy(run, agent, 0))
                           for name in ("reference_dir", "base_dir") if options.get(name) is not None}}
 
 
-def start_sharded_trainer(trainer: TrainerConfig, resources: dict[str, float], store: StoreConfig, run: str,
-                          agent: str, version: int, group: PlacementGroup | None = None,
-                          **options) -> tuple[ray.actor.ActorHandle, PlacementGroup]:
-    """An agent's trainer on ``trainer.workers`` actors, rank k in bundle k of ``group`` (None: a group of its own, one
-    bundle a rank, packed on as few nodes as fit); returns rank 0, which starts the others, and the placement group
-    (removing it stops them all)."""
-    if group is None:
-        group = ray.util.placement_group([bundle(trainer.num_cpus, trainer.num_gpus, resources)] * trainer.workers,
-                                         strategy="PACK")
-    leader = _rank_actor(trainer, resources, group, 0).remote(trainer, resources, group, store, run, agent, version,
-                                                              **options)
-    return leader, group
-
-
-def _rank_actor(trainer: TrainerConfig, resources: dict[str, float], group: PlacementGroup, rank: int):
-    return remote_trainer(ShardedTrainer).options(
-        num_cpus=trainer.num_cpus, num_gpus=trainer.num_gpus, resources=dict(resources),
-        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank))
+def _rank_actor(spec: ActorSpec, group: PlacementGroup):
+    return remote_trainer(ShardedTrainer).options(**actor_options(spec, group))
 
 
 class ShardedTrainer(StoreTrainer):
     """One rank of an agent's trainer on several workers; rank 0, which the run calls, makes each call on all."""
 
-    def __init__(self, trainer: TrainerConfig, resources: dict[str, float], group: PlacementGroup,
-                 store: StoreConfig, run: str, agent: str, version: int, rank: Rank | None = None,
-                 prepare: Callable | None = None, **options) -> None:
+    def __init__(self, ranks: list[ActorSpec], group: PlacementGroup, store: StoreConfig, run: str, agent: str,
+                 version: int, rank: Rank | None = None, prepare: Callable | None = None, **options) -> None:
+        """``ranks``: the specs of the trainer's ranks (the plan's), each started in its bundle of ``group``."""
         prepared = None if prepare is None else prepare(options.get("num_threads"))  # before any rank loads it
         self.followers = []
         if rank is None:  # rank 0: where the ranks meet, then the others, each in its bundle
             with socket.socket() as probe:
                 probe.bind(("", 0))
-                rank = Rank(0, trainer.workers, f"{ray.util.get_node_ip_address()}:{probe.getsockname()[1]}")
-            self.followers = [_rank_actor(trainer, resources, group, k).remote(
-                trainer, resources, group, store, run, agent, version, rank=replace(rank, rank=k), **options)
-                for k in range(1, trainer.workers)]
+                rank = Rank(0, len(ranks), f"{ray.util.get_node_ip_address()}:{probe.getsockname()[1]}")
+            self.followers = [_rank_actor(ranks[k], group).remote(
+                ranks, group, store, run, agent, version, rank=replace(rank, rank=k), **options)
+                for k in range(1, len(ranks))]
         super().__init__(store, run, agent, version, rank=rank, **options)
         self.prepared = prepared
 

@@ -8,14 +8,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import ray
-
 from marl_pipeline.bootstrap.policies import BasePolicy, base_policy_makers, require_turn_adapters
 from marl_pipeline.bootstrap.reward_model import prepare_reward_model
 from marl_pipeline.cluster.cores import CoreSplit
 from marl_pipeline.cluster.heap import heap_frozen
-from marl_pipeline.cluster.placement import plan_placement
-from marl_pipeline.cluster.spawn import start_workers
+from marl_pipeline.cluster.spawn import plan_on_ray, start_workers
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import build_environment
 from marl_pipeline.run.events import LaunchEvent, RunFinished, RunStarted, SetupPhase, StepFinished, ThreadsChanged
@@ -43,7 +40,7 @@ def train(config: ExperimentConfig, launch_id: str | None = None) -> Iterator[La
         return event
 
     # Before any work (a warm-up takes minutes): a run the cluster cannot hold fails now, with the arithmetic.
-    placement = plan_placement(config, [node["Resources"] for node in ray.nodes() if node["Alive"]])
+    placement = plan_on_ray(config)
     config = placement.fitted(config)
     env = build_environment(config.environment.name, config.environment.options)
     store = ExperienceStore(config.store)
@@ -61,7 +58,7 @@ def train(config: ExperimentConfig, launch_id: str | None = None) -> Iterator[La
     if plan.resumed:  # what the launch that died left half-written (older than this launch: none of its own)
         if removed := store.vacuum(older_than=time.time() - launched, run=config.run):
             yield done(f"removed {len(removed)} uncommitted leftovers of the launch that died")
-    starting = start_workers(config, store, plan.versions, reward_model,
+    starting = start_workers(placement, store, plan.versions, reward_model, config.reward_model,
                              action_pool_settings(env, config.environment.pool), prepare=makers)
     while True:  # each engine and trainer as it is up, its seconds counted from when the workers were asked for
         try:

@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from marl_pipeline.actions.pool import shared_pool
 from marl_pipeline.bootstrap.reward_model import prepare_reward_model
-from marl_pipeline.cluster.spawn import trainer_options
+from marl_pipeline.cluster.specs import trainer_options
 from marl_pipeline.cluster.trainers import with_local_base
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import build_environment
@@ -137,7 +137,7 @@ def _policy_updates(config: ExperimentConfig, env, store: ExperienceStore, key: 
     stats = {}
     for agent, version in _policy_versions_at(store, config, key, "policy_updates").items():
         trainer = PolicyTrainer(str(store.require_policy(config.run, agent, version)), version,
-                                **with_local_base(store, config.run, agent, trainer_options(config, agent, store)))
+                                **with_local_base(store, config.run, agent, trainer_options(config, agent)))
         stats[agent] = trainer.accumulate(train_batch_for(store, key, agent,
                                                           config.algorithm.drop_zero_advantage_groups))
         trainer.discard_gradients()
