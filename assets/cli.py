@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from assets.plan_cli import plan
 from marl_pipeline.config import (
     ConfigError,
     apply_overrides,
@@ -29,6 +30,7 @@ from marl_pipeline.config import (
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train teams of LLM agents with RL.")
 console = Console()
+app.command(name="plan")(plan)
 
 
 _RAY_INIT = {"include_dashboard": False, "log_to_driver": False}

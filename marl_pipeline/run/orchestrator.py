@@ -48,7 +48,7 @@ from marl_pipeline.run.events import (
     TrainerPasses,
 )
 from marl_pipeline.run.launches import LaunchPlan
-from marl_pipeline.run.queues import StepBarrier, get_until_stopped, put_until_stopped
+from marl_pipeline.run.queues import StepBarrier, gate_open, get_until_stopped, put_until_stopped
 from marl_pipeline.stages.evaluation import EvaluationSettings, is_evaluated
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.health import commit_step_health, signals_by_agent, stored_collapse, trainer_signals
@@ -188,7 +188,7 @@ class Orchestrator:
         """Rollout: each step's micro-batches once the staleness gate opens for the step."""
         barrier = StepBarrier(self.micro_batches, self.synchronous)
         for step in self.steps():
-            if not self._wait_until_served(step - self.staleness):
+            if not self._wait_until_served(step):
                 return  # the run stopped: the gate never opened, so this step must not be sampled
             self._step_started.setdefault(step, time.time())
             if self.config.pipeline.rollout.rebalance_replicas and step > 0:
@@ -294,7 +294,8 @@ class Orchestrator:
             if pending.saved is not None:
                 upload = ray.get(pending.saved)
                 timing = StageTiming(pending.enqueued, started, time.time())
-                record = json.dumps({"step": pending.step, **asdict(timing), "sync_seconds": synced - applied,
+                record = json.dumps({"step": pending.step, **asdict(timing), "apply_seconds": applied - started,
+                                     "sync_seconds": synced - applied,
                                      "engine_asleep": self.turns.last_turn(agent), **asdict(result)}).encode()
                 self.recent.flush()  # the step's partitions are durable before the version that trained on them
                 path = self.store.publish_policy(upload, {"timing.json": record})
@@ -391,9 +392,9 @@ class Orchestrator:
     def _get(self, box: queue.Queue):
         return get_until_stopped(box, self._stop)
 
-    def _wait_until_served(self, needed: int) -> bool:
-        """Wait until every engine serves version ``needed`` or newer: True, or False when the run stopped."""
+    def _wait_until_served(self, step: int) -> bool:
+        """Wait until the staleness gate opens for ``step``: True, or False when the run stopped."""
         with self._served_changed:
-            while min(self._served.values()) < needed and not self._stop.is_set():
+            while not gate_open(self._served, step, self.staleness) and not self._stop.is_set():
                 self._served_changed.wait(timeout=0.5)
             return not self._stop.is_set()

@@ -1,5 +1,6 @@
 """The queues between the orchestrator's stages: blocking puts and gets that give up once the run stops (a stage
-that failed elsewhere must not leave the others blocked for ever), and the step barrier of synchronous mode."""
+that failed elsewhere must not leave the others blocked for ever), the step barrier of synchronous mode and the
+staleness gate. The planner's simulation (marl_pipeline/planner/) runs the same barrier and gate."""
 
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ def get_until_stopped(box: queue.Queue, stop: threading.Event):
         except queue.Empty:
             continue
     return None
+
+
+def gate_open(served: dict[str, int], step: int, staleness: int) -> bool:
+    """The staleness gate: rollout of ``step`` may start once every agent's engines serve a version v with
+    ``step - v <= staleness`` (``served``: the version each agent's engines serve)."""
+    return min(served.values()) >= step - staleness
 
 
 class StepBarrier:

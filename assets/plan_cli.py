@@ -1,0 +1,58 @@
+"""``marl plan``: the step time of an experiment on a described cluster, simulated with costs from a stored run."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", metavar="CONFIG"),
+         calibrate: str = typer.Option(..., "--calibrate", help="Store holding the run to take costs from.",
+                                       metavar="STORE"),
+         run: str = typer.Option(..., "--run", help="The stored run whose timings give the costs."),
+         cluster: str | None = typer.Option(None, help="NODESxCPUS[:GPUS], e.g. 48x96:8 (default: this machine's "
+                                                       "CPUs)."),
+         steps: int | None = typer.Option(None, help="Steps to simulate (default: the experiment's)."),
+         settings: list[str] = typer.Option([], "--set", help="KEY=VALUE override of the experiment, dotted."),
+         output: str = typer.Option("table", "--format", help="table, or json (for scripts).")) -> None:
+    """Predict an experiment's step time, each actor's busy share and the staleness of its turns, by simulating
+    this orchestrator on its placement plan with costs fitted from a stored run. A projection, not a measurement."""
+    from assets.cli import train_run_config
+    from marl_pipeline.cluster.placement import PlacementError
+    from marl_pipeline.config import ConfigError
+    from marl_pipeline.planner.plan import calibration, parse_cluster, predict
+    from marl_pipeline.store import ExperienceStore, StoreError
+
+    try:
+        nodes = parse_cluster(cluster) if cluster else [{"CPU": float(os.cpu_count() or 1), "GPU": 0.0}]
+        config, _ = train_run_config(config_path, settings)
+        costs = calibration(ExperienceStore(calibrate), run, nodes)
+        placement, prediction = predict(config, nodes, costs, steps)
+    except (ConfigError, PlacementError, StoreError, ValueError) as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(2) from None
+    summary = {"step_seconds": prediction.mean_step_seconds, "steps_per_hour": prediction.steps_per_hour,
+               "per_step": prediction.step_seconds, "busy": prediction.busy, "bound": prediction.bound,
+               "staleness": prediction.staleness, "placement": placement.summary(), "costs": costs.source,
+               "assumptions": list(prediction.assumptions)}
+    if output == "json":
+        print(json.dumps(summary, indent=1))
+        return
+    console.print(f"[bold]{config.run}[/bold] on {len(nodes)} x {nodes[0]['CPU']:g} CPU"
+                  + (f", {nodes[0]['GPU']:g} GPU" if nodes[0]["GPU"] else "") + f" (costs from {costs.source})")
+    console.print(f"predicted step: [bold]{prediction.mean_step_seconds:.2f} s[/bold] "
+                  f"({prediction.steps_per_hour:.0f} steps an hour); bound by {prediction.bound}")
+    table = Table("actor or stage", "busy", title="busy share of the simulated time")
+    for name, share in sorted(prediction.busy.items(), key=lambda item: -item[1]):
+        table.add_row(name, f"{share:.0%}")
+    console.print(table)
+    console.print("staleness of the sampled turns: " + ", ".join(
+        f"{lag}: {count}" for lag, count in sorted(prediction.staleness.items())))
+    console.print("assumptions: " + "; ".join(prediction.assumptions), style="dim")

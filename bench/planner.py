@@ -1,0 +1,134 @@
+"""The planner against launches it has not seen (issue 50.4): calibrate from one launch, write the predicted step
+time of every other configuration, then run them and compare.
+
+    .venv/bin/python bench/planner.py --work /tmp/planner --steps 8
+
+Configurations are the demo's (configs/demo.yaml, evaluation off) varied one setting at a time: streaming and
+synchronous, staleness 0 and 1, 1 and 2 engine replicas, swapped trainers, hybrid agents. The calibration launch is
+``streaming`` (engine and trainer apart, 1 replica, staleness 0); its own step time is reported as in-sample.
+Step times are ``StepFinished.seconds`` (since the previous step finished), steps 1.. of each launch (step 0
+includes the engines' first batches), predicted the same way. Predictions are written to
+``<work>/predictions.json`` before the first launch they predict starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _agents(data: dict, **settings) -> dict:
+    """``data`` with ``settings`` merged into every agent (``engine`` and ``trainer`` merged key by key)."""
+    data = copy.deepcopy(data)
+    for agent in data["agents"].values():
+        for key, value in settings.items():
+            agent[key] = {**agent.get(key, {}), **value} if isinstance(value, dict) else value
+    return data
+
+
+def variants(base: dict) -> dict[str, dict]:
+    """The launches, by name: the base with one setting changed (two for the last ones)."""
+    def pipeline(data: dict, **settings) -> dict:
+        return {**data, "pipeline": {**data["pipeline"], **settings}}
+
+    return {
+        "streaming": base,
+        "staleness-1": pipeline(base, staleness=1),
+        "synchronous": pipeline(base, mode="synchronous"),
+        "replicas-2": _agents(base, engine={"replicas": 2}),
+        "swapped": {**base, "ray": {**base.get("ray", {}), "resident_trainers": 1}},
+        "hybrid": _agents(base, hybrid=True),
+        "synchronous-replicas-2": _agents(pipeline(base, mode="synchronous"), engine={"replicas": 2}),
+        "staleness-1-replicas-2": _agents(pipeline(base, staleness=1), engine={"replicas": 2}),
+        "hybrid-staleness-1": _agents(pipeline(base, staleness=1), hybrid=True),
+        "swapped-synchronous": {**pipeline(base, mode="synchronous"), "ray": {"resident_trainers": 1}},
+    }
+
+
+def launch(data: dict, run: str, store_uri: Path, version0_from: str | None) -> list[float]:
+    """Run one launch of ``data`` as ``run``; its steps' ``StepFinished.seconds``."""
+    from marl_pipeline.config import parse_config
+    from marl_pipeline.run.events import StepFinished
+    from marl_pipeline.run.recipe import train
+    from marl_pipeline.store import ExperienceStore
+
+    config = parse_config({**data, "run": run, "store": str(store_uri)})
+    store = ExperienceStore(config.store)
+    if version0_from is not None:  # the calibration launch's version 0: no warm-up to repeat
+        for agent in config.agents:
+            shutil.copytree(store.policy_dir(version0_from, agent, 0), store.policy_dir(run, agent, 0))
+    seconds = []
+    for event in train(config):
+        if isinstance(event, StepFinished):
+            seconds.append(event.seconds)
+            print(f"  {run} step {event.step}: {event.seconds:.2f} s", flush=True)
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/planner"))
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--only", nargs="*", help="Names of the launches to predict and run (default: all).")
+    args = parser.parse_args()
+
+    import ray
+
+    from marl_pipeline.config import parse_config
+    from marl_pipeline.planner.plan import calibration, predict
+    from marl_pipeline.store import ExperienceStore
+
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    base = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    base.pop("evaluation", None)
+    base = _agents(base)
+    for agent in base["agents"].values():
+        agent.pop("hybrid", None)
+    base["pipeline"]["steps"] = args.steps
+    launches = variants(base)
+    names = [name for name in launches if name != "streaming" and (not args.only or name in args.only)]
+    nodes = [{"CPU": 2.0, "GPU": 0.0}]
+    store_uri = args.work / "store"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    started = time.time()
+    measured = {"streaming": launch(launches["streaming"], "streaming", store_uri, None)}
+    costs = calibration(ExperienceStore(str(store_uri)), "streaming", nodes)
+    predicted = {}
+    for name in ["streaming", *names]:
+        config = parse_config({**launches[name], "run": name, "store": str(store_uri)})
+        predicted[name] = predict(config, nodes, costs)[1].step_seconds
+    (args.work / "predictions.json").write_text(json.dumps({"written": time.time(), "costs": repr(costs)[:2000],
+                                                            "predicted": predicted}, indent=1))
+    for name in names:
+        measured[name] = launch(launches[name], name, store_uri, "streaming")
+    rows = []
+    for name in ["streaming", *names]:
+        p, m = statistics.mean(predicted[name][1:]), statistics.mean(measured[name][1:])
+        rows.append({"launch": name, "predicted_s": round(p, 3), "measured_s": round(m, 3),
+                     "error": round((p - m) / m, 4), "in_sample": name == "streaming"})
+    (args.work / "results.json").write_text(json.dumps({"rows": rows, "measured": measured,
+                                                        "wall_s": time.time() - started}, indent=1))
+    print("| launch | predicted s/step | measured s/step | error |")
+    print("| --- | --- | --- | --- |")
+    for row in rows:
+        print(f"| {row['launch']}{' (calibration)' if row['in_sample'] else ''} | {row['predicted_s']:.2f} | "
+              f"{row['measured_s']:.2f} | {row['error']:+.1%} |")
+    unseen = [abs(row["error"]) for row in rows if not row["in_sample"]]
+    print(f"unseen launches: {len(unseen)}, median |error| {statistics.median(unseen):.1%}, "
+          f"max {max(unseen):.1%}")
+
+
+if __name__ == "__main__":
+    main()

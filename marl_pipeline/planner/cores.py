@@ -1,0 +1,73 @@
+"""A node's cores shared by the actors computing on it at once, for the simulation: each job is an amount of work
+(core-seconds) done by an actor on ``threads`` threads; while the busy threads of the node exceed its cores, every
+job slows in proportion (processor sharing, which is what the OS scheduler gives OpenMP threads beyond the cores).
+
+Written here: simpy's resources queue jobs whole (a ``Resource`` serves one at a time, a ``Container`` holds
+amounts) and none shares a capacity among running jobs at changing rates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import simpy
+
+
+@dataclass
+class _Job:
+    work: float
+    threads: int
+    done: simpy.Event
+    rate: float = 0.0
+
+
+class SharedCores:
+    """``cores`` cores shared by the jobs running on them (a node's CPUs, or one GPU's streaming multiprocessors
+    with ``cores=1`` and jobs of one thread)."""
+
+    def __init__(self, env: simpy.Environment, cores: float) -> None:
+        self.env, self.cores = env, cores
+        self.jobs: list[_Job] = []
+        self._last = 0.0
+        self._wake: simpy.Event | None = None
+        self.busy_core_seconds = 0.0
+        env.process(self._run())
+
+    def compute(self, work: float, threads: int) -> simpy.Event:
+        """An event that fires once ``work`` core-seconds are done on ``threads`` threads."""
+        self._advance()
+        job = _Job(max(work, 0.0), max(threads, 1), self.env.event())
+        self.jobs.append(job)
+        self._rerate()
+        return job.done
+
+    def _advance(self) -> None:
+        """Charge the time since the last change to the running jobs, at the rates they had."""
+        elapsed, self._last = self.env.now - self._last, self.env.now
+        for job in self.jobs:
+            job.work -= job.rate * elapsed
+            self.busy_core_seconds += job.rate * elapsed
+
+    def _rerate(self) -> None:
+        threads = sum(job.threads for job in self.jobs)
+        share = min(1.0, self.cores / threads) if threads else 1.0
+        for job in self.jobs:
+            job.rate = job.threads * share
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def _run(self):
+        while True:
+            finished = [job for job in self.jobs if job.work <= 1e-12]
+            if finished:
+                self.jobs = [job for job in self.jobs if job.work > 1e-12]
+                for job in finished:
+                    job.done.succeed()
+                self._rerate()
+            self._wake = self.env.event()
+            if not self.jobs:
+                yield self._wake
+            else:
+                soonest = min(job.work / job.rate for job in self.jobs)
+                yield self._wake | self.env.timeout(soonest)
+            self._advance()

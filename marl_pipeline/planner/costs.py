@@ -1,0 +1,207 @@
+"""What the simulation charges for each piece of work, fitted from a stored run's own timestamps (``calibrate``),
+and the workload it replays: the run's episodes, each a sequence of turns with their token counts.
+
+Costs are in core-seconds (seconds on one thread with the core to itself), so a layout with other threads, or
+more actors sharing a node's cores, is charged by the same figures (planner/cores.py). The calibration divides the
+stored seconds by the threads the run's specs gave each actor; what it cannot see (threads moved during the run by
+the split of the cores) is an assumption, stated with the prediction.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow.compute as pc
+
+from marl_pipeline.store import ExperienceStore
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    """One engine step (continuous batching): ``step + per_sequence x decoding sequences + per_prompt_token x
+    prompt tokens admitted`` core-seconds; each decoding sequence gains one token a step."""
+
+    step: float
+    per_sequence: float
+    per_prompt_token: float
+
+
+@dataclass(frozen=True)
+class TrainerCosts:
+    """One trainer call on a micro-batch: ``call + per_token x tokens`` core-seconds. A step's end: the optimizer
+    step (``apply`` seconds), then the weights synced into each engine replica in turn (``sync_per_replica``
+    seconds each) while the trainer saves the version, then the commit (``commit`` seconds from the sync's end,
+    the save included); the trainer takes no other call until its save is done."""
+
+    call: float
+    per_token: float
+    apply: float
+    sync_per_replica: float
+    commit: float
+
+
+@dataclass(frozen=True)
+class Turn:
+    agent: str
+    prompt_tokens: int
+    response_tokens: int
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per agent engine and trainer costs, and the stages around them (seconds a micro-batch, on the driver)."""
+
+    engines: dict[str, EngineCosts]
+    trainers: dict[str, TrainerCosts]
+    environment: float
+    reward: float
+    rollout_overhead: float
+    """A rollout micro-batch's seconds beyond its turns (prompts rendered, the table built and committed)."""
+    train_overhead: float
+    """A training micro-batch's seconds beyond its trainers' calls (its inputs read, its rows committed)."""
+    episodes: list[list[Turn]] = field(default_factory=list)
+    """The workload: the calibration run's episodes, each its turns in order, drawn from for each simulated one."""
+    source: str = ""
+
+
+def _seconds(column) -> np.ndarray:
+    return pc.cast(column, "int64").to_numpy(zero_copy_only=False) / 1e6
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the calibration run gave an agent: its engine's and trainer's threads (its specs'), and its replicas."""
+
+    engine_threads: int
+    trainer_threads: int
+    replicas: int = 1
+
+
+def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout]) -> Costs:
+    """Fit the costs from run ``run``'s stored partitions and policy versions; ``layouts``: each agent's threads and
+    replicas in that run, which turn stored seconds into core-seconds and a sync into a sync per replica.
+
+    Raises:
+        ValueError: the run has no committed rollouts or policy updates to fit from.
+    """
+    rollouts = store.read_stage(run, "rollouts", columns=[
+        "step", "micro_batch", "episode", "turn", "agent", "prompt_ids", "response_ids", "rollout_start",
+        "rollout_end", "engine_seconds", "stage_started", "stage_ended"])
+    updates = store.read_stage(run, "policy_updates", columns=["step", "micro_batch", "agent", "tokens",
+                                                                "compute_seconds", "stage_started", "stage_ended"])
+    if rollouts.num_rows == 0 or updates.num_rows == 0:
+        raise ValueError(f"run {run!r} in {store.config.uri} has no committed rollouts and policy updates to fit "
+                         f"costs from: run a launch first")
+    agents = sorted(set(rollouts.column("agent").to_pylist()))
+    return Costs(
+        engines={agent: _engine_costs(rollouts, agent, layouts[agent].engine_threads) for agent in agents},
+        trainers={agent: _trainer_costs(store, run, updates, agent, layouts[agent]) for agent in agents},
+        environment=_stage_seconds(store, run, "environment_results"),
+        reward=_stage_seconds(store, run, "rewards"),
+        rollout_overhead=_rollout_overhead(rollouts),
+        train_overhead=_train_overhead(updates),
+        episodes=_episodes(rollouts),
+        source=f"{store.config.uri} run {run}")
+
+
+def _engine_costs(rollouts, agent: str, threads: int) -> EngineCosts:
+    """Per micro-batch, the agent's engine busy seconds (its turns' shares of the engine steps) against the steps it
+    took (each turn wave: its longest response), the tokens it decoded and the prompt tokens it took in."""
+    rows = rollouts.filter(pc.equal(rollouts.column("agent"), agent))
+    busy, features = defaultdict(float), defaultdict(lambda: np.zeros(3))
+    waves: dict[tuple, int] = defaultdict(int)
+    for step, mb, turn, prompt, response, seconds in zip(
+            rows.column("step").to_pylist(), rows.column("micro_batch").to_pylist(), rows.column("turn").to_pylist(),
+            pc.list_value_length(rows.column("prompt_ids")).to_pylist(),
+            pc.list_value_length(rows.column("response_ids")).to_pylist(), rows.column("engine_seconds").to_pylist()):
+        busy[(step, mb)] += seconds or 0.0
+        features[(step, mb)] += (0, response, prompt)
+        waves[(step, mb, turn)] = max(waves[(step, mb, turn)], response)
+    for (step, mb, _), longest in waves.items():
+        features[(step, mb)][0] += longest
+    keys = sorted(busy)
+    x = np.array([features[k] for k in keys])
+    y = np.array([busy[k] for k in keys]) * threads
+    coef = _nonnegative_fit(x, y)
+    return EngineCosts(*coef)
+
+
+def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
+    """Least squares with every coefficient at least 0 (a negative cost is a fit artefact): the columns whose
+    coefficient came out negative are dropped and the rest fitted again."""
+    keep = list(range(x.shape[1]))
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        if (coef >= 0).all() or len(keep) == 1:
+            full = [0.0] * x.shape[1]
+            for index, value in zip(keep, coef):
+                full[index] = max(float(value), 0.0)
+            return full
+        keep = [index for index, value in zip(keep, coef) if value >= 0] or keep[:1]
+
+
+def _trainer_costs(store: ExperienceStore, run: str, updates, agent: str, layout: Layout) -> TrainerCosts:
+    rows = updates.filter(pc.equal(updates.column("agent"), agent))
+    tokens = np.array(rows.column("tokens").to_pylist(), dtype=float)
+    seconds = np.array([s or 0.0 for s in rows.column("compute_seconds").to_pylist()]) * layout.trainer_threads
+    call, per_token = _nonnegative_fit(np.stack([np.ones_like(tokens), tokens], axis=1), seconds)
+    apply, sync, commit = [], [], []
+    for version in store.policy_versions(run, agent):
+        raw = store.checkpoints.read_file(run, agent, version, "timing.json") if version else None
+        if raw is None:
+            continue
+        record = json.loads(raw)
+        applied = record.get("apply_seconds", 0.0)  # not recorded before 2026-11-27: counted in the commit
+        apply.append(applied)
+        sync.append(record["sync_seconds"] / layout.replicas)
+        commit.append(max(record["ended"] - record["started"] - record["sync_seconds"] - applied, 0.0))
+    return TrainerCosts(call, per_token, *(float(np.median(values)) if values else 0.0
+                                           for values in (apply, sync, commit)))
+
+
+def _stage_seconds(store: ExperienceStore, run: str, stage: str) -> float:
+    table = store.read_stage(run, stage, columns=["step", "micro_batch", "stage_started", "stage_ended"])
+    if table.num_rows == 0:
+        return 0.0
+    spans = {(s, m): e - b for s, m, b, e in zip(table.column("step").to_pylist(),
+                                                 table.column("micro_batch").to_pylist(),
+                                                 _seconds(table.column("stage_started")),
+                                                 _seconds(table.column("stage_ended")))}
+    return float(np.median(list(spans.values())))
+
+
+def _rollout_overhead(rollouts) -> float:
+    """Median over micro-batches of the stage's span less the span of its turns."""
+    spans: dict[tuple, list[float]] = {}
+    for step, mb, begin, end, turn_start, turn_end in zip(
+            rollouts.column("step").to_pylist(), rollouts.column("micro_batch").to_pylist(),
+            _seconds(rollouts.column("stage_started")), _seconds(rollouts.column("stage_ended")),
+            _seconds(rollouts.column("rollout_start")), _seconds(rollouts.column("rollout_end"))):
+        entry = spans.setdefault((step, mb), [begin, end, turn_start, turn_end])
+        entry[2], entry[3] = min(entry[2], turn_start), max(entry[3], turn_end)
+    return float(np.median([max((e - b) - (te - ts), 0.0) for b, e, ts, te in spans.values()]))
+
+
+def _train_overhead(updates) -> float:
+    spans: dict[tuple, list[float]] = {}
+    for step, mb, begin, end, seconds in zip(
+            updates.column("step").to_pylist(), updates.column("micro_batch").to_pylist(),
+            _seconds(updates.column("stage_started")), _seconds(updates.column("stage_ended")),
+            updates.column("compute_seconds").to_pylist()):
+        entry = spans.setdefault((step, mb), [end - begin, 0.0])
+        entry[1] = max(entry[1], seconds or 0.0)
+    return float(np.median([max(span - compute, 0.0) for span, compute in spans.values()]))
+
+
+def _episodes(rollouts) -> list[list[Turn]]:
+    turns: dict[tuple, list[tuple[int, Turn]]] = defaultdict(list)
+    for step, mb, episode, turn, agent, prompt, response in zip(
+            rollouts.column("step").to_pylist(), rollouts.column("micro_batch").to_pylist(),
+            rollouts.column("episode").to_pylist(), rollouts.column("turn").to_pylist(),
+            rollouts.column("agent").to_pylist(), pc.list_value_length(rollouts.column("prompt_ids")).to_pylist(),
+            pc.list_value_length(rollouts.column("response_ids")).to_pylist()):
+        turns[(step, mb, episode)].append((turn, Turn(agent, prompt, response)))
+    return [[t for _, t in sorted(episode, key=lambda item: item[0])] for _, episode in sorted(turns.items())]

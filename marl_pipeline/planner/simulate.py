@@ -1,0 +1,360 @@
+"""A discrete-event simulation (simpy) of this project's orchestrator running a placement plan's specs.
+
+Not a model of RL pipelines in general: the decisions are the orchestrator's own functions, imported. The
+staleness gate and the synchronous step barrier (``run/queues.py``), sticky least-outstanding routing over an
+agent's replicas (``inference/router.py``), one publisher per agent syncing its replicas one at a time (each
+draining while it loads), the trainer worker serving swapped agents (its spec's ``loads``), the threads each spec
+computes on and the node's cores they share (planner/cores.py). Work is charged from costs fitted to a stored run
+(planner/costs.py); its episodes are replayed as the workload.
+
+What it leaves out is said in ``Prediction.assumptions``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import simpy
+
+from marl_pipeline.cluster.placement import PlacementPlan
+from marl_pipeline.cluster.specs import ActorSpec
+from marl_pipeline.config import PipelineConfig
+from marl_pipeline.inference.router import Router
+from marl_pipeline.planner.cores import SharedCores
+from marl_pipeline.planner.costs import Costs, Turn
+from marl_pipeline.run.queues import StepBarrier, gate_open
+from marl_pipeline.store import MicroBatchKey
+
+ASSUMPTIONS = (
+    "the calibration run's episodes (turns and their token counts) are the workload",
+    "each actor keeps its spec's threads (the run moves streaming trainers' threads to follow demand)",
+    "an agent's engine and trainer in one process (hybrid) share no interpreter lock",
+    "swapping an agent's trainer state in and out costs nothing beyond the calls it serves",
+    "environment and reward take their calibrated seconds a micro-batch, beside the engines and trainers",
+)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One simulated turn: which replica served it, at which policy version, and when."""
+
+    step: int
+    micro_batch: int
+    episode: int
+    turn: int
+    agent: str
+    replica: int
+    version: int
+    started: float
+    ended: float
+
+
+@dataclass
+class Prediction:
+    """What the simulation predicts for the plan: step times, each actor's busy share, staleness, the bound."""
+
+    step_seconds: list[float]
+    """Per step, as ``StepFinished.seconds`` reports it: since the previous step finished (the first: since its
+    first rollout started)."""
+    busy: dict[str, float]
+    """Per actor (spec name) and stage: the share of the simulated time it was computing."""
+    staleness: dict[int, int]
+    """Turns sampled at each staleness (step - policy version)."""
+    released: dict[int, float]
+    """When the staleness gate released each step's rollout."""
+    served: dict[str, dict[int, float]] = field(default_factory=dict)
+    """When each agent's engines all came to serve each version."""
+    decisions: list[Decision] = field(default_factory=list)
+    assumptions: tuple[str, ...] = ASSUMPTIONS
+
+    @property
+    def mean_step_seconds(self) -> float:
+        return sum(self.step_seconds) / len(self.step_seconds)
+
+    @property
+    def steps_per_hour(self) -> float:
+        return 3600.0 / self.mean_step_seconds
+
+    @property
+    def bound(self) -> str:
+        """The busiest actor or stage: what the step waits on most."""
+        return max(self.busy, key=self.busy.get)
+
+
+class _Busy:
+    """Time during which an actor or stage had work in progress."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.env, self.active, self.since, self.total = env, 0, 0.0, 0.0
+
+    def start(self) -> None:
+        if self.active == 0:
+            self.since = self.env.now
+        self.active += 1
+
+    def stop(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self.total += self.env.now - self.since
+
+
+class _Engine:
+    """One engine replica: continuous batching, one step at a time on its spec's threads; a weight sync waits for
+    the step in progress and pauses the next ones while it loads."""
+
+    def __init__(self, sim: _Simulation, spec: ActorSpec, costs, cores: tuple[SharedCores, bool]) -> None:
+        self.sim, self.spec, self.costs = sim, spec, costs
+        self.cores, device = cores
+        self.threads = 1 if device else spec.threads
+        self.version = 0
+        self.waiting: list[list] = []  # [prompt tokens, tokens left, done event, version holder]
+        self.running: list[list] = []
+        self.syncs: list[tuple[float, int, simpy.Event]] = []
+        self.wake = sim.env.event()
+        self.busy = sim.busy[spec.name]
+        sim.env.process(self._loop())
+
+    def generate(self, turn: Turn) -> simpy.Event:
+        done = self.sim.env.event()
+        self.waiting.append([turn.prompt_tokens, max(turn.response_tokens, 1), done])
+        self._poke()
+        return done
+
+    def sync(self, seconds: float, version: int) -> simpy.Event:
+        done = self.sim.env.event()
+        self.syncs.append((seconds, version, done))
+        self._poke()
+        return done
+
+    def _poke(self) -> None:
+        if not self.wake.triggered:
+            self.wake.succeed()
+
+    def _loop(self):
+        env = self.sim.env
+        while True:
+            while self.syncs:
+                seconds, version, done = self.syncs.pop(0)
+                yield env.timeout(seconds)
+                self.version = version
+                done.succeed()
+            if not self.waiting and not self.running:
+                self.wake = env.event()
+                yield self.wake
+                continue
+            admitted, self.waiting = self.waiting, []
+            self.running += admitted
+            work = (self.costs.step + self.costs.per_sequence * len(self.running)
+                    + self.costs.per_prompt_token * sum(request[0] for request in admitted))
+            self.busy.start()
+            yield self.cores.compute(work, self.threads)
+            self.busy.stop()
+            for request in self.running:
+                request[1] -= 1
+            for request in [r for r in self.running if r[1] <= 0]:
+                request[2].succeed(self.version)
+            self.running = [r for r in self.running if r[1] > 0]
+
+
+class _Simulation:
+    def __init__(self, plan: PlacementPlan, pipeline: PipelineConfig, costs: Costs,
+                 nodes: list[dict[str, float]], steps: int) -> None:
+        self.env = env = simpy.Environment()
+        self.plan, self.pipeline, self.costs, self.steps = plan, pipeline, costs, steps
+        self.busy: dict[str, _Busy] = defaultdict(lambda: _Busy(env))
+        self.synchronous = pipeline.mode == "synchronous"
+        self.staleness = 0 if self.synchronous else pipeline.staleness
+        self.agents = list(plan.engine_sets)
+        self.served = dict.fromkeys(self.agents, 0)
+        self.served_at: dict[str, dict[int, float]] = {agent: {0: 0.0} for agent in self.agents}
+        self.committed = dict.fromkeys(self.agents, 0)
+        self.served_changed = env.event()
+        self.cores = _place(plan.specs, nodes, env)
+        self.engines = {agent: [_Engine(self, spec.parts[0] if spec.parts else spec, costs.engines[agent],
+                                        self.cores[spec.name])
+                                for spec in plan.agent_specs(agent, "engine")] for agent in self.agents}
+        self.routers = {agent: Router(len(replicas), plan.engine_sets[agent].max_outstanding)
+                        for agent, replicas in self.engines.items()}
+        self.released_replica = {agent: env.event() for agent in self.agents}
+        self.trainer_of, self.trainer_lock = {}, {}
+        for spec in plan.specs:  # the actor that runs each agent's trainer calls, one at a time
+            if spec.role in ("trainer", "agent-process", "trainer-worker") and spec.index == 0:
+                lock = simpy.Resource(env, 1)
+                trainer = spec.parts[1] if spec.parts else spec
+                cores, device = self.cores[spec.name]
+                for agent in spec.loads:
+                    self.trainer_of[agent] = trainer
+                    self.trainer_lock[agent] = (lock, cores, 1 if device else trainer.threads)
+        self.decisions: list[Decision] = []
+        self.tokens: dict[tuple[int, int], dict[str, int]] = defaultdict(lambda: dict.fromkeys(self.agents, 0))
+        self.released: dict[int, float] = {}
+        self.step_started: dict[int, float] = {}
+        self.step_seconds: list[float] = []
+        self.last_end: float | None = None
+        self.episode_counter = 0
+
+    # -- the recipe: the orchestrator's threads as processes --------------------------------------
+    def run(self) -> Prediction:
+        env, pipeline = self.env, self.pipeline
+        size = max(pipeline.queue_size, pipeline.micro_batches_per_step if self.synchronous else 1)
+        boxes = [simpy.Store(env, size) for _ in range(3)]
+        env.process(self._source(boxes[0]))
+        for index, (stage, workers, seconds) in enumerate(
+                (("environment_results", pipeline.environment_concurrency, self.costs.environment),
+                 ("rewards", pipeline.reward_concurrency, self.costs.reward)), start=1):
+            barrier = StepBarrier(pipeline.micro_batches_per_step, self.synchronous)
+            for _ in range(workers):
+                env.process(self._map(stage, seconds, boxes[index - 1], boxes[index], barrier))
+        publish = {agent: simpy.Store(env) for agent in self.agents}
+        env.process(self._train(boxes[2], publish))
+        done = [env.process(self._publish(agent, publish[agent])) for agent in self.agents]
+        env.run(until=simpy.AllOf(env, done))
+        elapsed = env.now or 1.0
+        staleness: dict[int, int] = defaultdict(int)
+        for decision in self.decisions:
+            staleness[decision.step - decision.version] += 1
+        return Prediction(self.step_seconds, {name: busy.total / elapsed for name, busy in self.busy.items()},
+                          dict(staleness), self.released, self.served_at, self.decisions)
+
+    def _source(self, outbox: simpy.Store):
+        barrier = StepBarrier(self.pipeline.micro_batches_per_step, self.synchronous)
+        for step in range(self.steps):
+            while not gate_open(self.served, step, self.staleness):
+                yield self.served_changed
+            self.released[step] = self.step_started.setdefault(step, self.env.now)
+            for mb in range(self.pipeline.micro_batches_per_step):
+                self.busy["rollouts"].start()
+                yield self.env.process(self._rollout(step, mb))
+                yield self.env.timeout(self.costs.rollout_overhead)
+                self.busy["rollouts"].stop()
+                for ready in barrier.add(MicroBatchKey(self.plan.run, step, mb)):
+                    yield outbox.put(ready)
+
+    def _rollout(self, step: int, mb: int):
+        count = self.pipeline.prompts_per_micro_batch * self.pipeline.samples_per_prompt
+        episodes = []
+        for e in range(count):
+            turns = self.costs.episodes[self.episode_counter % len(self.costs.episodes)]
+            self.episode_counter += 1
+            episodes.append(self.env.process(self._episode(step, mb, e, turns)))
+        yield simpy.AllOf(self.env, episodes)
+
+    def _episode(self, step: int, mb: int, e: int, turns: list[Turn]):
+        key = (step, mb, e)
+        for index, turn in enumerate(turns):
+            router = self.routers[turn.agent]
+            while (replica := router.acquire(key)) is None:  # every replica saturated: wait for a release
+                yield self.released_replica[turn.agent]
+            started = self.env.now
+            engine = self.engines[turn.agent][replica]
+            version = yield engine.generate(turn)
+            router.release(replica)
+            waiting, self.released_replica[turn.agent] = self.released_replica[turn.agent], self.env.event()
+            waiting.succeed()
+            self.decisions.append(Decision(step, mb, e, index, turn.agent, replica, version, started, self.env.now))
+            self.tokens[(step, mb)][turn.agent] += turn.prompt_tokens + turn.response_tokens
+        for router in self.routers.values():
+            router.forget(key)
+
+    def _map(self, stage: str, seconds: float, inbox: simpy.Store, outbox: simpy.Store, barrier: StepBarrier):
+        while True:
+            key = yield inbox.get()
+            self.busy[stage].start()
+            yield self.env.timeout(seconds)
+            self.busy[stage].stop()
+            for ready in barrier.add(key):
+                yield outbox.put(ready)
+
+    def _train(self, inbox: simpy.Store, publish: dict[str, simpy.Store]):
+        version = dict.fromkeys(self.agents, 0)
+        arrived: set = set()
+        for step in range(self.steps):
+            learners = [agent for agent in self.agents if version[agent] == step]
+            for mb in range(self.pipeline.micro_batches_per_step):
+                key = MicroBatchKey(self.plan.run, step, mb)
+                while key not in arrived:
+                    arrived.add((yield inbox.get()))
+                arrived.discard(key)
+                tokens = self.tokens[(step, mb)]
+                self.busy["policy_updates"].start()
+                yield simpy.AllOf(self.env, [self.env.process(self._trainer_call(agent, tokens[agent]))
+                                             for agent in learners])
+                yield self.env.timeout(self.costs.train_overhead)
+                self.busy["policy_updates"].stop()
+            for agent in learners:
+                publish[agent].put(step)
+                version[agent] = step + 1
+        for box in publish.values():
+            box.put(None)
+
+    def _trainer_call(self, agent: str, tokens: int):
+        lock, cores, threads = self.trainer_lock[agent]
+        costs, spec = self.costs.trainers[agent], self.trainer_of[agent]
+        with lock.request() as turn:
+            yield turn
+            self.busy[spec.name].start()
+            yield cores.compute(costs.call + costs.per_token * tokens, threads)
+            self.busy[spec.name].stop()
+
+    def _publish(self, agent: str, inbox: simpy.Store):
+        """As the orchestrator's publisher: the optimizer step, the replicas synced one at a time (each draining),
+        the version served (the gate may open), the commit once the trainer's save is done."""
+        costs, spec = self.costs.trainers[agent], self.trainer_of[agent]
+        lock, *_ = self.trainer_lock[agent]
+        while (step := (yield inbox.get())) is not None:
+            turn = lock.request()  # the trainer's step-end calls run in order with its training calls
+            yield turn
+            self.busy[spec.name].start()
+            yield self.env.timeout(costs.apply)
+            for replica, engine in enumerate(self.engines[agent]):  # one replica at a time, the others serving
+                self.routers[agent].set_draining(replica, True)
+                yield engine.sync(costs.sync_per_replica, step + 1)
+                self.routers[agent].set_draining(replica, False)
+            self.served[agent] = step + 1
+            self.served_at[agent][step + 1] = self.env.now
+            self._served_changed()
+            yield self.env.timeout(costs.commit)  # the save the trainer ran meanwhile, the commit after it
+            self.busy[spec.name].stop()
+            lock.release(turn)
+            self.committed[agent] = step + 1
+            if min(self.committed.values()) > step and len(self.step_seconds) == step:
+                start = self.last_end if self.last_end is not None else self.step_started[step]
+                self.step_seconds.append(self.env.now - start)
+                self.last_end = self.env.now
+
+    def _served_changed(self) -> None:
+        changed, self.served_changed = self.served_changed, self.env.event()
+        changed.succeed()
+
+
+def _place(specs: list[ActorSpec], nodes: list[dict[str, float]],
+           env: simpy.Environment) -> dict[str, tuple[SharedCores, bool]]:
+    """Where each spec computes: an actor on GPUs on a device of its own (one a placement group: a colocated agent's
+    engine and trainer share theirs), whose costs are device-seconds; any other on its node's cores (first fit,
+    largest first, as the placement plan checks them), whose costs are core-seconds. With whether it is a device
+    (a job there runs on one thread)."""
+    shared = [SharedCores(env, node.get("CPU", 1.0)) for node in nodes]
+    free = [dict(node) for node in nodes]
+    devices: dict[str, SharedCores] = {}
+    placed = {}
+    for spec in sorted(specs, key=lambda s: (s.gpus, s.cpus), reverse=True):
+        index = next((i for i, node in enumerate(free) if node.get("CPU", 0.0) + 1e-9 >= spec.cpus
+                      and node.get("GPU", 0.0) + 1e-9 >= spec.gpus), 0)
+        free[index]["CPU"] = free[index].get("CPU", 0.0) - spec.cpus
+        free[index]["GPU"] = free[index].get("GPU", 0.0) - spec.gpus
+        on_gpus = spec.gpus > 0 or (spec.group is not None and any(b.get("GPU", 0) for b in spec.group.bundles))
+        if on_gpus:
+            key = spec.group.name if spec.group is not None and spec.group.kind == "colocated" else spec.name
+            placed[spec.name] = (devices.setdefault(key, SharedCores(env, 1.0)), True)
+        else:
+            placed[spec.name] = (shared[index], False)
+    return placed
+
+
+def simulate(plan: PlacementPlan, pipeline: PipelineConfig, costs: Costs, nodes: list[dict[str, float]],
+             steps: int | None = None) -> Prediction:
+    """Simulate ``steps`` steps (default ``pipeline.steps``) of the plan's actors on ``nodes`` (each node's
+    resources, as the plan was made on them) with ``costs``."""
+    simulation = _Simulation(plan, pipeline, costs, nodes, steps or pipeline.steps)
+    return simulation.run()

@@ -1,0 +1,115 @@
+"""The planner (marl_pipeline/planner/): shared cores, the simulated orchestrator's decisions, ``marl plan``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import simpy
+
+from marl_pipeline.cluster.placement import PlacementError, plan_placement
+from marl_pipeline.config import parse_config
+from marl_pipeline.planner.cores import SharedCores
+from marl_pipeline.planner.costs import Costs, EngineCosts, TrainerCosts, Turn
+from marl_pipeline.planner.plan import parse_cluster, predict
+from marl_pipeline.planner.simulate import simulate
+
+ENGINE = EngineCosts(step=0.01, per_sequence=0.0005, per_prompt_token=0.00005)
+TRAINER = TrainerCosts(call=0.05, per_token=0.0002, apply=0.1, sync_per_replica=0.05, commit=0.2)
+
+
+def _costs(episodes: list[list[Turn]] | None = None) -> Costs:
+    episodes = episodes or [[Turn("solver", 40, 4), Turn("verifier", 60, 2)]] * 64
+    return Costs({"solver": ENGINE, "verifier": ENGINE}, {"solver": TRAINER, "verifier": TRAINER}, environment=0.05,
+                 reward=0.05, rollout_overhead=0.1, train_overhead=0.05, episodes=episodes, source="hand-made")
+
+
+def _config(demo_config_data: dict, replicas: int = 1, **pipeline):
+    data = copy.deepcopy(demo_config_data)
+    data["pipeline"].update({"steps": 4, **pipeline})
+    for agent in data["agents"].values():
+        agent["engine"] = {**agent.get("engine", {}), "replicas": replicas}
+    return parse_config(data)
+
+
+def _finish_times(jobs: list[tuple[float, float, int]], cores: float) -> list[float]:
+    """When each (start, core-seconds, threads) job ends on ``cores`` shared cores."""
+    env = simpy.Environment()
+    shared, ends = SharedCores(env, cores), {}
+
+    def job(index: int, start: float, work: float, threads: int):
+        yield env.timeout(start)
+        yield shared.compute(work, threads)
+        ends[index] = env.now
+
+    for index, (start, work, threads) in enumerate(jobs):
+        env.process(job(index, start, work, threads))
+    env.run()
+    return [ends[index] for index in range(len(jobs))]
+
+
+def test_jobs_beyond_the_cores_share_them() -> None:
+    assert _finish_times([(0, 1.0, 1)], cores=1) == [1.0]
+    assert _finish_times([(0, 1.0, 1), (0, 1.0, 1)], cores=1) == [2.0, 2.0]  # each at half speed
+    assert _finish_times([(0, 2.0, 2)], cores=2) == [1.0]
+    assert _finish_times([(0, 1.0, 1), (0, 1.0, 1)], cores=2) == [1.0, 1.0]  # a core each
+    # one alone for 0.5 s (0.5 done), then both at half speed: the first's last 0.5 takes 1 s, the second then
+    # has 0.5 left alone
+    assert _finish_times([(0, 1.0, 1), (0.5, 1.0, 1)], cores=1) == pytest.approx([1.5, 2.0])
+    # a 2-thread job and a 1-thread job on 2 cores: 3 threads, each at 2/3 of a core
+    assert _finish_times([(0, 2.0, 2), (0, 1.0, 1)], cores=2) == pytest.approx([1.5, 1.5])
+
+
+def test_turns_use_the_versions_the_staleness_gate_allows(demo_config_data: dict) -> None:
+    for staleness in (0, 1):
+        config = _config(demo_config_data, staleness=staleness)
+        nodes = [{"CPU": 2.0}]
+        prediction = simulate(plan_placement(config, nodes), config.pipeline, _costs(), nodes)
+        lags = {d.step - d.version for d in prediction.decisions}
+        assert lags == ({0} if staleness == 0 else {0, 1})  # staleness 1 lets rollout run a step ahead
+        assert len(prediction.step_seconds) == 4 and sum(prediction.staleness.values()) == 4 * 2 * 256 * 2
+        # the gate released step i once every agent's engines served version i - staleness, and not later
+        for step in range(1 + staleness, 4):
+            served = max(prediction.served[agent][step - staleness] for agent in ("solver", "verifier"))
+            assert prediction.released[step] == pytest.approx(served)
+
+
+def test_replicas_share_an_agents_turns_and_an_episode_stays_on_its_replica(demo_config_data: dict) -> None:
+    config = _config(demo_config_data, replicas=2)
+    nodes = [{"CPU": 2.0}]
+    episodes = [[Turn("solver", 40, 4), Turn("verifier", 60, 2), Turn("solver", 80, 4)]] * 64
+    prediction = simulate(plan_placement(config, nodes), config.pipeline, _costs(episodes), nodes, steps=2)
+    by_replica = {replica: sum(1 for d in prediction.decisions if d.agent == "solver" and d.replica == replica)
+                  for replica in (0, 1)}
+    assert by_replica[0] == by_replica[1]  # least outstanding: the episodes start together and alternate
+    homes: dict = {}
+    for d in prediction.decisions:  # sticky: an episode's later turns go where its first one of the agent went
+        assert homes.setdefault((d.step, d.micro_batch, d.episode, d.agent), d.replica) == d.replica
+    assert {"solver/engine/0", "solver/engine/1"} <= set(prediction.busy)
+
+
+def test_more_cores_or_overlap_shorten_the_step_and_the_busiest_actor_is_named(demo_config_data: dict) -> None:
+    def step(config, cpus: float) -> float:
+        nodes = [{"CPU": cpus}]
+        return simulate(plan_placement(config, nodes), config.pipeline, _costs(), nodes).mean_step_seconds
+
+    streaming = _config(demo_config_data)
+    assert step(streaming, 8) < step(streaming, 2)
+    assert step(streaming, 2) < step(_config(demo_config_data, mode="synchronous"), 2)  # rollout k+1 beside training k
+    nodes = [{"CPU": 2.0}]
+    prediction = simulate(plan_placement(streaming, nodes), streaming.pipeline, _costs(), nodes)
+    assert prediction.bound == max(prediction.busy, key=prediction.busy.get)
+    assert 0 < prediction.busy["solver/trainer"] <= 1
+
+
+def test_a_plan_that_does_not_fit_is_refused_with_the_arithmetic(demo_config_data: dict) -> None:
+    data = copy.deepcopy(demo_config_data)
+    data["agents"]["solver"]["engine"] = {"num_gpus": 4}
+    with pytest.raises(PlacementError, match=r"need 4 GPUs .* the cluster has 2"):
+        predict(parse_config(data), parse_cluster("2x8:1"), _costs())
+    with pytest.raises(ValueError, match=r"no figures for agents \['verifier'\]"):
+        predict(_config(demo_config_data), [{"CPU": 2.0}], Costs({"solver": ENGINE}, {"solver": TRAINER}, 0, 0, 0, 0,
+                                                                  source="one agent's"))
+    assert parse_cluster("48x96:8") == [{"CPU": 96.0, "GPU": 8.0}] * 48
+    with pytest.raises(ValueError, match=r"expected NODESxCPUS\[:GPUS\]"):
+        parse_cluster("many")

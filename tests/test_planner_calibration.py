@@ -1,0 +1,61 @@
+"""The planner on a real stored run: costs fitted from a launch's own timestamps, the launch simulated again, and
+``marl plan`` printing a prediction from the store."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.compute as pc
+
+from marl_pipeline.config import parse_config
+from marl_pipeline.planner.plan import calibration, predict
+from marl_pipeline.run.events import StepFinished
+from marl_pipeline.run.recipe import train
+from marl_pipeline.store import ExperienceStore
+from tests.conftest import small_config_data
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_stored_launch_calibrates_the_simulation_which_replays_it(local_ray, demo_config_data: dict,
+                                                                    tmp_path: Path) -> None:
+    config = parse_config(small_config_data(demo_config_data, tmp_path / "store", steps=3))
+    measured = [event.seconds for event in train(config) if isinstance(event, StepFinished)]
+    store = ExperienceStore(config.store)
+    nodes = [{"CPU": 2.0, "GPU": 0.0}]
+    costs = calibration(store, config.run, nodes)
+    assert set(costs.engines) == set(costs.trainers) == {"solver", "verifier"}
+    assert all(engine.step + engine.per_sequence > 0 for engine in costs.engines.values())
+    assert all(trainer.call + trainer.per_token > 0 for trainer in costs.trainers.values())
+    rollouts = store.read_stage(config.run, "rollouts", columns=["step", "agent", "policy_version"])
+    assert len(costs.episodes) == 3 * 2 * 4 * 4  # every stored episode is the workload, in its turns
+    assert sum(len(episode) for episode in costs.episodes) == rollouts.num_rows
+
+    _, prediction = predict(config, nodes, costs)
+    # the simulated launch samples the stored launch's turns, each at the version the stored one used (staleness 0:
+    # its own step's), and steps as many times
+    recorded = sorted(zip(rollouts.column("step").to_pylist(), rollouts.column("agent").to_pylist(),
+                          rollouts.column("policy_version").to_pylist()))
+    simulated = sorted((d.step, d.agent, d.version) for d in prediction.decisions)
+    assert simulated == recorded
+    assert pc.all(pc.equal(rollouts.column("policy_version"), rollouts.column("step"))).as_py()
+    assert len(prediction.step_seconds) == len(measured) == 3
+    # a sanity bound on the in-sample fit, not a speed goal (BENCHMARKS.md has the validation on unseen launches)
+    assert 0.5 < prediction.mean_step_seconds / (sum(measured) / len(measured)) < 2.0
+
+    result = subprocess.run(
+        [sys.executable, "-m", "assets.cli", "plan", str(ROOT / "configs" / "demo.yaml"), "--calibrate",
+         str(tmp_path / "store"), "--run", config.run, "--cluster", "2", "--set", "pipeline.steps=3",
+         "--format", "json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(result.stdout)
+    assert len(summary["per_step"]) == 3 and summary["step_seconds"] > 0
+    assert summary["placement"]["solver/engine"].endswith("in one process with solver's trainer")  # demo: hybrid
+    refused = subprocess.run(
+        [sys.executable, "-m", "assets.cli", "plan", str(ROOT / "configs" / "demo.yaml"), "--calibrate",
+         str(tmp_path / "store"), "--run", "nothing-here", "--cluster", "2"], cwd=ROOT, capture_output=True,
+        text=True, timeout=120)
+    assert refused.returncode == 2 and "run 'nothing-here' has no recorded launch" in refused.stdout
