@@ -20,21 +20,40 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
          cluster: str | None = typer.Option(None, help="NODESxCPUS[:GPUS], e.g. 48x96:8 (default: this machine's "
                                                        "CPUs)."),
          steps: int | None = typer.Option(None, help="Steps to simulate (default: the experiment's)."),
+         gpu: str | None = typer.Option(None, help="GPUs of this kind (h100, h200, a100): engine and trainer costs "
+                                                   "from their stated figures and the models' shapes (a roofline), "
+                                                   "the workload from the stored run."),
+         profile: str | None = typer.Option(None, help="With --gpu: the trainers' MFU from this bench/gpu_trainer.py "
+                                                       "--rl output instead of the roofline's default."),
+         search: bool = typer.Option(False, "--search", help="Try allocations (replicas, tensor parallelism, "
+                                                             "trainer workers, staleness, micro-batches) and print "
+                                                             "the best few with the settings that make each."),
          settings: list[str] = typer.Option([], "--set", help="KEY=VALUE override of the experiment, dotted."),
          output: str = typer.Option("table", "--format", help="table, or json (for scripts).")) -> None:
     """Predict an experiment's step time, each actor's busy share and the staleness of its turns, by simulating
     this orchestrator on its placement plan with costs fitted from a stored run. A projection, not a measurement."""
     from assets.cli import train_run_config
     from marl_pipeline.cluster.placement import PlacementError
-    from marl_pipeline.config import ConfigError
-    from marl_pipeline.planner.plan import calibration, parse_cluster, predict
+    from marl_pipeline.config import ConfigError, apply_overrides, dotted_overrides, read_config_data
+    from marl_pipeline.planner.plan import calibration, gpu_costs_for, parse_cluster, predict
+    from marl_pipeline.planner.search import search as search_allocations
     from marl_pipeline.store import ExperienceStore, StoreError
 
     try:
         nodes = parse_cluster(cluster) if cluster else [{"CPU": float(os.cpu_count() or 1), "GPU": 0.0}]
         config, _ = train_run_config(config_path, settings)
-        costs = calibration(ExperienceStore(calibrate), run, nodes)
+        stored = calibration(ExperienceStore(calibrate), run, nodes if gpu is None else
+                             [{"CPU": float(os.cpu_count() or 1), "GPU": 0.0}])
+
+        def costs_for(candidate):
+            return stored if gpu is None else gpu_costs_for(candidate, gpu, stored, profile)
+
+        costs = costs_for(config)
         placement, prediction = predict(config, nodes, costs, steps)
+        if search:
+            data = read_config_data(config_path)
+            data = apply_overrides(data, dotted_overrides(settings, list(data.get("agents") or {})))
+            found = search_allocations(data, nodes, costs_for, steps)
     except (ConfigError, PlacementError, StoreError, ValueError) as error:
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(2) from None
@@ -42,6 +61,9 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
                "per_step": prediction.step_seconds, "busy": prediction.busy, "bound": prediction.bound,
                "staleness": prediction.staleness, "placement": placement.summary(), "costs": costs.source,
                "assumptions": list(prediction.assumptions)}
+    if search:
+        summary["search"] = [{"settings": c.settings(), "step_seconds": c.step_seconds,
+                              "steps_per_hour": c.steps_per_hour, "bound": c.bound} for c in found]
     if output == "json":
         print(json.dumps(summary, indent=1))
         return
@@ -55,4 +77,11 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
     console.print(table)
     console.print("staleness of the sampled turns: " + ", ".join(
         f"{lag}: {count}" for lag, count in sorted(prediction.staleness.items())))
+    if search:
+        best = Table("steps an hour", "step", "bound", "marl train --set", title="allocations found, best first")
+        for candidate in found:
+            best.add_row(f"{candidate.steps_per_hour:.0f}", f"{candidate.step_seconds:.2f} s", candidate.bound,
+                         " ".join(candidate.settings()) or "(as written)")
+        console.print(best)
     console.print("assumptions: " + "; ".join(prediction.assumptions), style="dim")
+    console.print("a projection by simulation, not a measurement", style="dim")

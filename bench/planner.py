@@ -44,15 +44,15 @@ def variants(base: dict) -> dict[str, dict]:
 
     return {
         "streaming": base,
-        "staleness-1": pipeline(base, staleness=1),
+        "staleness_1": pipeline(base, staleness=1),
         "synchronous": pipeline(base, mode="synchronous"),
-        "replicas-2": _agents(base, engine={"replicas": 2}),
+        "replicas_2": _agents(base, engine={"replicas": 2}),
         "swapped": {**base, "ray": {**base.get("ray", {}), "resident_trainers": 1}},
         "hybrid": _agents(base, hybrid=True),
-        "synchronous-replicas-2": _agents(pipeline(base, mode="synchronous"), engine={"replicas": 2}),
-        "staleness-1-replicas-2": _agents(pipeline(base, staleness=1), engine={"replicas": 2}),
-        "hybrid-staleness-1": _agents(pipeline(base, staleness=1), hybrid=True),
-        "swapped-synchronous": {**pipeline(base, mode="synchronous"), "ray": {"resident_trainers": 1}},
+        "synchronous_replicas_2": _agents(pipeline(base, mode="synchronous"), engine={"replicas": 2}),
+        "staleness_1_replicas_2": _agents(pipeline(base, staleness=1), engine={"replicas": 2}),
+        "hybrid_staleness_1": _agents(pipeline(base, staleness=1), hybrid=True),
+        "swapped_synchronous": {**pipeline(base, mode="synchronous"), "ray": {"resident_trainers": 1}},
     }
 
 

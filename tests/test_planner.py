@@ -113,3 +113,37 @@ def test_a_plan_that_does_not_fit_is_refused_with_the_arithmetic(demo_config_dat
     assert parse_cluster("48x96:8") == [{"CPU": 96.0, "GPU": 8.0}] * 48
     with pytest.raises(ValueError, match=r"expected NODESxCPUS\[:GPUS\]"):
         parse_cluster("many")
+
+
+def test_the_search_moves_only_to_shorter_steps_and_names_the_settings(demo_config_data: dict) -> None:
+    from marl_pipeline.planner.search import search
+
+    data = copy.deepcopy(demo_config_data)
+    data["pipeline"].update({"steps": 3})
+    nodes = [{"CPU": 8.0}]
+    as_written = simulate(plan_placement(parse_config(data), nodes), parse_config(data).pipeline, _costs(), nodes)
+    found = search(data, nodes, lambda config: _costs())
+    assert found == sorted(found, key=lambda c: c.step_seconds) and len(found) <= 5
+    assert found[0].step_seconds <= as_written.mean_step_seconds
+    for candidate in found:  # each is a config a launch accepts, its settings dotted as `marl train --set` takes them
+        assert all("=" in setting and "." in setting.split("=")[0] for setting in candidate.settings())
+    with pytest.raises(PlacementError):
+        search({**data, "agents": {name: {**agent, "engine": {"num_cpus": 16}} for name, agent in
+                                   data["agents"].items()}}, nodes, lambda config: _costs())
+
+
+def test_gpu_costs_come_from_the_models_shapes(demo_config_data: dict, tiny_model_dir) -> None:
+    from marl_pipeline.planner.plan import gpu_costs_for
+
+    data = copy.deepcopy(demo_config_data)
+    for agent in data["agents"].values():
+        agent["model"] = str(tiny_model_dir)
+        agent["engine"] = {"num_gpus": 1}
+        agent["trainer"] = {**agent.get("trainer", {}), "num_gpus": 1}
+    config = parse_config(data)
+    costs = gpu_costs_for(config, "h100", _costs())
+    assert costs.source.startswith("roofline on h100") and costs.episodes == _costs().episodes
+    _, prediction = predict(config, parse_cluster("1x16:4"), costs, steps=2)
+    assert {"solver/engine", "solver/trainer"} <= set(prediction.busy) and prediction.mean_step_seconds > 0
+    with pytest.raises(ValueError, match=r"agents.solver.model 'builtin:tiny': a GPU plan reads the model's shape"):
+        gpu_costs_for(parse_config(demo_config_data), "h100", _costs())

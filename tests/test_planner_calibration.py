@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 
 from marl_pipeline.config import parse_config
 from marl_pipeline.planner.plan import calibration, predict
-from marl_pipeline.run.events import StepFinished
+from marl_pipeline.run.events import RunFinished, StepFinished
 from marl_pipeline.run.recipe import train
 from marl_pipeline.store import ExperienceStore
 from tests.conftest import small_config_data
@@ -59,3 +59,20 @@ def test_a_stored_launch_calibrates_the_simulation_which_replays_it(local_ray, d
          str(tmp_path / "store"), "--run", "nothing-here", "--cluster", "2"], cwd=ROOT, capture_output=True,
         text=True, timeout=120)
     assert refused.returncode == 2 and "run 'nothing-here' has no recorded launch" in refused.stdout
+
+
+def test_the_routers_and_the_gates_decisions_replay_as_a_run_made_them(local_ray, demo_config_data: dict,
+                                                                        tmp_path: Path) -> None:
+    from marl_pipeline.planner.replay import replay_gate, replay_routing
+
+    data = small_config_data(demo_config_data, tmp_path / "store", steps=4)
+    data["store"] = {"uri": str(tmp_path / "store"), "retention": {"keep_all": True}}  # every version's timing
+    for agent in data["agents"].values():
+        agent["engine"]["replicas"] = 2
+    config = parse_config(data)
+    assert isinstance(list(train(config))[-1], RunFinished)
+    store = ExperienceStore(config.store)
+    routing = replay_routing(store, config.run, {"solver": 2, "verifier": 2})
+    assert routing.decisions == 4 * 2 * 16 * 2 and routing.differing == []  # every turn on the replica it had
+    gate = replay_gate(store, config.run, staleness=0)
+    assert gate.decisions == 3 and gate.differing == []  # steps 1-3 released when their versions were served

@@ -10,6 +10,7 @@ the split of the cores) is an assumption, stated with the prediction.
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -22,11 +23,14 @@ from marl_pipeline.store import ExperienceStore
 @dataclass(frozen=True)
 class EngineCosts:
     """One engine step (continuous batching): ``step + per_sequence x decoding sequences + per_prompt_token x
-    prompt tokens admitted`` core-seconds; each decoding sequence gains one token a step."""
+    prompt tokens admitted + per_request x requests admitted`` core-seconds; each decoding sequence gains one token
+    a step. ``per_request``: a request's own work in the engine's process beyond the steps (taken in, its output
+    made and returned)."""
 
     step: float
     per_sequence: float
     per_prompt_token: float
+    per_request: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -97,8 +101,10 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout]) -> C
                          f"costs from: run a launch first")
     agents = sorted(set(rollouts.column("agent").to_pylist()))
     return Costs(
-        engines={agent: _engine_costs(rollouts, agent, layouts[agent].engine_threads) for agent in agents},
-        trainers={agent: _trainer_costs(store, run, updates, agent, layouts[agent]) for agent in agents},
+        engines={agent: _engine_costs(rollouts, agent, layouts[agent].engine_threads, _intervals(updates))
+                 for agent in agents},
+        trainers={agent: _trainer_costs(store, run, updates, agent, layouts[agent], _computed(rollouts),
+                                        _intervals(rollouts)) for agent in agents},
         environment=_stage_seconds(store, run, "environment_results"),
         reward=_stage_seconds(store, run, "rewards"),
         rollout_overhead=_rollout_overhead(rollouts),
@@ -107,26 +113,36 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout]) -> C
         source=f"{store.config.uri} run {run}")
 
 
-def _engine_costs(rollouts, agent: str, threads: int) -> EngineCosts:
-    """Per micro-batch, the agent's engine busy seconds (its turns' shares of the engine steps) against the steps it
-    took (each turn wave: its longest response), the tokens it decoded and the prompt tokens it took in."""
+def _engine_costs(rollouts, agent: str, threads: int, busy: list[tuple[float, float]]) -> EngineCosts:
+    """From the agent's turn waves (a micro-batch's turns of one index: its requests sent together) that ran while
+    no trainer computed (``busy``: the trainers' intervals), so their seconds are the engine's alone: a step's
+    seconds from the engine's own (each turn's share of the steps, summed, over the wave's longest response), a
+    request's from the rest of the wave's span. One run's waves have one shape (requests, tokens), which does not
+    tell a step's fixed part from its part per sequence: the step is taken as fixed (an assumption)."""
     rows = rollouts.filter(pc.equal(rollouts.column("agent"), agent))
-    busy, features = defaultdict(float), defaultdict(lambda: np.zeros(3))
-    waves: dict[tuple, int] = defaultdict(int)
-    for step, mb, turn, prompt, response, seconds in zip(
+    waves: dict[tuple, list] = defaultdict(lambda: [math.inf, 0.0, 0.0, 0, 0])  # start, end, engine s, n, longest
+    for step, mb, turn, response, seconds, start, end in zip(
             rows.column("step").to_pylist(), rows.column("micro_batch").to_pylist(), rows.column("turn").to_pylist(),
-            pc.list_value_length(rows.column("prompt_ids")).to_pylist(),
-            pc.list_value_length(rows.column("response_ids")).to_pylist(), rows.column("engine_seconds").to_pylist()):
-        busy[(step, mb)] += seconds or 0.0
-        features[(step, mb)] += (0, response, prompt)
-        waves[(step, mb, turn)] = max(waves[(step, mb, turn)], response)
-    for (step, mb, _), longest in waves.items():
-        features[(step, mb)][0] += longest
-    keys = sorted(busy)
-    x = np.array([features[k] for k in keys])
-    y = np.array([busy[k] for k in keys]) * threads
-    coef = _nonnegative_fit(x, y)
-    return EngineCosts(*coef)
+            pc.list_value_length(rows.column("response_ids")).to_pylist(), rows.column("engine_seconds").to_pylist(),
+            _seconds(rows.column("rollout_start")), _seconds(rows.column("rollout_end"))):
+        wave = waves[(step, mb, turn)]
+        wave[0], wave[1] = min(wave[0], start), max(wave[1], end)
+        wave[2] += seconds or 0.0
+        wave[3] += 1
+        wave[4] = max(wave[4], response)
+    alone = [w for w in waves.values() if not _overlaps(w[0], w[1], busy)] or list(waves.values())
+    step = float(np.median([w[2] / max(w[4], 1) for w in alone])) * threads
+    request = float(np.median([max(w[1] - w[0] - w[2], 0.0) / w[3] for w in alone])) * threads
+    return EngineCosts(step, 0.0, 0.0, request)
+
+
+def _overlaps(start: float, end: float, intervals: list[tuple[float, float]]) -> bool:
+    return any(begin < end and start < finish for begin, finish in intervals)
+
+
+def _intervals(table) -> list[tuple[float, float]]:
+    """Each stored partition's stage span (one per micro-batch)."""
+    return sorted(set(zip(_seconds(table.column("stage_started")), _seconds(table.column("stage_ended")))))
 
 
 def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
@@ -143,9 +159,17 @@ def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
         keep = [index for index, value in zip(keep, coef) if value >= 0] or keep[:1]
 
 
-def _trainer_costs(store: ExperienceStore, run: str, updates, agent: str, layout: Layout) -> TrainerCosts:
+def _trainer_costs(store: ExperienceStore, run: str, updates, agent: str, layout: Layout,
+                   computed: dict[tuple, int], rollout_spans: list[tuple[float, float]]) -> TrainerCosts:
+    """``computed``: the tokens a trainer computes for each (step, micro-batch, agent): its turns' prompts and
+    responses, as the simulation counts them (the stored ``tokens`` are the responses', which the loss counts)."""
     rows = updates.filter(pc.equal(updates.column("agent"), agent))
-    tokens = np.array(rows.column("tokens").to_pylist(), dtype=float)
+    alone = np.array([not _overlaps(begin, end, rollout_spans) for begin, end in zip(
+        _seconds(rows.column("stage_started")), _seconds(rows.column("stage_ended")))])
+    if alone.any():  # the calls that ran while no engine sampled: the trainer's seconds alone
+        rows = rows.filter(alone)
+    tokens = np.array([computed.get((step, mb, agent), 0) for step, mb in zip(
+        rows.column("step").to_pylist(), rows.column("micro_batch").to_pylist())], dtype=float)
     seconds = np.array([s or 0.0 for s in rows.column("compute_seconds").to_pylist()]) * layout.trainer_threads
     call, per_token = _nonnegative_fit(np.stack([np.ones_like(tokens), tokens], axis=1), seconds)
     apply, sync, commit = [], [], []
@@ -160,6 +184,16 @@ def _trainer_costs(store: ExperienceStore, run: str, updates, agent: str, layout
         commit.append(max(record["ended"] - record["started"] - record["sync_seconds"] - applied, 0.0))
     return TrainerCosts(call, per_token, *(float(np.median(values)) if values else 0.0
                                            for values in (apply, sync, commit)))
+
+
+def _computed(rollouts) -> dict[tuple, int]:
+    tokens: dict[tuple, int] = defaultdict(int)
+    for step, mb, agent, prompt, response in zip(
+            rollouts.column("step").to_pylist(), rollouts.column("micro_batch").to_pylist(),
+            rollouts.column("agent").to_pylist(), pc.list_value_length(rollouts.column("prompt_ids")).to_pylist(),
+            pc.list_value_length(rollouts.column("response_ids")).to_pylist()):
+        tokens[(step, mb, agent)] += prompt + response
+    return tokens
 
 
 def _stage_seconds(store: ExperienceStore, run: str, stage: str) -> float:

@@ -70,3 +70,30 @@ def predict(config: ExperimentConfig, nodes: list[dict[str, float]], costs: Cost
                          f"with the same agents ({sorted(costs.engines)} there)")
     plan = plan_placement(config, nodes)
     return plan, simulate(plan, config.pipeline, costs, nodes, steps)
+
+
+def gpu_costs_for(config: ExperimentConfig, gpu_name: str, workload: Costs, profile: str | None = None) -> Costs:
+    """The experiment's costs on GPUs of ``gpu_name`` (planner/profiles.py): each agent's model shape from its
+    ``config.json``, its engines' tensor parallelism and trainer workers as configured, the trainers' MFU from a
+    measured ``profile`` (``bench/gpu_trainer.py --rl``'s output) or the roofline's default; the workload (episodes)
+    and the stages around the engines and trainers from a stored run's ``workload``.
+
+    Raises:
+        ValueError: an agent's model has no ``config.json`` to read its shape from, or the GPU or profile is unknown.
+    """
+    from pathlib import Path
+
+    from marl_pipeline.planner.profiles import ModelShape, gpu, gpu_costs, trainer_profile
+
+    shapes = {}
+    for agent, settings in config.agents.items():
+        if not (Path(settings.model) / "config.json").is_file():
+            raise ValueError(f"agents.{agent}.model {settings.model!r}: a GPU plan reads the model's shape from its "
+                             f"config.json, and there is none there (give a model directory)")
+        shapes[agent] = ModelShape.from_config(settings.model)
+    card = gpu(gpu_name)
+    mfu = trainer_profile(profile) if profile else None  # as measured on its own card, over that card's stated peak
+    return gpu_costs(shapes, card, {a: s.engine.tensor_parallel_size for a, s in config.agents.items()},
+                     {a: s.trainer.workers for a, s in config.agents.items()}, workload.episodes, mfu,
+                     source_note=profile or "", environment=workload.environment, reward=workload.reward,
+                     rollout_overhead=workload.rollout_overhead, train_overhead=workload.train_overhead)

@@ -29,9 +29,12 @@ from marl_pipeline.store import MicroBatchKey
 ASSUMPTIONS = (
     "the calibration run's episodes (turns and their token counts) are the workload",
     "each actor keeps its spec's threads (the run moves streaming trainers' threads to follow demand)",
-    "an agent's engine and trainer in one process (hybrid) share no interpreter lock",
+    "a hybrid agent's engine step and trainer call never overlap (one interpreter), whole, not interleaved",
     "swapping an agent's trainer state in and out costs nothing beyond the calls it serves",
-    "environment and reward take their calibrated seconds a micro-batch, beside the engines and trainers",
+    "environment and reward take their calibrated seconds a micro-batch, beside the engines and trainers (the "
+    "action pool's workers and their scheduling are not simulated)",
+    "a colocated agent's engine sleeping and waking, and replicas moved between agents (rebalancing), cost nothing",
+    "a trainer on several workers is its rank 0, charged for the whole trainer",
 )
 
 
@@ -107,6 +110,7 @@ class _Engine:
         self.sim, self.spec, self.costs = sim, spec, costs
         self.cores, device = cores
         self.threads = 1 if device else spec.threads
+        self.interpreter = sim.interpreter(spec.agent, replica=spec.index)
         self.version = 0
         self.waiting: list[list] = []  # [prompt tokens, tokens left, done event, version holder]
         self.running: list[list] = []
@@ -146,9 +150,12 @@ class _Engine:
             admitted, self.waiting = self.waiting, []
             self.running += admitted
             work = (self.costs.step + self.costs.per_sequence * len(self.running)
-                    + self.costs.per_prompt_token * sum(request[0] for request in admitted))
+                    + self.costs.per_prompt_token * sum(request[0] for request in admitted)
+                    + self.costs.per_request * len(admitted))
             self.busy.start()
-            yield self.cores.compute(work, self.threads)
+            with self.interpreter.request() as held:  # a hybrid agent's trainer shares this process's
+                yield held
+                yield self.cores.compute(work, self.threads)
             self.busy.stop()
             for request in self.running:
                 request[1] -= 1
@@ -171,6 +178,8 @@ class _Simulation:
         self.committed = dict.fromkeys(self.agents, 0)
         self.served_changed = env.event()
         self.cores = _place(plan.specs, nodes, env)
+        self.hybrid = {spec.agent for spec in plan.specs if spec.role == "agent-process"}
+        self._interpreters: dict[str, simpy.Resource] = {}
         self.engines = {agent: [_Engine(self, spec.parts[0] if spec.parts else spec, costs.engines[agent],
                                         self.cores[spec.name])
                                 for spec in plan.agent_specs(agent, "engine")] for agent in self.agents}
@@ -294,7 +303,9 @@ class _Simulation:
         with lock.request() as turn:
             yield turn
             self.busy[spec.name].start()
-            yield cores.compute(costs.call + costs.per_token * tokens, threads)
+            with self.interpreter(agent, replica=0).request() as held:
+                yield held
+                yield cores.compute(costs.call + costs.per_token * tokens, threads)
             self.busy[spec.name].stop()
 
     def _publish(self, agent: str, inbox: simpy.Store):
@@ -322,6 +333,13 @@ class _Simulation:
                 start = self.last_end if self.last_end is not None else self.step_started[step]
                 self.step_seconds.append(self.env.now - start)
                 self.last_end = self.env.now
+
+    def interpreter(self, agent: str, replica: int) -> simpy.Resource:
+        """The interpreter a hybrid agent's replica 0 and trainer share (their Python runs one at a time: a
+        trainer call and an engine step do not overlap); any other actor has its own."""
+        if replica == 0 and agent in self.hybrid:
+            return self._interpreters.setdefault(agent, simpy.Resource(self.env, 1))
+        return simpy.Resource(self.env, 1)
 
     def _served_changed(self) -> None:
         changed, self.served_changed = self.served_changed, self.env.event()
