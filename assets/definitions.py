@@ -10,6 +10,7 @@ import dagster as dg
 from assets.checks import STAGE_CHECKS
 from assets.evaluations import evaluations, no_collapsed_agent
 from assets.health import health, no_collapse_in_training
+from assets.planning import capacity_plan
 from assets.policies import base_policies, policies
 from assets.retrain import retrain_on_new_tasks
 from assets.stages import STAGE_ASSETS
@@ -21,7 +22,7 @@ from resources import ExperienceStoreResource, ExperimentResource, RayCluster
 experiment = ExperimentResource.configure_at_launch()
 
 defs = dg.Definitions(
-    assets=[base_policies, policies, *STAGE_ASSETS, evaluations, health, training_runs],
+    assets=[base_policies, policies, *STAGE_ASSETS, evaluations, health, training_runs, capacity_plan],
     asset_checks=[*STAGE_CHECKS, no_collapsed_agent, no_collapse_in_training],
     jobs=[train_job],
     schedules=[retrain_schedule],

@@ -4,7 +4,7 @@ Dagster's UI renders a Markdown metadata value, and a ``data:`` PNG inside it sh
 written to disk or served. Markdown of 1,000 characters or more (any PNG) is behind a "[Show Markdown]" link
 that opens it in a dialog, so a run's plots go into one value: one click shows them all. Every plot the project
 draws is here (the engine computes the figures, this module draws them): reward per agent per step, staleness per
-step, held-out evaluation per version, stage activity over time.
+step, held-out evaluation per version, stage activity over time, the planner's predicted busy shares.
 """
 
 from __future__ import annotations
@@ -114,3 +114,15 @@ def _save(figure) -> bytes:
     figure.savefig(buffer, format="png")
     plt.close(figure)
     return buffer.getvalue()
+
+
+def busy_png(busy: dict[str, float], title: str = "predicted busy share") -> bytes:
+    """Each actor's and stage's share of the simulated time spent computing (``Prediction.busy``), busiest first."""
+    names = sorted(busy, key=busy.get)
+    figure, axis = _figure((7, 0.25 * len(names) + 1.2))
+    axis.barh(names, [busy[name] for name in names], color="C0")
+    axis.set_xlim(0, 1)
+    axis.tick_params(axis="y", labelsize=7)
+    axis.set_xlabel("share of the simulated time computing")
+    axis.set_title(title)
+    return _save(figure)

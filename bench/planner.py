@@ -4,7 +4,8 @@ time of every other configuration, then run them and compare.
     .venv/bin/python bench/planner.py --work /tmp/planner --steps 8
 
 Configurations are the demo's (configs/demo.yaml, evaluation off) varied one setting at a time: streaming and
-synchronous, staleness 0 and 1, 1 and 2 engine replicas, swapped trainers, hybrid agents. The calibration launch is
+synchronous, staleness 0 and 1, 1 and 2 engine replicas, swapped trainers, hybrid agents; or, with ``--team trio``,
+the same variations of three agents relaying a colour (its own calibration launch). The calibration launch is
 ``streaming`` (engine and trainer apart, 1 replica, staleness 0); its own step time is reported as in-sample.
 Step times are ``StepFinished.seconds`` (since the previous step finished), steps 1.. of each launch (step 0
 includes the engines' first batches), predicted the same way. Predictions are written to
@@ -56,6 +57,22 @@ def variants(base: dict) -> dict[str, dict]:
     }
 
 
+def base_config(team: str) -> dict:
+    """The demo (evaluation off, each agent's engine and trainer apart), or three agents relaying a colour
+    (``relay_of_three``, registered by the tests' placement module; the demo's pipeline and trainer settings)."""
+    base = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    base.pop("evaluation", None)
+    for agent in base["agents"].values():
+        agent.pop("hybrid", None)
+    if team == "trio":
+        from tests.test_placement import RelayOfThree
+
+        agent = {"model": "builtin:tiny", "warmup": {"steps": 300, "lr": 0.001}, "trainer": {"lr": 0.001}}
+        base |= {"environment": {"name": RelayOfThree.name},
+                 "agents": {role: copy.deepcopy(agent) for role in RelayOfThree.turn_order}}
+    return base
+
+
 def launch(data: dict, run: str, store_uri: Path, version0_from: str | None) -> list[float]:
     """Run one launch of ``data`` as ``run``; its steps' ``StepFinished.seconds``."""
     from marl_pipeline.config import parse_config
@@ -81,6 +98,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/planner"))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--only", nargs="*", help="Names of the launches to predict and run (default: all).")
+    parser.add_argument("--team", choices=("pair", "trio"), default="pair",
+                        help="pair: the demo's solver and verifier; trio: three agents relaying a colour.")
     args = parser.parse_args()
 
     import ray
@@ -91,11 +110,7 @@ def main() -> None:
 
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
-    base = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
-    base.pop("evaluation", None)
-    base = _agents(base)
-    for agent in base["agents"].values():
-        agent.pop("hybrid", None)
+    base = base_config(args.team)
     base["pipeline"]["steps"] = args.steps
     launches = variants(base)
     names = [name for name in launches if name != "streaming" and (not args.only or name in args.only)]

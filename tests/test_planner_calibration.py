@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.compute as pc
+import pytest
 
 from marl_pipeline.config import parse_config
 from marl_pipeline.planner.plan import calibration, predict
@@ -57,6 +58,23 @@ def test_a_stored_launch_calibrates_the_simulation_which_replays_it(local_ray, d
     assert found and found[0]["step_seconds"] <= summary["step_seconds"] + 1e-9
     assert [c["step_seconds"] for c in found] == sorted(c["step_seconds"] for c in found)
     assert summary["placement"]["solver/engine"].endswith("in one process with solver's trainer")  # demo: hybrid
+    # the same from the UI: the capacity_plan asset, planning the demo on 2 CPUs with the stored run's costs
+    import dagster as dg
+    import yaml
+
+    from assets.planning import capacity_plan
+    from resources import ExperienceStoreResource, ExperimentResource
+
+    config_path = tmp_path / "experiment.yaml"
+    config_path.write_text(yaml.safe_dump({**small_config_data(demo_config_data, tmp_path / "store", steps=3)}))
+    experiment = ExperimentResource(config_path=str(config_path))
+    result = dg.materialize([capacity_plan], resources={"experiment": experiment,
+                                                        "store": ExperienceStoreResource(experiment=experiment)},
+                            run_config={"ops": {"capacity_plan": {"config": {"cluster": "2", "steps": 3}}}})
+    metadata = result.asset_materializations_for_node("capacity_plan")[0].metadata
+    assert metadata["step_seconds"].value == pytest.approx(prediction.mean_step_seconds, abs=1e-4)  # one simulation
+    assert metadata["bound"].value == prediction.bound and "data:image/png;base64," in metadata["busy"].value
+
     refused = subprocess.run(
         [sys.executable, "-m", "assets.cli", "plan", str(ROOT / "configs" / "demo.yaml"), "--calibrate",
          str(tmp_path / "store"), "--run", "nothing-here", "--cluster", "2"], cwd=ROOT, capture_output=True,

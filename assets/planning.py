@@ -1,0 +1,53 @@
+"""The ``capacity_plan`` asset: ``marl plan`` from the UI. The experiment's step time on a described cluster,
+simulated with costs from a stored run (marl_pipeline/planner/), with the busy shares as a plot. A projection."""
+
+import os  # no `from __future__ import annotations`: Dagster reads the config class from the signature
+
+import dagster as dg
+
+from resources import ExperienceStoreResource, ExperimentResource
+
+
+class CapacityPlanConfig(dg.Config):
+    """What to plan for: the cluster and the stored run whose timings give the costs."""
+
+    cluster: str = ""
+    """NODESxCPUS[:GPUS], e.g. 48x96:8; empty: this machine's CPUs."""
+    calibrate_run: str = ""
+    """The stored run (in the experiment's store) to take costs from; empty: the experiment's own run."""
+    gpu: str = ""
+    """A GPU kind (h100, h200, a100): engine and trainer costs from a roofline on it, the workload from the run."""
+    steps: int = 5
+    """Steps to simulate."""
+
+
+@dg.asset(group_name="planning", kinds={"simpy"})
+def capacity_plan(context: dg.AssetExecutionContext, config: CapacityPlanConfig, experiment: ExperimentResource,
+                  store: ExperienceStoreResource) -> dg.MaterializeResult:
+    """The experiment's predicted step time, steps an hour, each actor's busy share, the staleness of its turns and
+    what bounds the step, by a simulation of this orchestrator on its placement plan (a projection, not a
+    measurement: the simulation's assumptions are in the metadata)."""
+    from assets.plots import busy_png, images_markdown
+    from marl_pipeline.planner.plan import calibration, gpu_costs_for, parse_cluster, predict
+
+    settings = experiment.load()
+    here = [{"CPU": float(os.cpu_count() or 1), "GPU": 0.0}]
+    nodes = parse_cluster(config.cluster) if config.cluster else here
+    run = config.calibrate_run or settings.run
+    costs = calibration(store.open(), run, here if config.gpu else nodes)
+    if config.gpu:
+        costs = gpu_costs_for(settings, config.gpu, costs)
+    placement, prediction = predict(settings, nodes, costs, config.steps)
+    context.log.info(f"capacity plan: {prediction.mean_step_seconds:.2f} s a step on {len(nodes)} node(s), bound "
+                     f"by {prediction.bound} (costs: {costs.source})")
+    return dg.MaterializeResult(metadata={
+        "step_seconds": dg.MetadataValue.float(round(prediction.mean_step_seconds, 4)),
+        "steps_per_hour": dg.MetadataValue.float(round(prediction.steps_per_hour, 1)),
+        "bound": dg.MetadataValue.text(prediction.bound),
+        "cluster": dg.MetadataValue.text(config.cluster or f"this machine ({here[0]['CPU']:g} CPUs)"),
+        "costs": dg.MetadataValue.text(costs.source),
+        "staleness": dg.MetadataValue.json({str(k): v for k, v in sorted(prediction.staleness.items())}),
+        "placement": dg.MetadataValue.json(placement.summary()),
+        "busy": images_markdown({"predicted busy share": busy_png(prediction.busy)}),
+        "assumptions": dg.MetadataValue.md("\n".join(f"- {line}" for line in prediction.assumptions)),
+    })
