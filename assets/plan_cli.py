@@ -25,6 +25,9 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
                                                    "the workload from the stored run."),
          profile: str | None = typer.Option(None, help="With --gpu: the trainers' MFU from this bench/gpu_trainer.py "
                                                        "--rl output instead of the roofline's default."),
+         engine_profiles: list[str] = typer.Option([], "--engine-profile", help="With --gpu: AGENT=FILE, that "
+                                                   "agent's engine costs from bench/engine_profile.py's output "
+                                                   "instead of the roofline (repeatable)."),
          search: bool = typer.Option(False, "--search", help="Try allocations (replicas, tensor parallelism, "
                                                              "trainer workers, staleness, micro-batches) and print "
                                                              "the best few with the settings that make each."),
@@ -45,8 +48,10 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
         stored = calibration(ExperienceStore(calibrate), run, nodes if gpu is None else
                              [{"CPU": float(os.cpu_count() or 1), "GPU": 0.0}])
 
+        engines = dict(_agent_file(setting) for setting in engine_profiles)
+
         def costs_for(candidate):
-            return stored if gpu is None else gpu_costs_for(candidate, gpu, stored, profile)
+            return stored if gpu is None else gpu_costs_for(candidate, gpu, stored, profile, engines)
 
         costs = costs_for(config)
         placement, prediction = predict(config, nodes, costs, steps)
@@ -85,3 +90,10 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
         console.print(best)
     console.print("assumptions: " + "; ".join(prediction.assumptions), style="dim")
     console.print("a projection by simulation, not a measurement", style="dim")
+
+
+def _agent_file(setting: str) -> tuple[str, str]:
+    agent, equals, path = setting.partition("=")
+    if not equals or not agent or not path:
+        raise ValueError(f"--engine-profile {setting!r}: expected AGENT=FILE")
+    return agent, path

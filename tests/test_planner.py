@@ -147,3 +147,36 @@ def test_gpu_costs_come_from_the_models_shapes(demo_config_data: dict, tiny_mode
     assert {"solver/engine", "solver/trainer"} <= set(prediction.busy) and prediction.mean_step_seconds > 0
     with pytest.raises(ValueError, match=r"agents.solver.model 'builtin:tiny': a GPU plan reads the model's shape"):
         gpu_costs_for(parse_config(demo_config_data), "h100", _costs())
+
+
+def test_an_engine_profile_replaces_the_roofline_for_its_agent(demo_config_data: dict, tiny_model_dir,
+                                                               tmp_path) -> None:
+    import json
+
+    from marl_pipeline.planner.engine_profile import engine_profile
+    from marl_pipeline.planner.plan import gpu_costs_for
+
+    # step 0.01 s, 1e-4 s a sequence and 1e-7 s a sequence's context token, 2e-6 s a prompt token, fixed 0.02 s
+    decode = [{"batch": b, "context": c, "step_seconds": 0.01 + b * (1e-4 + 1e-7 * c)}
+              for b, c in ((8, 512), (32, 1024), (64, 2048), (16, 4096))]
+    prefill = [{"tokens": t, "seconds": 0.02 + 2e-6 * t} for t in (1024, 8192)]
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps({"gpu": "NVIDIA H100", "model": "tiny", "decode": decode, "prefill": prefill}))
+    costs = engine_profile(path, context_tokens=1024)  # a sequence at 1,024 tokens: 1e-4 + 1.024e-4
+    assert (costs.step, costs.per_sequence, costs.per_prompt_token) == pytest.approx((0.01, 2.024e-4, 2e-6))
+
+    data = copy.deepcopy(demo_config_data)
+    for agent in data["agents"].values():
+        agent["model"] = str(tiny_model_dir)
+    config = parse_config(data)
+    planned = gpu_costs_for(config, "h100", _costs(), engine_profiles={"solver": str(path)})
+    assert planned.engines["solver"] == costs and planned.engines["verifier"] != costs  # the verifier's: roofline
+    assert planned.source.endswith(f"engines of solver from profile {path}")
+    with pytest.raises(ValueError, match=r"not agents of the experiment"):
+        gpu_costs_for(config, "h100", _costs(), engine_profiles={"critic": str(path)})
+    path.write_text(json.dumps({"decode": decode[:2], "prefill": prefill}))
+    with pytest.raises(ValueError, match=r"needs 3 decode points"):
+        engine_profile(path)
+    path.write_text("{}")
+    with pytest.raises(ValueError, match=r"expected JSON with decode points"):
+        engine_profile(path)

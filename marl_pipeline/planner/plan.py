@@ -72,19 +72,29 @@ def predict(config: ExperimentConfig, nodes: list[dict[str, float]], costs: Cost
     return plan, simulate(plan, config.pipeline, costs, nodes, steps)
 
 
-def gpu_costs_for(config: ExperimentConfig, gpu_name: str, workload: Costs, profile: str | None = None) -> Costs:
+def gpu_costs_for(config: ExperimentConfig, gpu_name: str, workload: Costs, profile: str | None = None,
+                  engine_profiles: dict[str, str] | None = None) -> Costs:
     """The experiment's costs on GPUs of ``gpu_name`` (planner/profiles.py): each agent's model shape from its
     ``config.json``, its engines' tensor parallelism and trainer workers as configured, the trainers' MFU from a
-    measured ``profile`` (``bench/gpu_trainer.py --rl``'s output) or the roofline's default; the workload (episodes)
-    and the stages around the engines and trainers from a stored run's ``workload``.
+    measured ``profile`` (``bench/gpu_trainer.py --rl``'s output) or the roofline's default, an agent's engine from
+    its measured profile (``engine_profiles``: agent -> ``bench/engine_profile.py``'s output) or the roofline; the
+    workload (episodes) and the stages around the engines and trainers from a stored run's ``workload``. The
+    costs' ``source`` says which each came from.
 
     Raises:
-        ValueError: an agent's model has no ``config.json`` to read its shape from, or the GPU or profile is unknown.
+        ValueError: an agent's model has no ``config.json`` to read its shape from, or the GPU, a profile or an
+            agent a profile names is unknown.
     """
+    from dataclasses import replace
     from pathlib import Path
 
+    from marl_pipeline.planner.engine_profile import engine_profile
     from marl_pipeline.planner.profiles import ModelShape, gpu, gpu_costs, trainer_profile
 
+    engine_profiles = engine_profiles or {}
+    if unknown := sorted(set(engine_profiles) - set(config.agents)):
+        raise ValueError(f"engine profiles for {unknown}, which are not agents of the experiment "
+                         f"({sorted(config.agents)})")
     shapes = {}
     for agent, settings in config.agents.items():
         if not (Path(settings.model) / "config.json").is_file():
@@ -93,7 +103,12 @@ def gpu_costs_for(config: ExperimentConfig, gpu_name: str, workload: Costs, prof
         shapes[agent] = ModelShape.from_config(settings.model)
     card = gpu(gpu_name)
     mfu = trainer_profile(profile) if profile else None  # as measured on its own card, over that card's stated peak
-    return gpu_costs(shapes, card, {a: s.engine.tensor_parallel_size for a, s in config.agents.items()},
-                     {a: s.trainer.workers for a, s in config.agents.items()}, workload.episodes, mfu,
-                     source_note=profile or "", environment=workload.environment, reward=workload.reward,
-                     rollout_overhead=workload.rollout_overhead, train_overhead=workload.train_overhead)
+    costs = gpu_costs(shapes, card, {a: s.engine.tensor_parallel_size for a, s in config.agents.items()},
+                      {a: s.trainer.workers for a, s in config.agents.items()}, workload.episodes, mfu,
+                      source_note=profile or "", environment=workload.environment, reward=workload.reward,
+                      rollout_overhead=workload.rollout_overhead, train_overhead=workload.train_overhead)
+    if not engine_profiles:
+        return costs
+    measured = {agent: engine_profile(path) for agent, path in engine_profiles.items()}
+    return replace(costs, engines={**costs.engines, **measured}, source=costs.source + "; engines of " + ", ".join(
+        f"{agent} from profile {path}" for agent, path in sorted(engine_profiles.items())))
