@@ -43,10 +43,11 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
     from marl_pipeline.store import ExperienceStore, StoreError
 
     try:
-        nodes = parse_cluster(cluster) if cluster else [{"CPU": float(os.cpu_count() or 1), "GPU": 0.0}]
+        here = [{"CPU": float(os.cpu_count() or 1), "GPU": 0.0}]
+        nodes = parse_cluster(cluster) if cluster else here
         config, _ = train_run_config(config_path, settings)
-        stored = calibration(ExperienceStore(calibrate), run, nodes if gpu is None else
-                             [{"CPU": float(os.cpu_count() or 1), "GPU": 0.0}])
+        # the stored run is taken to have run on this machine: its threads are re-planned here
+        stored = calibration(ExperienceStore(calibrate), run, here)
 
         engines = dict(_agent_file(setting) for setting in engine_profiles)
 

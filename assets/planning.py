@@ -34,7 +34,7 @@ def capacity_plan(context: dg.AssetExecutionContext, config: CapacityPlanConfig,
     here = [{"CPU": float(os.cpu_count() or 1), "GPU": 0.0}]
     nodes = parse_cluster(config.cluster) if config.cluster else here
     run = config.calibrate_run or settings.run
-    costs = calibration(store.open(), run, here if config.gpu else nodes)
+    costs = calibration(store.open(), run, here)  # the stored run is taken to have run on this machine
     if config.gpu:
         costs = gpu_costs_for(settings, config.gpu, costs)
     placement, prediction = predict(settings, nodes, costs, config.steps)
