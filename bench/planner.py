@@ -80,7 +80,8 @@ def launch(data: dict, run: str, store_uri: Path, version0_from: str | None) -> 
     from marl_pipeline.run.recipe import train
     from marl_pipeline.store import ExperienceStore
 
-    config = parse_config({**data, "run": run, "store": str(store_uri)})
+    # every version kept: each one's timing.json is what the calibration reads of its step's end
+    config = parse_config({**data, "run": run, "store": {"uri": str(store_uri), "retention": {"keep_all": True}}})
     store = ExperienceStore(config.store)
     if version0_from is not None:  # the calibration launch's version 0: no warm-up to repeat
         for agent in config.agents:
