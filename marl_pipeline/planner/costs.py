@@ -9,7 +9,6 @@ the split of the cores) is an assumption, stated with the prediction.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow.compute as pc
 
+from marl_pipeline.run.pipeline_metrics import Span, spans_from_store, version_timings
 from marl_pipeline.store import ExperienceStore
 
 
@@ -71,7 +71,8 @@ class Costs:
     source: str = ""
 
 
-def _seconds(column) -> np.ndarray:
+def epoch_seconds(column) -> np.ndarray:
+    """A timestamp column (microseconds, UTC) as seconds since the epoch."""
     return pc.cast(column, "int64").to_numpy(zero_copy_only=False) / 1e6
 
 
@@ -100,13 +101,19 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout]) -> C
         raise ValueError(f"run {run!r} in {store.config.uri} has no committed rollouts and policy updates to fit "
                          f"costs from: run a launch first")
     agents = sorted(set(rollouts.column("agent").to_pylist()))
+    timings = version_timings(store, run)
+    spans = spans_from_store(store, run, timings)
+    busy = {stage: [(span.started, span.ended) for span in spans if span.stage == stage]
+            for stage in ("rollouts", "policy_updates")}
+    computed = _computed(rollouts)
     return Costs(
-        engines={agent: _engine_costs(rollouts, agent, layouts[agent].engine_threads, _intervals(updates))
+        engines={agent: _engine_costs(rollouts, agent, layouts[agent].engine_threads, busy["policy_updates"])
                  for agent in agents},
-        trainers={agent: _trainer_costs(store, run, updates, agent, layouts[agent], _computed(rollouts),
-                                        _intervals(rollouts)) for agent in agents},
-        environment=_stage_seconds(store, run, "environment_results"),
-        reward=_stage_seconds(store, run, "rewards"),
+        trainers={agent: _trainer_costs(updates, agent, layouts[agent], computed, busy["rollouts"],
+                                        [record for (owner, _), record in timings.items() if owner == agent])
+                  for agent in agents},
+        environment=_median_span(spans, "environment_results"),
+        reward=_median_span(spans, "rewards"),
         rollout_overhead=_rollout_overhead(rollouts),
         train_overhead=_train_overhead(updates),
         episodes=_episodes(rollouts),
@@ -124,7 +131,7 @@ def _engine_costs(rollouts, agent: str, threads: int, busy: list[tuple[float, fl
     for step, mb, turn, response, seconds, start, end in zip(
             rows.column("step").to_pylist(), rows.column("micro_batch").to_pylist(), rows.column("turn").to_pylist(),
             pc.list_value_length(rows.column("response_ids")).to_pylist(), rows.column("engine_seconds").to_pylist(),
-            _seconds(rows.column("rollout_start")), _seconds(rows.column("rollout_end"))):
+            epoch_seconds(rows.column("rollout_start")), epoch_seconds(rows.column("rollout_end"))):
         wave = waves[(step, mb, turn)]
         wave[0], wave[1] = min(wave[0], start), max(wave[1], end)
         wave[2] += seconds or 0.0
@@ -138,11 +145,6 @@ def _engine_costs(rollouts, agent: str, threads: int, busy: list[tuple[float, fl
 
 def _overlaps(start: float, end: float, intervals: list[tuple[float, float]]) -> bool:
     return any(begin < end and start < finish for begin, finish in intervals)
-
-
-def _intervals(table) -> list[tuple[float, float]]:
-    """Each stored partition's stage span (one per micro-batch)."""
-    return sorted(set(zip(_seconds(table.column("stage_started")), _seconds(table.column("stage_ended")))))
 
 
 def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
@@ -159,13 +161,14 @@ def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
         keep = [index for index, value in zip(keep, coef) if value >= 0] or keep[:1]
 
 
-def _trainer_costs(store: ExperienceStore, run: str, updates, agent: str, layout: Layout,
-                   computed: dict[tuple, int], rollout_spans: list[tuple[float, float]]) -> TrainerCosts:
+def _trainer_costs(updates, agent: str, layout: Layout, computed: dict[tuple, int],
+                   rollout_spans: list[tuple[float, float]], timings: list[dict]) -> TrainerCosts:
     """``computed``: the tokens a trainer computes for each (step, micro-batch, agent): its turns' prompts and
-    responses, as the simulation counts them (the stored ``tokens`` are the responses', which the loss counts)."""
+    responses, as the simulation counts them (the stored ``tokens`` are the responses', which the loss counts);
+    ``timings``: the agent's versions' ``timing.json`` records."""
     rows = updates.filter(pc.equal(updates.column("agent"), agent))
     alone = np.array([not _overlaps(begin, end, rollout_spans) for begin, end in zip(
-        _seconds(rows.column("stage_started")), _seconds(rows.column("stage_ended")))])
+        epoch_seconds(rows.column("stage_started")), epoch_seconds(rows.column("stage_ended")))])
     if alone.any():  # the calls that ran while no engine sampled: the trainer's seconds alone
         rows = rows.filter(alone)
     tokens = np.array([computed.get((step, mb, agent), 0) for step, mb in zip(
@@ -173,11 +176,7 @@ def _trainer_costs(store: ExperienceStore, run: str, updates, agent: str, layout
     seconds = np.array([s or 0.0 for s in rows.column("compute_seconds").to_pylist()]) * layout.trainer_threads
     call, per_token = _nonnegative_fit(np.stack([np.ones_like(tokens), tokens], axis=1), seconds)
     apply, sync, commit = [], [], []
-    for version in store.policy_versions(run, agent):
-        raw = store.checkpoints.read_file(run, agent, version, "timing.json") if version else None
-        if raw is None:
-            continue
-        record = json.loads(raw)
+    for record in timings:
         applied = record.get("apply_seconds", 0.0)  # not recorded before 2026-11-27: counted in the commit
         apply.append(applied)
         sync.append(record["sync_seconds"] / layout.replicas)
@@ -196,15 +195,10 @@ def _computed(rollouts) -> dict[tuple, int]:
     return tokens
 
 
-def _stage_seconds(store: ExperienceStore, run: str, stage: str) -> float:
-    table = store.read_stage(run, stage, columns=["step", "micro_batch", "stage_started", "stage_ended"])
-    if table.num_rows == 0:
-        return 0.0
-    spans = {(s, m): e - b for s, m, b, e in zip(table.column("step").to_pylist(),
-                                                 table.column("micro_batch").to_pylist(),
-                                                 _seconds(table.column("stage_started")),
-                                                 _seconds(table.column("stage_ended")))}
-    return float(np.median(list(spans.values())))
+def _median_span(spans: list[Span], stage: str) -> float:
+    """A stage's median seconds a micro-batch (0 when the run stored none)."""
+    seconds = [span.ended - span.started for span in spans if span.stage == stage]
+    return float(np.median(seconds)) if seconds else 0.0
 
 
 def _rollout_overhead(rollouts) -> float:
@@ -212,8 +206,8 @@ def _rollout_overhead(rollouts) -> float:
     spans: dict[tuple, list[float]] = {}
     for step, mb, begin, end, turn_start, turn_end in zip(
             rollouts.column("step").to_pylist(), rollouts.column("micro_batch").to_pylist(),
-            _seconds(rollouts.column("stage_started")), _seconds(rollouts.column("stage_ended")),
-            _seconds(rollouts.column("rollout_start")), _seconds(rollouts.column("rollout_end"))):
+            epoch_seconds(rollouts.column("stage_started")), epoch_seconds(rollouts.column("stage_ended")),
+            epoch_seconds(rollouts.column("rollout_start")), epoch_seconds(rollouts.column("rollout_end"))):
         entry = spans.setdefault((step, mb), [begin, end, turn_start, turn_end])
         entry[2], entry[3] = min(entry[2], turn_start), max(entry[3], turn_end)
     return float(np.median([max((e - b) - (te - ts), 0.0) for b, e, ts, te in spans.values()]))
@@ -223,7 +217,7 @@ def _train_overhead(updates) -> float:
     spans: dict[tuple, list[float]] = {}
     for step, mb, begin, end, seconds in zip(
             updates.column("step").to_pylist(), updates.column("micro_batch").to_pylist(),
-            _seconds(updates.column("stage_started")), _seconds(updates.column("stage_ended")),
+            epoch_seconds(updates.column("stage_started")), epoch_seconds(updates.column("stage_ended")),
             updates.column("compute_seconds").to_pylist()):
         entry = spans.setdefault((step, mb), [end - begin, 0.0])
         entry[1] = max(entry[1], seconds or 0.0)

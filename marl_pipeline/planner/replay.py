@@ -6,12 +6,11 @@ measurement is then the costs, not the decisions.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
-import pyarrow.compute as pc
-
 from marl_pipeline.inference.router import Router
+from marl_pipeline.planner.costs import epoch_seconds
+from marl_pipeline.run.pipeline_metrics import spans_from_store, version_timings
 from marl_pipeline.run.queues import gate_open
 from marl_pipeline.store import ExperienceStore
 
@@ -29,10 +28,6 @@ class Agreement:
         return self.equal / self.decisions if self.decisions else 1.0
 
 
-def _epoch(column) -> list[float]:
-    return [value / 1e6 for value in pc.cast(column, "int64").to_pylist()]
-
-
 def replay_routing(store: ExperienceStore, run: str, replicas: dict[str, int],
                    max_outstanding: dict[str, int | None] | None = None) -> Agreement:
     """Each stored turn's replica, chosen again by the agent's router over the recorded turns in the order they
@@ -46,7 +41,7 @@ def replay_routing(store: ExperienceStore, run: str, replicas: dict[str, int],
     max_outstanding = max_outstanding or {}
     routers = {agent: Router(count, max_outstanding.get(agent)) for agent, count in replicas.items()}
     rows = table.to_pylist()
-    starts, ends = _epoch(table.column("rollout_start")), _epoch(table.column("rollout_end"))
+    starts, ends = epoch_seconds(table.column("rollout_start")), epoch_seconds(table.column("rollout_end"))
     last_turn: dict[tuple, int] = {}
     for row in rows:
         key = (row["step"], row["micro_batch"], row["episode"])
@@ -77,22 +72,17 @@ def replay_gate(store: ExperienceStore, run: str, staleness: int, tolerance_s: f
     came to serve each version (its ``timing.json``: the publisher's start, its optimizer step and its sync) and the
     end of the step before's rollout, against the recorded release (the step's first rollout partition's
     ``stage_enqueued``), equal within ``tolerance_s`` (the publisher's own bookkeeping between the two stamps)."""
-    rollouts = store.read_stage(run, "rollouts", columns=["step", "micro_batch", "stage_enqueued", "stage_ended"])
     released: dict[int, float] = {}
     ended: dict[int, float] = {}
-    for step, enqueued, end in zip(rollouts.column("step").to_pylist(), _epoch(rollouts.column("stage_enqueued")),
-                                   _epoch(rollouts.column("stage_ended"))):
-        released[step] = min(released.get(step, enqueued), enqueued)
-        ended[step] = max(ended.get(step, end), end)
-    agents = sorted(set(store.read_stage(run, "policy_updates", columns=["agent"]).column("agent").to_pylist()))
-    served: dict[str, dict[int, float]] = {agent: {} for agent in agents}
-    for agent in agents:
-        for version in store.policy_versions(run, agent):
-            raw = store.checkpoints.read_file(run, agent, version, "timing.json") if version else None
-            if raw is not None:
-                record = json.loads(raw)
-                served[agent][version] = record["started"] + record.get("apply_seconds", 0.0) + record["sync_seconds"]
-        served[agent].setdefault(0, float("-inf"))  # the launch starts served at version 0
+    timings = version_timings(store, run)
+    for span in spans_from_store(store, run, timings):
+        if span.stage == "rollouts":
+            released[span.step] = min(released.get(span.step, span.enqueued), span.enqueued)
+            ended[span.step] = max(ended.get(span.step, span.ended), span.ended)
+    agents = set(store.read_stage(run, "policy_updates", columns=["agent"]).column("agent").to_pylist())
+    served: dict[str, dict[int, float]] = {agent: {0: float("-inf")} for agent in agents}  # served 0 at the start
+    for (agent, version), record in timings.items():
+        served[agent][version] = record["started"] + record.get("apply_seconds", 0.0) + record["sync_seconds"]
     opened = _gate_times(served, sorted(released), staleness)
     differing, equal = [], 0
     for step in sorted(released)[1:]:

@@ -175,10 +175,9 @@ def _idle_while_waiting(busy: list[tuple[float, float]], waiting: list[tuple[flo
     return idle
 
 
-def spans_from_store(store, run: str) -> list[Span]:
-    """Every stage span of a run, recomputed from the timing columns and policy checkpoints in the store."""
-    import json
-
+def spans_from_store(store, run: str, timings: dict[tuple[str, int], dict] | None = None) -> list[Span]:
+    """Every stage span of a run, recomputed from the timing columns and policy checkpoints in the store
+    (``timings``: :func:`version_timings`, when the caller has read them already)."""
     spans = []
     for stage in ("rollouts", "environment_results", "rewards", "policy_updates"):
         columns = ["step", "micro_batch", "stage_enqueued", "stage_started", "stage_ended"]
@@ -187,16 +186,21 @@ def spans_from_store(store, run: str) -> list[Span]:
         for row in table.group_by(columns).aggregate([]).to_pylist():
             spans.append(Span(stage, row["step"], row["micro_batch"], row["stage_enqueued"].timestamp(),
                               row["stage_started"].timestamp(), row["stage_ended"].timestamp()))
-    for agent, version in _policy_versions(store, run):
-        if (data := store.policy_file(run, agent, version, "timing.json")) is None:
-            continue  # a base policy, or a version saved before timings were recorded
-        record = json.loads(data)
+    for record in (version_timings(store, run) if timings is None else timings).values():
         spans.append(Span("optimizer_step", record["step"], -1, record["enqueued"], record["started"],
                           record["ended"]))
     return spans
 
 
-def _policy_versions(store, run: str) -> list[tuple[str, int]]:
-    """(agent, version) of every committed policy version of the run, in the store (the bucket for S3)."""
+def version_timings(store, run: str) -> dict[tuple[str, int], dict]:
+    """Each committed policy version's ``timing.json`` record by (agent, version): its step's end as the publisher
+    timed it. A base policy, or a version saved before timings were recorded, has none."""
+    import json
+
     agents = {row["agent"] for row in store.read_stage(run, "policy_updates", columns=["agent"]).to_pylist()}
-    return [(agent, version) for agent in sorted(agents) for version in store.policy_versions(run, agent)]
+    timings = {}
+    for agent in sorted(agents):
+        for version in store.policy_versions(run, agent):
+            if (data := store.policy_file(run, agent, version, "timing.json")) is not None:
+                timings[(agent, version)] = json.loads(data)
+    return timings
