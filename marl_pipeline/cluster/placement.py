@@ -94,6 +94,8 @@ class PlacementPlan:
     """One per actor to start (a hybrid agent's two requests are one process): what spawn.py starts."""
     engine_sets: dict[str, EngineSet] = field(default_factory=dict)
     """How each agent's engine replicas are routed."""
+    node_of: dict[str, int] = field(default_factory=dict)
+    """Each actor's node, as the plan checked they fit (an index in the nodes it was made on)."""
     run: str = ""
 
     def agent_specs(self, agent: str, role: str) -> list[ActorSpec]:
@@ -213,12 +215,12 @@ def _plan(config: ExperimentConfig, nodes: list[dict[str, float]], workers: int)
     actors = [request for request, _ in requests]
     _check_totals(config, actors, cluster, workers)
     _check_custom(actors, nodes)
-    _check_nodes(actors, nodes)
+    node_of = _check_nodes(actors, nodes)
     trainers = [f"{agent}/trainer" for agent in config.agents]
     node_cpus = max((node.get("CPU", 0.0) for node in nodes), default=1.0)
     specs = actor_specs(config, {a.name: (a.cpus, a.gpus, a.fitted) for a in actors}, 0 if resident else workers,
                         cluster["CPU"] or 1.0, node_cpus or 1.0)
-    layout = dict(specs=specs, engine_sets=engine_sets(config), run=config.run)
+    layout = dict(specs=specs, engine_sets=engine_sets(config), run=config.run, node_of=node_of)
     if resident:
         return PlacementPlan(actors, cluster, resident_trainers=trainers, **layout)
     return PlacementPlan(actors, cluster, swapped_trainers=trainers, trainer_workers=workers, **layout)
@@ -293,25 +295,30 @@ def _custom_names(nodes: list[dict[str, float]]) -> str:
     return ", ".join(names)
 
 
-def _check_nodes(actors: list[ActorRequest], nodes: list[dict[str, float]]) -> None:
+def _check_nodes(actors: list[ActorRequest], nodes: list[dict[str, float]]) -> dict[str, int]:
     """First-fit decreasing: every actor on a node with room for it (CPUs, GPUs and its custom resources); an agent's
-    colocated engine and trainer ranks as one, as their placement group packs them on one node."""
+    colocated engine and trainer ranks as one, as their placement group packs them on one node. -> each actor's
+    node (its index in ``nodes``)."""
     def together(actor: ActorRequest) -> str | None:
         return actor.colocated or actor.process
 
     units = [actor for actor in actors if together(actor) is None]
+    members = {actor.name: [actor] for actor in units}  # the actors each unit places
     for agent in dict.fromkeys(together(actor) for actor in actors if together(actor) is not None):
         shared = [actor for actor in actors if together(actor) == agent]
         units.append(ActorRequest(f"{agent}/engine+trainer", sum(a.cpus for a in shared), sum(a.gpus for a in shared),
                                   resources={name: sum(a.resources.get(name, 0.0) for a in shared)
                                              for a in shared for name in a.resources}))
+        members[units[-1].name] = shared
     free = [dict(node) for node in nodes]
+    placed = {}
     for actor in sorted(units, key=lambda a: (a.gpus, a.cpus), reverse=True):
         wanted = {"CPU": actor.cpus, "GPU": actor.gpus, **actor.resources}
-        for node in free:
+        for index, node in enumerate(free):
             if all(node.get(name, 0.0) + 1e-9 >= amount for name, amount in wanted.items() if amount > 0):
                 for name, amount in wanted.items():
                     node[name] = node.get(name, 0.0) - amount
+                placed |= {member.name: index for member in members[actor.name]}
                 break
         else:
             candidates = [n for n in free if all(n.get(r, 0.0) > 0 for r in actor.resources)]
@@ -322,3 +329,4 @@ def _check_nodes(actors: list[ActorRequest], nodes: list[dict[str, float]]) -> N
                 f"{actor.name} needs {actor.cpus:g} CPU and {actor.gpus:g} GPU on one node; after the larger actors "
                 f"the roomiest node{pinned} has {largest.get('CPU', 0.0):g} CPU and {largest.get('GPU', 0.0):g} GPU "
                 f"free ({len(nodes)} nodes)")
+    return placed

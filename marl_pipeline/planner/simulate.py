@@ -177,7 +177,7 @@ class _Simulation:
         self.served_at: dict[str, dict[int, float]] = {agent: {0: 0.0} for agent in self.agents}
         self.committed = dict.fromkeys(self.agents, 0)
         self.served_changed = env.event()
-        self.cores = _place(plan.specs, nodes, env)
+        self.cores = _place(plan, nodes, env)
         self.hybrid = {spec.agent for spec in plan.specs if spec.role == "agent-process"}
         self._interpreters: dict[str, simpy.Resource] = {}
         self.engines = {agent: [_Engine(self, spec.parts[0] if spec.parts else spec, costs.engines[agent],
@@ -346,27 +346,21 @@ class _Simulation:
         changed.succeed()
 
 
-def _place(specs: list[ActorSpec], nodes: list[dict[str, float]],
+def _place(plan: PlacementPlan, nodes: list[dict[str, float]],
            env: simpy.Environment) -> dict[str, tuple[SharedCores, bool]]:
     """Where each spec computes: an actor on GPUs on a device of its own (one a placement group: a colocated agent's
-    engine and trainer share theirs), whose costs are device-seconds; any other on its node's cores (first fit,
-    largest first, as the placement plan checks them), whose costs are core-seconds. With whether it is a device
-    (a job there runs on one thread)."""
+    engine and trainer share theirs), whose costs are device-seconds; any other on the cores of the node the plan
+    put it on, whose costs are core-seconds. With whether it is a device (a job there runs on one thread)."""
     shared = [SharedCores(env, node.get("CPU", 1.0)) for node in nodes]
-    free = [dict(node) for node in nodes]
     devices: dict[str, SharedCores] = {}
     placed = {}
-    for spec in sorted(specs, key=lambda s: (s.gpus, s.cpus), reverse=True):
-        index = next((i for i, node in enumerate(free) if node.get("CPU", 0.0) + 1e-9 >= spec.cpus
-                      and node.get("GPU", 0.0) + 1e-9 >= spec.gpus), 0)
-        free[index]["CPU"] = free[index].get("CPU", 0.0) - spec.cpus
-        free[index]["GPU"] = free[index].get("GPU", 0.0) - spec.gpus
+    for spec in plan.specs:
         on_gpus = spec.gpus > 0 or (spec.group is not None and any(b.get("GPU", 0) for b in spec.group.bundles))
         if on_gpus:
             key = spec.group.name if spec.group is not None and spec.group.kind == "colocated" else spec.name
             placed[spec.name] = (devices.setdefault(key, SharedCores(env, 1.0)), True)
-        else:
-            placed[spec.name] = (shared[index], False)
+        else:  # a hybrid agent's process is where the plan put its engine
+            placed[spec.name] = (shared[plan.node_of[(spec.parts[0] if spec.parts else spec).name]], False)
     return placed
 
 
