@@ -266,11 +266,13 @@ HEALTH_STEPS_SHOWN = 10
 HEALTH_HEADERS = {"zero_variance_groups": "zero-var groups", "distinct_responses": "distinct",
                   "top_response_share": "top share", "top_answer_share": "top overall", "token_entropy": "entropy",
                   "response_length": "length", "truncated_share": "cut", "loss_per_token": "loss/token",
-                  "clip_fraction": "clipped", "mismatch_abs_logprob": "mismatch", "grad_norm": "grad norm"}
+                  "clip_fraction": "clipped", "mismatch_abs_logprob": "mismatch", "grad_norm": "grad norm",
+                  "short_groups": "short groups", "shortfall": "shortfall", "dropped_episodes": "dropped"}
 HEALTH_NARROW = {"top_answer_share": "top", "zero_variance_groups": "zero-var", "token_entropy": "entropy",
                  "response_length": "length", "clip_fraction": "clip", "grad_norm": "grad norm"}
 """The signals an 80-column terminal shows (the collapse rules' two first): ``--wide`` shows every one, ``--format
 json`` or ``csv`` gives the whole table to scripts."""
+
 FORMATS = ("table", "json", "csv")
 
 
@@ -309,7 +311,7 @@ def _health_rows(store, run: str, step: int | None, agent: str | None) -> tuple[
 def _print_health_table(store, run: str, step: int | None, agent: str | None, wide: bool = False) -> None:
     """Each agent's training-health signals per step (the ``health`` dataset): the newest steps, or ``step``; the
     signals that matter (:data:`HEALTH_NARROW`), or with ``wide`` every one but the trainer's throughput."""
-    from marl_pipeline.stages.health import HEALTH_SIGNALS, PERF_SIGNALS
+    from marl_pipeline.stages.health import HEALTH_SIGNALS, PERF_SIGNALS, groups_note
 
     rows, steps = _health_rows(store, run, step, agent)
     if not rows:
@@ -326,6 +328,10 @@ def _print_health_table(store, run: str, step: int | None, agent: str | None, wi
         table.add_row(str(row["step"]), row["agent"],
                       *("-" if row[name] is None else f"{row[name]:.3g}" for name in headers))
     console.print(table)
+    if not wide:  # the groups' figures, under the table, where a step has any (--wide: in it)
+        for step in sorted({row["step"] for row in rows}):
+            if note := groups_note({row["agent"]: row for row in rows if row["step"] == step}):
+                console.print(f"step {step}: {note[2:]}")
 
 
 def _print_evaluation_table(store, run: str) -> None:
@@ -489,6 +495,7 @@ def _print_run(store, run: str, step: int | None, agent: str | None, sample: int
         _print_reward_table(store, run)
         _print_evaluation_table(store, run)
     _print_health_table(store, run, step, agent, wide)
+    _print_services_table(store, run, step)
     table = Table(title="turns, tokens and reward per agent")
     for column in ("agent", "turns", "tokens", "reward mean", "std", "min", "p50", "max"):
         table.add_column(column, justify="left" if column == "agent" else "right")
@@ -510,8 +517,36 @@ def _print_run(store, run: str, step: int | None, agent: str | None, sample: int
         console.print(f"[red]failures in {stage}: {failure['rows']} rows[/red]")
         for error, count in list(failure["errors"].items())[:5]:
             console.print(f"  {count} x {error or '(no error message)'}")
+    for stage, dropped in report.get("dropped", {}).items():
+        console.print(f"over-sampling dropped {dropped['rows']} turns in {stage} (pipeline.rollout.oversample)")
+        for reason, count in list(dropped["errors"].items())[:3]:
+            console.print(f"  {count} x {reason}")
     for episode in sample_episodes(store, run, sample, step, agent):
         _print_episode(episode)
+
+
+def _print_services_table(store, run: str, step: int | None) -> None:
+    """The run's external services over its steps (or one step): calls, 429s, retries, failures, the slowest
+    queue wait and call, the quota used."""
+    from marl_pipeline.services.figures import service_summary
+
+    rows = service_summary(store, run, step)
+    if not rows:
+        return
+    table = Table(title="external services (429: refused by the service; quota: share of requests_per_second used)")
+    for column in ("service", "steps", "calls", "429", "retries", "failed", "wait p99", "call p50", "call p99",
+                   "quota"):
+        table.add_column(column, justify="left" if column == "service" else "right")
+    for row in rows:
+        table.add_row(row["service"], str(row["steps"]), str(row["calls"]), str(row["throttled"]),
+                      str(row["retries"]), str(row["failures"]), *(_seconds(row[k]) for k in (
+                          "queue_wait_p99", "latency_p50", "latency_p99")),
+                      "-" if row["request_quota_use"] is None else f"{row['request_quota_use']:.0%}")
+    console.print(table)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}s"
 
 
 def _print_episode(episode: dict) -> None:

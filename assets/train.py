@@ -25,7 +25,8 @@ from assets.partitions import (
 from assets.plots import images_markdown
 from assets.policies import base_policy_metadata
 from assets.previews import PREVIEW_COLUMNS
-from marl_pipeline.stages.health import started_warnings
+from marl_pipeline.services.figures import describe as describe_service
+from marl_pipeline.stages.health import groups_note, started_warnings
 from resources import SETUP_PREFIX, ExperimentResource, RayCluster
 
 RUN_TAG = "marl/run"
@@ -108,7 +109,9 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
             rewards = ", ".join(f"{agent} {value:.3f}" for agent, value in event.mean_reward.items())
             context.log.info(f"{STEP_PREFIX}{event.step}: mean reward {mean_reward(event.mean_reward):.3f} "
                              f"({rewards}); step time {event.seconds:.2f} s, first rollout to commit "
-                             f"{event.span_seconds:.2f} s")
+                             f"{event.span_seconds:.2f} s{groups_note(event.health)}")
+            for name, figures in event.services.items():
+                context.log.info(f"{STEP_PREFIX}{event.step}: service {name}: {describe_service(figures)}")
             context.log_event(dg.AssetMaterialization(asset_key="health", partition=step_key(config.run, event.step),
                                                       metadata=health_metadata(event.health)))
             context.log_event(collapse_evaluation(config.run, event.step, event.warnings, config.health))

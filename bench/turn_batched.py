@@ -6,6 +6,7 @@ rows as the production rollout (stages/trajectories.py), so the two can be compa
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import UTC, datetime
 
 import pyarrow as pa
@@ -47,4 +48,7 @@ def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHand
             transcripts[e].append(Turn(role, completion.text, observation))
             append_turn(columns, key, task, p, trajectory, e, turn, role, chats.prompt_text(role, request),
                         completion, version, start, datetime.now(UTC), observation, error, adapter=adapters[turn])
+    failed = {e for e, status in zip(columns["episode"], columns["status"]) if status != "ok"}
+    short = Counter(episodes[e][0] for e in failed)  # per prompt: its episodes that did not finish
+    columns["group_shortfall"] = [short[episodes[e][0]] for e in columns["episode"]]
     return pa.table(columns, schema=with_agent(ROLLOUTS))

@@ -19,6 +19,9 @@ from typing import Any, ClassVar, Literal, Protocol, TypedDict
 import numpy as np
 from pydantic import BaseModel
 
+# A plugin's calls to services outside the cluster, under the run's quotas (external.py).
+from marl_pipeline.external import ServiceClient, ServiceError, service  # noqa: F401
+
 ENTRY_POINT_GROUP = "marl_pipeline.environments"
 
 Task = dict[str, Any]

@@ -14,8 +14,10 @@ from marl_pipeline.config import HealthConfig
 from marl_pipeline.stages.health import (
     PERF_SIGNALS,
     collapse_warnings,
+    groups_note,
     health_table,
     recent_health,
+    signals_by_agent,
     started_warnings,
 )
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
@@ -200,3 +202,42 @@ def test_health_stored_before_the_trainer_throughput_reads_with_it_null(tmp_path
     shown = capsys.readouterr().out
     assert "training health per step" in shown and "grad norm" in shown
     assert "mfu" not in shown and "tokens" not in shown and "900" not in shown
+
+
+def test_groups_short_of_n_and_dropped_episodes_by_hand(tmp_path: Path, capsys) -> None:
+    """Each row carries its group's shortfall and dropped episodes (over-sampling): the health sums them over the
+    agent's groups, leaves the dropped turns out of the other signals, and the log line and ``marl inspect`` show
+    them."""
+    from assets.cli import _print_health_table, console
+
+    def row(agent: str, group: str, text: str, shortfall: int, dropped: int, status: str = "ok") -> dict:
+        return {**_turn(agent, group, text, [-1.0]), "status": status, "group_shortfall": shortfall,
+                "group_dropped": dropped}
+
+    rollouts = [row("solver", "g1", "4", 0, 2), row("solver", "g1", "4", 0, 2),
+                row("solver", "g1", "5", 0, 2, status="dropped"),  # cut: not in the signals below
+                row("solver", "g2", "7", 1, 0), row("solver", "g2", "8", 1, 0, status="timeout"),
+                row("verifier", "g1", "yes", 0, 2)]
+    rewards = [{"agent": "solver", "group_id": group, "reward": r} for group, r in (("g1", 1.0), ("g1", 0.0),
+                                                                                   ("g2", 1.0), ("g2", 0.0))]
+    table = health_table(rollouts, rewards, [], {"solver": 1, "verifier": 1}, {})
+    solver, verifier = table.to_pylist()
+    assert (solver["short_groups"], solver["shortfall"], solver["dropped_episodes"]) == (1, 1, 2)
+    assert (verifier["short_groups"], verifier["shortfall"], verifier["dropped_episodes"]) == (0, 0, 2)
+    assert solver["distinct_responses"] == pytest.approx((1 / 2 + 1) / 2)  # g1's dropped "5" left out
+    assert solver["response_length"] == 1.0 and solver["groups"] == 2
+    # Rows stored before the figures existed have none.
+    (older,) = health_table([_turn("solver", "g1", "4", [-1.0])], [], [], {"solver": 1}, {}).to_pylist()
+    assert older["short_groups"] is older["shortfall"] is older["dropped_episodes"] is None
+    assert groups_note(signals_by_agent(table)) == "; over-sampling dropped 2 episodes, 1 group short of n by 1 episode"
+    assert groups_note(signals_by_agent(health_table([], [], [], {"solver": 1}, {}))) == ""
+
+    store = _stored(tmp_path, "over", [table])
+    width = console.width
+    console.width = 80
+    try:
+        _print_health_table(store, "over", None, None)
+    finally:
+        console.width = width
+    shown = capsys.readouterr().out
+    assert "…" not in shown and "step 0: over-sampling dropped 2 episodes, 1 group short of n by 1 episode" in shown

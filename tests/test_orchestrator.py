@@ -169,9 +169,11 @@ def assert_every_micro_batch_once(store: ExperienceStore, steps: int, micro_batc
     expected = [MicroBatchKey("demo", s, m) for s in range(steps) for m in range(micro_batches)]
     for stage in STAGES:
         assert store.committed_keys("demo", stage) == expected, stage
-    rollouts = store.read_stage("demo", "rollouts", columns=["sample_id", "step", "micro_batch"])
+    rollouts = store.read_stage("demo", "rollouts", columns=["sample_id", "step", "micro_batch", "status"])
     sample_ids = rollouts.column("sample_id").to_pylist()
-    assert len(sample_ids) == len(set(sample_ids)) == steps * micro_batches * 4 * 4 * 2
+    kept = [sample_id for sample_id, status in zip(sample_ids, rollouts.column("status").to_pylist())
+            if status != "dropped"]  # over-sampling's dropped turns are stored too
+    assert len(sample_ids) == len(set(sample_ids)) and len(kept) == steps * micro_batches * 4 * 4 * 2
     for agent in ("solver", "verifier"):  # retention: 0 and the last 2 committed
         assert store.policy_versions("demo", agent) == [0, steps - checkpoint_every, steps]
     record = store.read_record("demo", "launch.json")
@@ -247,6 +249,44 @@ def test_killed_three_times_and_resumed_commits_every_micro_batch_once(uninterru
     for agent in ("solver", "verifier"):
         killed, straight = _weights(store, "demo", agent, steps), _weights(uninterrupted, "demo", agent, steps)
         assert max((straight[n] - killed[n]).abs().max().item() for n in straight) <= PARAMETER_TOLERANCE, agent
+
+
+def test_killed_with_oversampling_and_resumed_keeps_n_episodes_per_group_once(demo_config_data,
+                                                                              tmp_path: Path) -> None:
+    """With over-sampling on, a launch killed at a random commit and resumed still commits every micro-batch once,
+    and every group trains on its n episodes, never on a dropped one (which episodes a group keeps depends on
+    timing, so the parameters are not compared)."""
+    steps, micro_batches = 2, 2
+    data = small_config_data(demo_config_data, tmp_path / "store", steps=steps, micro_batches_per_step=micro_batches)
+    data["pipeline"]["rollout"] = {"oversample": 2}
+    config_path = tmp_path / "experiment.yaml"
+    config_path.write_text(yaml.safe_dump(data))
+    store = ExperienceStore(data["store"])
+    total = steps * micro_batches * len(STAGES)
+    target = random.Random(os.getpid()).randrange(1, total - len(STAGES))
+    process = _launch(config_path, tmp_path)
+    deadline = time.monotonic() + 300
+    while _committed(store) < target and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert _committed(store) < total
+    process = _launch(config_path, tmp_path)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output
+
+    assert_every_micro_batch_once(store, steps, micro_batches)
+    rollouts = store.read_stage("demo", "rollouts", columns=["group_id", "episode", "status", "group_dropped"])
+    dropped = {(row["group_id"], row["episode"]) for row in rollouts.to_pylist() if row["status"] == "dropped"}
+    assert dropped and set(rollouts.column("group_dropped").to_pylist()) == {2}  # each group cut its 2 slowest
+    rewards = store.read_stage("demo", "rewards", columns=["group_id", "episode", "status"]).to_pylist()
+    episodes: dict[str, set[int]] = {}
+    for row in rewards:
+        assert row["status"] == "ok" and (row["group_id"], row["episode"]) not in dropped
+        episodes.setdefault(row["group_id"], set()).add(row["episode"])
+    assert len(episodes) == steps * micro_batches * 4 and {len(kept) for kept in episodes.values()} == {4}
+    health = [row for step in range(steps) for row in store.read("health", MicroBatchKey("demo", step, 0)).to_pylist()]
+    assert {(row["dropped_episodes"], row["short_groups"]) for row in health} == {(2 * 4 * micro_batches, 0)}
 
 
 def test_synchronous_mode_rejects_staleness(demo_config_data, tmp_path: Path) -> None:

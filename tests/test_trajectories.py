@@ -13,12 +13,16 @@ from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig, GRPOAdvantage, RolloutConfig
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine
 from marl_pipeline.stages.execution import execute_micro_batch
+from marl_pipeline.stages.health import REWARD_COLUMNS, ROLLOUT_COLUMNS, health_table
 from marl_pipeline.stages.reward import score_micro_batch
-from marl_pipeline.stages.rollout import RolloutSettings
+from marl_pipeline.stages.rollout import RolloutSettings, episode_tasks, turn_seeds
+from marl_pipeline.stages.training import train_batch_for
 from marl_pipeline.stages.trajectories import rollout_trajectories
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
+from marl_pipeline.store.inspection import inspect_run
 from marl_pipeline.store.schema import with_stage_timing
-from tests.timed_replies import TimedReplies
+from marl_pipeline.store.summaries import stage_summary
+from tests.timed_replies import ChosenReplies, TimedReplies
 
 SLOW_REPLY_S = 3.0
 
@@ -112,3 +116,119 @@ def test_rollout_settings_are_checked() -> None:
         RolloutConfig.model_validate({"mode": "turn_batched"})
     with pytest.raises(ValueError, match="greater than 0"):
         RolloutConfig(episode_timeout_s=0)
+    with pytest.raises(ValueError, match=r"oversample must be an int k >= 0 \(extra episodes per group\), got -1"):
+        RolloutConfig(oversample=-1)
+    for fraction in (1.5, 0.0, float("nan")):
+        with pytest.raises(ValueError, match=r"oversample as a fraction of samples_per_prompt must be in \(0, 1\]"):
+            RolloutConfig(oversample=fraction)
+    with pytest.raises(ValueError, match="oversample must be an int k >= 0 or a fraction in"):
+        RolloutConfig(oversample=True)
+    # k extra episodes, or a fraction of n rounded up
+    assert [RolloutConfig(oversample=v).extra_episodes(16) for v in (0, 3, 0.1, 0.25, 1.0)] == [0, 3, 2, 4, 16]
+
+
+def test_oversampled_episodes_come_after_every_prompts_n_with_the_same_seeds() -> None:
+    """The first n episodes of each prompt keep their numbers, and so their seeds, whatever k is: oversample 0 stores
+    what it stored before the option existed."""
+    env, tasks, key = TimedReplies(), [{"id": 0}, {"id": 1}], MicroBatchKey("r", 3, 1)
+    plain, over = episode_tasks(env, tasks, 2), episode_tasks(env, tasks, 2, extra=2)
+    assert [(p, t) for p, t, _ in over] == [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3)]
+    assert over[:4] == plain
+    assert turn_seeds(3, key, 1, 8)[:4] == turn_seeds(3, key, 1, 4)
+
+
+def _stored(store: ExperienceStore, key: MicroBatchKey, env, table) -> tuple:
+    """The micro-batch's rollouts, environment results and rewards, committed as the pipeline commits them."""
+    now = time.time()
+    store.commit("rollouts", key, with_stage_timing(table, now, now, now))
+    rollouts = store.read("rollouts", key)
+    results = execute_micro_batch(env, rollouts)
+    rewards = score_micro_batch(env, rollouts, results, advantage=GRPOAdvantage(eps=1e-6))
+    store.commit("environment_results", key, with_stage_timing(results, now, now, now))
+    store.commit("rewards", key, with_stage_timing(rewards, now, now, now))
+    return rollouts, results, rewards
+
+
+def _health(rollouts, rewards) -> dict:
+    rows = health_table(rollouts.select(ROLLOUT_COLUMNS).to_pylist(), rewards.select(REWARD_COLUMNS).to_pylist(), [],
+                        {"writer": 1, "checker": 1}, {}).to_pylist()
+    return {row["agent"]: row for row in rows}
+
+
+def test_oversampling_keeps_the_first_n_that_finish_and_stores_the_rest_dropped(engines, tmp_path: Path) -> None:
+    """n = 2 of 3 episodes per prompt: task 0's first episode hangs in its first reply, and its group does not wait
+    for it; in every group the slowest episode is cut, stored with why, and neither executed, scored nor trained."""
+    key, store, env = MicroBatchKey("over", 0, 0), ExperienceStore(tmp_path / "store"), ChosenReplies(hang={(0, 0)})
+    started = time.monotonic()
+    table = rollout_trajectories(env, engines, key, SETTINGS, RolloutConfig(oversample=1))
+    assert time.monotonic() - started < env.hang_s / 2  # no wait for the hung reply, nor a time limit to cut it
+    rollouts, results, rewards = _stored(store, key, env, table)
+
+    episodes = by_episode(rollouts)
+    kept = {e: turns for e, turns in episodes.items() if turns[0]["status"] != "dropped"}
+    dropped = {e: turns for e, turns in episodes.items() if e not in kept}
+    by_group = {group: sorted(turns[0]["trajectory"] for turns in kept.values() if turns[0]["group_id"] == group)
+                for group in {row["group_id"] for row in rollouts.to_pylist()}}
+    assert all(len(trajectories) == 2 for trajectories in by_group.values()) and len(by_group) == 4, by_group
+    assert by_group["0-0-0"] == [1, 2]  # the hung one is the one cut
+    assert all([row["status"] for row in turns] == ["ok"] * 3 for turns in kept.values())
+    for turns in dropped.values():  # cut in flight: its sampled turns stored, each with why
+        assert {row["status"] for row in turns} == {"dropped"}
+        assert all("dropped: its group had 2 finished episodes first (pipeline.rollout.oversample); cut with"
+                   in row["error"] for row in turns)
+    (hung,) = [turns for turns in dropped.values() if turns[0]["group_id"] == "0-0-0"]
+    assert [row["turn"] for row in hung] == [0] and hung[0]["observation"] is None
+    assert "cut with 0 of 3 turns and their replies done" in hung[0]["error"]
+    assert set(rollouts.column("group_shortfall").to_pylist()) == {0}
+    assert set(rollouts.column("group_dropped").to_pylist()) == {1}
+
+    # Downstream only the kept: no environment or reward row for a dropped turn, two episodes in each group's
+    # statistics, and the trainer's shard is the kept rows.
+    kept_ids = {row["sample_id"] for turns in kept.values() for row in turns}
+    assert set(results.column("sample_id").to_pylist()) == kept_ids == set(rewards.column("sample_id").to_pylist())
+    assert all(row["status"] == "ok" for row in rewards.to_pylist())
+    writer_rows = sum(row["agent"] == "writer" for turns in kept.values() for row in turns)
+    assert len(train_batch_for(store, key, "writer").prompt_ids) == writer_rows == 16
+    health = _health(rollouts, rewards)
+    assert all((row["short_groups"], row["shortfall"], row["dropped_episodes"]) == (0, 0, 4)
+               for row in health.values())
+    assert health["writer"]["groups"] == 4
+    # What `marl inspect` and the stage's metadata say: dropped turns, apart from failures.
+    dropped_turns = sum(len(turns) for turns in dropped.values())
+    report = inspect_run(store, "over")
+    assert report["dropped"]["rollouts"]["rows"] == dropped_turns and report["failures"] == {}
+    assert stage_summary("rollouts", rollouts)["dropped_turns"] == dropped_turns
+    assert stage_summary("rollouts", rollouts)["failed_rows"] == 0
+
+
+def test_a_group_short_of_n_keeps_failed_episodes_up_to_n_and_records_its_shortfall(engines, tmp_path: Path) -> None:
+    """Task 0: two of three episodes hang past the time limit, so one finishes: it keeps the first that timed out,
+    drops the second, and is one short. Task 1: an episode whose reply raised is dropped, its group full without it."""
+    key, store = MicroBatchKey("short", 0, 0), ExperienceStore(tmp_path / "store")
+    env = ChosenReplies(hang={(0, 0), (0, 1)}, fail={(1, 0)})
+    started = time.monotonic()
+    table = rollout_trajectories(env, engines, key, SETTINGS, RolloutConfig(oversample=1, episode_timeout_s=4.0))
+    assert time.monotonic() - started < env.hang_s / 2
+    rollouts, _, rewards = _stored(store, key, env, table)
+
+    first = {(turns[0]["group_id"], turns[0]["trajectory"]): turns for turns in by_episode(rollouts).values()}
+    assert [row["status"] for row in first["0-0-0", 0]] == ["timeout"]  # kept: the group's n-th episode, failed
+    assert [row["status"] for row in first["0-0-0", 1]] == ["dropped"]
+    assert "with 1 of 2 episodes finished, kept 1 failed ones before it; it failed: episode over its time limit" in \
+        first["0-0-0", 1][0]["error"]
+    assert [row["status"] for row in first["0-0-0", 2]] == ["ok"] * 3
+    assert {row["status"] for row in first["0-0-1", 0]} == {"dropped"}
+    assert "its group had 2 finished episodes first (pipeline.rollout.oversample); it failed: observe: RuntimeError: " \
+        "episode (1, 0) fails" in \
+        first["0-0-1", 0][0]["error"]
+    shortfall = {row["group_id"]: row["group_shortfall"] for row in rollouts.to_pylist()}
+    assert shortfall == {"0-0-0": 1, "0-0-1": 0, "0-0-2": 0, "0-0-3": 0}
+    assert set(rollouts.column("group_dropped").to_pylist()) == {1}
+
+    # The kept timed-out episode is in its group as a failed one, as without over-sampling; the dropped are not.
+    scored = {(row["group_id"], row["trajectory"]): row["status"] for row in rewards.to_pylist()}
+    assert {t: status for (group, t), status in scored.items() if group == "0-0-0"} == {0: "failed", 2: "ok"}
+    assert sorted(t for group, t in scored if group == "0-0-1") == [1, 2]
+    health = _health(rollouts, rewards)
+    assert all((row["short_groups"], row["shortfall"], row["dropped_episodes"]) == (1, 1, 4)
+               for row in health.values())

@@ -36,3 +36,24 @@ class TimedReplies:
 
     def score(self, task: dict, transcript: list[Turn], results: list[ActionResult]) -> dict[str, float]:
         return {"writer": float(task["a"] % 2), "checker": 1.0}
+
+
+class ChosenReplies(TimedReplies):
+    """:class:`TimedReplies` whose chosen episodes, named (task id, trajectory), hang in their first reply for
+    ``hang_s`` or raise in it (each episode's task carries its trajectory: ``episode_task``)."""
+
+    def __init__(self, hang: set[tuple[int, int]] = frozenset(), fail: set[tuple[int, int]] = frozenset(),
+                 hang_s: float = 20.0) -> None:
+        super().__init__()
+        self.hang, self.fail, self.hang_s = hang, fail, hang_s
+
+    def episode_task(self, task: dict, trajectory: int) -> dict:
+        return {**task, "trajectory": trajectory}
+
+    def observe(self, role: str, task: dict, transcript: list[Turn]) -> str:
+        episode = (task["id"], task["trajectory"])
+        if len(transcript) == 1 and episode in self.fail:
+            raise RuntimeError(f"episode {episode} fails")
+        if len(transcript) == 1 and episode in self.hang:
+            time.sleep(self.hang_s)
+        return super().observe(role, task, transcript)

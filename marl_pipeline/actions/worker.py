@@ -60,7 +60,10 @@ class ActionWorker:
     """
 
     def __init__(self) -> None:
+        from marl_pipeline.services.scheduler import connect  # Ray's: here, in the worker's own process
+
         self.abandoned = 0
+        connect()  # the plugin's actions may call the run's services (environment.service)
 
     def run(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> WorkerReport:
         import psutil

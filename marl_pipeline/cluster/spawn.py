@@ -46,6 +46,7 @@ from marl_pipeline.config import (
 from marl_pipeline.inference.engine import ENGINE_ENV, RolloutEngine
 from marl_pipeline.inference.replicas import EngineReplicas
 from marl_pipeline.inference.reward_model import RewardModelPool
+from marl_pipeline.services.scheduler import stop_services
 from marl_pipeline.store import ExperienceStore
 from marl_pipeline.training.swap import AgentSpec, SwappedTrainer, TrainerWorker, actor_handles
 from marl_pipeline.training.trainer import PolicyTrainer
@@ -68,6 +69,8 @@ class Workers:
     """Those of the trainers on several workers (removed with the run: their ranks stop)."""
     base_policies: list[BasePolicy] = field(default_factory=list)
     """The versions 0 made as the workers started."""
+    services: dict[str, ray.actor.ActorHandle] = field(default_factory=dict)
+    """The schedulers of the run's external services, by name (services/scheduler.py)."""
 
     def shutdown(self, keep: bool = False) -> None:
         """Stop the run's actors; with ``keep``, leave its engines and resident trainers idle for the next launch
@@ -83,6 +86,7 @@ class Workers:
         for pool in (self.reward_pool, self.action_pool):
             if pool is not None:
                 pool.shutdown()
+        stop_services(self.services)
 
 
 def plan_on_ray(config: ExperimentConfig) -> PlacementPlan:

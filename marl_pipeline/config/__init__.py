@@ -4,7 +4,8 @@ Unknown keys are errors everywhere (``extra="forbid"``); cross-field checks (age
 environment's roles) run in :func:`load_config` so a bad file fails before the store is touched.
 Modules: ``base`` (shared), ``agent`` (one agent's model, engine, trainer, warm-up), ``pipeline``
 (environment, micro-batches), ``algorithm`` (policy gradient, advantage estimator), ``services`` (reward
-model, evaluation, Ray, store) and ``experiment`` (the whole file, its loading and cross-checks).
+model, evaluation, Ray, store), ``external`` (services outside the cluster, the judge reward) and
+``experiment`` (the whole file, its loading and cross-checks).
 """
 
 from marl_pipeline.config.agent import AgentConfig, EngineConfig, LoraAdapterConfig, TrainerConfig, WarmupConfig
@@ -25,6 +26,7 @@ from marl_pipeline.config.experiment import (
     parse_config,
     read_config_data,
 )
+from marl_pipeline.config.external import JudgeConfig, RewardConfig, ServiceConfig
 from marl_pipeline.config.pipeline import (
     EnvironmentConfig,
     PipelineConfig,
@@ -56,6 +58,7 @@ __all__ = [
     "ExperimentConfig",
     "GRPOAdvantage",
     "HealthConfig",
+    "JudgeConfig",
     "LoraAdapterConfig",
     "PipelineConfig",
     "PoolSettings",
@@ -63,8 +66,10 @@ __all__ = [
     "RayConfig",
     "RetentionConfig",
     "RetrainConfig",
+    "RewardConfig",
     "RewardModelConfig",
     "RolloutConfig",
+    "ServiceConfig",
     "StoreConfig",
     "StrictModel",
     "TrackingConfig",

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BeforeValidator, Field, ValidationError, field_validator
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 
 from marl_pipeline.config.agent import AgentConfig
 from marl_pipeline.config.algorithm import AlgorithmConfig
 from marl_pipeline.config.base import BUILTIN_TINY, ConfigError, StrictModel
+from marl_pipeline.config.external import RewardConfig, ServiceConfig
 from marl_pipeline.config.pipeline import EnvironmentConfig, PipelineConfig
 from marl_pipeline.config.services import (
     EvaluationConfig,
@@ -41,6 +43,11 @@ class ExperimentConfig(StrictModel):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     reward_model: RewardModelConfig | None = None
     """A model-based reward mixed into the environment's (None: the environment's rule-based reward alone)."""
+    reward: RewardConfig = RewardConfig()
+    """Rewards asked of services outside the cluster (an LLM judge)."""
+    services: dict[str, ServiceConfig] = Field(default_factory=dict)
+    """External services the plugin and the judge call, by name, each under its quota
+    (``marl_pipeline.environment.service(name)``)."""
     evaluation: EvaluationConfig = EvaluationConfig()
     health: HealthConfig = HealthConfig()
     """When the training-health signals are reported as collapse."""
@@ -54,6 +61,24 @@ class ExperimentConfig(StrictModel):
         if not agents:
             raise ValueError("at least one agent is required")
         return agents
+
+    @field_validator("services")
+    @classmethod
+    def validate_service_names(cls, services: dict[str, ServiceConfig]) -> dict[str, ServiceConfig]:
+        for name in services:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise ValueError(f"service name {name!r}: letters, digits, '_', '.' and '-' only")
+        return services
+
+    @model_validator(mode="after")
+    def validate_judge(self) -> ExperimentConfig:
+        judge = self.reward.judge
+        if judge is not None and judge.service not in self.services:
+            raise ValueError(f"reward.judge.service {judge.service!r} is not among services {sorted(self.services)}")
+        if judge is not None and self.reward_model is not None:
+            raise ValueError("reward.judge and reward_model are both set: a run mixes one model's score into its "
+                             "reward; keep one")
+        return self
 
     def turn_adapters(self) -> dict[str, dict[str, list[int]]]:
         """Per agent that has them, its ``turn_adapters``: named adapters and the own turns they serve."""
@@ -129,6 +154,10 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
         if unknown:
             raise ConfigError(f"invalid config {source}:\n  reward_model.agents: unknown agent {unknown[0]!r}; "
                               f"environment {config.environment.name!r} has roles {list(roles)}")
+    judge = config.reward.judge
+    if judge is not None and (unknown := [name for name in judge.agents or [] if name not in roles]):
+        raise ConfigError(f"invalid config {source}:\n  reward.judge.agents: unknown agent {unknown[0]!r}; "
+                          f"environment {config.environment.name!r} has roles {list(roles)}")
     missing = missing_hooks(
         env_class, builtin_model=any(agent.model == BUILTIN_TINY for agent in config.agents.values()),
         warmup=any(agent.warmup.steps > 0 for agent in config.agents.values()),

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from marl_pipeline.config.base import StrictModel
 
@@ -75,6 +76,33 @@ class RolloutConfig(StrictModel):
 
     rebalance_replicas: bool = False
     """Between steps, split the engine replicas by each agent's tokens (needs equal engine resources)."""
+    oversample: int | float = 0
+    """Extra episodes started per group (an int k >= 0, or a fraction in (0, 1] of ``samples_per_prompt``, rounded
+    up: ``1`` is one episode, ``1.0`` is n): a group keeps the first n that finish and the rest are cut and stored
+    ``dropped``, so a slow or hung episode holds neither its group nor the micro-batch."""
+
+    @field_validator("oversample", mode="before")
+    @classmethod
+    def _oversample_is_no_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # an int to pydantic: "true" would start one extra episode
+            raise ValueError(f"oversample must be an int k >= 0 or a fraction in (0, 1], got {value!r}")
+        return value
+
+    @field_validator("oversample")
+    @classmethod
+    def _check_oversample(cls, value: int | float) -> int | float:
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"oversample must be an int k >= 0 (extra episodes per group), got {value}")
+        if isinstance(value, float) and not 0.0 < value <= 1.0:
+            raise ValueError(f"oversample as a fraction of samples_per_prompt must be in (0, 1], got {value} (an "
+                             "int k >= 0 gives k extra episodes; 0: none)")
+        return value
+
+    def extra_episodes(self, samples_per_prompt: int) -> int:
+        """Episodes started per group beyond the n it keeps."""
+        if isinstance(self.oversample, float):
+            return math.ceil(self.oversample * samples_per_prompt)
+        return self.oversample
 
 
 

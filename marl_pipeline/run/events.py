@@ -111,6 +111,9 @@ class StepFinished:
     """Per agent, its training-health signals at this step (stages/health.py; stored in the ``health`` dataset)."""
     warnings: list[str] = field(default_factory=list)
     """What the signals of the steps up to this one show collapsing (``stages.health.collapse_warnings``)."""
+    services: dict[str, dict] = field(default_factory=dict)
+    """Per external service, its figures in the step (calls, 429s, queue wait, quota use: the ``services``
+    dataset's columns)."""
 
 
 @dataclass(frozen=True)

@@ -49,10 +49,11 @@ from marl_pipeline.run.events import (
 )
 from marl_pipeline.run.launches import LaunchPlan
 from marl_pipeline.run.queues import StepBarrier, gate_open, get_until_stopped, put_until_stopped
+from marl_pipeline.services.figures import commit_step_services
 from marl_pipeline.stages.evaluation import EvaluationSettings, is_evaluated
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.health import commit_step_health, signals_by_agent, stored_collapse, trainer_signals
-from marl_pipeline.stages.reward import ModelReward, score_micro_batch
+from marl_pipeline.stages.reward import model_reward, score_micro_batch
 from marl_pipeline.stages.training import train_micro_batch
 from marl_pipeline.stages.trajectories import sample_micro_batch, token_demand
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
@@ -103,9 +104,7 @@ class Orchestrator:
         # Every stage's partitions from rollout to training: what the next stages read back, written behind the
         # stages by a thread of their own (store/recent.py).
         self.recent = RecentCommits(store, 4 * self.micro_batches * (self.staleness + 2), behind=True)
-        pool, settings = workers.reward_pool, config.reward_model
-        self._model_reward = (ModelReward.from_settings(settings, pool.score)
-                              if pool is not None and settings is not None else None)
+        self._model_reward = model_reward(config, workers.reward_pool)
         self.stages = [
             Stage("rollouts", self._rollout, 1),
             Stage("environment_results", self._environment, pipeline.environment_concurrency),
@@ -319,9 +318,10 @@ class Orchestrator:
         versions = {agent: step + 1 for agent in self.config.agents}  # step s makes version s + 1
         health = commit_step_health(self.recent, self.config.run, step, versions, self._trained.pop(step, {}),
                                     self.micro_batches)
+        services = commit_step_services(self.recent, self.config.run, step, self.workers.services)
         self.recent.flush()  # the collapse check reads the store's health partitions
         return StepFinished(step, self.step_rewards(step), since, now - first_rollout, signals_by_agent(health),
-                            stored_collapse(self.store, self.config.run, step, self.config.health))
+                            stored_collapse(self.store, self.config.run, step, self.config.health), services)
 
     def _evaluate_if_due(self, agent: str, version: int) -> None:
         if self.evaluations is not None and self.evaluations.due(version):
@@ -358,10 +358,8 @@ class Orchestrator:
 
     def _spawn(self, name: str, workers: int, target: Callable[[], None], outbox: queue.Queue | None = None,
                consumers: int = 0) -> list[threading.Thread]:
-        """``workers`` threads running ``target``; the last one to finish puts one end-of-stream marker in
-        ``outbox`` for each of the next stage's ``consumers``."""
-        remaining = [workers]
-        lock = threading.Lock()
+        """``workers`` threads running ``target``; the last to finish puts an end marker in ``outbox`` per consumer."""
+        remaining, lock = [workers], threading.Lock()
 
         def guarded() -> None:
             try:

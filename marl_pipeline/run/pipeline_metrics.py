@@ -13,6 +13,7 @@ from itertools import pairwise
 import pyarrow.compute as pc
 
 from marl_pipeline.run.events import PolicyCommitted, StageCommitted, StepFinished
+from marl_pipeline.stages.episodes import kept_turns
 
 # Which resource a stage occupies: rollout engines, environment workers, the reward scorer, the trainers.
 RESOURCE_OF_STAGE = {"rollouts": "engines", "environment_results": "environment", "rewards": "reward",
@@ -64,7 +65,7 @@ class TimelineRecorder:
                                    t.ended))
             if event.stage == "rollouts":
                 table = event.table
-                self.episodes += len(pc.unique(table.column("episode")))
+                self.episodes += len(pc.unique(kept_turns(table).column("episode")))  # not over-sampling's cut
                 self.tokens += int(pc.sum(pc.list_value_length(table.column("response_ids"))).as_py() or 0)
                 self._steps += [event.key.step] * table.num_rows
                 self._versions += table.column("policy_version").to_pylist()

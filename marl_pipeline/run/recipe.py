@@ -19,6 +19,7 @@ from marl_pipeline.run.events import LaunchEvent, RunFinished, RunStarted, Setup
 from marl_pipeline.run.launches import finish_launch, plan_launch
 from marl_pipeline.run.orchestrator import Orchestrator
 from marl_pipeline.run.tracking import MetricsExport
+from marl_pipeline.services.scheduler import connect, start_services
 from marl_pipeline.stages.execution import action_pool_settings
 from marl_pipeline.store import ExperienceStore
 
@@ -73,6 +74,10 @@ def train(config: ExperimentConfig, launch_id: str | None = None) -> Iterator[La
                + (f", version 0 made for {', '.join(made)}" if made else ""))
     finished = False
     try:
+        if config.services:  # one scheduler per service for every caller of the run; this process calls them too
+            workers.services = start_services(config.services)
+            connect()
+            yield done(f"schedulers of services {', '.join(config.services)} started")
         require_turn_adapters(config, store)
         base_policies = [made.get(agent) or BasePolicy(agent, store.policy_dir(config.run, agent, 0), created=False)
                          for agent in config.agents]

@@ -26,7 +26,7 @@ from marl_pipeline.actions.worker import ActionOutcome, Job
 from marl_pipeline.config import PoolSettings
 from marl_pipeline.environment import ActionResult, Environment, validate_action
 from marl_pipeline.hooks import hooks_of
-from marl_pipeline.stages.episodes import TURN_KEYS, episodes_of, transcript_of
+from marl_pipeline.stages.episodes import TURN_KEYS, episodes_of, kept_turns, transcript_of
 from marl_pipeline.store.schema import ENVIRONMENT_RESULTS, with_agent
 
 
@@ -44,9 +44,11 @@ def action_pool_settings(env: Environment, configured: PoolSettings | None) -> P
 
 
 def execute_micro_batch(env: Environment, rollouts: pa.Table, pool: ActionPool | None = None) -> pa.Table:
-    """One row per turn: the outcome of executing that turn's action."""
+    """One row per turn of a kept episode (none for those over-sampling dropped): the outcome of executing that
+    turn's action."""
     columns: dict[str, list] = {name: [] for name in ENVIRONMENT_RESULTS.names + ["agent"]}
-    episodes = episodes_of(rollouts.select([*TURN_KEYS, "task", "response_text", "observation", "status", "error"]))
+    episodes = episodes_of(kept_turns(rollouts.select([*TURN_KEYS, "task", "response_text", "observation", "status",
+                                                       "error"])))
     start = datetime.now(UTC)
     failed = {e: _rollout_failed(turns) for e, turns in enumerate(episodes)}
     runnable = [turns for e, turns in enumerate(episodes) if failed[e] is None]

@@ -8,7 +8,9 @@ turns, and the share of its most frequent response over the whole step, in the t
 and the share cut at the token limit, the update's loss per token, clip fraction and engine-vs-trainer mismatch
 (token-weighted over the step's micro-batches) and its gradient norm; beside them, the trainer's throughput at the
 update (real tokens a second, and MFU: 6 x parameters x real tokens / seconds over the measured matmul peak,
-training/flops.py). :func:`collapse_warnings` reads collapse from them (``health.*`` settings).
+training/flops.py). :func:`collapse_warnings` reads collapse from them (``health.*`` settings). And the groups the
+agent's turns are in that are short of n finished episodes, the episodes they lack, and the episodes over-sampling
+dropped (``pipeline.rollout.oversample``; the other signals leave dropped turns out).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from marl_pipeline.config import HealthConfig
+from marl_pipeline.stages.episodes import DROPPED
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.recent import RecentCommits
 from marl_pipeline.store.schema import HEALTH
@@ -26,7 +29,8 @@ from marl_pipeline.store.schema import HEALTH
 if TYPE_CHECKING:
     from marl_pipeline.training.batches import StepResult
 
-ROLLOUT_COLUMNS = ["agent", "group_id", "turn", "response_text", "response_ids", "logprobs", "finish_reason"]
+ROLLOUT_COLUMNS = ["agent", "group_id", "turn", "response_text", "response_ids", "logprobs", "finish_reason", "status",
+                   "group_shortfall", "group_dropped"]
 REWARD_COLUMNS = ["agent", "group_id", "reward"]
 UPDATE_COLUMNS = ["agent", "tokens", "loss_sum", "clip_fraction", "mismatch_abs_logprob"]
 HEALTH_SIGNALS = [field.name for field in HEALTH if field.name not in ("policy_version", "groups")]
@@ -73,7 +77,8 @@ def health_table(rollouts: list[dict], rewards: list[dict], updates: list[dict],
     """The signals from the step's rows (dicts of the stored columns); see the module's docstring."""
     rows = []
     for agent, version in versions.items():
-        sampled = [row for row in rollouts if row["agent"] == agent]
+        turns = [row for row in rollouts if row["agent"] == agent]
+        sampled = [row for row in turns if row.get("status") != DROPPED]
         prompts, groups = defaultdict(list), defaultdict(list)
         for row in sampled:
             prompts[row["group_id"], row["turn"]].append(row["response_text"])
@@ -100,7 +105,7 @@ def health_table(rollouts: list[dict], rewards: list[dict], updates: list[dict],
             "loss_per_token": loss / trained_tokens if trained_tokens else None,
             "clip_fraction": _token_mean(trained, "clip_fraction"),
             "mismatch_abs_logprob": _token_mean(trained, "mismatch_abs_logprob"),
-            **{name: trainer.get(agent, {}).get(name) for name in TRAINER_SIGNALS}})
+            **{name: trainer.get(agent, {}).get(name) for name in TRAINER_SIGNALS}, **_group_figures(turns)})
     return pa.Table.from_pylist(rows, schema=pa.schema([pa.field("agent", pa.string()), *HEALTH]))
 
 
@@ -145,6 +150,33 @@ def recent_health(store: ExperienceStore, run: str, step: int, steps: int) -> li
     keys = [MicroBatchKey(run, s, 0) for s in range(max(0, step - steps + 1), step + 1)]
     return [{"step": key.step, **row} for key in keys if store.is_committed("health", key)
             for row in store.read("health", key).to_pylist()]
+
+
+def groups_note(signals: dict[str, dict[str, float | None]]) -> str:
+    """What a step's log line adds about its groups (from :func:`signals_by_agent`, the most any agent saw): the
+    groups short of n finished episodes and the episodes over-sampling dropped; empty when neither happened."""
+    most = {name: max((int(by_agent.get(name) or 0) for by_agent in signals.values()), default=0)
+            for name in ("short_groups", "shortfall", "dropped_episodes")}
+    parts = [f"over-sampling dropped {_count(most['dropped_episodes'], 'episode')}"] if most["dropped_episodes"] else []
+    if most["short_groups"]:
+        parts.append(f"{_count(most['short_groups'], 'group')} short of n by {_count(most['shortfall'], 'episode')}")
+    return "; " + ", ".join(parts) if parts else ""
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+def _group_figures(turns: list[dict]) -> dict[str, int | None]:
+    """Of the groups ``turns`` are in: those short of n finished episodes, the episodes they lack, and the episodes
+    over-sampling dropped (each row carries its group's figures); None for rows stored without them."""
+    groups = {row["group_id"]: (row["group_shortfall"], row["group_dropped"]) for row in turns
+              if row.get("group_shortfall") is not None}
+    if not groups:
+        return {"short_groups": None, "shortfall": None, "dropped_episodes": None}
+    return {"short_groups": sum(short > 0 for short, _ in groups.values()),
+            "shortfall": sum(short for short, _ in groups.values()),
+            "dropped_episodes": sum(dropped for _, dropped in groups.values())}
 
 
 def _by_turn(rows: list[dict]) -> dict[int, list[str]]:

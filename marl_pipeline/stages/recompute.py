@@ -23,9 +23,10 @@ from marl_pipeline.cluster.trainers import with_local_base
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import build_environment
 from marl_pipeline.inference.reward_model import RewardModelServer
+from marl_pipeline.services.scheduler import connect, start_services, stop_services
 from marl_pipeline.stages.evaluation import EvaluationSettings, evaluate_agent, is_evaluated, with_metrics
 from marl_pipeline.stages.execution import action_pool_settings, execute_micro_batch
-from marl_pipeline.stages.reward import ModelReward, score_micro_batch
+from marl_pipeline.stages.reward import ModelReward, model_reward, score_micro_batch
 from marl_pipeline.stages.team import evaluate_team, is_team_evaluated
 from marl_pipeline.stages.training import train_batch_for, updates_table
 from marl_pipeline.stages.trajectories import sample_micro_batch
@@ -41,6 +42,18 @@ def recompute_stage(stage: str, config: ExperimentConfig, store: ExperienceStore
     if key.run != config.run:
         raise ValueError(f"partition of run {key.run!r}, but the experiment config is for run {config.run!r}")
     env = build_environment(config.environment.name, config.environment.options)
+    # The plugin and the judge call the run's services: under the live launch's schedulers when one runs.
+    services = start_services(config.services, reuse=True) if config.services else {}
+    if config.services:
+        connect()
+    try:
+        return _recompute(stage, config, env, store, key)
+    finally:
+        stop_services(services)
+
+
+def _recompute(stage: str, config: ExperimentConfig, env, store: ExperienceStore,
+               key: MicroBatchKey) -> tuple[Path, pa.Table, float]:
     started = time.time()
     if stage == "rollouts":
         table = _rollouts(config, env, store, key)
@@ -72,7 +85,10 @@ def _action_pool(config: ExperimentConfig, env):
 
 
 def _model_reward(config: ExperimentConfig, env, store: ExperienceStore):
-    """The run's reward model, loaded in-process (one partition's scoring needs no pool); None without one."""
+    """The run's judge, or its reward model loaded in-process (one partition's scoring needs no pool); None
+    without either."""
+    if config.reward.judge is not None:
+        return model_reward(config)
     path = prepare_reward_model(config, env, store)
     if path is None or config.reward_model is None:
         return None

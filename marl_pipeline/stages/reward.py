@@ -28,16 +28,21 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
-from marl_pipeline.config import Advantage, GRPOAdvantage, RewardModelConfig
+from marl_pipeline.config import Advantage, ExperimentConfig, GRPOAdvantage, JudgeConfig, RewardModelConfig
 from marl_pipeline.environment import ActionResult, Environment
 from marl_pipeline.hooks import hooks_of
+from marl_pipeline.services.judge import JudgeScorer
 from marl_pipeline.stages import advantages, credit
-from marl_pipeline.stages.episodes import TURN_KEYS, episodes_of, transcript_of
+from marl_pipeline.stages.episodes import TURN_KEYS, episodes_of, kept_turns, transcript_of
 from marl_pipeline.store.schema import REWARDS, with_agent
+
+if TYPE_CHECKING:
+    from marl_pipeline.inference.reward_model import RewardModelPool
 
 
 @dataclass(frozen=True)
@@ -56,11 +61,21 @@ class ModelReward:
             raise ValueError(f"model reward weight must be in [0, 1], got {self.weight}")
 
     @classmethod
-    def from_settings(cls, settings: RewardModelConfig, score: Callable[[list[str], list[str]], list[float]]
-                      ) -> ModelReward:
+    def from_settings(cls, settings: RewardModelConfig | JudgeConfig,
+                      score: Callable[[list[str], list[str]], list[float]]) -> ModelReward:
         """The config's reward-model section with a scorer (a replica pool's or an in-process server's ``score``)."""
         agents = frozenset(settings.agents) if settings.agents is not None else None
         return cls(score, agents, settings.weight)
+
+
+def model_reward(config: ExperimentConfig, pool: RewardModelPool | None = None) -> ModelReward | None:
+    """The run's model-based reward: the LLM judge through its service (``reward.judge``), or the reward model's
+    replica pool (``reward_model``, ``pool``: its ``RewardModelPool``); None: neither."""
+    if (judge := config.reward.judge) is not None:
+        return ModelReward.from_settings(judge, JudgeScorer(judge).score)
+    if pool is not None and config.reward_model is not None:
+        return ModelReward.from_settings(config.reward_model, pool.score)
+    return None
 
 
 def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table,
@@ -73,6 +88,7 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table,
     """
     if team_weight is None:
         team_weight = hooks_of(env).team_reward_weight
+    rollouts = kept_turns(rollouts)  # over-sampling's dropped episodes: no reward row, in no group's statistics
     if missing := rollouts.column("group_id").null_count:
         # The store derives the group of rows written before the column existed; a table without it is not stored.
         raise ValueError(f"{missing} rollout turns have no group_id: read stored rollouts through ExperienceStore, "

@@ -68,17 +68,22 @@ def plan_tasks(env: Environment, key: MicroBatchKey, seed: int, count: int) -> l
     return env.sample_tasks(np.random.default_rng([seed, key.step, key.micro_batch]), count)
 
 
-def episode_tasks(env: Environment, tasks: list[Task], samples_per_prompt: int) -> list[tuple[int, int, Task]]:
+def episode_tasks(env: Environment, tasks: list[Task], samples_per_prompt: int,
+                  extra: int = 0) -> list[tuple[int, int, Task]]:
     """Each episode's (prompt index, trajectory, task), prompt by prompt: the planned task as the environment's
-    optional ``episode_task`` hook gives it to that trajectory of the group, else the planned task itself."""
+    optional ``episode_task`` hook gives it to that trajectory of the group, else the planned task itself. The
+    ``extra`` episodes of over-sampling (trajectories n..n+extra-1) come after every prompt's n, so the first n keep
+    their episode numbers and seeds whatever ``extra`` is."""
     vary = hooks_of(env).episode_task
-    return [(p, trajectory, vary(task, trajectory) if vary is not None else task)
-            for p, task in enumerate(tasks) for trajectory in range(samples_per_prompt)]
+    places = [(p, t) for p in range(len(tasks)) for t in range(samples_per_prompt)]
+    places += [(p, samples_per_prompt + t) for p in range(len(tasks)) for t in range(extra)]
+    return [(p, trajectory, vary(tasks[p], trajectory) if vary is not None else tasks[p]) for p, trajectory in places]
 
 
 def turn_seeds(seed: int, key: MicroBatchKey, turn: int, episodes: int) -> list[int]:
     """Each episode's seed for one turn: a function of (run seed, step, micro-batch, turn, episode) only, never of
-    when the request runs (bench/turn_batched.py's baseline sends the same seeded requests)."""
+    when the request runs (bench/turn_batched.py's baseline sends the same seeded requests) nor of how many
+    episodes there are (``generate_state``'s first m words are the same for any longer state)."""
     state = np.random.SeedSequence([seed, key.step, key.micro_batch, turn]).generate_state(episodes)
     return [int(s) for s in state]
 
@@ -112,9 +117,11 @@ def observe_reply(env: Environment, role: str, task: Task, transcript: list[Turn
 def append_turn(columns: dict[str, list], key: MicroBatchKey, task: Task, prompt_index: int, trajectory: int,
                 episode: int, turn: int, role: str, prompt: str, completion: Completion, version: int,
                 start: datetime, end: datetime, observation: str | None, error: str | None,
-                status: str | None = None, engine: str | None = None, adapter: str | None = None) -> None:
+                status: str | None = None, engine: str | None = None, adapter: str | None = None,
+                group: tuple[int, int] = (0, 0)) -> None:
     """One turn's row; ``status`` defaults to ``ok``, or ``observe_failed`` when there is an ``error``; ``engine``
-    names the replica that served it (default ``<role>/0``), ``adapter`` the named adapter it used."""
+    names the replica that served it (default ``<role>/0``), ``adapter`` the named adapter it used, ``group`` its
+    group's (shortfall, dropped episodes)."""
     input_id = f"{key.step}-{key.micro_batch}-{prompt_index}"  # the prompt's n episodes are its GRPO group
     row = {
         "sample_id": f"{input_id}_{turn}_{trajectory}", "episode": episode, "task_id": str(task["id"]),
@@ -124,6 +131,7 @@ def append_turn(columns: dict[str, list], key: MicroBatchKey, task: Task, prompt
         "prompt_ids": completion.prompt_ids, "response_ids": completion.response_ids,
         "logprobs": completion.logprobs, "finish_reason": completion.finish_reason, "observation": observation,
         "rollout_start": start, "rollout_end": end, "engine_seconds": completion.engine_seconds,
+        "group_shortfall": group[0], "group_dropped": group[1],
         "status": status or ("ok" if error is None else "observe_failed"),
         "error": error, "agent": role,
     }

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
+from marl_pipeline.stages.episodes import kept_turns
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.recent import RecentCommits
 from marl_pipeline.store.schema import POLICY_UPDATES, with_agent
@@ -25,8 +26,8 @@ from marl_pipeline.training.batches import TrainBatch
 def train_batch_for(store: ExperienceStore | RecentCommits, key: MicroBatchKey, agent: str,
                     drop_zero_advantage_groups: bool = False) -> TrainBatch:
     """One agent's shard of a micro-batch, in ``sample_id`` order (so recomputations sum in the same order)."""
-    rollouts = store.read("rollouts", key, agent=agent,
-                          columns=["sample_id", "adapter", "prompt_ids", "response_ids", "logprobs"])
+    rollouts = kept_turns(store.read("rollouts", key, agent=agent, columns=[  # over-sampling's dropped: no reward
+        "sample_id", "adapter", "prompt_ids", "response_ids", "logprobs", "status"])).drop_columns(["status"])
     rewards = store.read("rewards", key, agent=agent, columns=["sample_id", "group_id", "advantage", "status"])
     # Arrow joins do not carry list columns: align the reward rows to the rollout rows by index instead.
     position = pc.index_in(rollouts.column("sample_id"), value_set=rewards.column("sample_id"))

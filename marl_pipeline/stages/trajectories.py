@@ -24,6 +24,13 @@ raising the others' advantages, and its stored turns get a negative advantage wh
 So the time limit acts as a penalty on the turns of episodes that ran too long; set it well above the normal
 episode time, or the penalty also hits episodes that were merely unlucky with a slow reply.
 
+Over-sampling (``pipeline.rollout.oversample``: k): each group starts n + k episodes and keeps the first n that
+finish (every turn and reply done without error). The n-th cuts the group's others at once (their requests aborted,
+as the time limit does); their turns are stored with status ``dropped`` and why, with no environment, reward or
+training row (stages/episodes.py's ``kept_turns``). A group that ends with fewer than n finished keeps failed
+episodes up to n, as without over-sampling. Every row carries its group's shortfall (n minus its finished episodes)
+and dropped episodes, which the step's health sums. Which episodes a group keeps depends on timing, like a time limit.
+
 Replicas (``agents.<name>.engine.replicas``): each turn's request goes to the replica the agent's router picks
 (inference/router.py: the episode's own replica for its later turns), and the row names it (``engine``:
 ``<role>/<replica>``). A request whose replica dies (Ray's ``RayActorError``) is sent again, same id and seed, to
@@ -105,8 +112,14 @@ class _MicroBatch:
                  pool: ActionPool | None) -> None:
         self.env, self.key, self.settings, self.options, self.pool = env, key, settings, options, pool
         self.engines = as_replicas(engines)
-        self.episodes = episode_tasks(env, plan_tasks(env, key, settings.seed, settings.prompts_per_micro_batch),
-                                      settings.samples_per_prompt)  # per episode: (prompt, trajectory, task)
+        self.n = settings.samples_per_prompt
+        tasks = plan_tasks(env, key, settings.seed, settings.prompts_per_micro_batch)
+        # per episode: (prompt, trajectory, task); n + k per prompt with over-sampling, the k after every prompt's n
+        self.episodes = episode_tasks(env, tasks, self.n, options.extra_episodes(self.n))
+        self.groups = [[e for e, (q, _, _) in enumerate(self.episodes) if q == p] for p in range(len(tasks))]
+        self.done: list[list[int]] = [[] for _ in tasks]  # per prompt: its episodes that finished, in that order
+        self.dropped: dict[int, str] = {}  # per episode over-sampling dropped: why
+        self.tasks: list[asyncio.Task] = []
         self.seeds = [turn_seeds(settings.seed, key, turn, len(self.episodes)) for turn in range(len(env.turn_order))]
         self.adapters = settings.episode_adapters(env.turn_order)  # per turn: the named adapter serving it
         self.chats = engine_chat_session(env, {agent: r.primary() for agent, r in self.engines.items()})
@@ -122,8 +135,9 @@ class _MicroBatch:
         self.threads = (ThreadPoolExecutor(min(self.options.observe_threads, len(self.episodes)),
                                            thread_name_prefix="observe") if observes else None)
         started = time.monotonic()
+        self.tasks = [asyncio.ensure_future(self._timed(e, started)) for e in range(len(self.episodes))]
         try:
-            await asyncio.gather(*[self._timed(e, started) for e in range(len(self.episodes))])
+            await asyncio.gather(*self.tasks)
         except BaseException:
             await self._abort(list(self.in_flight))  # nothing of a failed micro-batch is left running
             raise
@@ -131,9 +145,19 @@ class _MicroBatch:
             self.batches.close()
             if self.threads is not None:
                 self.threads.shutdown(wait=False, cancel_futures=True)  # a reply past the limit is abandoned
+        self._fill_short_groups()
         return self._table()
 
     async def _timed(self, e: int, started: float) -> None:
+        try:
+            await self._limited(e, started)
+        except asyncio.CancelledError:
+            if e in self.dropped:  # over-sampling cut it: its group had its n episodes first
+                return
+            raise
+        await self._ended(e)
+
+    async def _limited(self, e: int, started: float) -> None:
         limit = self.options.episode_timeout_s
         if limit is None:
             return await self._episode(e)
@@ -142,8 +166,40 @@ class _MicroBatch:
         except TimeoutError:
             await self._abort([e])
             self.timed_out[e] = (f"episode over its time limit of {limit:g} s (pipeline.rollout.episode_timeout_s) "
-                                 f"with {self.replied[e]} of {len(self.env.turn_order)} turns and their replies "
-                                 "done")
+                                 f"with {self._progress(e)}")
+
+    def _progress(self, e: int) -> str:
+        return f"{self.replied[e]} of {len(self.env.turn_order)} turns and their replies done"
+
+    def _failure(self, e: int) -> str | None:
+        """Why an ended episode failed (its time limit, or a reply that raised); None: it finished."""
+        return self.timed_out.get(e) or next((fields[-1] for fields in self.finished[e] if fields[-1]), None)
+
+    async def _ended(self, e: int) -> None:
+        """Counts a finished episode to its group; the group's n-th cuts the group's others (over-sampling)."""
+        if self._failure(e) is not None:
+            return  # kept or dropped when the micro-batch ends (_fill_short_groups)
+        p = self.episodes[e][0]
+        self.done[p].append(e)
+        if len(self.done[p]) < self.n:
+            return
+        cut = [x for x in self.groups[p] if x not in self.done[p] and x not in self.dropped]
+        for x in cut:
+            failure = self._failure(x)
+            self.dropped[x] = (f"dropped: its group had {self.n} finished episodes first (pipeline.rollout.oversample);"
+                               + (f" it failed: {failure}" if failure else f" cut with {self._progress(x)}"))
+            self.tasks[x].cancel()  # nothing to a task that ended
+        await self._abort(cut)  # their requests in flight: the engines' slots are free at once
+
+    def _fill_short_groups(self) -> None:
+        """A group with fewer than n finished episodes keeps failed ones (in trajectory order) up to n, as without
+        over-sampling; it drops the rest."""
+        for p, group in enumerate(self.groups):
+            failed = [x for x in group if x not in self.done[p] and x not in self.dropped and self.finished[x]]
+            for x in failed[max(0, self.n - len(self.done[p])):]:
+                self.dropped[x] = (f"dropped: its group, with {len(self.done[p])} of {self.n} episodes finished, "
+                                   f"kept {self.n - len(self.done[p])} failed ones before it; it failed: "
+                                   f"{self._failure(x)}")
 
     async def _episode(self, e: int) -> None:
         try:
@@ -232,6 +288,7 @@ class _MicroBatch:
         for e in episodes:
             if (entry := self.in_flight.pop(e, None)) is not None:
                 by_engine.setdefault(entry[0], []).append(entry[1])
+                self.batches.withdraw(*entry)  # one submitted in this turn of the loop is never sent
         # return_exceptions: a replica that died has nothing left to abort.
         await asyncio.gather(*[engine.abort.remote(ids) for engine, ids in by_engine.items()], return_exceptions=True)
 
@@ -239,12 +296,16 @@ class _MicroBatch:
         """The rows in the turn-batched rollout's order (turn, then episode), so both modes store the same table."""
         columns: dict[str, list] = {name: [] for name in ROLLOUTS.names + ["agent"]}
         rows = sorted((fields[0], e, fields) for e, turns in enumerate(self.finished) for fields in turns)
+        # per prompt: (n minus its finished episodes, or 0; its dropped episodes)
+        groups = [(max(0, self.n - len(done)), sum(x in self.dropped for x in group))
+                  for done, group in zip(self.done, self.groups)]
         for _, e, (turn, role, prompt, completion, version, start, engine, end, observation, error) in rows:
             p, trajectory, task = self.episodes[e]
-            timed_out = self.timed_out.get(e)
+            timed_out, dropped = self.timed_out.get(e), self.dropped.get(e)
+            status = "dropped" if dropped else "timeout" if timed_out else None
             append_turn(columns, self.key, task, p, trajectory, e, turn, role, prompt, completion, version,
-                        start, end, observation, error or timed_out, status="timeout" if timed_out else None,
-                        engine=engine, adapter=self.adapters[turn])
+                        start, end, observation, dropped or error or timed_out, status=status,
+                        engine=engine, adapter=self.adapters[turn], group=groups[p])
         return pa.table(columns, schema=with_agent(ROLLOUTS))
 
 
@@ -270,8 +331,15 @@ class _Batches:
         self.waiting[handle].append((request_id, request))
         return future
 
+    def withdraw(self, handle: ray.actor.ActorHandle, request_id: str) -> None:
+        """Takes back a request not yet sent (its episode was cut in the turn of the loop that submitted it)."""
+        if handle in self.waiting:
+            self.waiting[handle] = [entry for entry in self.waiting[handle] if entry[0] != request_id]
+
     def _send(self, handle: ray.actor.ActorHandle) -> None:
-        task = asyncio.ensure_future(self._stream(handle, self.waiting.pop(handle)))
+        if not (batch := self.waiting.pop(handle)):
+            return
+        task = asyncio.ensure_future(self._stream(handle, batch))
         self.streams.add(task)
         task.add_done_callback(self.streams.discard)
 

@@ -41,7 +41,8 @@ def distribution(values: np.ndarray, bins: int = 10) -> dict:
 
 
 def inspect_run(store, run: str, step: int | None = None, agent: str | None = None) -> dict:
-    """Episodes, turns and tokens per agent, reward distribution per agent, policy staleness, failures."""
+    """Episodes, turns and tokens per agent, reward distribution per agent, policy staleness, failures, and the
+    turns of episodes over-sampling dropped (``dropped``, only when there are any)."""
     where = partition_filter(step, agent)
     rollouts = store.read_stage(run, "rollouts", filter=where,
                                 columns=[*_EPISODE, "agent", "policy_version", "response_ids"])
@@ -66,10 +67,14 @@ def inspect_run(store, run: str, step: int | None = None, agent: str | None = No
     for stage in STAGES:
         statuses = store.read_stage(run, stage, columns=["status", "error"], filter=where)
         failed = statuses.filter(pc.not_equal(statuses.column("status"), "ok"))
-        if failed.num_rows:
-            errors = failed.group_by("error").aggregate([("status", "count")]).sort_by([("status_count", "descending")])
-            report["failures"][stage] = {"rows": failed.num_rows, "errors": dict(zip(
-                errors.column("error").to_pylist(), errors.column("status_count").to_pylist()))}
+        dropped = failed.filter(pc.equal(failed.column("status"), "dropped"))  # over-sampling's: not failures
+        for name, rows in (("failures", failed.filter(pc.not_equal(failed.column("status"), "dropped"))),
+                           ("dropped", dropped)):
+            if rows.num_rows:
+                errors = rows.group_by("error").aggregate([("status", "count")]).sort_by([("status_count",
+                                                                                          "descending")])
+                report.setdefault(name, {})[stage] = {"rows": rows.num_rows, "errors": dict(zip(
+                    errors.column("error").to_pylist(), errors.column("status_count").to_pylist()))}
     return report
 
 

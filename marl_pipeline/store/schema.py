@@ -20,7 +20,7 @@ from collections.abc import Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 SCHEMA_CHANGES = {
     1: "first version",
     2: "environment_start/environment_end and reward_start/reward_end: timestamps of every stage",
@@ -30,9 +30,12 @@ SCHEMA_CHANGES = {
     6: "rollouts.adapter: the named adapter of version 0 that served the turn (agents.<a>.turn_adapters); null: none",
     7: "policy_updates.compute_seconds, rollouts.engine_seconds: the actors' own time on the micro-batch (null: older)",
     8: "health.trainer_tokens_per_s, health.mfu: the trainer's throughput and MFU at the step's update (null: older)",
+    9: "rollouts.group_shortfall, rollouts.group_dropped and health.short_groups, health.shortfall, "
+       "health.dropped_episodes: groups short of n finished episodes, and episodes over-sampling dropped "
+       "(null: older); the services dataset (one row per external service and step)",
 }
 # Versions whose files this code reads: each change so far only added columns, null or derived in older files.
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 SCHEMA_VERSION_KEY = b"marl_pipeline.schema_version"
 
 PARTITION_SCHEMA = pa.schema(
@@ -70,7 +73,11 @@ ROLLOUTS = pa.schema(
         pa.field("rollout_start", pa.timestamp("us", tz="UTC")),
         pa.field("rollout_end", pa.timestamp("us", tz="UTC")),
         pa.field("engine_seconds", pa.float32()),  # its share of the engine steps that computed it; null: not measured
-        pa.field("status", pa.string()),
+        # The turn's group, the same on each of its rows: n (samples_per_prompt) minus its episodes that finished
+        # (0: a full group), and its episodes over-sampling dropped (pipeline.rollout.oversample); null: older
+        pa.field("group_shortfall", pa.int32()),
+        pa.field("group_dropped", pa.int32()),
+        pa.field("status", pa.string()),  # ok, observe_failed, timeout, dropped (over-sampling cut it; why in error)
         pa.field("error", pa.string()),
     ]
 )
@@ -128,11 +135,12 @@ STAGE_TIMING = [pa.field(name, pa.timestamp("us", tz="UTC"))
 
 # Columns a stage's producer may leave out of a table it commits (they are stored null): the orchestrator
 # adds the stage timing, and plugins without ``observe`` or runs without a reward model have nothing to put;
-# policy-update rows made before the mismatch statistics (or dynamic sampling) existed have none.
+# policy-update rows made before the mismatch statistics (or dynamic sampling) existed have none, nor rollouts
+# made by hand the group figures of over-sampling.
 OPTIONAL_COLUMNS = frozenset([field.name for field in STAGE_TIMING]
                              + ["observation", "model_score", "mismatch_abs_logprob", "mismatch_ratio_std",
                                 "dropped_rows", "adapter", "grad_norm", "compute_seconds", "engine_seconds",
-                                "trainer_tokens_per_s", "mfu"])
+                                "trainer_tokens_per_s", "mfu", "group_shortfall", "group_dropped"])
 # Columns a commit refuses null values in: a reader takes a null group_id for a row written before it existed.
 NON_NULL_COLUMNS = frozenset(["group_id"])
 
@@ -241,8 +249,35 @@ HEALTH = pa.schema(
         # The trainer's step: real tokens computed a second, and MFU as a fraction (training/flops.py); null as above
         pa.field("trainer_tokens_per_s", pa.float32()),
         pa.field("mfu", pa.float32()),
+        # Groups short of n finished episodes, the episodes they lack, and episodes over-sampling dropped; null: older
+        pa.field("short_groups", pa.int32()),
+        pa.field("shortfall", pa.int32()),
+        pa.field("dropped_episodes", pa.int32()),
     ]
 )
 
-DATASET_SCHEMAS = {**STAGE_SCHEMAS, "evaluations": EVALUATIONS, "health": HEALTH}
-"""Every dataset the store holds: the four stages, the held-out evaluations, the health signals."""
+# One row per external service per step (services.<name>): what its scheduler saw between the previous step's end
+# and this one's (marl_pipeline/services), stored under step=<s>/micro_batch=0 with the service's name as ``agent``.
+SERVICES = pa.schema(
+    [
+        pa.field("service", pa.string()),
+        pa.field("seconds", pa.float32()),  # the window the figures cover
+        pa.field("calls", pa.int32()),  # tries answered or failed, retries included
+        pa.field("granted", pa.int32()),  # tries the scheduler let through
+        pa.field("tokens", pa.int64()),  # the answers' usage.total_tokens (the estimate where an answer has none)
+        pa.field("throttled", pa.int32()),  # answered 429
+        pa.field("retries", pa.int32()),
+        pa.field("failures", pa.int32()),  # calls given up: refused, or failed on every try
+        pa.field("queue_wait_p50", pa.float32()),  # seconds a call waited for its grant
+        pa.field("queue_wait_p99", pa.float32()),
+        pa.field("latency_p50", pa.float32()),  # seconds a try took at the service
+        pa.field("latency_p99", pa.float32()),
+        pa.field("request_quota_use", pa.float32()),  # grants / (requests_per_second x seconds); null: no such quota
+        pa.field("token_quota_use", pa.float32()),  # tokens / tokens_per_minute over the window; null: no such quota
+        pa.field("backlogged_share", pa.float32()),  # of the window, the time some call waited for the quota
+        pa.field("backlogged_request_quota_use", pa.float32()),  # request_quota_use while calls waited
+    ]
+)
+
+DATASET_SCHEMAS = {**STAGE_SCHEMAS, "evaluations": EVALUATIONS, "health": HEALTH, "services": SERVICES}
+"""Every dataset the store holds: the four stages, the held-out evaluations, the health signals, the services."""

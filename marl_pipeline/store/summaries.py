@@ -35,7 +35,11 @@ def stage_summary(stage: str, table: pa.Table) -> dict[str, float | int | str]:
     if "success" in table.column_names and table.num_rows:
         summary["success_rate"] = round(float(pc.mean(table.column("success").cast(pa.float64())).as_py()), 4)
     if "status" in table.column_names:
-        summary["failed_rows"] = int(pc.sum(pc.not_equal(table.column("status"), "ok").cast(pa.int64())).as_py() or 0)
+        dropped = int(pc.sum(pc.equal(table.column("status"), "dropped").cast(pa.int64())).as_py() or 0)
+        failed = int(pc.sum(pc.not_equal(table.column("status"), "ok").cast(pa.int64())).as_py() or 0)
+        summary["failed_rows"] = failed - dropped
+        if dropped:  # the turns of episodes over-sampling cut (pipeline.rollout.oversample): not failures
+            summary["dropped_turns"] = dropped
     return summary
 
 
