@@ -194,15 +194,15 @@ class _PolicyProgress:
         self.total: int | None = None
         self.done = 0
         self.lines: list[str] = []
-        """The launch's set-up phases and finished steps logged since the last poll (``assets.train.SETUP_PREFIX``
-        and ``STEP_PREFIX`` lines)."""
+        """The launch's set-up phases, what it does (new, continued, resumed at step N) and its finished steps
+        logged since the last poll (``assets.train.SETUP_PREFIX``, ``LAUNCH_PREFIX`` and ``STEP_PREFIX`` lines)."""
         self._cursor: str | None = None
 
     def poll(self) -> int:
         """Read the records logged since the last poll; returns how many there were."""
         import dagster as dg
 
-        from assets.train import SETUP_PREFIX, STEP_PREFIX
+        from assets.train import LAUNCH_PREFIX, SETUP_PREFIX, STEP_PREFIX
 
         connection = self.instance.get_records_for_run(self.run_id, cursor=self._cursor)
         self.lines = []
@@ -210,7 +210,7 @@ class _PolicyProgress:
             entry = record.event_log_entry
             event = entry.dagster_event
             if event is None:
-                if entry.user_message.startswith((SETUP_PREFIX, STEP_PREFIX)):
+                if entry.user_message.startswith((SETUP_PREFIX, LAUNCH_PREFIX, STEP_PREFIX)):
                     self.lines.append(entry.user_message)
                 continue
             if not (event.is_asset_observation or event.is_step_materialization) or (
@@ -267,7 +267,8 @@ HEALTH_HEADERS = {"zero_variance_groups": "zero-var groups", "distinct_responses
                   "top_response_share": "top share", "top_answer_share": "top overall", "token_entropy": "entropy",
                   "response_length": "length", "truncated_share": "cut", "loss_per_token": "loss/token",
                   "clip_fraction": "clipped", "mismatch_abs_logprob": "mismatch", "grad_norm": "grad norm",
-                  "short_groups": "short groups", "shortfall": "shortfall", "dropped_episodes": "dropped"}
+                  "short_groups": "short groups", "shortfall": "shortfall", "dropped_episodes": "dropped",
+                  "reward_mean": "reward"}
 HEALTH_NARROW = {"top_answer_share": "top", "zero_variance_groups": "zero-var", "token_entropy": "entropy",
                  "response_length": "length", "clip_fraction": "clip", "grad_norm": "grad norm"}
 """The signals an 80-column terminal shows (the collapse rules' two first): ``--wide`` shows every one, ``--format
@@ -417,6 +418,7 @@ def runs(store_uri: str = typer.Argument(".marl/store", help="Experience store: 
 
     _check_format(output)
     store = _open_store(store_uri)
+    _mark_dead_launches(quiet=output != "table")
     names = store.runs()
     if not names:
         console.print(f"[yellow]no runs in {store.uri}[/yellow]")
@@ -426,13 +428,37 @@ def runs(store_uri: str = typer.Argument(".marl/store", help="Experience store: 
         _write_rows([asdict(run) for run in overviews], output)
         return
     table = Table(title=f"runs in {store.uri}")
-    for column in ("run", "newest versions", "target", "state", "last version"):
+    for column in ("run", "newest versions", "target", "state", "last version", "health"):
         table.add_column(column, overflow="fold")  # a long run name folds onto a second line, never cut
     for run in overviews:
         when = "-" if run.last_activity is None else datetime.fromtimestamp(run.last_activity).strftime("%m-%d %H:%M")
         table.add_row(run.run, ", ".join(f"{a} v{v}" for a, v in run.versions.items()) or "-",
-                      "-" if run.target_step is None else str(run.target_step), run.state, when)
+                      "-" if run.target_step is None else str(run.target_step), run.state, when,
+                      _health_cell(run.health))
     console.print(table)
+
+
+def _mark_dead_launches(quiet: bool) -> None:
+    """Launches of this host whose process died, shown as started in Dagster: marked failed, as the
+    `mark_dead_launches` sensor does (for a Dagster home that has runs: DAGSTER_HOME or ./.dagster_home)."""
+    home = Path(os.environ.get("DAGSTER_HOME") or Path.cwd() / ".dagster_home")
+    if not (home / "dagster.yaml").is_file():
+        return
+    import dagster as dg
+
+    from assets.train import fail_dead_launches
+
+    os.environ["DAGSTER_HOME"] = str(home.absolute())
+    with dg.DagsterInstance.get() as instance:
+        failed = fail_dead_launches(instance)
+    if failed and not quiet:
+        console.print(f"[yellow]marked failed in Dagster, their process gone: {', '.join(failed)}[/yellow]")
+
+
+def _health_cell(health: dict[str, list[tuple[str, int]]]) -> str:
+    """The agents under a collapse warning and since which step ("ok": none)."""
+    return "; ".join(f"{agent} {what} since step {since}" for agent, signs in health.items()
+                     for what, since in signs) or "ok"
 
 
 @app.command()
@@ -495,6 +521,8 @@ def _print_run(store, run: str, step: int | None, agent: str | None, sample: int
         _print_reward_table(store, run)
         _print_evaluation_table(store, run)
     _print_health_table(store, run, step, agent, wide)
+    if step is None:
+        _print_verdicts(store, run, report["agents"] if agent is None else [agent])
     _print_services_table(store, run, step)
     table = Table(title="turns, tokens and reward per agent")
     for column in ("agent", "turns", "tokens", "reward mean", "std", "min", "p50", "max"):
@@ -523,6 +551,18 @@ def _print_run(store, run: str, step: int | None, agent: str | None, sample: int
             console.print(f"  {count} x {reason}")
     for episode in sample_episodes(store, run, sample, step, agent):
         _print_episode(episode)
+
+
+def _print_verdicts(store, run: str, agents) -> None:
+    """One verdict per agent at the run's newest stored step, by the run's own collapse thresholds."""
+    from marl_pipeline.run.launches import RECORD, launch_health_settings
+    from marl_pipeline.stages.health import health_state
+
+    state = health_state(store, run, launch_health_settings(store.read_record(run, RECORD)))
+    for agent in agents:
+        signs = state.get(agent, [])
+        verdict = "; ".join(f"{what} since step {since}" for what, since in signs) or "no collapse warning"
+        console.print(f"verdict, {agent}: " + (f"[yellow]{verdict}[/yellow]" if signs else verdict))
 
 
 def _print_services_table(store, run: str, step: int | None) -> None:

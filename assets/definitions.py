@@ -12,7 +12,7 @@ from assets.evaluations import evaluations, no_collapsed_agent
 from assets.health import health, no_collapse_in_training
 from assets.planning import capacity_plan
 from assets.policies import base_policies, policies
-from assets.retrain import retrain_on_new_tasks
+from assets.retrain import mark_dead_launches, retrain_on_new_tasks
 from assets.stages import STAGE_ASSETS
 from assets.train import retrain_schedule, train_job, training_runs
 from resources import ExperienceStoreResource, ExperimentResource, RayCluster
@@ -26,7 +26,7 @@ defs = dg.Definitions(
     asset_checks=[*STAGE_CHECKS, no_collapsed_agent, no_collapse_in_training],
     jobs=[train_job],
     schedules=[retrain_schedule],
-    sensors=[retrain_on_new_tasks],
+    sensors=[retrain_on_new_tasks, mark_dead_launches],
     resources={
         "experiment": experiment,
         "store": ExperienceStoreResource(experiment=experiment),

@@ -79,3 +79,13 @@ def retrain_on_new_tasks(context: dg.SensorEvaluationContext, experiment: Experi
                             tags={"marl/trigger": "new task files", "marl/task_files": str(len(batch)),
                                   "marl/task_batch": digest})
     return dg.SensorResult(run_requests=[request], cursor=json.dumps({"seen": files}))
+
+
+@dg.sensor(minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING,
+           description="Mark failed the train-job runs shown as started whose process on this host died (a kill -9 "
+                       "leaves no failure event), without waiting for the run's next launch.")
+def mark_dead_launches(context: dg.SensorEvaluationContext):
+    from assets.train import fail_dead_launches
+
+    failed = fail_dead_launches(context.instance)
+    return dg.SkipReason(f"marked failed: {', '.join(failed)}" if failed else "every started launch is alive")

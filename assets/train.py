@@ -35,6 +35,8 @@ PROCESS_TAG = "marl/process"
 """The Dagster tag that names the host and process id a launch's op runs in."""
 STEP_PREFIX = "step "
 """What a finished step's line starts with in the run's log: the ``marl`` CLI prints those too."""
+LAUNCH_PREFIX = "launch: "
+"""What the line saying what a launch does (new, continued, resumed at step N) starts with: the CLI prints it too."""
 
 
 @dg.op(description="Stream micro-batches through rollout, environment, reward and train on Ray.",
@@ -146,21 +148,45 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
 def _fail_dead_predecessors(context: dg.OpExecutionContext, run: str, resumed: bool) -> None:
     """Mark failed every earlier Dagster run of this training run still shown as started: its process died (a
     kill -9 leaves no failure event), since a run's launches never overlap (each plans from the launch record)."""
-    stale = context.instance.get_runs(filters=dg.RunsFilter(
-        tags={RUN_TAG: run}, statuses=[dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING]))
-    for dagster_run in stale:
+    what = "resumed" if resumed else "followed"
+    for dagster_run, _, alive in started_launches(context.instance, run):
         if dagster_run.run_id == context.run_id:
             continue
-        host, _, pid = dagster_run.tags.get(PROCESS_TAG, "").partition(":")
-        if host == socket.gethostname() and _alive(int(pid)):
-            context.log.warning(f"Dagster run {dagster_run.run_id} of run {run!r} is still running (process {pid}): "
-                                f"two launches of one run at once write over each other's plan")
+        if alive:
+            context.log.warning(f"Dagster run {dagster_run.run_id} of run {run!r} is still running (process "
+                                f"{dagster_run.tags[PROCESS_TAG]}): two launches of one run at once write over each "
+                                f"other's plan")
             continue
-        what = "resumed" if resumed else "followed"
         context.instance.report_run_failed(dagster_run, message=f"its process died: run {run!r} was {what} by Dagster "
                                                                 f"run {context.run_id}")
         context.log.warning(f"Dagster run {dagster_run.run_id} of run {run!r} was shown as started, but its process "
                             f"died; marked failed")
+
+
+def started_launches(instance: dg.DagsterInstance, run: str | None = None) -> list[tuple]:
+    """The train-job runs (of training run ``run``, or every one) shown as started: (the run, the host its process
+    tag names or "", whether that process lives on this host)."""
+    tags = {RUN_TAG: run} if run is not None else {}
+    started = instance.get_runs(filters=dg.RunsFilter(
+        job_name="train", tags=tags, statuses=[dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING]))
+    found = []
+    for dagster_run in started:
+        host, _, pid = dagster_run.tags.get(PROCESS_TAG, "").partition(":")
+        found.append((dagster_run, host, host == socket.gethostname() and pid.isdigit() and _alive(int(pid))))
+    return found
+
+
+def fail_dead_launches(instance: dg.DagsterInstance) -> list[str]:
+    """Mark failed the train-job runs shown as started whose process on this host is gone (a kill -9 leaves no
+    failure event): what the `mark_dead_launches` sensor and `marl runs` do without waiting for the run's next
+    launch. A run without a process tag (killed before its op began) is left to that launch. -> their run ids."""
+    failed = []
+    for dagster_run, host, alive in started_launches(instance):
+        if alive or host != socket.gethostname():  # another host's processes are not visible from here
+            continue
+        instance.report_run_failed(dagster_run, message=f"its process ({dagster_run.tags[PROCESS_TAG]}) died")
+        failed.append(dagster_run.run_id)
+    return failed
 
 
 def _alive(pid: int) -> bool:
@@ -214,13 +240,18 @@ def _log_start(context: dg.OpExecutionContext, config, event) -> None:
     if any(policy.created for policy in event.base_policies):
         context.log_event(dg.AssetMaterialization(asset_key="base_policies",
                                                   metadata=base_policy_metadata(event.base_policies)))
+    context.log.info(launch_line(event.run, plan, event.setup_seconds))
+
+
+def launch_line(run: str, plan, setup_seconds: float) -> str:
+    """What the launch does, in the run's log as it starts (and on the `marl` CLI: :data:`LAUNCH_PREFIX`)."""
     if plan.resumed:
         done = ", ".join(f"{stage} {count}" for stage, count in plan.committed.items())
         where = f"resuming an unfinished launch at step {plan.first_step} (already committed: {done})"
     else:
         where = "a new run" if plan.first_step == 0 else f"continuing from policy versions {plan.versions}"
-    context.log.info(f"run {event.run}: steps {plan.first_step}..{plan.last_step}, {where}; "
-                     f"set-up took {event.setup_seconds:.1f} s")
+    return (f"{LAUNCH_PREFIX}run {run}, steps {plan.first_step}..{plan.last_step}, {where}; "
+            f"set-up took {setup_seconds:.1f} s")
 
 
 def plan_observations(run: str, plan) -> list[dg.AssetObservation]:

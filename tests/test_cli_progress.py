@@ -11,7 +11,7 @@ import dagster as dg
 
 from assets.cli import _PolicyProgress
 from assets.partitions import agent_key, stage_partition
-from assets.train import SETUP_PREFIX, STEP_PREFIX, plan_observations
+from assets.train import SETUP_PREFIX, STEP_PREFIX, launch_line, plan_observations
 from marl_pipeline.run.launches import LaunchPlan
 
 # A resumed launch: it ends after step 4, the solver already holds version 3, the verifier version 2, so it
@@ -29,6 +29,7 @@ def test_progress_total_comes_from_the_launch_plan_and_polls_read_only_new_recor
         context.log.info("another line")
         for observation in plan_observations("r", PLAN):  # what the train op logs when its launch starts
             context.log_event(observation)
+        context.log.info(launch_line("r", PLAN, 12.5))
         context.log_event(dg.AssetMaterialization("policies", partition=agent_key("r", "verifier")))
         context.log_event(dg.AssetMaterialization("rollouts", partition=str(stage_partition("r", 2, 0))))
         halfway.set()
@@ -50,7 +51,9 @@ def test_progress_total_comes_from_the_launch_plan_and_polls_read_only_new_recor
         progress = _PolicyProgress(instance, run_id)
         assert progress.poll() >= 6  # the set-up lines, 2 plan observations, 2 materializations, the run's events
         assert (progress.total, progress.done) == (5, 1)
-        assert progress.lines == [f"{SETUP_PREFIX}version 0 found in the store (0.1 s)"]
+        assert progress.lines == [f"{SETUP_PREFIX}version 0 found in the store (0.1 s)",  # and what the launch does
+                                  "launch: run r, steps 2..4, resuming an unfinished launch at step 2 (already "
+                                  "committed: rollouts 2); set-up took 12.5 s"]
         assert progress.poll() == 0  # nothing new since the cursor
         assert (progress.total, progress.done, progress.lines) == (5, 1, [])
     finally:
@@ -96,3 +99,46 @@ def test_a_launch_marks_failed_the_earlier_runs_whose_process_died_and_only_thos
     messages = [record.event_log_entry.dagster_event.message for record in
                 instance.get_records_for_run(dead.run_id).records if record.event_log_entry.dagster_event]
     assert any(f"resumed by Dagster run {result.run_id}" in (message or "") for message in messages)
+
+
+def test_the_sensor_and_marl_runs_mark_failed_a_dead_launch_without_waiting_for_the_next(tmp_path: Path) -> None:
+    """A kill -9 of `marl train` leaves its Dagster run started: the always-on sensor and `marl runs` mark it failed
+    (its process, named by the run's tag, is gone), a live one and one on another host stay as they are."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from assets.retrain import mark_dead_launches
+    from assets.train import PROCESS_TAG, RUN_TAG
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = socket.gethostname()
+    runs = {"0000dead-0000-4000-8000-00000000000a": f"{host}:{gone.pid}",
+            "0000a11e-0000-4000-8000-00000000000b": f"{host}:{os.getpid()}",
+            "00000e15-0000-4000-8000-00000000000c": f"elsewhere:{gone.pid}"}
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        for run_id, process in runs.items():
+            instance.add_run(dg.DagsterRun(job_name="train", run_id=run_id, status=dg.DagsterRunStatus.STARTED,
+                                           tags={RUN_TAG: run_id[:8], PROCESS_TAG: process}))
+        skipped = mark_dead_launches(dg.build_sensor_context(instance=instance))
+        assert "marked failed: 0000dead-0000-4000-8000-00000000000a" in skipped.skip_message
+        statuses = [instance.get_run_by_id(run_id).status for run_id in runs]
+        assert statuses == [dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTED]
+        again = subprocess.Popen([sys.executable, "-c", "pass"])
+        again.wait()
+        instance.add_run(dg.DagsterRun(job_name="train", run_id="0000dead-0000-4000-8000-00000000000d",
+                                       status=dg.DagsterRunStatus.STARTED,
+                                       tags={RUN_TAG: "d", PROCESS_TAG: f"{host}:{again.pid}"}))
+    store = tmp_path / "store"
+    store.mkdir()
+    listed = subprocess.run([sys.executable, "-m", "assets.cli", "runs", str(store)], capture_output=True, text=True,
+                            timeout=120, cwd=Path(__file__).resolve().parents[1],
+                            env={**os.environ, "DAGSTER_HOME": str(home), "COLUMNS": "200"})
+    assert "no runs" in listed.stdout  # an empty store: the command still checked Dagster's runs first
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        assert instance.get_run_by_id("0000dead-0000-4000-8000-00000000000d").status == dg.DagsterRunStatus.FAILURE

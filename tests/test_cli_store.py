@@ -3,7 +3,10 @@ plain Hugging Face model (LoRA merged or not) that transformers loads with the t
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,9 +59,12 @@ def test_runs_lists_each_run_with_its_versions_and_state(store_config: StoreConf
     assert done.last_activity is not None and abs(done.last_activity - killed.last_activity) < 600
     if store_config.uri.startswith("s3://"):
         return  # the command itself reads local stores below (S3 takes the AWS_* variables)
-    result = CliRunner().invoke(app, ["runs", store_config.uri], env={"COLUMNS": "200"})
-    assert result.exit_code == 0, result.output
-    lines = {line.split("│")[1].strip(): line for line in result.output.splitlines() if line.count("│") > 2}
+    # In a process of its own: Rich reads the terminal's width once per console, and an earlier test's may hold
+    result = subprocess.run([sys.executable, "-m", "assets.cli", "runs", store_config.uri], capture_output=True,
+                            text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+                            env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 2}
     assert "solver v1, verifier v0" in lines["done"] and "finished" in lines["done"]
     assert "solver v0" in lines["killed"] and "unfinished" in lines["killed"] and " 4 " in lines["killed"]
 

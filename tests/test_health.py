@@ -126,6 +126,27 @@ def test_an_agent_answering_yes_to_everything_is_caught_from_the_stored_signals_
     assert all("almost no learning signal" in w and "1.00, 1.00, 1.00" in w for w in warnings)
 
 
+def test_a_share_hovering_around_its_threshold_is_caught_over_a_window_unless_the_reward_rises() -> None:
+    settings = HealthConfig()  # 0.9 three steps in a row, or a mean above 0.8 over 8 steps without a reward gain
+    hovering = [0.83, 0.75, 0.81, 0.88, 0.96, 0.91, 0.79, 0.90]  # never three steps in a row above 0.9
+
+    def history(shares: list[float], rewards: list[float | None]) -> list[dict]:
+        return [{"step": s, "agent": "checker", "top_answer_share": share, "zero_variance_groups": 0.2,
+                 "reward_mean": reward} for s, (share, reward) in enumerate(zip(shares, rewards))]
+
+    flat = [0.52, 0.50, 0.49, 0.51, 0.50, 0.52, 0.50, 0.49]
+    (warning,) = collapse_warnings(history(hovering, flat), settings)
+    assert warning.startswith("checker may be collapsing: the same response is on average 0.85")
+    assert "steps 0-7" in warning and "health.window_share: 0.8" in warning and "moved -0.003" in warning
+    learning = [0.40, 0.45, 0.50, 0.55, 0.62, 0.68, 0.74, 0.80]  # its share rises as its answers get right
+    assert collapse_warnings(history(hovering, learning), settings) == []
+    assert collapse_warnings(history(hovering[1:], flat[1:]), settings) == []  # less than a full window
+    assert collapse_warnings(history(hovering, [None] * 8), settings) == []  # stored before the reward was
+    varied = [0.6, 0.7, 0.65, 0.8, 0.75, 0.7, 0.72, 0.68]  # a verifier at 0.6-0.8: its mean is under 0.8
+    assert collapse_warnings(history(varied, flat), settings) == []
+    assert collapse_warnings(history(hovering, flat), HealthConfig(window_share=0.9)) == []  # settings are thresholds
+
+
 def test_the_health_collapse_check_fails_with_the_agent_and_passes_before(tmp_path: Path,
                                                                           demo_config_data: dict) -> None:
     import dagster as dg

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import dagster as dg
+import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 
@@ -166,3 +167,37 @@ def test_inspect_and_runs_fit_80_columns_and_give_scripts_every_column(tmp_path:
                             text=True, timeout=120, cwd=ROOT, env={**os.environ, "COLUMNS": "80"})
     assert listed.returncode == 0 and "…" not in listed.stdout and "solver v0" in listed.stdout
     assert json.loads(runner.invoke(app, ["runs", str(tmp_path), "--format", "json"]).output)[0]["run"] == "r"
+
+
+def test_runs_and_inspect_say_which_agent_is_under_a_warning_and_since_when(tmp_path: Path) -> None:
+    """A verifier whose top answer passes 0.9 from step 2 on: `marl runs` names it and the step its streak started
+    (by the run's own thresholds, from its launch record), `marl inspect` gives every agent a verdict."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from assets.cli import app
+    from marl_pipeline.run.launches import RECORD, run_overview
+    from marl_pipeline.stages.health import HEALTH_SIGNALS
+
+    store = ExperienceStore(tmp_path)
+    write_run(store)
+    for step, share in enumerate([0.5, 0.6, 0.95, 0.97, 0.99]):
+        rows = [{"agent": agent, "policy_version": step + 1, "groups": 4, **dict.fromkeys(HEALTH_SIGNALS),
+                 "top_answer_share": share if agent == "verifier" else 0.3, "zero_variance_groups": 0.2}
+                for agent in ("solver", "verifier")]
+        store.commit("health", MicroBatchKey("r", step, 0), pa.Table.from_pylist(rows))
+    store.write_record("r", RECORD, {"last_step": 4, "finished": False, "launches": [{"config": "c"}],
+                                     "configs": {"c": {"health": {"steps": 3}}}})
+    assert run_overview(store, "r").health == {"verifier": [("may be collapsing", 4)]}  # steps 2-4: three in a row
+    store.write_record("r", RECORD, {"last_step": 4, "finished": False, "launches": [{"config": "c"}],
+                                     "configs": {"c": {"health": {"steps": 2}}}})
+    assert run_overview(store, "r").health == {"verifier": [("may be collapsing", 3)]}  # its own thresholds
+    listed = subprocess.run([sys.executable, "-m", "assets.cli", "runs", str(tmp_path)], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
+    assert "verifier may be collapsing since step 3" in listed.stdout
+    rows = json.loads(CliRunner().invoke(app, ["runs", str(tmp_path), "--format", "json"]).output)
+    assert rows[0]["health"] == {"verifier": [["may be collapsing", 3]]}
+    shown = _inspect(str(tmp_path), "--run", "r")
+    assert "verdict, verifier: may be collapsing since step 3" in shown
+    assert "verdict, solver: no collapse warning" in shown

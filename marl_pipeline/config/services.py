@@ -92,6 +92,14 @@ class HealthConfig(StrictModel):
     """Above this share of GRPO groups with equal rewards: almost no learning signal left."""
     steps: int = Field(3, ge=1)
     """For this many steps in a row."""
+    window: int = Field(8, ge=2)
+    """Steps over which a share hovering around ``top_answer_share`` is judged (``window_share``)."""
+    window_share: float = Field(0.8, gt=0, le=1)
+    """Above this mean ``top_answer_share`` over ``window`` steps, while the agent's mean reward rose by no more
+    than ``window_gain`` from the window's first half to its second: collapse, though no three steps in a row
+    passed ``top_answer_share`` (a share at 0.83, 0.75, 0.81, 0.88, 0.96, 0.91, 0.79, 0.90)."""
+    window_gain: float = Field(0.05, ge=0)
+    """The rise of mean reward over the window that clears a high share: an agent learning the right answers."""
 
 
 class TrackingConfig(StrictModel):

@@ -19,7 +19,7 @@ import json
 import re
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from marl_pipeline.bootstrap.policies import latest_versions
-from marl_pipeline.config import ExperimentConfig
+from marl_pipeline.config import ExperimentConfig, HealthConfig
+from marl_pipeline.stages.health import health_state
 from marl_pipeline.store import ExperienceStore
 from marl_pipeline.store.schema import STAGES
 
@@ -159,6 +160,8 @@ class RunOverview:
     """``finished``, ``unfinished`` (killed or still running: the next launch resumes it) or ``not launched``."""
     last_activity: float | None
     """When the newest policy version was committed (seconds since the epoch)."""
+    health: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    """Per agent under a collapse warning at the newest stored step: what it says and the step it started."""
 
 
 def run_overview(store: ExperienceStore, run: str) -> RunOverview:
@@ -169,4 +172,12 @@ def run_overview(store: ExperienceStore, run: str) -> RunOverview:
     state = "not launched" if record is None else "finished" if record["finished"] else "unfinished"
     times = [store.checkpoints.modified(run, agent, version) for agent, version in versions.items()]
     return RunOverview(run, versions, None if record is None else record["last_step"], state,
-                       max((t for t in times if t is not None), default=None))
+                       max((t for t in times if t is not None), default=None),
+                       health_state(store, run, launch_health_settings(record)))
+
+
+def launch_health_settings(record: dict | None) -> HealthConfig:
+    """The ``health`` thresholds of the run's newest launch, as recorded (the defaults for a record without them)."""
+    launches, configs = (record or {}).get("launches", []), (record or {}).get("configs", {})
+    config = configs.get(launches[-1].get("config"), {}) if launches else {}
+    return HealthConfig.model_validate(config.get("health", {}))

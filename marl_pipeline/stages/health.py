@@ -105,15 +105,18 @@ def health_table(rollouts: list[dict], rewards: list[dict], updates: list[dict],
             "loss_per_token": loss / trained_tokens if trained_tokens else None,
             "clip_fraction": _token_mean(trained, "clip_fraction"),
             "mismatch_abs_logprob": _token_mean(trained, "mismatch_abs_logprob"),
-            **{name: trainer.get(agent, {}).get(name) for name in TRAINER_SIGNALS}, **_group_figures(turns)})
+            **{name: trainer.get(agent, {}).get(name) for name in TRAINER_SIGNALS}, **_group_figures(turns),
+            "reward_mean": _mean([value for values in groups.values() for value in values])})
     return pa.Table.from_pylist(rows, schema=pa.schema([pa.field("agent", pa.string()), *HEALTH]))
 
 
 def collapse_warnings(history: list[dict], settings: HealthConfig) -> list[str]:
     """What the agents' health rows of the last steps (dicts with ``step``, ``agent`` and the signals, any order)
     show collapsing, one message per agent and sign, naming the agent, the steps and the figures: the same answer
-    to every prompt (``top_answer_share`` above its threshold for ``settings.steps`` steps in a row), or no
-    learning signal (``zero_variance_groups`` above its threshold for as many steps). Empty when too few steps."""
+    to every prompt (``top_answer_share`` above its threshold for ``settings.steps`` steps in a row, or on average
+    above ``window_share`` over the last ``window`` steps while the agent's mean reward did not rise by
+    ``window_gain``), or no learning signal (``zero_variance_groups`` above its threshold for ``settings.steps``
+    steps). Empty when too few steps."""
     warnings = []
     for agent in sorted({row["agent"] for row in history}):
         rows = sorted((row for row in history if row["agent"] == agent), key=lambda row: row["step"])
@@ -126,11 +129,30 @@ def collapse_warnings(history: list[dict], settings: HealthConfig) -> list[str]:
         if None not in shares and min(shares) > settings.top_answer_share:
             warnings.append(f"{agent} may be collapsing: the same response is {_figures(shares)} of its responses "
                             f"in one turn over {steps} (health.top_answer_share: {settings.top_answer_share:g})")
+        elif (hovering := _hovering(rows[-settings.window:], settings)) is not None:
+            warnings.append(f"{agent} may be collapsing: {hovering}")
         flat = [row["zero_variance_groups"] for row in last]
         if None not in flat and min(flat) > settings.zero_variance_groups:
             warnings.append(f"{agent} has almost no learning signal: {_figures(flat)} of its GRPO groups have equal "
                             f"rewards over {steps} (health.zero_variance_groups: {settings.zero_variance_groups:g})")
     return warnings
+
+
+def _hovering(window: list[dict], settings: HealthConfig) -> str | None:
+    """Why a top-answer share that hovers around its threshold is collapse: high on average over the window while
+    the agent's reward did not rise with it (a learning agent's share may rise as its answers get right); None when
+    not, or without a full window of both signals."""
+    shares, rewards = [row["top_answer_share"] for row in window], [row.get("reward_mean") for row in window]
+    if len(window) < settings.window or None in shares or None in rewards:
+        return None
+    half = len(window) // 2
+    gain = sum(rewards[half:]) / (len(window) - half) - sum(rewards[:half]) / half
+    if sum(shares) / len(shares) <= settings.window_share or gain > settings.window_gain:
+        return None
+    return (f"the same response is on average {sum(shares) / len(shares):.2f} of its responses in one turn over steps "
+            f"{window[0]['step']}-{window[-1]['step']} ({_figures(shares)}; health.window_share: "
+            f"{settings.window_share:g}) while its mean reward moved {gain:+.3f} (health.window_gain: "
+            f"{settings.window_gain:g})")
 
 
 def started_warnings(previous: list[str], current: list[str]) -> list[str]:
@@ -142,7 +164,30 @@ def started_warnings(previous: list[str], current: list[str]) -> list[str]:
 
 def stored_collapse(store: ExperienceStore, run: str, step: int, settings: HealthConfig) -> list[str]:
     """:func:`collapse_warnings` at ``step``, from the stored health of the steps up to it."""
-    return collapse_warnings(recent_health(store, run, step, settings.steps), settings)
+    return collapse_warnings(recent_health(store, run, step, max(settings.steps, settings.window)), settings)
+
+
+def health_state(store: ExperienceStore, run: str, settings: HealthConfig) -> dict[str, list[tuple[str, int]]]:
+    """Per agent under a warning at the run's newest stored step: each warning's sign ("may be collapsing", "has
+    almost no learning signal") and the step its streak started; agents without one are left out."""
+    table = store.read_stage(run, "health") if store.committed_keys(run, "health") else None
+    if table is None or not table.num_rows:
+        return {}
+    history = table.drop_columns([c for c in ("micro_batch",) if c in table.column_names]).to_pylist()
+    last, reach = max(row["step"] for row in history), max(settings.steps, settings.window)
+
+    def signs(step: int) -> set[str]:
+        rows = [row for row in history if step - reach < row["step"] <= step]
+        return {warning.split(":", 1)[0] for warning in collapse_warnings(rows, settings)}
+
+    state: dict[str, list[tuple[str, int]]] = {}
+    for sign in sorted(signs(last)):
+        since = last
+        while since > 0 and sign in signs(since - 1):
+            since -= 1
+        agent, what = sign.split(" ", 1)
+        state.setdefault(agent, []).append((what, since))
+    return state
 
 
 def recent_health(store: ExperienceStore, run: str, step: int, steps: int) -> list[dict]:

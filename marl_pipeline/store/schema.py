@@ -20,7 +20,7 @@ from collections.abc import Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 SCHEMA_CHANGES = {
     1: "first version",
     2: "environment_start/environment_end and reward_start/reward_end: timestamps of every stage",
@@ -33,9 +33,10 @@ SCHEMA_CHANGES = {
     9: "rollouts.group_shortfall, rollouts.group_dropped and health.short_groups, health.shortfall, "
        "health.dropped_episodes: groups short of n finished episodes, and episodes over-sampling dropped "
        "(null: older); the services dataset (one row per external service and step)",
+    10: "health.reward_mean: the agent's mean reward in the step, for the windowed collapse rule (null: older)",
 }
 # Versions whose files this code reads: each change so far only added columns, null or derived in older files.
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 SCHEMA_VERSION_KEY = b"marl_pipeline.schema_version"
 
 PARTITION_SCHEMA = pa.schema(
@@ -253,6 +254,7 @@ HEALTH = pa.schema(
         pa.field("short_groups", pa.int32()),
         pa.field("shortfall", pa.int32()),
         pa.field("dropped_episodes", pa.int32()),
+        pa.field("reward_mean", pa.float32()),  # the agent's mean reward over its scored turns; null: older
     ]
 )
 
