@@ -17,8 +17,9 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
          calibrate: str = typer.Option(..., "--calibrate", help="Store holding the run to take costs from.",
                                        metavar="STORE"),
          run: str = typer.Option(..., "--run", help="The stored run whose timings give the costs."),
-         cluster: str | None = typer.Option(None, help="NODESxCPUS[:GPUS], e.g. 48x96:8 (default: this machine's "
-                                                       "CPUs)."),
+         cluster: str | None = typer.Option(None, help="NODESxCPUS[:GPUS], e.g. 48x96:8 (default: the nodes of the "
+                                                       "Ray cluster at the experiment's ray.address or RAY_ADDRESS; "
+                                                       "without one, this machine's CPUs)."),
          steps: int | None = typer.Option(None, help="Steps to simulate (default: the experiment's)."),
          gpu: str | None = typer.Option(None, help="GPUs of this kind (h100, h200, a100): engine and trainer costs "
                                                    "from their stated figures and the models' shapes (a roofline), "
@@ -38,14 +39,21 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
     from assets.cli import train_run_config
     from marl_pipeline.cluster.placement import PlacementError
     from marl_pipeline.config import ConfigError, apply_overrides, dotted_overrides, read_config_data
-    from marl_pipeline.planner.plan import calibration, gpu_costs_for, parse_cluster, predict
+    from marl_pipeline.planner.plan import (
+        calibration,
+        describe_nodes,
+        gpu_costs_for,
+        parse_cluster,
+        predict,
+        ray_cluster_nodes,
+    )
     from marl_pipeline.planner.search import search as search_allocations
     from marl_pipeline.store import ExperienceStore, StoreError
 
     try:
         here = [{"CPU": float(os.cpu_count() or 1), "GPU": 0.0}]
-        nodes = parse_cluster(cluster) if cluster else here
         config, _ = train_run_config(config_path, settings)
+        nodes = parse_cluster(cluster) if cluster else ray_cluster_nodes(config.ray.address) or here
         # the stored run is taken to have run on this machine: its threads are re-planned here
         stored = calibration(ExperienceStore(calibrate), run, here)
 
@@ -73,8 +81,7 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
     if output == "json":
         print(json.dumps(summary, indent=1))
         return
-    console.print(f"[bold]{config.run}[/bold] on {len(nodes)} x {nodes[0]['CPU']:g} CPU"
-                  + (f", {nodes[0]['GPU']:g} GPU" if nodes[0]["GPU"] else "") + f" (costs from {costs.source})")
+    console.print(f"[bold]{config.run}[/bold] on {describe_nodes(nodes)} (costs from {costs.source})")
     console.print(f"predicted step: [bold]{prediction.mean_step_seconds:.2f} s[/bold] "
                   f"({prediction.steps_per_hour:.0f} steps an hour); bound by {prediction.bound}")
     table = Table("actor or stage", "busy", title="busy share of the simulated time")

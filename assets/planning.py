@@ -12,7 +12,8 @@ class CapacityPlanConfig(dg.Config):
     """What to plan for: the cluster and the stored run whose timings give the costs."""
 
     cluster: str = ""
-    """NODESxCPUS[:GPUS], e.g. 48x96:8; empty: this machine's CPUs."""
+    """NODESxCPUS[:GPUS], e.g. 48x96:8; empty: the Ray cluster at the experiment's ``ray.address`` (or
+    ``RAY_ADDRESS``), else this machine's CPUs."""
     calibrate_run: str = ""
     """The stored run (in the experiment's store) to take costs from; empty: the experiment's own run."""
     gpu: str = ""
@@ -28,11 +29,18 @@ def capacity_plan(context: dg.AssetExecutionContext, config: CapacityPlanConfig,
     what bounds the step, by a simulation of this orchestrator on its placement plan (a projection, not a
     measurement: the simulation's assumptions are in the metadata)."""
     from assets.plots import busy_png, images_markdown
-    from marl_pipeline.planner.plan import calibration, gpu_costs_for, parse_cluster, predict
+    from marl_pipeline.planner.plan import (
+        calibration,
+        describe_nodes,
+        gpu_costs_for,
+        parse_cluster,
+        predict,
+        ray_cluster_nodes,
+    )
 
     settings = experiment.load()
     here = [{"CPU": float(os.cpu_count() or 1), "GPU": 0.0}]
-    nodes = parse_cluster(config.cluster) if config.cluster else here
+    nodes = parse_cluster(config.cluster) if config.cluster else ray_cluster_nodes(settings.ray.address) or here
     run = config.calibrate_run or settings.run
     costs = calibration(store.open(), run, here)  # the stored run is taken to have run on this machine
     if config.gpu:
@@ -44,7 +52,7 @@ def capacity_plan(context: dg.AssetExecutionContext, config: CapacityPlanConfig,
         "step_seconds": dg.MetadataValue.float(round(prediction.mean_step_seconds, 4)),
         "steps_per_hour": dg.MetadataValue.float(round(prediction.steps_per_hour, 1)),
         "bound": dg.MetadataValue.text(prediction.bound),
-        "cluster": dg.MetadataValue.text(config.cluster or f"this machine ({here[0]['CPU']:g} CPUs)"),
+        "cluster": dg.MetadataValue.text(config.cluster or describe_nodes(nodes)),
         "costs": dg.MetadataValue.text(costs.source),
         "staleness": dg.MetadataValue.json({str(k): v for k, v in sorted(prediction.staleness.items())}),
         "placement": dg.MetadataValue.json(placement.summary()),

@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 import pytest
 
 from marl_pipeline.config import parse_config
-from marl_pipeline.planner.plan import calibration, predict
+from marl_pipeline.planner.plan import calibration, parse_cluster, predict
 from marl_pipeline.run.events import RunFinished, StepFinished
 from marl_pipeline.run.recipe import train
 from marl_pipeline.store import ExperienceStore
@@ -97,3 +97,14 @@ def test_the_routers_and_the_gates_decisions_replay_as_a_run_made_them(local_ray
     assert routing.decisions == 4 * 2 * 16 * 2 and routing.differing == []  # every turn on the replica it had
     gate = replay_gate(store, config.run, staleness=0)
     assert gate.decisions == 3 and gate.differing == []  # steps 1-3 released when their versions were served
+
+
+def test_without_a_cluster_the_plan_is_for_the_ray_cluster_it_can_see(local_ray) -> None:
+    """`marl plan` with no --cluster plans on the nodes of the Ray cluster it is connected to (here: a local one of
+    2 CPUs, as if reached at its address)."""
+    from marl_pipeline.planner.plan import describe_nodes, ray_cluster_nodes
+
+    nodes = ray_cluster_nodes(None)
+    assert [(node["CPU"], node["GPU"]) for node in nodes] == [(2.0, 0.0)]
+    assert describe_nodes(nodes) == "1 x 2 CPU" and describe_nodes(parse_cluster("3x96:8") + nodes) == (
+        "3 x 96 CPU, 8 GPU + 1 x 2 CPU")

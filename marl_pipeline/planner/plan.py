@@ -6,7 +6,9 @@ and replicas, which turn its stored seconds into costs, are the ones its actors 
 
 from __future__ import annotations
 
+import os
 import re
+from collections import Counter
 
 from marl_pipeline.cluster.placement import PlacementPlan, plan_placement
 from marl_pipeline.config import ExperimentConfig, parse_config
@@ -29,6 +31,27 @@ def parse_cluster(text: str) -> list[dict[str, float]]:
         raise ValueError(f"--cluster {text!r}: expected NODESxCPUS[:GPUS], e.g. 2 (one node of 2 CPUs) or 48x96:8")
     nodes, cpus, gpus = int(match[1] or 1), float(match[2]), float(match[3] or 0)
     return [{"CPU": cpus, "GPU": gpus} for _ in range(nodes)]
+
+
+def ray_cluster_nodes(address: str | None) -> list[dict[str, float]] | None:
+    """The alive nodes' resources of the Ray cluster at ``address`` (or the one this process is connected to, or
+    ``RAY_ADDRESS``'s), as the placement plan reads them; None where there is none to see (no address and no Ray
+    running here: the planner then takes this machine)."""
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not ray.is_initialized():
+        if address is None:
+            return None
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    return [{"CPU": 0.0, "GPU": 0.0, **node["Resources"]} for node in ray.nodes() if node["Alive"]]
+
+
+def describe_nodes(nodes: list[dict[str, float]]) -> str:
+    """``2 x 96 CPU, 8 GPU + 1 x 16 CPU``: the nodes grouped by their CPUs and GPUs."""
+    kinds = Counter((node.get("CPU", 0.0), node.get("GPU", 0.0)) for node in nodes)
+    return " + ".join(f"{count} x {cpus:g} CPU" + (f", {gpus:g} GPU" if gpus else "")
+                      for (cpus, gpus), count in kinds.items())
 
 
 def layouts(plan: PlacementPlan) -> dict[str, Layout]:
