@@ -4,10 +4,9 @@ measured demand (streaming only: in ``synchronous`` mode each kind has the cores
 At each step's end every engine and resident trainer reports its process's CPU seconds (``cpu_report``): over the
 step since the last report, the cores it kept busy. A trainer's threads then become its share of its node's cores
 in proportion to the cores the actors on that node used, rounded to the nearest, at least 1 and at most the node's
-cores. A trainer that computes while its engine mostly waits thus gets the cores its engine leaves (SmolLM2 alone on
-2 cores: 2 threads to the trainer, 1 to the engine), and actors all busy at once keep one each (the demo on 2 cores).
-Cores used, not the share of its threads' time: a trainer given more threads is busy a smaller share of a shorter
-step, and a split by that share took them back the step after (measured: BENCHMARKS.md, "The bound").
+cores. A trainer that computes while its engine mostly waits thus gets the cores its engine leaves, and actors all
+busy at once keep one each. Cores used, not the share of its threads' time: a trainer given more threads is busy a
+smaller share of a shorter step, so a split by that share takes them back the step after, and oscillates.
 
 Engines keep the threads they were built with: vLLM's CPU attention checks at every step that its thread count is
 the one it was built with (inference/async_engine.py), so only trainers move; the cores an engine uses still count.

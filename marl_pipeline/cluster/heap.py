@@ -1,11 +1,11 @@
 """Python's garbage collector in the run's long-lived processes: the driver, the engines, the trainers.
 
 The cyclic collector walks every tracked object at each full collection. Importing torch, vLLM, transformers and
-Dagster makes them by the hundred thousand, so the 6-9 full collections on the way, each longer than the last,
-took 0.4-1.6 s of a process's start; and once up, the driver's full collections (~350k objects, 0.2 s each) cost
-it ~30 ms a micro-batch (BENCHMARKS.md, "The bound", 2026-11-26). So, as vLLM's engine core and Ray Serve's proxy do
-after their start-up: the collector is paused while a process starts, and the start-up heap is frozen (out of the
-collector's reach) while a launch streams.
+Dagster makes them by the hundred thousand, so the full collections on the way, each longer than the last, lengthen a
+process's start; and once up, the driver's full collections walk that whole start-up heap again every few
+micro-batches, in whichever thread allocates (mostly Ray's, unpickling streamed results). So, as vLLM's engine core
+and Ray Serve's proxy do after their start-up: the collector is paused while a process starts, and the start-up heap
+is frozen (out of the collector's reach) while a launch streams.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 its rollout in one worker.
 
 Why: start-up is CPU-bound on a small machine, and a trainer process of its own pays torch's and transformers'
-imports (about 3 CPU-s each here) that its engine's process has already paid for vLLM. One process per agent
-saves them (BENCHMARKS.md, "Start-up"). The cost: the engine's and the trainer's Python share one interpreter lock.
-Where every core is busy anyway (the demo: two agents on two cores) the engines ran 11% faster and the trainers 11%
-slower than apart, and the steps did not change; a trainer with a core to spare beside its engine ran at 43% of its
-rate alone (bench/one_process.py). So it is a choice per agent, not the default.
+imports that its engine's process has already paid for vLLM. One process per agent saves them. The cost: the
+engine's and the trainer's Python share one interpreter lock. Where every core is busy anyway (the demo: two agents
+on two cores) what the engines gain the trainers lose, and the steps do not change; a trainer with a core to spare
+beside its engine loses much of its rate to the lock (bench/one_process.py). So it is a choice per agent, not the
+default.
 
 The actor (:class:`AgentProcess`) is replica 0 of the agent's engines with a ``StoreTrainer`` beside the engine.
 Ray runs an asynchronous actor's calls out of order (a call whose arguments arrive first starts first), and a

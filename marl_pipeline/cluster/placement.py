@@ -2,8 +2,8 @@
 swapped, checked against the cluster before anything starts.
 
 Without it, a run that asks for more than the cluster has does not fail: Ray queues the actors that do not fit
-and the launch waits (an environment with three agents, written from the docs alone, hung at start on a 2-core
-machine: 3 x (engine 0.5 + trainer 0.5 CPU) is more than 2 CPUs). So:
+and the launch waits for ever (three agents whose engines and trainers ask for 0.5 CPU each need 3 CPUs, more than
+a 2-core machine has). So:
 
 - requests the config sets explicitly are kept, and a plan they cannot satisfy fails at once with the
   arithmetic ("3 agents need 3.0 CPUs ...; the cluster has 2");

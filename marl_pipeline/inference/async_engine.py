@@ -117,8 +117,8 @@ class AsyncRolloutEngine:
     async def generate_stream(self, batch: list[tuple[str, GenerationRequest]]):
         """Sample a batch of ``(request id, request)`` as :meth:`generate_one` samples each; yields, as they finish,
         lists of ``(request id, Sampled or the exception that ended it)``, the requests of one engine step together.
-        Call it with ``num_returns="streaming"``: one Ray call per batch instead of one per request, whose cost
-        (about 0.6 ms each on 2 cores) was half of a tiny model's rollout (bench/bound.py). Closing the stream (the
+        Call it with ``num_returns="streaming"``: one Ray call per batch instead of one per request, whose fixed cost
+        dominated a tiny model's rollout (bench/bound.py). Closing the stream (the
         caller cancelled it) aborts the requests still running."""
         ids = {asyncio.ensure_future(self.generate_one(request_id, request)): request_id
                for request_id, request in batch}

@@ -18,7 +18,7 @@ from marl_pipeline.policy.checkpoint import RECORD_FILES
 # The engine must stay in the actor's process: weights are then reloaded by reference, not pickled
 # to an engine-core subprocess. Set before vllm is imported anywhere in this process.
 # TORCHDYNAMO_DISABLE: the engine runs eager (``enforce_eager``), yet vLLM's sampler torch.compiles a token-rank count
-# on its first call with log-probabilities: 1.8 s of each engine's start-up, for a count eager torch does exactly.
+# on its first call with log-probabilities: seconds of each engine's start-up, for a count eager torch does exactly.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
               "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING", "TORCHDYNAMO_DISABLE": "1"}
 
@@ -40,8 +40,8 @@ MAX_NUM_SEQS = 256
 """Requests an engine runs at once (vLLM's default); more queue inside the engine."""
 WARMUP_BATCHES = (1,)
 """Batch sizes of two-token requests an engine samples once built, paying its one-off first-call costs. With
-dynamo off (``ENGINE_ENV``) only the first call has any (70 ms): a first 256-request batch took SmolLM2 2.00 s,
-the next 1.98 s, so the 16 and 256 that warmed the compiled sampler's shapes went (2.3 s of its start-up)."""
+dynamo off (``ENGINE_ENV``) only the first call has any: a first 256-request batch takes as long as the next, so
+larger warm-up batches (which warmed a compiled sampler's shapes) would only lengthen start-up."""
 
 
 def engine_dtype(dtype: str) -> str:
@@ -62,8 +62,8 @@ def kv_cache_bytes(model_dir: str, *, max_model_len: int, dtype: str, gpu_memory
     """The engine's KV cache in bytes (vLLM's ``kv_cache_memory_bytes``; None: vLLM sizes it by the memory share).
 
     ``kv_cache_gib`` when set. Else, on a CPU, room for ``MAX_NUM_SEQS`` sequences at full length twice over (the
-    second for the prefix cache), where the memory share would give more: vLLM zeroes its whole cache at start, and
-    the default share gave the tiny model 3 GiB for 1.8 s of each engine's start-up, where it needs 128 MiB. A GPU's
+    second for the prefix cache), where the memory share would give more: vLLM zeroes its whole cache at start, so
+    a share sized for a large model costs a small one seconds of each start-up for memory it never uses. A GPU's
     cache stays its share (allocation costs nothing there; what is not needed serves longer prefixes)."""
     if kv_cache_gib is not None:
         return int(kv_cache_gib * 2**30)
@@ -129,8 +129,8 @@ class RolloutEngine:
             set_engine_threads(threads)
         from vllm import LLM, SamplingParams
 
-        # The imports' objects live as long as the process: frozen, vLLM's five full collections while it loads the
-        # model (0.2 s each over them) skip them, as its own freeze after start-up would.
+        # The imports' objects live as long as the process: frozen, vLLM's full collections while it loads the
+        # model skip them, as its own freeze after start-up would.
         gc.freeze()
         self._sampling_params = SamplingParams
         # Version 0's named adapters (policy/lora.py): served by vLLM's LoRA on the requests that name them, over the
@@ -175,7 +175,7 @@ class RolloutEngine:
 
             self.load_weights(merged_checkpoint(model_dir, adapter_dir), version)
         # The first call pays one-off set-up costs: now, not in step 0. Two tokens take it through a prefill and a
-        # decode step; eight took SmolLM2 15 s more here, for nothing.
+        # decode step; more only lengthen start-up.
         for batch in WARMUP_BATCHES:
             self.generate([GenerationRequest("warm-up", seed, max_tokens=2, temperature=1.0) for seed in range(batch)])
 

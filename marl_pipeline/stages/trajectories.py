@@ -312,8 +312,8 @@ class _MicroBatch:
 class _Batches:
     """Requests to an engine replica go in batches: those submitted in one turn of the event loop (a micro-batch's
     first turns, or the turns whose previous ones finished in one engine step) are one streaming call
-    (``AsyncRolloutEngine.generate_stream``), and each request's future is settled as its result streams back. One
-    Ray call per request cost about 0.6 ms of the two cores each (bench/bound.py)."""
+    (``AsyncRolloutEngine.generate_stream``), and each request's future is settled as its result streams back: a Ray
+    call per request would cost more than a tiny model's turn (bench/bound.py)."""
 
     def __init__(self) -> None:
         self.waiting: dict[ray.actor.ActorHandle, list[tuple[str, GenerationRequest]]] = {}

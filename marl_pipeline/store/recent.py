@@ -2,7 +2,7 @@
 
 The next stages read each micro-batch's partitions back right after the orchestrator commits them (environment:
 the rollouts; reward: those and the environment results; train: each agent's rollouts and rewards), each read a
-pyarrow dataset over local disk or S3 (BENCHMARKS.md, issue 28.2). :class:`RecentCommits` commits through the store
+pyarrow dataset over local disk or S3, on the stages' path. :class:`RecentCommits` commits through the store
 and keeps the table as stored, so such a read is a filter and a projection in memory and returns what the store's
 would; a partition it no longer holds (a resumed launch's, one pushed out by newer ones) is read from the store.
 

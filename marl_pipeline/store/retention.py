@@ -1,9 +1,9 @@
 """Policy retention: which versions of an agent's policy the store keeps, and pruning the others.
 
 Every version is a full checkpoint (weights, and since complete checkpoints the optimizer state: three times
-the weights), so keeping them all grows without bound: 580 MB for the default tiny run, over a gigabyte per
-version for a 135M-parameter model (a LoRA agent's versions after 0 hold only adapters and their AdamW state, a few
-MB, over its version 0, which is always kept: policy/lora.py). The rule is the config's ``store.retention``.
+the weights), so keeping them all grows without bound: a real model's versions take gigabytes each (a LoRA
+agent's versions after 0 hold only adapters and their AdamW state, over its version 0, which is always kept:
+policy/lora.py). The rule is the config's ``store.retention``.
 """
 
 from __future__ import annotations

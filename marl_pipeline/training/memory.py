@@ -13,8 +13,7 @@ def trainer_peak_bytes(config: dict, *, parameters: int, trainable: int, tokens:
                        activation_checkpointing: bool = True, chunk: int = LOGIT_CHUNK,
                        fused_head: bool = False) -> int:
     """Peak bytes of one trainer's pass and step over ``tokens`` tokens (one pass: ``chunk_tokens``): the largest of
-    its high points, measured on an H200 (BENCHMARKS.md, "Trainer on a GPU" and "The GPU trainer at the hardware's
-    bound").
+    its high points, each one a GPU's measured peak showed (tests/gpu checks the estimate against them).
 
     - at rest: float32 weights (4 bytes a parameter) and, for the trainable ones, AdamW's two moments (8), fused on a
       GPU so the step makes no parameter-sized temporaries; a KL reference adds 4;
@@ -44,8 +43,8 @@ def trainer_peak_bytes(config: dict, *, parameters: int, trainable: int, tokens:
 
 
 PASS_SHARE = 0.8
-"""The share of a GPU's memory a trainer's pass budget plans for: the estimate runs up to an eighth under measured
-peaks, and unequal passes left the allocator a tenth of the card in fragments (docs/gpu.md)."""
+"""The share of a GPU's memory a trainer's pass budget plans for: the estimate can run under a measured peak, and
+passes of unequal size leave part of the card in the allocator's fragments (docs/gpu.md)."""
 
 
 def token_budget(config: dict, *, parameters: int, trainable: int, available: float, reference: bool = False,

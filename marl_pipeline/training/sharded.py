@@ -7,8 +7,8 @@ collectives run once per forward/backward pass, so every rank runs the same numb
 runs idle ones. Checkpoints are gathered: rank 0 holds the full weights and AdamW state in the one-worker format,
 so a version resumes on any number of workers. The Ray side (placement, rank 0 leading) is cluster/trainers.py.
 
-FSDP2 and the state-dict helpers are imported where they are used: with them, importing this module took 0.65 s
-(``torch.distributed.tensor``) of the start-up of every trainer, engine and driver, sharded or not.
+FSDP2 and the state-dict helpers are imported where they are used: ``torch.distributed.tensor`` is a slow import,
+which every trainer, engine and driver would otherwise pay at start-up, sharded or not.
 """
 
 from __future__ import annotations
