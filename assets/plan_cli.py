@@ -29,6 +29,9 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
          engine_profiles: list[str] = typer.Option([], "--engine-profile", help="With --gpu: AGENT=FILE, that "
                                                    "agent's engine costs from bench/engine_profile.py's output "
                                                    "instead of the roofline (repeatable)."),
+         by_length: bool = typer.Option(False, "--by-length", help="With --gpu: each agent's engine tensor "
+                                                                  "parallelism and trainer workers by range of "
+                                                                  "context length (EARL), from the memory model."),
          search: bool = typer.Option(False, "--search", help="Try allocations (replicas, tensor parallelism, "
                                                              "trainer workers, staleness, micro-batches) and print "
                                                              "the best few with the settings that make each."),
@@ -75,6 +78,11 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
                "per_step": prediction.step_seconds, "busy": prediction.busy, "bound": prediction.bound,
                "staleness": prediction.staleness, "placement": placement.summary(), "costs": costs.source,
                "assumptions": list(prediction.assumptions)}
+    if by_length:
+        if gpu is None:
+            console.print("[red]--by-length needs --gpu: the ranges come from a GPU's memory[/red]")
+            raise typer.Exit(2)
+        summary["by_length"] = _by_length(config, gpu)
     if search:
         summary["search"] = [{"settings": c.settings(), "step_seconds": c.step_seconds,
                               "steps_per_hour": c.steps_per_hour, "bound": c.bound} for c in found]
@@ -82,6 +90,8 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
         print(json.dumps(summary, indent=1))
         return
     console.print(f"[bold]{config.run}[/bold] on {describe_nodes(nodes)} (costs from {costs.source})")
+    for agent, lines in summary.get("by_length", {}).items():
+        console.print(f"{agent} by context length on {gpu}: " + "; ".join(lines))
     console.print(f"predicted step: [bold]{prediction.mean_step_seconds:.2f} s[/bold] "
                   f"({prediction.steps_per_hour:.0f} steps an hour); bound by {prediction.bound}")
     table = Table("actor or stage", "busy", title="busy share of the simulated time")
@@ -105,3 +115,21 @@ def _agent_file(setting: str) -> tuple[str, str]:
     if not equals or not agent or not path:
         raise ValueError(f"--engine-profile {setting!r}: expected AGENT=FILE")
     return agent, path
+
+
+def _by_length(config, gpu_name: str) -> dict[str, list[str]]:
+    """Each agent's needs by range of context length (planner/selector.py): its episodes in flight on one replica
+    (``engine.max_outstanding``, else its share of a micro-batch's episodes) at each range's longest context."""
+    import json as json_module
+    from pathlib import Path as PathType
+
+    from marl_pipeline.planner.profiles import gpu as gpu_spec
+    from marl_pipeline.planner.selector import describe, parallelism_by_length
+
+    card, found = gpu_spec(gpu_name), {}
+    episodes = config.pipeline.prompts_per_micro_batch * config.pipeline.samples_per_prompt
+    for agent, settings in config.agents.items():
+        model = json_module.loads((PathType(settings.model) / "config.json").read_text())
+        sequences = settings.engine.max_outstanding or -(-episodes // settings.engine.replicas)
+        found[agent] = describe(parallelism_by_length(model, card, sequences))
+    return found

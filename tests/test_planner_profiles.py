@@ -3,6 +3,7 @@ figures, a measured trainer profile, a model's shape from its config. Arithmetic
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -216,3 +217,33 @@ def test_gpu_costs_build_every_agents_costs_and_say_where_they_come_from(tmp_pat
         gpu_costs(agents, H100, {}, {}, [[Turn("critic", 10, 10)]])
     with pytest.raises(ValueError, match="mfu has no figure for verifier"):
         gpu_costs(agents, H100, {}, {}, episodes, mfu={"solver": 0.4})
+
+
+def test_the_selector_grows_parallelism_only_where_the_smaller_one_stops_fitting() -> None:
+    """EARL's selector on Llama-3.2-1B's shape and an 8B-like one: each range's choice fits at its longest context,
+    and the next range begins exactly where the smaller choice stops fitting (its end + 1 does not fit)."""
+    from marl_pipeline.planner.profiles import gpu
+    from marl_pipeline.planner.selector import describe, engine_fits, parallelism_by_length, trainer_fits
+
+    h100 = gpu("h100")
+    big = {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "head_dim": 128, "tie_word_embeddings": False}  # about 8B parameters
+    for config, sequences in ((LLAMA_1B, 256), (big, 64)):
+        shape = ModelShape.from_config(config)
+        ranges = parallelism_by_length(config, h100, sequences)
+        assert ranges[-1].up_to == 1 << 17 and [r.up_to for r in ranges] == sorted({r.up_to for r in ranges})
+        for previous, current in itertools.pairwise(ranges):
+            assert (previous.tensor_parallel, previous.trainer_workers) != (current.tensor_parallel,
+                                                                            current.trainer_workers)
+            if previous.tensor_parallel is not None and previous.tensor_parallel != current.tensor_parallel:
+                assert engine_fits(shape, h100, previous.tensor_parallel, previous.up_to, sequences)
+                assert not engine_fits(shape, h100, previous.tensor_parallel, previous.up_to + 1, sequences)
+            if previous.trainer_workers is not None and previous.trainer_workers != current.trainer_workers:
+                assert trainer_fits(config, shape, h100, previous.trainer_workers, previous.up_to)
+                assert not trainer_fits(config, shape, h100, previous.trainer_workers, previous.up_to + 1)
+        assert ranges[0].tensor_parallel == 1  # a short context needs no split
+        engines = [r.tensor_parallel for r in ranges if r.tensor_parallel is not None]
+        assert engines == sorted(engines) and engines[-1] > 1  # 128k tokens of 64-256 sequences: split
+    eight_b = parallelism_by_length(big, h100, 64)
+    assert eight_b[0].trainer_workers == 2  # 8B's float32 weights and AdamW moments: more than one H100's 80 GiB
+    assert describe(eight_b)[0].startswith("1-") and "tensor parallel 1, 2 trainer workers" in describe(eight_b)[0]
