@@ -4,7 +4,10 @@
 setup:
 	@bash scripts/setup.sh
 
+# Version 0 (the built-in model and its supervised warm-ups) is made once, before the first launch, which starts
+# from it; later launches continue from the newest policies.
 train: setup
+	.venv/bin/marl prepare configs/demo.yaml
 	.venv/bin/marl train configs/demo.yaml
 
 # One pytest process: two workers (pytest-xdist, by file) were no faster on 2 cores (30 min for 336 tests, about

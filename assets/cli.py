@@ -154,6 +154,50 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     console.print(f"run {run_id} finished in {time.perf_counter() - started:.0f} s; DAGSTER_HOME={home}")
 
 
+@app.command()
+def prepare(config_path: Path = typer.Argument(..., help="Experiment YAML file.", metavar="CONFIG"),
+            settings: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
+                                               help="Override a setting, as `marl train --set` does.")) -> None:
+    """Make version 0 of every agent that lacks it in the store (the built-in model, the supervised warm-ups), as
+    the `base_policies` asset does: what `make train` runs before its first launch, so that launch starts from it."""
+    from marl_pipeline.store import ExperienceStore
+
+    try:
+        config, _ = train_run_config(config_path, settings)
+    except ConfigError as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(2) from None
+    store = ExperienceStore(config.store)
+    missing = [agent for agent in config.agents if not store.policy_versions(config.run, agent)]
+    if not missing:
+        console.print(f"run {config.run}: every agent has its version 0 in {store.uri}")
+        return
+    for name, value in _QUIET_ENV.items():
+        os.environ.setdefault(name, value)
+    _RayStartNotices.install()
+    started = time.perf_counter()
+    with console.status(f"run {config.run}: making version 0 of {', '.join(missing)} (built-in model, warm-ups)"):
+        import ray
+
+        from marl_pipeline.bootstrap.policies import prepare_base_policies
+        from marl_pipeline.environment import build_environment
+
+        if not ray.is_initialized():
+            ray.init(**(config.ray.local_init_options(_RAY_INIT) if config.ray.address is None
+                        else {"address": config.ray.address, **_RAY_INIT}))
+        try:
+            made = prepare_base_policies(config, build_environment(config.environment.name,
+                                                                   config.environment.options), store, on_ray=True)
+        finally:
+            ray.shutdown()
+    for policy in made:
+        if policy.created:
+            loss = ("" if policy.warmup_loss is None
+                    else f", warm-up loss {policy.warmup_loss[0]:.3f} -> {policy.warmup_loss[1]:.3f}")
+            console.print(f"version 0 of {policy.agent} made{loss}")
+    console.print(f"run {config.run}: version 0 of every agent in {store.uri} ({time.perf_counter() - started:.0f} s)")
+
+
 class _LocalRay:
     """The embedded local Ray the job's Ray resource would start (``resolved``: the YAML's ``ray.num_cpus``), started
     at once on a thread of its own: its processes come up while this one imports Dagster and the assets, about 2 s
