@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from typer.testing import CliRunner
 
 from marl_pipeline.config import parse_config
 from tests.conftest import small_config_data
@@ -55,7 +54,6 @@ def judge_server(smollm2_dir: Path, tmp_path_factory):
 
 def test_a_launch_calls_its_tool_and_judge_under_their_quotas(local_ray, demo_config_data: dict, tmp_path: Path,
                                                               judge_server: str) -> None:
-    from assets.cli import app
     from marl_pipeline.run.recipe import train
     from marl_pipeline.services.judge import JudgeScorer
     from marl_pipeline.store import ExperienceStore
@@ -114,6 +112,9 @@ def test_a_launch_calls_its_tool_and_judge_under_their_quotas(local_ray, demo_co
         (0, "calculator"), (0, "judge"), (1, "calculator"), (1, "judge")]
     assert sum(row["calls"] for row in figures if row["service"] == "calculator") == episodes
     assert all(row["throttled"] == 0 and row["failures"] == 0 for row in figures)
-    shown = CliRunner().invoke(app, ["inspect", str(tmp_path / "store"), "--run", config.run], env={"COLUMNS": "120"})
-    assert shown.exit_code == 0, shown.output
-    assert "external services" in shown.output and "calculator" in shown.output
+    # In a process of its own: Rich reads the terminal's width once per console, and an earlier test's may hold
+    shown = subprocess.run([sys.executable, "-m", "assets.cli", "inspect", str(tmp_path / "store"), "--run",
+                            config.run], capture_output=True, text=True, timeout=120,
+                           cwd=Path(__file__).resolve().parents[1], env={**os.environ, "COLUMNS": "120"})
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert "external services" in shown.stdout and "calculator" in shown.stdout
