@@ -41,11 +41,13 @@ _QUIET_ENV = {"TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DI
 
 
 class _RayStartNotices(logging.Filter):
-    """Drops two warnings ``ray.init`` logs that ask nothing of a ``marl train`` user: that Ray set no SIGTERM handler
-    (the CLI starts Ray on a thread of its own, for start-up time, and handles the signals itself) and that Ray
-    enabled token authentication by default (it stays enabled; the notice only says how to turn it off)."""
+    """Drops what ``ray.init`` logs that asks nothing of a ``marl`` user: that Ray set no SIGTERM handler (the CLI
+    starts Ray on a thread of its own, for start-up time, and handles the signals itself), that Ray enabled token
+    authentication by default (it stays enabled; the notice only says how to turn it off), that it started a local
+    instance, and that the job's Ray resource joined the one the CLI started (the set-up lines say both)."""
 
-    NOTICES = ("SIGTERM handler is not set", "Token authentication is enabled for this Ray cluster")
+    NOTICES = ("SIGTERM handler is not set", "Token authentication is enabled for this Ray cluster",
+               "Started a local Ray instance", "Calling ray.init() again")
     LOGGERS = ("ray._private.worker", "ray._private.authentication.authentication_token_setup")
 
     def filter(self, record: logging.LogRecord) -> bool:
