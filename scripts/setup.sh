@@ -119,4 +119,8 @@ if [ -s "$plugins" ]; then
   echo "reinstalling the plugins of $plugins" >&2
   install_plugins "$plugins"
 fi
+# vLLM inspects a model class in a subprocess on the machine's first engine of that architecture and caches what it
+# found: done here, once, not in the first launch (marl_pipeline/inference/model_info.py).
+echo "caching vLLM's inspection of the shipped models' classes" >&2
+.venv/bin/python -m marl_pipeline.inference.model_info 2> >(grep -v -e "Triton not available" -e "^$" >&2) || true
 echo "$want" > "$stamp"
