@@ -153,3 +153,23 @@ def test_services_and_the_judge_are_checked_when_the_config_loads(demo_config_da
         parse_config({**base, "services": {"judge": {"base_url": "127.0.0.1:9"}}})
     with pytest.raises(ConfigError, match="unknown agent 'critic'"):
         parse_config({**base, "reward": {"judge": {"service": "judge", "model": "m", "agents": ["critic"]}}})
+
+
+def test_a_permit_whose_caller_vanished_is_freed_after_its_timeout():
+    """A caller cancelled after its grant never releases: its place among the calls in flight is freed once its try
+    could no longer be running (the try's timeout), or the service would lose that place for the run."""
+    now = [0.0]
+
+    async def scenario() -> bool:
+        quota = QuotaScheduler(ServiceConfig(base_url="http://127.0.0.1:1", concurrency=1, timeout_s=10),
+                               clock=lambda: now[0])
+        await quota.acquire(1.0, 0)  # granted, never released
+        waiting = asyncio.create_task(quota.acquire(1.0, 0))
+        await asyncio.sleep(0.05)
+        held = not waiting.done()
+        now[0] += 16.0  # past the try's timeout and the lease's slack
+        quota._wake.set()
+        await asyncio.wait_for(waiting, 1.0)
+        return held
+
+    assert asyncio.run(scenario())

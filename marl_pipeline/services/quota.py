@@ -73,6 +73,10 @@ class QuotaScheduler:
         self._backlog_since: float | None = None
 
     @property
+    def _lease(self) -> float:
+        return self.settings.timeout_s + 5.0
+
+    @property
     def request_window(self) -> float:
         return 1.0 + self.settings.margin
 
@@ -133,10 +137,10 @@ class QuotaScheduler:
         }
 
     def _ready_at(self, head: _Waiting, now: float) -> float:
-        """When the head of the queue may be granted (``now`` when it may now; inf while the calls in flight are
-        at the limit: a release wakes the loop)."""
+        """When the head of the queue may be granted (``now`` when it may now; while the calls in flight are at the
+        limit, when the oldest one's lease ends, unless a release wakes the loop first)."""
         if len(self._in_flight) >= self.settings.concurrency:
-            return float("inf")
+            return min(granted for granted, _ in self._in_flight.values()) + self._lease
         at = max(now, self._held_until)
         while self._grants and self._grants[0] <= now - self.request_window:
             self._grants.popleft()
@@ -165,6 +169,10 @@ class QuotaScheduler:
             now = self.clock()
             while self._queue and self._queue[0].granted.done():  # a caller that gave up
                 heapq.heappop(self._queue)
+            # A try ends within its timeout: a permit held longer belongs to a caller cancelled after its grant
+            # (its release never comes), and would hold a place among the calls in flight for ever.
+            for permit in [p for p, (granted, _) in self._in_flight.items() if granted < now - self._lease]:
+                del self._in_flight[permit]
             self._track_backlog(now)
             if not self._queue:
                 await self._wake.wait()
