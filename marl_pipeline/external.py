@@ -165,7 +165,12 @@ class ServiceClient:
         latency = time.monotonic() - started
         code = response.status_code if response is not None else None
         if response is not None and response.is_success:
-            answer = response.json()
+            try:
+                answer = response.json()
+            except ValueError:
+                self.quota.release(permit, CallRecord("failed", latency, tokens, code, retried > 0), None)
+                raise ServiceError(f"service {self.name!r} answered HTTP {code} with a body that is not JSON: "
+                                   f"{response.text[:200]!r}") from None
             usage = answer.get("usage") if isinstance(answer, dict) else None
             used = int(usage.get("total_tokens", tokens)) if isinstance(usage, dict) else tokens
             self.quota.release(permit, CallRecord("ok", latency, used, code, retried > 0), None)
