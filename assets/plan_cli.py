@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import typer
@@ -46,17 +45,17 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
         calibration,
         describe_nodes,
         gpu_costs_for,
-        parse_cluster,
+        planned_nodes,
         predict,
-        ray_cluster_nodes,
+        this_machine,
     )
     from marl_pipeline.planner.search import search as search_allocations
     from marl_pipeline.store import ExperienceStore, StoreError
 
     try:
-        here = [{"CPU": float(os.cpu_count() or 1), "GPU": 0.0}]
+        here = this_machine()
         config, _ = train_run_config(config_path, settings)
-        nodes = parse_cluster(cluster) if cluster else ray_cluster_nodes(config.ray.address) or here
+        nodes = planned_nodes(cluster, config.ray.address)
         # the stored run is taken to have run on this machine: its threads are re-planned here
         stored = calibration(ExperienceStore(calibrate), run, here)
 

@@ -1,7 +1,6 @@
 """The ``capacity_plan`` asset: ``marl plan`` from the UI. The experiment's step time on a described cluster,
 simulated with costs from a stored run (marl_pipeline/planner/), with the busy shares as a plot. A projection."""
 
-import os  # no `from __future__ import annotations`: Dagster reads the config class from the signature
 
 import dagster as dg
 
@@ -33,14 +32,14 @@ def capacity_plan(context: dg.AssetExecutionContext, config: CapacityPlanConfig,
         calibration,
         describe_nodes,
         gpu_costs_for,
-        parse_cluster,
+        planned_nodes,
         predict,
-        ray_cluster_nodes,
+        this_machine,
     )
 
     settings = experiment.load()
-    here = [{"CPU": float(os.cpu_count() or 1), "GPU": 0.0}]
-    nodes = parse_cluster(config.cluster) if config.cluster else ray_cluster_nodes(settings.ray.address) or here
+    here = this_machine()
+    nodes = planned_nodes(config.cluster, settings.ray.address)
     run = config.calibrate_run or settings.run
     costs = calibration(store.open(), run, here)  # the stored run is taken to have run on this machine
     if config.gpu:

@@ -47,6 +47,17 @@ def ray_cluster_nodes(address: str | None) -> list[dict[str, float]] | None:
     return [{"CPU": 0.0, "GPU": 0.0, **node["Resources"]} for node in ray.nodes() if node["Alive"]]
 
 
+def this_machine() -> list[dict[str, float]]:
+    """This machine's CPUs as one node without GPUs: where a stored run is taken to have run."""
+    return [{"CPU": float(os.cpu_count() or 1), "GPU": 0.0}]
+
+
+def planned_nodes(cluster: str | None, address: str | None) -> list[dict[str, float]]:
+    """The nodes a plan is for: ``cluster`` (:func:`parse_cluster`) when given, else the Ray cluster's it can see
+    (:func:`ray_cluster_nodes`), else :func:`this_machine`."""
+    return parse_cluster(cluster) if cluster else ray_cluster_nodes(address) or this_machine()
+
+
 def describe_nodes(nodes: list[dict[str, float]]) -> str:
     """``2 x 96 CPU, 8 GPU + 1 x 16 CPU``: the nodes grouped by their CPUs and GPUs."""
     kinds = Counter((node.get("CPU", 0.0), node.get("GPU", 0.0)) for node in nodes)

@@ -192,7 +192,7 @@ class QuotaScheduler:
                 head.granted.set_result((permit, now - head.queued))
                 continue
             try:
-                await asyncio.wait_for(self._wake.wait(), None if at == float("inf") else at - now)
+                await asyncio.wait_for(self._wake.wait(), at - now)
             except TimeoutError:
                 pass
 
