@@ -266,15 +266,18 @@ def rl_main(args) -> None:
                         if variant != "bound":
                             result = holder.last_result[0]
                             settings = holder.pass_settings()
+                            chunks = holder.passes.chunks([len(p) + len(r) for p, r in
+                                                           zip(batch.prompt_ids, batch.response_ids)])
                             largest = max(sum(len(batch.prompt_ids[r]) + len(batch.response_ids[r]) for r in chunk)
-                                          for chunk in holder.passes.chunks([len(p) + len(r) for p, r in
-                                                                       zip(batch.prompt_ids, batch.response_ids)]))
+                                          for chunk in chunks)
                             estimate = trainer_peak_bytes(config, parameters=parameters, trainable=parameters,
                                                           tokens=largest, activation_checkpointing=bool(checkpointing),
-                                                          fused_head=holder.passes.fused_head)
+                                                          fused_head=holder.passes.fused_head,
+                                                          accumulated=len(chunks) > 1)
                             run.update(trainer_mfu=result.mfu, trainer_tokens_per_s=result.tokens_per_second,
                                        chunk_tokens=settings["chunk_tokens"], budget_why=settings["budget_why"],
                                        passes=settings["passes"], head=settings["head"], largest_pass=largest,
+                                       pass_count=len(chunks),
                                        estimate_gib=estimate / 2**30)
                         else:
                             run["passes"] = holder.bound_passes
@@ -330,7 +333,8 @@ def main() -> None:
                     torch.cuda.empty_cache()
                     trainer, ours, memory = _ours(model_dir, batch, checkpointing, args.repeats)
                     estimate = trainer_peak_bytes(config, parameters=parameters, trainable=parameters,
-                                                  tokens=tokens, activation_checkpointing=checkpointing)
+                                                  tokens=tokens, activation_checkpointing=checkpointing,
+                                                  accumulated=False)  # one pass a step
                     run = {"model": name, "shape": shape, "tokens": tokens, "checkpointing": checkpointing,
                            "bare_s": bare, "ours_s": ours, "ratio": bare / ours, "ours_tokens_per_s": tokens / ours,
                            "bare_peak_gib": bare_peak / gib, "parameters": parameters,

@@ -11,13 +11,15 @@ from marl_pipeline.training.losses import LOGIT_CHUNK
 
 def trainer_peak_bytes(config: dict, *, parameters: int, trainable: int, tokens: int, reference: bool = False,
                        activation_checkpointing: bool = True, chunk: int = LOGIT_CHUNK,
-                       fused_head: bool = False) -> int:
+                       fused_head: bool = False, accumulated: bool = True) -> int:
     """Peak bytes of one trainer's pass and step over ``tokens`` tokens (one pass: ``chunk_tokens``): the largest of
     its high points, each one a GPU's measured peak showed (tests/gpu checks the estimate against them).
+    ``accumulated``: the pass is not the step's first, so every gradient (4 bytes a trainable parameter) is already
+    held from the passes before it; a step's only pass holds none (gradients are set to None after each step).
 
     - at rest: float32 weights (4 bytes a parameter) and, for the trainable ones, AdamW's two moments (8), fused on a
       GPU so the step makes no parameter-sized temporaries; a KL reference adds 4;
-    - the output head's backward, first in the pass, while the other gradients do not exist yet: the activations
+    - the output head's backward, first in the pass, while the pass's other gradients do not exist yet: the activations
       kept for the backward pass (with checkpointing each layer's float32 input, the residual stream; without it
       every layer's working set: bf16 projections, the MLP's three intermediate-sized tensors and their gradients),
       the head's gradient and bf16 copy, and three [chunk x vocabulary] float32 tensors (the logits, their
@@ -29,7 +31,7 @@ def trainer_peak_bytes(config: dict, *, parameters: int, trainable: int, tokens:
       and with tied embeddings the embedding's own gradient before it is added to the head's.
     """
     hidden, layers, vocabulary = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
-    rest = 4 * parameters + 8 * trainable + (4 * parameters if reference else 0)
+    rest = 4 * parameters + 8 * trainable + (4 * parameters if reference else 0) + (4 * trainable if accumulated else 0)
     head = vocabulary * hidden
     head_gradient = 4 * head if trainable == parameters else 0  # a LoRA agent's head is frozen
     layer = tokens * (8 * hidden + 6 * config["intermediate_size"]) * 2
@@ -38,7 +40,7 @@ def trainer_peak_bytes(config: dict, *, parameters: int, trainable: int, tokens:
     head_backward = rest + kept + head_gradient + 2 * head + logits
     decoder_backward = rest + kept + head_gradient + layer if activation_checkpointing else 0
     tied = head_gradient if config.get("tie_word_embeddings") else 0
-    backward_end = rest + 4 * trainable + layer + tied
+    backward_end = rest + (0 if accumulated else 4 * trainable) + layer + tied
     return max(head_backward, decoder_backward, backward_end)
 
 
@@ -50,7 +52,8 @@ passes of unequal size leave part of the card in the allocator's fragments (docs
 def token_budget(config: dict, *, parameters: int, trainable: int, available: float, reference: bool = False,
                  activation_checkpointing: bool = True, fused_head: bool = False, limit: int = 1 << 22) -> int:
     """The most tokens a pass can hold with :func:`trainer_peak_bytes` within ``available`` bytes (at least 256, at
-    most ``limit``): a GPU trainer's pass size when ``chunk_tokens`` is unset."""
+    most ``limit``): a GPU trainer's pass size when ``chunk_tokens`` is unset, planned for a pass after the step's
+    first, so that it holds for every pass."""
     low, high = 256, limit
     while low < high:  # the estimate grows with the tokens
         middle = (low + high + 1) // 2
