@@ -89,8 +89,10 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
         print(json.dumps(summary, indent=1))
         return
     console.print(f"[bold]{config.run}[/bold] on {describe_nodes(nodes)} (costs from {costs.source})")
-    for agent, lines in summary.get("by_length", {}).items():
-        console.print(f"{agent} by context length on {gpu}: " + "; ".join(lines))
+    for agent, found in summary.get("by_length", {}).items():
+        console.print(f"{agent} by context length on {gpu}: " + "; ".join(found["ranges"]))
+        console.print(f"  agents.{agent}.parallelism_by_length: {json.dumps(found['parallelism_by_length'])}",
+                      style="dim", soft_wrap=True)
     console.print(f"predicted step: [bold]{prediction.mean_step_seconds:.2f} s[/bold] "
                   f"({prediction.steps_per_hour:.0f} steps an hour); bound by {prediction.bound}")
     table = Table("actor or stage", "busy", title="busy share of the simulated time")
@@ -116,19 +118,21 @@ def _agent_file(setting: str) -> tuple[str, str]:
     return agent, path
 
 
-def _by_length(config, gpu_name: str) -> dict[str, list[str]]:
-    """Each agent's needs by range of context length (planner/selector.py): its episodes in flight on one replica
-    (``engine.max_outstanding``, else its share of a micro-batch's episodes) at each range's longest context."""
+def _by_length(config, gpu_name: str) -> dict[str, dict]:
+    """Each agent's needs by range of context length (planner/selector.py), and the ``parallelism_by_length`` entries
+    a run applies between steps: its episodes in flight on one replica (``engine.max_outstanding``, else its share of
+    a micro-batch's episodes) at each range's longest context."""
     import json as json_module
     from pathlib import Path as PathType
 
     from marl_pipeline.planner.profiles import gpu as gpu_spec
-    from marl_pipeline.planner.selector import describe, parallelism_by_length
+    from marl_pipeline.planner.selector import describe, layout_entries, parallelism_by_length
 
     card, found = gpu_spec(gpu_name), {}
     episodes = config.pipeline.prompts_per_micro_batch * config.pipeline.samples_per_prompt
     for agent, settings in config.agents.items():
         model = json_module.loads((PathType(settings.model) / "config.json").read_text())
         sequences = settings.engine.max_outstanding or -(-episodes // settings.engine.replicas)
-        found[agent] = describe(parallelism_by_length(model, card, sequences))
+        ranges = parallelism_by_length(model, card, sequences)
+        found[agent] = {"ranges": describe(ranges), "parallelism_by_length": layout_entries(ranges)}
     return found

@@ -48,6 +48,7 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
         from marl_pipeline.run.cards import card_summary
         from marl_pipeline.run.events import (
             EvaluationCommitted,
+            LayoutChanged,
             PolicyCommitted,
             ReplicaChanged,
             RunFinished,
@@ -125,6 +126,11 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
             reported = event.warnings
         elif isinstance(event, ReplicaChanged):
             _log_replica(context, event)
+        elif isinstance(event, LayoutChanged):
+            moved = "; ".join(f"{agent} {before} -> {after} (its longest turn {event.lengths[agent]:,} tokens)"
+                              for agent, (before, after) in event.changed.items())
+            context.log.info(f"{STEP_PREFIX}{event.step}: new layout from step {event.step + 1}: {moved}; the "
+                             f"launch resumes in it")
         elif isinstance(event, ThreadsChanged):
             moved = ", ".join(f"{name} {old} -> {new}" for name, (old, new) in event.changed.items())
             used = ", ".join(f"{name} {cores:.2f}" for name, cores in sorted(event.cores.items()))

@@ -14,7 +14,7 @@ import yaml
 
 from marl_pipeline.cluster.options import actor_options
 from marl_pipeline.cluster.placement import PlacementError, plan_placement
-from marl_pipeline.config import EngineConfig, parse_config
+from marl_pipeline.config import ConfigError, EngineConfig, parse_config
 from marl_pipeline.environment import build_environment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,3 +114,42 @@ def test_ranks_and_split_engine_workers_each_get_their_own_logical_gpu(tiny_mode
     assert all(rank[1] == "cpu" for rank in probe["ranks"])  # logical GPUs: torch sees no CUDA, trains on the CPU
     assert probe["engine"] == [] and len(set(probe["workers"])) == 2 and set(probe["workers"]) <= {"0", "1", "2", "3"}
     assert probe["strategy"] == "STRICT_PACK" and probe["bundles"] == [{"GPU": 1.0, "CPU": 0.5}, {"GPU": 1.0}]
+
+
+def test_each_layout_by_length_is_checked_as_an_experiment_and_planned_in_its_own_gpus() -> None:
+    """``parallelism_by_length``: entries whose lengths do not increase, a split engine without GPUs, an entry the
+    agent's other settings refuse (LoRA on 2 workers) or the experiment's (replicas moved between agents that ask for
+    different GPUs) fail at parse time naming the entry; each entry lays the agent out in its own GPUs."""
+    data = yaml.safe_load((ROOT / "configs" / "demo_solver_alone.yaml").read_text())
+    solver = data["agents"]["solver"]
+    solver |= {"engine": {"num_gpus": 1}, "trainer": {"num_gpus": 1},
+               "parallelism_by_length": [{"from_tokens": 512, "trainer_workers": 2},
+                                         {"from_tokens": 4096, "tensor_parallel_size": 2, "trainer_workers": 4}]}
+    config = parse_config(data)
+    agent = config.agents["solver"]
+    assert [agent.layout_at(n) for n in (0, 511, 512, 4095, 4096, 10**6)] == [None, None, 0, 0, 1, 1]
+    widest = config.laid_out({"solver": 1}).agents["solver"]
+    assert (widest.engine.tensor_parallel_size, widest.engine.num_gpus, widest.trainer.workers) == (2, 2.0, 4)
+    assert config.laid_out({"solver": None}) is config
+    plan_placement(config.laid_out({"solver": 0}), [{"CPU": 4.0, "GPU": 3.0}])
+    with pytest.raises(PlacementError, match=r"need 6 GPUs"):
+        plan_placement(config.laid_out({"solver": 1}), [{"CPU": 4.0, "GPU": 5.0}])
+
+    def refused(entries: list[dict], match: str, **agent) -> None:
+        changed = {**data, "agents": {"solver": {**solver, **agent, "parallelism_by_length": entries}}}
+        with pytest.raises(ConfigError, match=match):
+            parse_config(changed)
+
+    refused([{"from_tokens": 512}, {"from_tokens": 512}], r"from_tokens must increase .*\[512, 512\]")
+    refused([{"from_tokens": 9, "tensor_parallel_size": 2}], r"parallelism_by_length\[0\] \(from 9 tokens\): "
+            r"tensor_parallel_size 2 splits a replica over GPUs, and engine.num_gpus is 0", engine={"num_gpus": 0})
+    refused([{"from_tokens": 9, "trainer_workers": 2}], r"parallelism_by_length\[0\] \(from 9 tokens\): "
+            r"trainer.workers 2 shards full fine-tuning", lora={"rank": 4})
+    solo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())  # two agents, replicas moved between them
+    solo["pipeline"]["rollout"] = {"rebalance_replicas": True}
+    solo["agents"] = {name: {**agent, "hybrid": False, "engine": {"num_gpus": 1}, "trainer": {"num_gpus": 1}}
+                      for name, agent in solo["agents"].items()}
+    solo["agents"]["solver"]["parallelism_by_length"] = [{"from_tokens": 9, "tensor_parallel_size": 2}]
+    with pytest.raises(ConfigError, match=r"with agents.solver.parallelism_by_length\[0\]:\n  pipeline.rollout."
+                                          r"rebalance_replicas: .*they ask for \{'solver': \(0.5, 2.0\)"):
+        parse_config(solo)

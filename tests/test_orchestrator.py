@@ -14,12 +14,21 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
 from marl_pipeline.cluster import warm_actors
 from marl_pipeline.config import HealthConfig, parse_config
-from marl_pipeline.run.events import PolicyCommitted, RunFinished, StepFinished, TrainerPasses
+from marl_pipeline.run.events import (
+    LayoutChanged,
+    PolicyCommitted,
+    RunFinished,
+    RunStarted,
+    StepFinished,
+    TrainerPasses,
+)
+from marl_pipeline.run.layouts import stored_layouts
 from marl_pipeline.run.recipe import train
 from marl_pipeline.stages.health import collapse_warnings, recent_health
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
@@ -161,6 +170,44 @@ def test_two_launches_end_with_the_parameters_of_one_adamw_included(uninterrupte
     for agent in ("solver", "verifier"):
         straight, resumed = _weights(uninterrupted, "demo", agent, 4), _weights(two, "demo", agent, 4)
         assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) <= PARAMETER_TOLERANCE, agent
+
+
+def test_a_new_layout_by_length_resumes_the_launch_in_it_after_the_step_once(uninterrupted, demo_config_data,
+                                                                           tmp_path: Path) -> None:
+    """EARL at run time (run/layouts.py): the solver starts on 1 trainer worker; its turns in step 0 reach the
+    length of its entry for 2 workers, so the launch ends after step 0 (checkpointed) and the next one resumes it at
+    step 1 on 2 workers. Every micro-batch once, the launch record's history as a resumed launch's, and the
+    parameters those of the run on 2 workers throughout up to the reduction order of one worker's step 0."""
+    data = _sharded_data(demo_config_data, tmp_path / "store", steps=4, micro_batches_per_step=2)
+    data["agents"]["solver"]["trainer"]["workers"] = 1
+    data["agents"]["solver"]["parallelism_by_length"] = [{"from_tokens": 1, "trainer_workers": 2}]
+    config = parse_config(data)
+    events = _run(config)
+    changed = [event for event in events if isinstance(event, LayoutChanged)]
+    assert [(event.step, event.changed) for event in changed] == [
+        (0, {"solver": ("tensor parallel 1, 1 trainer worker", "tensor parallel 1, 2 trainer workers")})]
+    assert changed[0].lengths["solver"] > 1 and set(changed[0].lengths) == {"solver", "verifier"}
+    started = [event for event in events if isinstance(event, RunStarted)]
+    assert [len(event.placement.agent_specs("solver", "trainer")) for event in started] == [1, 2]
+    assert [event.step for event in events if isinstance(event, StepFinished)] == [0, 1, 2, 3]
+    store = ExperienceStore(config.store)
+    assert_every_micro_batch_once(store, 4, 2, checkpoint_every=2)
+    record = store.read_record("demo", "launch.json")
+    assert [(launch["first_step"], record["configs"][launch["config"]]["agents"]["solver"]["trainer"]["workers"])
+            for launch in record["launches"]] == [(0, 1), (1, 2)]
+    # A later launch starts in the layout the last step's rollouts call for, read from the store.
+    assert stored_layouts(store, config, 3) == {"solver": 0} and stored_layouts(store, config, -1) == {}
+    # The parameters of the run on 2 workers throughout, but for the order in which one worker's step 0 summed its
+    # gradient: 1.4e-5 after 4 steps that moved them by 4e-3 (an AdamW state lost at the restart would differ by
+    # about the learning rate, 1e-3). Its AdamW state went on through the restart: 4 steps, the same moments.
+    for agent, tolerance in (("solver", 1e-4), ("verifier", PARAMETER_TOLERANCE)):
+        straight, relaid = _weights(uninterrupted, "demo", agent, 4), _weights(store, "demo", agent, 4)
+        assert max((straight[n] - relaid[n]).abs().max().item() for n in straight) <= tolerance, agent
+    moments = [torch.load(run.policy_dir("demo", "solver", 4) / "trainer_state.pt")["optimizer"]["state"]
+               for run in (uninterrupted, store)]
+    for index, state in moments[0].items():
+        assert int(state["step"]) == int(moments[1][index]["step"]) == 4
+        torch.testing.assert_close(moments[1][index]["exp_avg_sq"], state["exp_avg_sq"], rtol=1e-3, atol=1e-12)
 
 
 def assert_every_micro_batch_once(store: ExperienceStore, steps: int, micro_batches: int,

@@ -247,3 +247,16 @@ def test_the_selector_grows_parallelism_only_where_the_smaller_one_stops_fitting
     eight_b = parallelism_by_length(big, h100, 64)
     assert eight_b[0].trainer_workers == 2  # 8B's float32 weights and AdamW moments: more than one H100's 80 GiB
     assert describe(eight_b)[0].startswith("1-") and "tensor parallel 1, 2 trainer workers" in describe(eight_b)[0]
+    # What a run applies between steps: the ranges as agents.<a>.parallelism_by_length, each range's longest
+    # context laid out as the selector chose.
+    from marl_pipeline.config import AgentConfig
+    from marl_pipeline.planner.selector import layout_entries
+
+    fitting = [r for r in eight_b if r.tensor_parallel is not None and r.trainer_workers is not None]
+    agent = AgentConfig(engine={"num_gpus": 1}, trainer={"num_gpus": 1}, parallelism_by_length=layout_entries(eight_b))
+    assert len(agent.parallelism_by_length) == len(fitting) and agent.layout_at(0) == 0
+    for index, entry in enumerate(fitting):
+        laid = agent.laid_out(agent.layout_at(entry.up_to))
+        assert (laid.engine.tensor_parallel_size, laid.engine.num_gpus, laid.trainer.workers) == (
+            entry.tensor_parallel, entry.tensor_parallel, entry.trainer_workers)
+        assert agent.layout_at(entry.up_to + 1) == min(index + 1, len(fitting) - 1)

@@ -21,7 +21,7 @@ from tests.quota_proxy import QuotaProxy
 
 @pytest.fixture(scope="module")
 def judge_server(smollm2_dir: Path, tmp_path_factory):
-    """vLLM's OpenAI-compatible server on 127.0.0.1 serving SmolLM2 as ``judge`` (about 80 s to start here)."""
+    """vLLM's OpenAI-compatible server on 127.0.0.1 serving SmolLM2 as ``judge``, eager as the run's own engines."""
     import socket
 
     with socket.socket() as probe:
@@ -31,7 +31,8 @@ def judge_server(smollm2_dir: Path, tmp_path_factory):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                                str(smollm2_dir), "--served-model-name", "judge", "--host", "127.0.0.1", "--port",
-                               str(port), "--max-model-len", "1024", "--gpu-memory-utilization", "0.08"],
+                               str(port), "--max-model-len", "1024", "--gpu-memory-utilization", "0.08",
+                               "--enforce-eager"],  # no compiling warm-up: 51 of its 80 s to start here
                               stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}/v1"
     deadline = time.monotonic() + 400

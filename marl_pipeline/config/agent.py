@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from marl_pipeline.config.base import BUILTIN_TINY, StrictModel
 
@@ -154,6 +154,18 @@ class WarmupConfig(StrictModel):
         return self
 
 
+class LengthLayout(StrictModel):
+    """From an observed context length on, how many devices an agent's engine replica and trainer take (EARL): the
+    ranges ``marl plan --by-length`` prints."""
+
+    from_tokens: int = Field(ge=0)
+    """The longest prompt + response of the agent's turns in a step from which the next step takes this layout."""
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """The engine replica's GPUs (``engine.num_gpus`` follows, one a rank)."""
+    trainer_workers: int = Field(1, ge=1, le=1024)
+    """The trainer's workers (``trainer.workers``), each with the trainer's ``num_cpus`` and ``num_gpus``."""
+
+
 class AgentConfig(StrictModel):
     """One role of the workflow, with its own policy."""
 
@@ -174,6 +186,11 @@ class AgentConfig(StrictModel):
     Needs ``pipeline.mode: synchronous``, one engine replica, and ``trainer.workers`` equal to the engine's
     ``tensor_parallel_size`` with one GPU each (trainer rank k shares GPU k with engine rank k). Without GPUs only
     the turns are taken."""
+
+    parallelism_by_length: list[LengthLayout] = Field(default_factory=list)
+    """Layouts by observed context length, ``from_tokens`` increasing: at a step boundary where the agent's longest
+    turn of the step reaches another entry's range, the run restarts its replicas and trainer with that entry's
+    layout (run/layouts.py); below the first ``from_tokens``, ``engine`` and ``trainer`` as set."""
 
     hybrid: bool = False
     """The agent's trainer runs in the process of its engine's replica 0, as verl's hybrid engine (cluster/hybrid.py):
@@ -213,6 +230,42 @@ class AgentConfig(StrictModel):
                              f"trainer rank: set trainer.num_gpus to 1 (it is {trainer.num_gpus:g}) and "
                              f"engine.num_gpus to {trainer.workers} (it is {engine.num_gpus:g}), or both to 0 on a CPU")
         return self
+
+    @model_validator(mode="after")
+    def _layouts_each_valid(self) -> AgentConfig:
+        starts = [entry.from_tokens for entry in self.parallelism_by_length]
+        if starts != sorted(set(starts)):
+            raise ValueError(f"parallelism_by_length: from_tokens must increase from one entry to the next: {starts}")
+        for index, entry in enumerate(self.parallelism_by_length):
+            where = f"parallelism_by_length[{index}] (from {entry.from_tokens} tokens)"
+            if entry.tensor_parallel_size > 1 and self.engine.num_gpus == 0:
+                raise ValueError(f"{where}: tensor_parallel_size {entry.tensor_parallel_size} splits a replica over "
+                                 f"GPUs, and engine.num_gpus is 0")
+            try:
+                self.laid_out(index)
+            except ValidationError as error:
+                raise ValueError(f"{where}: {error.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+        return self
+
+    def laid_out(self, index: int | None) -> AgentConfig:
+        """This agent with ``parallelism_by_length[index]``'s layout (None: as set): the engine's
+        ``tensor_parallel_size`` (and ``num_gpus``, one a rank when split) and the trainer's ``workers``."""
+        if index is None:
+            return self
+        entry, engine = self.parallelism_by_length[index], self.engine
+        split = entry.tensor_parallel_size > 1
+        gpus = entry.tensor_parallel_size if split else (engine.num_gpus if engine.tensor_parallel_size == 1
+                                                         else 1.0)
+        data = self.model_dump()
+        data["engine"] |= {"tensor_parallel_size": entry.tensor_parallel_size, "num_gpus": gpus}
+        data["trainer"]["workers"] = entry.trainer_workers
+        laid = AgentConfig.model_validate({**data, "parallelism_by_length": []})
+        return laid.model_copy(update={"parallelism_by_length": self.parallelism_by_length})
+
+    def layout_at(self, length: int) -> int | None:
+        """The entry of ``parallelism_by_length`` for an observed ``length`` (None: below every entry)."""
+        return next((i for i in reversed(range(len(self.parallelism_by_length)))
+                     if length >= self.parallelism_by_length[i].from_tokens), None)
 
     @model_validator(mode="after")
     def _workers_train_full_weights(self) -> AgentConfig:

@@ -80,6 +80,13 @@ class ExperimentConfig(StrictModel):
                              "reward; keep one")
         return self
 
+    def laid_out(self, layouts: Mapping[str, int | None]) -> ExperimentConfig:
+        """The experiment with each agent of ``layouts`` in its ``parallelism_by_length`` entry (None: as set)."""
+        if not any(index is not None for index in layouts.values()):
+            return self
+        agents = {name: agent.laid_out(layouts.get(name)) for name, agent in self.agents.items()}
+        return self.model_copy(update={"agents": agents})
+
     def turn_adapters(self) -> dict[str, dict[str, list[int]]]:
         """Per agent that has them, its ``turn_adapters``: named adapters and the own turns they serve."""
         return {agent: dict(a.turn_adapters) for agent, a in self.agents.items() if a.turn_adapters}
@@ -94,8 +101,9 @@ def _format_validation_error(error: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:
-    """Validate a config dict, including agents against the environment's roles.
+def parse_config(data: dict[str, Any], source: str = "<dict>", layouts: bool = True) -> ExperimentConfig:
+    """Validate a config dict, including agents against the environment's roles (and, with ``layouts``, the
+    experiment as each agent's ``parallelism_by_length`` entries lay it out).
 
     Raises:
         ConfigError: naming each offending field.
@@ -170,6 +178,10 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConf
         env_class.Options.model_validate(config.environment.options)
     except ValidationError as error:
         raise ConfigError(_format_validation_error(error, source).replace("\n  ", "\n  environment.options.")) from None
+    for name, agent in config.agents.items():  # each layout a run can take must be a valid experiment too
+        for index in range(len(agent.parallelism_by_length) if layouts else 0):
+            laid = config.laid_out({name: index}).model_dump()
+            parse_config(laid, f"{source} with agents.{name}.parallelism_by_length[{index}]", layouts=False)
     return config
 
 

@@ -114,3 +114,16 @@ def describe(ranges: list[Range]) -> list[str]:
         lines.append(f"{start:,}-{entry.up_to:,} tokens: {engine}, {trainer}")
         start = entry.up_to + 1
     return lines
+
+
+def layout_entries(ranges: list[Range]) -> list[dict]:
+    """The ranges as ``agents.<a>.parallelism_by_length`` entries a run applies between steps (run/layouts.py): one
+    from each range's first length on, the first from 0; a range where nothing fits ends them."""
+    entries, start = [], 0
+    for entry in ranges:
+        if entry.tensor_parallel is None or entry.trainer_workers is None:
+            break
+        entries.append({"from_tokens": start, "tensor_parallel_size": entry.tensor_parallel,
+                        "trainer_workers": entry.trainer_workers})
+        start = entry.up_to + 1
+    return entries

@@ -181,10 +181,22 @@ class ThreadsChanged:
     """The cores each engine and trainer kept busy since the previous step's end, on average."""
 
 
+@dataclass(frozen=True)
+class LayoutChanged:
+    """The launch ended after ``step`` because some agents' turns reached another range of their
+    ``parallelism_by_length``: the next launch resumes at ``step + 1`` in the new layout (run/layouts.py)."""
+
+    step: int
+    changed: dict[str, tuple[str, str]]
+    """Agent -> (its layout before, after), described."""
+    lengths: dict[str, int]
+    """Each agent's longest turn (prompt + response tokens) in the step."""
+
+
 Event = StageCommitted | PolicyCommitted | TrainerPasses | StepFinished | EvaluationCommitted | ReplicaChanged
 """What the orchestrator yields."""
 
-LaunchEvent = SetupPhase | RunStarted | Event | ThreadsChanged | RunFinished
+LaunchEvent = SetupPhase | RunStarted | Event | ThreadsChanged | LayoutChanged | RunFinished
 """What ``recipe.train`` yields."""
 
 

@@ -48,7 +48,8 @@ from marl_pipeline.run.events import (
     TrainerPasses,
 )
 from marl_pipeline.run.launches import LaunchPlan
-from marl_pipeline.run.queues import StepBarrier, gate_open, get_until_stopped, put_until_stopped
+from marl_pipeline.run.layouts import changed_layouts
+from marl_pipeline.run.queues import StepBarrier, gate_open, get_until_stopped, put_until_stopped, start_threads
 from marl_pipeline.services.figures import commit_step_services
 from marl_pipeline.stages.evaluation import EvaluationSettings, is_evaluated
 from marl_pipeline.stages.execution import execute_micro_batch
@@ -95,8 +96,12 @@ class Orchestrator:
     """Drives the steps of one launch through the stage functions on Ray."""
 
     def __init__(self, config: ExperimentConfig, env: Environment, store: ExperienceStore, workers: Workers,
-                 plan: LaunchPlan) -> None:
+                 plan: LaunchPlan, layouts: dict[str, int | None] | None = None) -> None:
         self.config, self.env, self.store, self.workers, self.plan = config, env, store, workers, plan
+        self.layouts = dict(layouts or {})  # per agent with parallelism_by_length: its entry (run/layouts.py)
+        self.relayout: dict[str, int | None] = {}  # agents whose next layout differs: the launch ends at last_step
+        self.relayout_lengths: dict[str, int] = {}
+        self.last_step = plan.last_step
         pipeline = config.pipeline
         self.micro_batches = pipeline.micro_batches_per_step
         self.synchronous = pipeline.mode == "synchronous"
@@ -196,8 +201,21 @@ class Orchestrator:
                 self._ready_at[(stage.name, key)] = time.time()
                 if not self._run_stage(stage.name, key, stage.compute):
                     return
+                if key.micro_batch == self.micro_batches - 1:
+                    self._check_layouts(step)  # before the step's last key goes on: training sees the new last step
                 for ready in barrier.add(key):
                     self._put(outbox, ready, self.stages[1].name)
+            if self.relayout:
+                return  # the next launch samples step + 1 with the new layout
+
+    def _check_layouts(self, step: int) -> None:
+        """EARL: end the launch after ``step`` when its rollouts call for another layout of some agent's engine and
+        trainer (``parallelism_by_length``); ``recipe.train`` starts the next launch with it."""
+        if step < self.last_step:
+            self.relayout, self.relayout_lengths = changed_layouts(self.config, self.layouts, self.recent.read,
+                                                                   self.keys(step))
+            if self.relayout:
+                self.last_step = step
 
     def _rebalance_replicas(self, previous: int) -> None:
         """FlexMARL's inter-agent level: the replica budget split by each agent's tokens in step ``previous``; run
@@ -237,6 +255,8 @@ class Orchestrator:
         told: set[str] = set()  # agents whose trainer's pass settings were asked for
         try:
             for step in self.steps():
+                if step > self.last_step:
+                    return  # the launch ends early for a new layout (_check_layouts)
                 learners = [agent for agent in trainers if version[agent] == step]
                 for key in self.keys(step):
                     while key not in arrived:
@@ -262,7 +282,7 @@ class Orchestrator:
                     told.add(agent)
                     weights = (trainer.stage_weights if self._broadcast else trainer.named_weights).remote()
                     saved = (trainer.save_version.remote(step + 1)
-                             if self.config.pipeline.checkpoint_due(step, self.plan.last_step) else None)
+                             if self.config.pipeline.checkpoint_due(step, self.last_step) else None)
                     self.turns.to_engine(agent)
                     publish[agent].put(PendingStep(step, applied, weights, saved, time.time(), settings))
                     version[agent] = step + 1
@@ -358,28 +378,8 @@ class Orchestrator:
 
     def _spawn(self, name: str, workers: int, target: Callable[[], None], outbox: queue.Queue | None = None,
                consumers: int = 0) -> list[threading.Thread]:
-        """``workers`` threads running ``target``; the last to finish puts an end marker in ``outbox`` per consumer."""
-        remaining, lock = [workers], threading.Lock()
-
-        def guarded() -> None:
-            try:
-                target()
-            except BaseException as error:  # handed to the caller's thread and re-raised there
-                error.add_note(f"in the {name} stage of the marl_pipeline orchestrator")
-                self._events.put(error)
-            finally:
-                with lock:
-                    remaining[0] -= 1
-                    last = remaining[0] == 0
-                if last and outbox is not None:
-                    for _ in range(consumers):
-                        self._put(outbox, None)
-                self._events.put(_DONE)
-
-        threads = [threading.Thread(target=guarded, name=f"marl-{name}-{i}", daemon=True) for i in range(workers)]
-        for thread in threads:
-            thread.start()
-        return threads
+        end = partial(self._put, outbox) if outbox is not None else None
+        return start_threads(name, workers, target, self._events, _DONE, end, consumers)
 
     def _put(self, box: queue.Queue, item: MicroBatchKey | None, stage: str | None = None) -> None:
         """Blocking put that gives up when the run stops; records when ``item`` became ready for ``stage``."""

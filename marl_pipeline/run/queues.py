@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 
 from marl_pipeline.store import MicroBatchKey
 
@@ -59,3 +60,30 @@ class StepBarrier:
             if len(self.done[key.step]) < self.micro_batches:
                 return []
             return sorted(self.done.pop(key.step))
+
+
+def start_threads(name: str, workers: int, target: Callable[[], None], events: queue.Queue, done: object,
+                  end: Callable[[None], None] | None, consumers: int = 0) -> list[threading.Thread]:
+    """``workers`` threads running ``target``, each putting its error (with a note naming the stage) and then
+    ``done`` on ``events``; the last to finish calls ``end(None)`` once per consumer (end-of-stream markers)."""
+    remaining, lock = [workers], threading.Lock()
+
+    def guarded() -> None:
+        try:
+            target()
+        except BaseException as error:  # handed to the caller's thread and re-raised there
+            error.add_note(f"in the {name} stage of the marl_pipeline orchestrator")
+            events.put(error)
+        finally:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last and end is not None:
+                for _ in range(consumers):
+                    end(None)
+            events.put(done)
+
+    threads = [threading.Thread(target=guarded, name=f"marl-{name}-{i}", daemon=True) for i in range(workers)]
+    for thread in threads:
+        thread.start()
+    return threads

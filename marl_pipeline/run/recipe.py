@@ -6,17 +6,26 @@ Ray must already be initialised by the caller (the Dagster Ray resource, a test 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
-from marl_pipeline.bootstrap.policies import BasePolicy, base_policy_makers, require_turn_adapters
+from marl_pipeline.bootstrap.policies import BasePolicy, base_policy_makers, latest_versions, require_turn_adapters
 from marl_pipeline.bootstrap.reward_model import prepare_reward_model
 from marl_pipeline.cluster.cores import CoreSplit
 from marl_pipeline.cluster.heap import heap_frozen
 from marl_pipeline.cluster.spawn import plan_on_ray, start_workers
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import build_environment
-from marl_pipeline.run.events import LaunchEvent, RunFinished, RunStarted, SetupPhase, StepFinished, ThreadsChanged
+from marl_pipeline.run.events import (
+    LaunchEvent,
+    LayoutChanged,
+    RunFinished,
+    RunStarted,
+    SetupPhase,
+    StepFinished,
+    ThreadsChanged,
+)
 from marl_pipeline.run.launches import finish_launch, plan_launch
+from marl_pipeline.run.layouts import describe, stored_layouts
 from marl_pipeline.run.orchestrator import Orchestrator
 from marl_pipeline.run.tracking import MetricsExport
 from marl_pipeline.services.scheduler import connect, start_services
@@ -25,12 +34,34 @@ from marl_pipeline.store import ExperienceStore
 
 
 def train(config: ExperimentConfig, launch_id: str | None = None) -> Iterator[LaunchEvent]:
-    """Run one launch: resume an unfinished one, or add ``pipeline.steps`` steps after the newest policies.
+    """Run one launch: resume an unfinished one, or add ``pipeline.steps`` steps after the newest policies. An agent
+    with ``parallelism_by_length`` starts in the layout the stored rollouts call for; where a step's rollouts call for
+    another, the launch ends after that step and the next one resumes it in the new layout (run/layouts.py).
 
     Args:
         config: the experiment.
         launch_id: what names this launch elsewhere (the Dagster run id), kept in the run's launch record.
     """
+    store = ExperienceStore(config.store)
+    layouts = stored_layouts(store, config, min(latest_versions(store, config.run, list(config.agents)).values()) - 1)
+    metrics = MetricsExport(config)  # before any work: a tracking URI that does not answer fails the launch now
+    finished = False
+    try:
+        while ended := (yield from _launch(config.laid_out(layouts), launch_id, store, metrics, layouts)):
+            step, relayout, lengths = ended
+            yield LayoutChanged(step, {agent: (describe(config, agent, layouts.get(agent)),
+                                               describe(config, agent, index)) for agent, index in relayout.items()},
+                                lengths)
+            layouts = {**layouts, **relayout}
+        finished = True
+    finally:
+        metrics.close(finished)
+
+
+def _launch(config: ExperimentConfig, launch_id: str | None, store: ExperienceStore, metrics: MetricsExport,
+            layouts: dict[str, int | None]) -> Generator[LaunchEvent, None, tuple | None]:
+    """One launch in one layout. Returns None once the launch's steps are done, or, when a step's rollouts call for
+    another layout, that step, the agents' new ``parallelism_by_length`` entries and their longest turns."""
     started = phase = time.perf_counter()
     launched = time.time()
 
@@ -44,8 +75,6 @@ def train(config: ExperimentConfig, launch_id: str | None = None) -> Iterator[La
     placement = plan_on_ray(config)
     config = placement.fitted(config)
     env = build_environment(config.environment.name, config.environment.options)
-    store = ExperienceStore(config.store)
-    metrics = MetricsExport(config)  # before any work: a tracking URI that does not answer fails the launch now
     yield done(f"placement planned, environment {config.environment.name!r} built")
     # What is missing of version 0 is made in the agents' trainer actors as the workers start (the base_policies
     # asset runs the same makers in Ray tasks); the built-in model they start from is built here, first.
@@ -72,7 +101,7 @@ def train(config: ExperimentConfig, launch_id: str | None = None) -> Iterator[La
     made = {policy.agent: policy for policy in workers.base_policies}
     yield done(f"engines ({replicas} replicas) and trainers of {len(config.agents)} agents started"
                + (f", version 0 made for {', '.join(made)}" if made else ""))
-    finished = False
+    finished = relaid = False
     try:
         if config.services:  # one scheduler per service for every caller of the run; this process calls them too
             workers.services = start_services(config.services)
@@ -84,16 +113,20 @@ def train(config: ExperimentConfig, launch_id: str | None = None) -> Iterator[La
         yield RunStarted(config.run, plan, base_policies, time.perf_counter() - started, placement)
         streaming_started = time.time()
         cores = CoreSplit.for_run(config, workers.engines, workers.trainers)
+        orchestrator = Orchestrator(config, env, store, workers, plan, layouts)
         with heap_frozen():  # the start-up heap lives as long as the launch (cluster/heap.py)
-            for event in Orchestrator(config, env, store, workers, plan).run():
+            for event in orchestrator.run():
                 metrics.add(event)
                 yield event
                 if isinstance(event, StepFinished) and (moved := cores.after_step())[0]:
                     yield ThreadsChanged(event.step, *moved)
+        if relaid := bool(orchestrator.relayout):  # its record stays unfinished: the next launch resumes it
+            return orchestrator.last_step, orchestrator.relayout, orchestrator.relayout_lengths
         finish_launch(store, config.run, plan.last_step)
         finished = True
         yield RunFinished(config.run, plan, streaming_started, time.time(), placement)
+        return None
     finally:
-        metrics.close(finished)
-        # Only a launch that ended cleanly leaves actors for the next (a failed one may hold a broken actor).
-        workers.shutdown(keep=finished and config.ray.keep_actors)
+        # Only a launch that ended cleanly leaves actors for the next (a failed one may hold a broken actor); one
+        # ending for a new layout leaves them for the next launch of this call, which takes the ones it can use.
+        workers.shutdown(keep=relaid or (finished and config.ray.keep_actors))
