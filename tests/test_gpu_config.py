@@ -71,13 +71,19 @@ PROBE = textwrap.dedent("""
     from tests import logical_gpus
 
     store = logical_gpus.start(sys.argv[1], sys.argv[2])
-    # The solver alone, planned on this node as a run plans it: a trainer on 2 workers of 1 GPU each, every rank
-    # seeing its own GPU (and training on the CPU: none is real), and an engine replica split over 2 GPUs
+    # The solver alone, planned on this node as a run plans it, in the layout its parallelism_by_length gives
+    # turns of 100 tokens or more (as a run lays an agent out between steps, run/layouts.py): a trainer on 2 workers
+    # of 1 GPU each, every rank seeing its own GPU (and training on the CPU: none is real), and an engine replica
+    # split over 2 GPUs
     data = yaml.safe_load(open("configs/demo_solver_alone.yaml"))
     data |= {"run": "r", "store": sys.argv[2]}
-    data["agents"]["solver"] |= {"engine": {"tensor_parallel_size": 2, "num_gpus": 2, "num_cpus": 0.5},
-                                 "trainer": {"workers": 2, "num_gpus": 1, "num_cpus": 0.5, "threads": 1}}
-    plan = plan_placement(parse_config(data), [{"CPU": 2.0, "GPU": 4.0}])
+    data["agents"]["solver"] |= {"engine": {"num_gpus": 1, "num_cpus": 0.5},
+                                 "trainer": {"num_gpus": 1, "num_cpus": 0.5, "threads": 1},
+                                 "parallelism_by_length": [{"from_tokens": 100, "tensor_parallel_size": 2,
+                                                            "trainer_workers": 2}]}
+    config = parse_config(data)
+    plan = plan_placement(config.laid_out({"solver": config.agents["solver"].layout_at(100)}),
+                          [{"CPU": 2.0, "GPU": 4.0}])
     groups = []
     leader = start_trainers(plan, store, {"solver": 0}, groups)["solver"]
     devices = lambda actor: ray.get(actor.__ray_call__.remote(

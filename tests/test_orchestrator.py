@@ -190,6 +190,8 @@ def test_a_new_layout_by_length_resumes_the_launch_in_it_after_the_step_once(uni
     started = [event for event in events if isinstance(event, RunStarted)]
     assert [len(event.placement.agent_specs("solver", "trainer")) for event in started] == [1, 2]
     assert [event.step for event in events if isinstance(event, StepFinished)] == [0, 1, 2, 3]
+    # The call's report covers both launches: from the first one's plan and start.
+    assert isinstance(events[-1], RunFinished) and events[-1].plan == started[0].plan
     store = ExperienceStore(config.store)
     assert_every_micro_batch_once(store, 4, 2, checkpoint_every=2)
     record = store.read_record("demo", "launch.json")

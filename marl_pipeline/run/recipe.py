@@ -45,10 +45,10 @@ def train(config: ExperimentConfig, launch_id: str | None = None) -> Iterator[La
     store = ExperienceStore(config.store)
     layouts = stored_layouts(store, config, min(latest_versions(store, config.run, list(config.agents)).values()) - 1)
     metrics = MetricsExport(config)  # before any work: a tracking URI that does not answer fails the launch now
-    finished = False
+    finished, began = False, None
     try:
-        while ended := (yield from _launch(config.laid_out(layouts), launch_id, store, metrics, layouts)):
-            step, relayout, lengths = ended
+        while ended := (yield from _launch(config.laid_out(layouts), launch_id, store, metrics, layouts, began)):
+            step, relayout, lengths, began = ended
             yield LayoutChanged(step, {agent: (describe(config, agent, layouts.get(agent)),
                                                describe(config, agent, index)) for agent, index in relayout.items()},
                                 lengths)
@@ -59,9 +59,10 @@ def train(config: ExperimentConfig, launch_id: str | None = None) -> Iterator[La
 
 
 def _launch(config: ExperimentConfig, launch_id: str | None, store: ExperienceStore, metrics: MetricsExport,
-            layouts: dict[str, int | None]) -> Generator[LaunchEvent, None, tuple | None]:
+            layouts: dict[str, int | None], began: tuple | None) -> Generator[LaunchEvent, None, tuple | None]:
     """One launch in one layout. Returns None once the launch's steps are done, or, when a step's rollouts call for
-    another layout, that step, the agents' new ``parallelism_by_length`` entries and their longest turns."""
+    another layout, that step, the agents' new ``parallelism_by_length`` entries, their longest turns, and the plan
+    and streaming start of the first launch of this call (``began``: passed on; its ``RunFinished`` reports them)."""
     started = phase = time.perf_counter()
     launched = time.time()
 
@@ -121,10 +122,11 @@ def _launch(config: ExperimentConfig, launch_id: str | None, store: ExperienceSt
                 if isinstance(event, StepFinished) and (moved := cores.after_step())[0]:
                     yield ThreadsChanged(event.step, *moved)
         if relaid := bool(orchestrator.relayout):  # its record stays unfinished: the next launch resumes it
-            return orchestrator.last_step, orchestrator.relayout, orchestrator.relayout_lengths
+            return (orchestrator.last_step, orchestrator.relayout, orchestrator.relayout_lengths,
+                    began or (plan, streaming_started))
         finish_launch(store, config.run, plan.last_step)
         finished = True
-        yield RunFinished(config.run, plan, streaming_started, time.time(), placement)
+        yield RunFinished(config.run, *(began or (plan, streaming_started)), time.time(), placement)
         return None
     finally:
         # Only a launch that ended cleanly leaves actors for the next (a failed one may hold a broken actor); one
