@@ -2,9 +2,10 @@
 and the workload it replays: the run's episodes, each a sequence of turns with their token counts.
 
 Costs are in core-seconds (seconds on one thread with the core to itself), so a layout with other threads, or
-more actors sharing a node's cores, is charged by the same figures (planner/cores.py). The calibration divides the
-stored seconds by the threads the run's specs gave each actor; what it cannot see (threads moved during the run by
-the split of the cores) is an assumption, stated with the prediction.
+more actors sharing a node's cores, is charged by the same figures (planner/cores.py). The calibration multiplies
+the stored seconds by the threads the run's specs gave each actor, and a trainer call's by the share of the node's
+cores it had beside the micro-batch's other calls; what it cannot see (threads moved during the run by the split of
+the cores, engines sampling beside each other) is an assumption, stated with the prediction.
 """
 
 from __future__ import annotations
@@ -78,16 +79,21 @@ def epoch_seconds(column) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Layout:
-    """What the calibration run gave an agent: its engine's and trainer's threads (its specs'), and its replicas."""
+    """What the calibration run gave an agent: its engine's and trainer's threads (its specs'), its replicas, the
+    trainer actor its calls ran on (a swapped worker serves several agents' calls one at a time), and whether that
+    trainer computed on the node's cores (not a GPU)."""
 
     engine_threads: int
     trainer_threads: int
     replicas: int = 1
+    trainer: str = ""
+    trainer_on_cores: bool = False
 
 
-def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout]) -> Costs:
+def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], cores: float | None = None) -> Costs:
     """Fit the costs from run ``run``'s stored partitions and policy versions; ``layouts``: each agent's threads and
-    replicas in that run, which turn stored seconds into core-seconds and a sync into a sync per replica.
+    replicas in that run, which turn stored seconds into core-seconds and a sync into a sync per replica; ``cores``:
+    the node's cores the run's trainers shared (None: as many as they asked for).
 
     Raises:
         ValueError: the run has no committed rollouts or policy updates to fit from.
@@ -109,13 +115,13 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout]) -> C
     return Costs(
         engines={agent: _engine_costs(rollouts, agent, layouts[agent].engine_threads, busy["policy_updates"])
                  for agent in agents},
-        trainers={agent: _trainer_costs(updates, agent, layouts[agent], computed, busy["rollouts"],
-                                        [record for (owner, _), record in timings.items() if owner == agent])
+        trainers={agent: _trainer_costs(updates, agent, layouts, computed, busy["rollouts"],
+                                        [record for (owner, _), record in timings.items() if owner == agent], cores)
                   for agent in agents},
         environment=_median_span(spans, "environment_results"),
         reward=_median_span(spans, "rewards"),
         rollout_overhead=_rollout_overhead(rollouts),
-        train_overhead=_train_overhead(updates),
+        train_overhead=_train_overhead(updates, layouts),
         episodes=_episodes(rollouts),
         source=f"{store.config.uri} run {run}")
 
@@ -161,11 +167,15 @@ def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
         keep = [index for index, value in zip(keep, coef) if value >= 0] or keep[:1]
 
 
-def _trainer_costs(updates, agent: str, layout: Layout, computed: dict[tuple, int],
-                   rollout_spans: list[tuple[float, float]], timings: list[dict]) -> TrainerCosts:
+def _trainer_costs(updates, agent: str, layouts: dict[str, Layout], computed: dict[tuple, int],
+                   rollout_spans: list[tuple[float, float]], timings: list[dict], cores: float | None) -> TrainerCosts:
     """``computed``: the tokens a trainer computes for each (step, micro-batch, agent): its turns' prompts and
     responses, as the simulation counts them (the stored ``tokens`` are the responses', which the loss counts);
-    ``timings``: the agent's versions' ``timing.json`` records."""
+    ``timings``: the agent's versions' ``timing.json`` records. A call's seconds count the cores it had: the
+    train stage issues a micro-batch's calls to every agent's trainer at once, so trainers on a node's cores that
+    ask for more threads than it has share them (as the simulation shares them, planner/cores.py)."""
+    layout = layouts[agent]
+    share = _core_shares(updates, layouts, cores)
     rows = updates.filter(pc.equal(updates.column("agent"), agent))
     alone = np.array([not _overlaps(begin, end, rollout_spans) for begin, end in zip(
         epoch_seconds(rows.column("stage_started")), epoch_seconds(rows.column("stage_ended")))])
@@ -173,7 +183,9 @@ def _trainer_costs(updates, agent: str, layout: Layout, computed: dict[tuple, in
         rows = rows.filter(alone)
     tokens = np.array([computed.get((step, mb, agent), 0) for step, mb in zip(
         rows.column("step").to_pylist(), rows.column("micro_batch").to_pylist())], dtype=float)
-    seconds = np.array([s or 0.0 for s in rows.column("compute_seconds").to_pylist()]) * layout.trainer_threads
+    seconds = np.array([(s or 0.0) * share.get((step, mb), 1.0) for s, step, mb in zip(
+        rows.column("compute_seconds").to_pylist(), rows.column("step").to_pylist(),
+        rows.column("micro_batch").to_pylist())]) * layout.trainer_threads
     call, per_token = _nonnegative_fit(np.stack([np.ones_like(tokens), tokens], axis=1), seconds)
     apply, sync, commit = [], [], []
     for record in timings:
@@ -183,6 +195,20 @@ def _trainer_costs(updates, agent: str, layout: Layout, computed: dict[tuple, in
         commit.append(max(record["ended"] - record["started"] - record["sync_seconds"] - applied, 0.0))
     return TrainerCosts(call, per_token, *(float(np.median(values)) if values else 0.0
                                            for values in (apply, sync, commit)))
+
+
+def _core_shares(updates, layouts: dict[str, Layout], cores: float | None) -> dict[tuple, float]:
+    """Per (step, micro-batch): the share of its threads each trainer call on the node's cores had, with the other
+    trainers' calls of the micro-batch at once (those of one actor run one after another: one thread set)."""
+    if cores is None:
+        return {}
+    workers: dict[tuple, dict[str, int]] = defaultdict(dict)
+    for step, mb, agent in zip(updates.column("step").to_pylist(), updates.column("micro_batch").to_pylist(),
+                               updates.column("agent").to_pylist()):
+        layout = layouts.get(agent)
+        if layout is not None and layout.trainer_on_cores:
+            workers[(step, mb)][layout.trainer or agent] = layout.trainer_threads
+    return {key: min(1.0, cores / sum(threads.values())) for key, threads in workers.items()}
 
 
 def _computed(rollouts) -> dict[tuple, int]:
@@ -213,15 +239,18 @@ def _rollout_overhead(rollouts) -> float:
     return float(np.median([max((e - b) - (te - ts), 0.0) for b, e, ts, te in spans.values()]))
 
 
-def _train_overhead(updates) -> float:
-    spans: dict[tuple, list[float]] = {}
-    for step, mb, begin, end, seconds in zip(
+def _train_overhead(updates, layouts: dict[str, Layout]) -> float:
+    """Median over micro-batches of the train stage's span less its calls': the longest trainer's, where a trainer
+    serving several agents (swapped) takes their calls one after another."""
+    spans: dict[tuple, list] = {}
+    for step, mb, agent, begin, end, seconds in zip(
             updates.column("step").to_pylist(), updates.column("micro_batch").to_pylist(),
-            epoch_seconds(updates.column("stage_started")), epoch_seconds(updates.column("stage_ended")),
-            updates.column("compute_seconds").to_pylist()):
-        entry = spans.setdefault((step, mb), [end - begin, 0.0])
-        entry[1] = max(entry[1], seconds or 0.0)
-    return float(np.median([max(span - compute, 0.0) for span, compute in spans.values()]))
+            updates.column("agent").to_pylist(), epoch_seconds(updates.column("stage_started")),
+            epoch_seconds(updates.column("stage_ended")), updates.column("compute_seconds").to_pylist()):
+        entry = spans.setdefault((step, mb), [end - begin, defaultdict(float)])
+        layout = layouts.get(agent)
+        entry[1][layout.trainer if layout is not None and layout.trainer else agent] += seconds or 0.0
+    return float(np.median([max(span - max(calls.values(), default=0.0), 0.0) for span, calls in spans.values()]))
 
 
 def _episodes(rollouts) -> list[list[Turn]]:

@@ -74,7 +74,7 @@ def layouts(plan: PlacementPlan) -> dict[str, Layout]:
         trainer = next((spec.parts[1] if spec.parts else spec for spec in plan.agent_specs(agent, "trainer")), None)
         if trainer is None:  # swapped: the worker that serves it
             trainer = next(spec for spec in plan.specs if spec.role == "trainer-worker" and agent in spec.loads)
-        result[agent] = Layout(first.threads, trainer.threads, len(engines))
+        result[agent] = Layout(first.threads, trainer.threads, len(engines), trainer.name, trainer.gpus == 0)
     return result
 
 
@@ -88,7 +88,8 @@ def calibration(store: ExperienceStore, run: str, nodes: list[dict[str, float]])
     if not launches:
         raise ValueError(f"run {run!r} has no recorded launch in {store.config.uri}")
     config = parse_config(configs[launches[-1]["config"]])
-    return calibrate(store, run, layouts(plan_placement(config, nodes)))
+    cores = nodes[0].get("CPU") if len(nodes) == 1 else None  # on several nodes: as many as asked for (stated)
+    return calibrate(store, run, layouts(plan_placement(config, nodes)), cores)
 
 
 def predict(config: ExperimentConfig, nodes: list[dict[str, float]], costs: Costs,
