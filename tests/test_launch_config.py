@@ -37,6 +37,9 @@ def _leaf_paths(model: type[BaseModel], prefix: str = "") -> set[str]:
         while get_origin(kind) is Annotated:
             kind = get_args(kind)[0]
         args = [arg for arg in get_args(kind) if arg is not type(None)]
+        if get_origin(kind) is list:  # a list is overridden whole (agents.*.parallelism_by_length)
+            paths.add(prefix + name)
+            continue
         models = [arg for arg in (kind, *args) if isinstance(arg, type) and issubclass(arg, BaseModel)]
         if get_origin(kind) is dict and isinstance(args[1], type) and issubclass(args[1], BaseModel):
             paths |= _leaf_paths(args[1], f"{prefix}{name}.*.")
