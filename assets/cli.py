@@ -243,6 +243,7 @@ class _PolicyProgress:
         """The launch's set-up phases, what it does (new, continued, resumed at step N) and its finished steps
         logged since the last poll (``assets.train.SETUP_PREFIX``, ``LAUNCH_PREFIX`` and ``STEP_PREFIX`` lines)."""
         self._cursor: str | None = None
+        self._spans: dict[str, tuple[int, int]] = {}  # per agent's partition: (from, to) versions
 
     def poll(self) -> int:
         """Read the records logged since the last poll; returns how many there were."""
@@ -264,8 +265,11 @@ class _PolicyProgress:
                 continue
             if event.is_asset_observation:
                 metadata = event.asset_observation_data.asset_observation.metadata
-                self.total = (self.total or 0) + (metadata["launch_to_version"].value
-                                                  - metadata["launch_from_version"].value)
+                # A later launch of the same job (a new layout, run/layouts.py) resumes where the first stopped:
+                # each agent's versions run from its first launch's start to the last launch's end.
+                start, _ = self._spans.get(event.partition, (metadata["launch_from_version"].value, None))
+                self._spans[event.partition] = (start, metadata["launch_to_version"].value)
+                self.total = sum(end - begin for begin, end in self._spans.values())
             else:
                 self.done += 1
         self._cursor = connection.cursor
