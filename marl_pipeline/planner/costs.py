@@ -111,12 +111,12 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], core
     spans = spans_from_store(store, run, timings)
     busy = {stage: [(span.started, span.ended) for span in spans if span.stage == stage]
             for stage in ("rollouts", "policy_updates")}
-    computed = _computed(rollouts)
+    computed, shares = _computed(rollouts), _core_shares(updates, layouts, cores)
     return Costs(
         engines={agent: _engine_costs(rollouts, agent, layouts[agent].engine_threads, busy["policy_updates"])
                  for agent in agents},
-        trainers={agent: _trainer_costs(updates, agent, layouts, computed, busy["rollouts"],
-                                        [record for (owner, _), record in timings.items() if owner == agent], cores)
+        trainers={agent: _trainer_costs(updates, agent, layouts[agent], computed, busy["rollouts"],
+                                        [record for (owner, _), record in timings.items() if owner == agent], shares)
                   for agent in agents},
         environment=_median_span(spans, "environment_results"),
         reward=_median_span(spans, "rewards"),
@@ -167,15 +167,13 @@ def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
         keep = [index for index, value in zip(keep, coef) if value >= 0] or keep[:1]
 
 
-def _trainer_costs(updates, agent: str, layouts: dict[str, Layout], computed: dict[tuple, int],
-                   rollout_spans: list[tuple[float, float]], timings: list[dict], cores: float | None) -> TrainerCosts:
+def _trainer_costs(updates, agent: str, layout: Layout, computed: dict[tuple, int],
+                   rollout_spans: list[tuple[float, float]], timings: list[dict],
+                   shares: dict[tuple, float]) -> TrainerCosts:
     """``computed``: the tokens a trainer computes for each (step, micro-batch, agent): its turns' prompts and
     responses, as the simulation counts them (the stored ``tokens`` are the responses', which the loss counts);
-    ``timings``: the agent's versions' ``timing.json`` records. A call's seconds count the cores it had: the
-    train stage issues a micro-batch's calls to every agent's trainer at once, so trainers on a node's cores that
-    ask for more threads than it has share them (as the simulation shares them, planner/cores.py)."""
-    layout = layouts[agent]
-    share = _core_shares(updates, layouts, cores)
+    ``timings``: the agent's versions' ``timing.json`` records; ``shares``: the cores a call had
+    (:func:`_core_shares`)."""
     rows = updates.filter(pc.equal(updates.column("agent"), agent))
     alone = np.array([not _overlaps(begin, end, rollout_spans) for begin, end in zip(
         epoch_seconds(rows.column("stage_started")), epoch_seconds(rows.column("stage_ended")))])
@@ -183,7 +181,7 @@ def _trainer_costs(updates, agent: str, layouts: dict[str, Layout], computed: di
         rows = rows.filter(alone)
     tokens = np.array([computed.get((step, mb, agent), 0) for step, mb in zip(
         rows.column("step").to_pylist(), rows.column("micro_batch").to_pylist())], dtype=float)
-    seconds = np.array([(s or 0.0) * share.get((step, mb), 1.0) for s, step, mb in zip(
+    seconds = np.array([(s or 0.0) * shares.get((step, mb), 1.0) for s, step, mb in zip(
         rows.column("compute_seconds").to_pylist(), rows.column("step").to_pylist(),
         rows.column("micro_batch").to_pylist())]) * layout.trainer_threads
     call, per_token = _nonnegative_fit(np.stack([np.ones_like(tokens), tokens], axis=1), seconds)
@@ -197,9 +195,17 @@ def _trainer_costs(updates, agent: str, layouts: dict[str, Layout], computed: di
                                            for values in (apply, sync, commit)))
 
 
+def _worker(layouts: dict[str, Layout], agent: str) -> str:
+    """The trainer actor an agent's calls ran on (a swapped worker is shared; unknown: the agent's own)."""
+    layout = layouts.get(agent)
+    return layout.trainer if layout is not None and layout.trainer else agent
+
+
 def _core_shares(updates, layouts: dict[str, Layout], cores: float | None) -> dict[tuple, float]:
     """Per (step, micro-batch): the share of its threads each trainer call on the node's cores had, with the other
-    trainers' calls of the micro-batch at once (those of one actor run one after another: one thread set)."""
+    trainers' calls of the micro-batch at once (those of one actor run one after another: one thread set). The
+    train stage issues a micro-batch's calls to every agent's trainer at once, so trainers on a node's cores that
+    ask for more threads than it has share them (as the simulation shares them, planner/cores.py)."""
     if cores is None:
         return {}
     workers: dict[tuple, dict[str, int]] = defaultdict(dict)
@@ -207,7 +213,7 @@ def _core_shares(updates, layouts: dict[str, Layout], cores: float | None) -> di
                                updates.column("agent").to_pylist()):
         layout = layouts.get(agent)
         if layout is not None and layout.trainer_on_cores:
-            workers[(step, mb)][layout.trainer or agent] = layout.trainer_threads
+            workers[(step, mb)][_worker(layouts, agent)] = layout.trainer_threads
     return {key: min(1.0, cores / sum(threads.values())) for key, threads in workers.items()}
 
 
@@ -248,8 +254,7 @@ def _train_overhead(updates, layouts: dict[str, Layout]) -> float:
             updates.column("agent").to_pylist(), epoch_seconds(updates.column("stage_started")),
             epoch_seconds(updates.column("stage_ended")), updates.column("compute_seconds").to_pylist()):
         entry = spans.setdefault((step, mb), [end - begin, defaultdict(float)])
-        layout = layouts.get(agent)
-        entry[1][layout.trainer if layout is not None and layout.trainer else agent] += seconds or 0.0
+        entry[1][_worker(layouts, agent)] += seconds or 0.0
     return float(np.median([max(span - max(calls.values(), default=0.0), 0.0) for span, calls in spans.values()]))
 
 

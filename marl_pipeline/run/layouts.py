@@ -33,15 +33,21 @@ def wanted_layouts(config: ExperimentConfig, lengths: dict[str, int]) -> dict[st
             if agent.parallelism_by_length and name in lengths}
 
 
+def _layouts_after(config: ExperimentConfig, read: Callable[..., pa.Table],
+                   keys: list[MicroBatchKey]) -> tuple[dict[str, int | None], dict[str, int]]:
+    """The entries the rollouts of ``keys`` (read by ``read``) call for, and every agent's longest turn in them."""
+    lengths = longest_turns(pa.concat_tables(read("rollouts", key, columns=COLUMNS) for key in keys))
+    return wanted_layouts(config, lengths), lengths
+
+
 def changed_layouts(config: ExperimentConfig, layouts: dict[str, int | None], read: Callable[..., pa.Table],
                     keys: list[MicroBatchKey]) -> tuple[dict[str, int | None], dict[str, int]]:
     """The agents whose layout after the step of ``keys`` (its rollouts, by ``read``) differs from ``layouts``, with
     their new entries, and every agent's longest turn; nothing when no agent has ``parallelism_by_length``."""
     if not any(agent.parallelism_by_length for agent in config.agents.values()):
         return {}, {}
-    lengths = longest_turns(pa.concat_tables(read("rollouts", key, columns=COLUMNS) for key in keys))
-    changed = {agent: index for agent, index in wanted_layouts(config, lengths).items() if index != layouts.get(agent)}
-    return changed, lengths
+    wanted, lengths = _layouts_after(config, read, keys)
+    return {agent: index for agent, index in wanted.items() if index != layouts.get(agent)}, lengths
 
 
 def stored_layouts(store: ExperienceStore, config: ExperimentConfig, step: int) -> dict[str, int | None]:
@@ -51,8 +57,7 @@ def stored_layouts(store: ExperienceStore, config: ExperimentConfig, step: int) 
     keys = [key for key in store.committed_keys(config.run, "rollouts") if key.step == step]
     if not keys:
         return {}  # no rollouts of it here (policies imported, or experience removed): as set
-    return wanted_layouts(config, longest_turns(pa.concat_tables(store.read("rollouts", key, columns=COLUMNS)
-                                                                 for key in keys)))
+    return _layouts_after(config, store.read, keys)[0]
 
 
 def describe(config: ExperimentConfig, agent: str, index: int | None) -> str:
@@ -61,4 +66,3 @@ def describe(config: ExperimentConfig, agent: str, index: int | None) -> str:
     workers = laid.trainer.workers
     return (f"tensor parallel {laid.engine.tensor_parallel_size}, {workers} trainer worker"
             f"{'s' if workers > 1 else ''}")
-
