@@ -5,8 +5,11 @@ time of every other configuration, then run them and compare.
 
 Configurations are the demo's (configs/demo.yaml, evaluation off) varied one setting at a time: streaming and
 synchronous, staleness 0 and 1, 1 and 2 engine replicas, swapped trainers, hybrid agents; or, with ``--team trio``,
-the same variations of three agents relaying a colour (its own calibration launch). The calibration launch is
-``streaming`` (engine and trainer apart, 1 replica, staleness 0); its own step time is reported as in-sample.
+the same variations of three agents relaying a colour (its own calibration launch); or, with ``--team longtail``,
+two agents over three turns (sender, receiver, sender) whose environment replies to every turn after a lognormal
+delay (median 10 ms, sigma 1: a slow reply now and then holds its episode, and its micro-batch). The calibration
+launch is ``streaming`` (engine and trainer apart, 1 replica, staleness 0); its own step time is reported as
+in-sample.
 Step times are ``StepFinished.seconds`` (since the previous step finished), steps 1.. of each launch (step 0
 includes the engines' first batches), predicted the same way. Predictions are written to
 ``<work>/predictions.json`` before the first launch they predict starts.
@@ -58,19 +61,64 @@ def variants(base: dict) -> dict[str, dict]:
 
 
 def base_config(team: str) -> dict:
-    """The demo (evaluation off, each agent's engine and trainer apart), or three agents relaying a colour
-    (``relay_of_three``, registered by the tests' placement module; the demo's pipeline and trainer settings)."""
+    """The demo (evaluation off, each agent's engine and trainer apart); three agents relaying a colour
+    (``relay_of_three``, registered by the tests' placement module; the demo's pipeline and trainer settings); or the
+    long-tail relay (:func:`long_tail_relay`, an observe thread per episode: a reply's seconds are its own)."""
     base = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     base.pop("evaluation", None)
     for agent in base["agents"].values():
         agent.pop("hybrid", None)
+    agent = {"model": "builtin:tiny", "warmup": {"steps": 300, "lr": 0.001}, "trainer": {"lr": 0.001}}
     if team == "trio":
         from tests.test_placement import RelayOfThree
 
-        agent = {"model": "builtin:tiny", "warmup": {"steps": 300, "lr": 0.001}, "trainer": {"lr": 0.001}}
         base |= {"environment": {"name": RelayOfThree.name},
                  "agents": {role: copy.deepcopy(agent) for role in RelayOfThree.turn_order}}
+    elif team == "longtail":
+        env = long_tail_relay()
+        base |= {"environment": {"name": env.name}, "agents": {role: copy.deepcopy(agent) for role in env.turn_order}}
+        base["pipeline"]["rollout"] = {**base["pipeline"].get("rollout", {}), "observe_threads": 256}
     return base
+
+
+def long_tail_relay() -> type:
+    """``relay_long_tail``, registered: the docs' relay (examples/relay_plugin) over three turns, the sender hearing
+    the receiver back, whose ``observe`` sleeps a lognormal delay after every turn."""
+    import math
+    import random
+
+    from examples.relay_plugin.relay_plugin import RelayGame
+    from marl_pipeline.environment import ActionResult, Turn, register_environment
+
+    delays = random.Random(0)
+
+    @register_environment
+    class RelayLongTail(RelayGame):
+        name = "relay_long_tail"
+        turn_order = ("sender", "receiver", "sender")
+
+        def render_prompt(self, role: str, task, transcript: list[Turn]) -> str:
+            if not transcript:
+                return f"say {task['colour']}:"
+            return f"heard {transcript[-1].text.strip()[:20]}:"
+
+        def observe(self, role: str, task, transcript: list[Turn]) -> str:
+            time.sleep(delays.lognormvariate(math.log(0.010), 1.0))
+            return ""
+
+        def execute(self, task, transcript: list[Turn]) -> list[ActionResult]:
+            hit = transcript[2].text.strip() == task["colour"]
+            return [ActionResult("sent", True), ActionResult("passed", True),
+                    ActionResult("match" if hit else "miss", hit)]
+
+        def score(self, task, transcript: list[Turn], results: list[ActionResult]) -> dict[str, float]:
+            return {"sender": float(results[2].success), "receiver": float(results[2].success)}
+
+        def warmup_examples(self, role: str, rng, count: int) -> list[tuple[str, str]]:
+            return [(f"say {t['colour']}:" if role == "sender" and i % 2 else f"heard {t['colour']}:", t["colour"])
+                    for i, t in enumerate(self.sample_tasks(rng, count))]
+
+    return RelayLongTail
 
 
 def launch(data: dict, run: str, store_uri: Path, version0_from: str | None) -> list[float]:
@@ -99,8 +147,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/planner"))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--only", nargs="*", help="Names of the launches to predict and run (default: all).")
-    parser.add_argument("--team", choices=("pair", "trio"), default="pair",
-                        help="pair: the demo's solver and verifier; trio: three agents relaying a colour.")
+    parser.add_argument("--team", choices=("pair", "trio", "longtail"), default="pair",
+                        help="pair: the demo's solver and verifier; trio: three agents relaying a colour; longtail: "
+                             "two agents over three turns with lognormal environment replies.")
     args = parser.parse_args()
 
     import ray

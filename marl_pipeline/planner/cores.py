@@ -71,3 +71,31 @@ class SharedCores:
                 soonest = min(job.work / job.rate for job in self.jobs)
                 yield self._wake | self.env.timeout(soonest)
             self._advance()
+
+
+class SerialWork:
+    """Work queued for one thread on shared cores, computed as it comes: a process whose threads share one
+    interpreter (the driver), beside what it drives. ``busy``: told ``start()`` and ``stop()`` around each job."""
+
+    def __init__(self, cores: SharedCores, busy=None) -> None:
+        self.cores, self.busy, self.backlog = cores, busy, 0.0
+        self._wake = cores.env.event()
+        cores.env.process(self._run())
+
+    def add(self, work: float) -> None:
+        if work > 0:
+            self.backlog += work
+            if not self._wake.triggered:
+                self._wake.succeed()
+
+    def _run(self):
+        while True:
+            if self.backlog <= 0:
+                self._wake = self.cores.env.event()
+                yield self._wake
+            work, self.backlog = self.backlog, 0.0
+            if self.busy is not None:
+                self.busy.start()
+            yield self.cores.compute(work, 1)
+            if self.busy is not None:
+                self.busy.stop()

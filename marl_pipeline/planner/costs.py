@@ -53,6 +53,8 @@ class Turn:
     agent: str
     prompt_tokens: int
     response_tokens: int
+    observe_seconds: float = 0.0
+    """The environment's reply to it (``observe``), which the episode waits for before its next turn."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,9 @@ class Costs:
     episodes: list[list[Turn]] = field(default_factory=list)
     """The workload: the calibration run's episodes, each its turns in order, drawn from for each simulated one."""
     source: str = ""
+    driver_per_turn: float = 0.0
+    """The driver process's own CPU (its rollout, stage and commit threads, Ray's calls from it) per turn, in
+    core-seconds: its CPU over the run's steps spread over their turns (0: a run stored before it was recorded)."""
 
 
 def epoch_seconds(column) -> np.ndarray:
@@ -100,7 +105,7 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], core
     """
     rollouts = store.read_stage(run, "rollouts", columns=[
         "step", "micro_batch", "episode", "turn", "agent", "prompt_ids", "response_ids", "rollout_start",
-        "rollout_end", "engine_seconds", "stage_started", "stage_ended"])
+        "rollout_end", "engine_seconds", "observe_seconds", "stage_started", "stage_ended"])
     updates = store.read_stage(run, "policy_updates", columns=["step", "micro_batch", "agent", "tokens",
                                                                 "compute_seconds", "stage_started", "stage_ended"])
     if rollouts.num_rows == 0 or updates.num_rows == 0:
@@ -111,7 +116,7 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], core
     spans = spans_from_store(store, run, timings)
     busy = {stage: [(span.started, span.ended) for span in spans if span.stage == stage]
             for stage in ("rollouts", "policy_updates")}
-    computed, shares = _computed(rollouts), _core_shares(updates, layouts, cores)
+    computed, shares = _computed(rollouts), _core_shares(updates, layouts, cores, _driver_cores(timings))
     return Costs(
         engines={agent: _engine_costs(rollouts, agent, layouts[agent].engine_threads, busy["policy_updates"])
                  for agent in agents},
@@ -123,7 +128,8 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], core
         rollout_overhead=_rollout_overhead(rollouts),
         train_overhead=_train_overhead(updates, layouts),
         episodes=_episodes(rollouts),
-        source=f"{store.config.uri} run {run}")
+        source=f"{store.config.uri} run {run}",
+        driver_per_turn=_driver_per_turn(rollouts, timings))
 
 
 def _engine_costs(rollouts, agent: str, threads: int, busy: list[tuple[float, float]]) -> EngineCosts:
@@ -133,20 +139,44 @@ def _engine_costs(rollouts, agent: str, threads: int, busy: list[tuple[float, fl
     request's from the rest of the wave's span. One run's waves have one shape (requests, tokens), which does not
     tell a step's fixed part from its part per sequence: the step is taken as fixed (an assumption)."""
     rows = rollouts.filter(pc.equal(rollouts.column("agent"), agent))
-    waves: dict[tuple, list] = defaultdict(lambda: [math.inf, 0.0, 0.0, 0, 0])  # start, end, engine s, n, longest
-    for step, mb, turn, response, seconds, start, end in zip(
+    waves: dict[tuple, list] = defaultdict(lambda: [math.inf, 0.0, 0.0, 0, 0, []])  # start, end, engine s, n,
+    # longest, (steps, engine s) of each request
+    for step, mb, turn, response, seconds, start, end, observed in zip(
             rows.column("step").to_pylist(), rows.column("micro_batch").to_pylist(), rows.column("turn").to_pylist(),
             pc.list_value_length(rows.column("response_ids")).to_pylist(), rows.column("engine_seconds").to_pylist(),
-            epoch_seconds(rows.column("rollout_start")), epoch_seconds(rows.column("rollout_end"))):
+            epoch_seconds(rows.column("rollout_start")), epoch_seconds(rows.column("rollout_end")),
+            rows.column("observe_seconds").to_pylist()):
         wave = waves[(step, mb, turn)]
-        wave[0], wave[1] = min(wave[0], start), max(wave[1], end)
+        wave[0], wave[1] = min(wave[0], start), max(wave[1], end - (observed or 0.0))  # sampled, before its reply
         wave[2] += seconds or 0.0
         wave[3] += 1
         wave[4] = max(wave[4], response)
+        wave[5].append((max(response, 1), seconds or 0.0))
     alone = [w for w in waves.values() if not _overlaps(w[0], w[1], busy)] or list(waves.values())
-    step = float(np.median([w[2] / max(w[4], 1) for w in alone])) * threads
+    step, per_sequence = _step_fit(alone)
     request = float(np.median([max(w[1] - w[0] - w[2], 0.0) / w[3] for w in alone])) * threads
-    return EngineCosts(step, 0.0, 0.0, request)
+    return EngineCosts(step * threads, per_sequence * threads, 0.0, request)
+
+
+def _step_fit(waves: list[list]) -> tuple[float, float]:
+    """A step's seconds ``a + b x sequences`` from its requests' engine seconds: the wave's requests taken in
+    together, the k-th step decodes the n_k of them with at least k tokens, and each is charged its share, so a
+    request of L steps had ``a x sum(1 / n_k, k <= L) + b x L``, fitted over every request (least squares, both
+    at least 0). Waves whose requests all end together do not tell a from b: then the step is taken as fixed."""
+    rows, seconds = [], []
+    for wave in waves:
+        steps = np.array([length for length, _ in wave[5]])
+        decoding = np.array([(steps >= k).sum() for k in range(1, steps.max() + 1)])
+        shares = np.cumsum(1.0 / decoding)
+        for length, engine in wave[5]:
+            rows.append([shares[length - 1], length])
+            seconds.append(engine)
+    fixed = float(np.median([w[2] / max(w[4], 1) for w in waves]))
+    x = np.array(rows)
+    if len(rows) < 3 or np.linalg.matrix_rank(x) < 2:
+        return fixed, 0.0
+    a, b = _nonnegative_fit(x, np.array(seconds))
+    return (a, b) if a + b > 0 else (fixed, 0.0)
 
 
 def _overlaps(start: float, end: float, intervals: list[tuple[float, float]]) -> bool:
@@ -195,17 +225,45 @@ def _trainer_costs(updates, agent: str, layout: Layout, computed: dict[tuple, in
                                            for values in (apply, sync, commit)))
 
 
+def _driver_per_turn(rollouts, timings: dict[tuple, dict]) -> float:
+    """The driver's CPU seconds between an agent's first and last recorded versions (each ``timing.json`` holds the
+    driver's CPU seconds so far, ``driver_cpu_seconds``) over the turns of the steps between them; the median over
+    agents (0 where none has two records)."""
+    steps = set(rollouts.column("step").to_pylist())
+    turns_per_step = rollouts.num_rows / max(len(steps), 1)
+    records: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for (agent, _), record in timings.items():
+        if record.get("driver_cpu_seconds") is not None:
+            records[agent].append((record["step"], record["driver_cpu_seconds"]))
+    rates = []
+    for marks in records.values():
+        (first, before), (last, after) = min(marks), max(marks)
+        if last > first:
+            rates.append((after - before) / (last - first) / max(turns_per_step, 1.0))
+    return float(np.median(rates)) if rates else 0.0
+
+
+def _driver_cores(timings: dict[tuple, dict]) -> float:
+    """The cores the driver kept busy on average between the first and last recorded versions (0: not recorded)."""
+    marks = sorted((record["ended"], record["driver_cpu_seconds"]) for record in timings.values()
+                   if record.get("driver_cpu_seconds") is not None)
+    if len(marks) < 2 or marks[-1][0] <= marks[0][0]:
+        return 0.0
+    return max(marks[-1][1] - marks[0][1], 0.0) / (marks[-1][0] - marks[0][0])
+
+
 def _worker(layouts: dict[str, Layout], agent: str) -> str:
     """The trainer actor an agent's calls ran on (a swapped worker is shared; unknown: the agent's own)."""
     layout = layouts.get(agent)
     return layout.trainer if layout is not None and layout.trainer else agent
 
 
-def _core_shares(updates, layouts: dict[str, Layout], cores: float | None) -> dict[tuple, float]:
+def _core_shares(updates, layouts: dict[str, Layout], cores: float | None, driver: float = 0.0) -> dict[tuple, float]:
     """Per (step, micro-batch): the share of its threads each trainer call on the node's cores had, with the other
-    trainers' calls of the micro-batch at once (those of one actor run one after another: one thread set). The
-    train stage issues a micro-batch's calls to every agent's trainer at once, so trainers on a node's cores that
-    ask for more threads than it has share them (as the simulation shares them, planner/cores.py)."""
+    trainers' calls of the micro-batch at once (those of one actor run one after another: one thread set) and the
+    driver's ``driver`` cores on average. The train stage issues a micro-batch's calls to every agent's trainer at
+    once, so trainers on a node's cores that ask for more threads than it has share them (as the simulation shares
+    them, planner/cores.py)."""
     if cores is None:
         return {}
     workers: dict[tuple, dict[str, int]] = defaultdict(dict)
@@ -214,7 +272,7 @@ def _core_shares(updates, layouts: dict[str, Layout], cores: float | None) -> di
         layout = layouts.get(agent)
         if layout is not None and layout.trainer_on_cores:
             workers[(step, mb)][_worker(layouts, agent)] = layout.trainer_threads
-    return {key: min(1.0, cores / sum(threads.values())) for key, threads in workers.items()}
+    return {key: min(1.0, cores / (sum(threads.values()) + driver)) for key, threads in workers.items()}
 
 
 def _computed(rollouts) -> dict[tuple, int]:
@@ -260,10 +318,11 @@ def _train_overhead(updates, layouts: dict[str, Layout]) -> float:
 
 def _episodes(rollouts) -> list[list[Turn]]:
     turns: dict[tuple, list[tuple[int, Turn]]] = defaultdict(list)
-    for step, mb, episode, turn, agent, prompt, response in zip(
+    for step, mb, episode, turn, agent, prompt, response, observed in zip(
             rollouts.column("step").to_pylist(), rollouts.column("micro_batch").to_pylist(),
             rollouts.column("episode").to_pylist(), rollouts.column("turn").to_pylist(),
             rollouts.column("agent").to_pylist(), pc.list_value_length(rollouts.column("prompt_ids")).to_pylist(),
-            pc.list_value_length(rollouts.column("response_ids")).to_pylist()):
-        turns[(step, mb, episode)].append((turn, Turn(agent, prompt, response)))
+            pc.list_value_length(rollouts.column("response_ids")).to_pylist(),
+            rollouts.column("observe_seconds").to_pylist()):
+        turns[(step, mb, episode)].append((turn, Turn(agent, prompt, response, observed or 0.0)))
     return [[t for _, t in sorted(episode, key=lambda item: item[0])] for _, episode in sorted(turns.items())]

@@ -21,7 +21,7 @@ from marl_pipeline.cluster.placement import PlacementPlan
 from marl_pipeline.cluster.specs import ActorSpec
 from marl_pipeline.config import PipelineConfig
 from marl_pipeline.inference.router import Router
-from marl_pipeline.planner.cores import SharedCores
+from marl_pipeline.planner.cores import SerialWork, SharedCores
 from marl_pipeline.planner.costs import Costs, Turn
 from marl_pipeline.run.queues import StepBarrier, gate_open
 from marl_pipeline.store import MicroBatchKey
@@ -35,6 +35,8 @@ ASSUMPTIONS = (
     "action pool's workers and their scheduling are not simulated)",
     "a colocated agent's engine sleeping and waking, and replicas moved between agents (rebalancing), cost nothing",
     "a trainer on several workers is its rank 0, charged for the whole trainer",
+    "the driver's CPU is charged per turn, on one thread of the first node's cores, as the calibration run spent it "
+    "(its commits and stage threads included); an environment's reply waits its calibrated seconds, on no core",
 )
 
 
@@ -112,9 +114,10 @@ class _Engine:
         self.threads = 1 if device else spec.threads
         self.interpreter = sim.interpreter(spec.agent, replica=spec.index)
         self.version = 0
-        self.waiting: list[list] = []  # [prompt tokens, tokens left, done event, version holder]
+        self.waiting: list[list] = []  # [prompt tokens, tokens left, done event]
         self.running: list[list] = []
         self.syncs: list[tuple[float, int, simpy.Event]] = []
+        self.before_sync = 0  # requests that came before the pending sync: taken in by the next step
         self.wake = sim.env.event()
         self.busy = sim.busy[spec.name]
         sim.env.process(self._loop())
@@ -127,6 +130,8 @@ class _Engine:
 
     def sync(self, seconds: float, version: int) -> simpy.Event:
         done = self.sim.env.event()
+        if not self.syncs:
+            self.before_sync = len(self.waiting)
         self.syncs.append((seconds, version, done))
         self._poke()
         return done
@@ -138,16 +143,20 @@ class _Engine:
     def _loop(self):
         env = self.sim.env
         while True:
-            while self.syncs:
+            if self.syncs and not self.running and not self.before_sync:  # drained: the reload
                 seconds, version, done = self.syncs.pop(0)
                 yield env.timeout(seconds)
                 self.version = version
                 done.succeed()
-            if not self.waiting and not self.running:
+                continue
+            # As the engine's loop: a pending reload holds the requests that came after it, while those in flight
+            # (and taken in before it) finish on the old version.
+            taken = self.before_sync if self.syncs else len(self.waiting)
+            admitted, self.waiting, self.before_sync = self.waiting[:taken], self.waiting[taken:], 0
+            if not admitted and not self.running:
                 self.wake = env.event()
                 yield self.wake
                 continue
-            admitted, self.waiting = self.waiting, []
             self.running += admitted
             work = (self.costs.step + self.costs.per_sequence * len(self.running)
                     + self.costs.per_prompt_token * sum(request[0] for request in admitted)
@@ -177,7 +186,8 @@ class _Simulation:
         self.served_at: dict[str, dict[int, float]] = {agent: {0: 0.0} for agent in self.agents}
         self.committed = dict.fromkeys(self.agents, 0)
         self.served_changed = env.event()
-        self.cores = _place(plan, nodes, env)
+        self.cores, head = _place(plan, nodes, env)
+        self.driver = SerialWork(head, self.busy["driver"])  # one interpreter: one thread of the head's cores
         self.hybrid = {spec.agent for spec in plan.specs if spec.role == "agent-process"}
         self._interpreters: dict[str, simpy.Resource] = {}
         self.engines = {agent: [_Engine(self, spec.parts[0] if spec.parts else spec, costs.engines[agent],
@@ -257,12 +267,15 @@ class _Simulation:
                 yield self.released_replica[turn.agent]
             started = self.env.now
             engine = self.engines[turn.agent][replica]
+            self.driver.add(self.costs.driver_per_turn)  # beside the turn, not before it
             version = yield engine.generate(turn)
             router.release(replica)
             waiting, self.released_replica[turn.agent] = self.released_replica[turn.agent], self.env.event()
             waiting.succeed()
             self.decisions.append(Decision(step, mb, e, index, turn.agent, replica, version, started, self.env.now))
             self.tokens[(step, mb)][turn.agent] += turn.prompt_tokens + turn.response_tokens
+            if turn.observe_seconds:  # the environment's reply, before the episode's next turn
+                yield self.env.timeout(turn.observe_seconds)
         for router in self.routers.values():
             router.forget(key)
 
@@ -347,10 +360,11 @@ class _Simulation:
 
 
 def _place(plan: PlacementPlan, nodes: list[dict[str, float]],
-           env: simpy.Environment) -> dict[str, tuple[SharedCores, bool]]:
+           env: simpy.Environment) -> tuple[dict[str, tuple[SharedCores, bool]], SharedCores]:
     """Where each spec computes: an actor on GPUs on a device of its own (one a placement group: a colocated agent's
     engine and trainer share theirs), whose costs are device-seconds; any other on the cores of the node the plan
-    put it on, whose costs are core-seconds. With whether it is a device (a job there runs on one thread)."""
+    put it on, whose costs are core-seconds. With whether it is a device (a job there runs on one thread); and the
+    first node's cores, where the driver runs (Ray's head)."""
     shared = [SharedCores(env, node.get("CPU", 1.0)) for node in nodes]
     devices: dict[str, SharedCores] = {}
     placed = {}
@@ -361,7 +375,7 @@ def _place(plan: PlacementPlan, nodes: list[dict[str, float]],
             placed[spec.name] = (devices.setdefault(key, SharedCores(env, 1.0)), True)
         else:  # a hybrid agent's process is where the plan put its engine
             placed[spec.name] = (shared[plan.node_of[(spec.parts[0] if spec.parts else spec).name]], False)
-    return placed
+    return placed, shared[0]
 
 
 def simulate(plan: PlacementPlan, pipeline: PipelineConfig, costs: Costs, nodes: list[dict[str, float]],

@@ -314,7 +314,7 @@ class Orchestrator:
                 upload = ray.get(pending.saved)
                 timing = StageTiming(pending.enqueued, started, time.time())
                 record = json.dumps({"step": pending.step, **asdict(timing), "apply_seconds": applied - started,
-                                     "sync_seconds": synced - applied,
+                                     "sync_seconds": synced - applied, "driver_cpu_seconds": time.process_time(),
                                      "engine_asleep": self.turns.last_turn(agent), **asdict(result)}).encode()
                 self.recent.flush()  # the step's partitions are durable before the version that trained on them
                 path = self.store.publish_policy(upload, {"timing.json": record})

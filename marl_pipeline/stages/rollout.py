@@ -118,10 +118,10 @@ def append_turn(columns: dict[str, list], key: MicroBatchKey, task: Task, prompt
                 episode: int, turn: int, role: str, prompt: str, completion: Completion, version: int,
                 start: datetime, end: datetime, observation: str | None, error: str | None,
                 status: str | None = None, engine: str | None = None, adapter: str | None = None,
-                group: tuple[int, int] = (0, 0)) -> None:
+                group: tuple[int, int] = (0, 0), observe_seconds: float | None = None) -> None:
     """One turn's row; ``status`` defaults to ``ok``, or ``observe_failed`` when there is an ``error``; ``engine``
     names the replica that served it (default ``<role>/0``), ``adapter`` the named adapter it used, ``group`` its
-    group's (shortfall, dropped episodes)."""
+    group's (shortfall, dropped episodes), ``observe_seconds`` how long the environment's reply took."""
     input_id = f"{key.step}-{key.micro_batch}-{prompt_index}"  # the prompt's n episodes are its GRPO group
     row = {
         "sample_id": f"{input_id}_{turn}_{trajectory}", "episode": episode, "task_id": str(task["id"]),
@@ -131,6 +131,7 @@ def append_turn(columns: dict[str, list], key: MicroBatchKey, task: Task, prompt
         "prompt_ids": completion.prompt_ids, "response_ids": completion.response_ids,
         "logprobs": completion.logprobs, "finish_reason": completion.finish_reason, "observation": observation,
         "rollout_start": start, "rollout_end": end, "engine_seconds": completion.engine_seconds,
+        "observe_seconds": observe_seconds,
         "group_shortfall": group[0], "group_dropped": group[1],
         "status": status or ("ok" if error is None else "observe_failed"),
         "error": error, "agent": role,

@@ -173,7 +173,7 @@ class _MicroBatch:
 
     def _failure(self, e: int) -> str | None:
         """Why an ended episode failed (its time limit, or a reply that raised); None: it finished."""
-        return self.timed_out.get(e) or next((fields[-1] for fields in self.finished[e] if fields[-1]), None)
+        return self.timed_out.get(e) or next((fields[-2] for fields in self.finished[e] if fields[-2]), None)
 
     async def _ended(self, e: int) -> None:
         """Counts a finished episode to its group; the group's n-th cuts the group's others (over-sampling)."""
@@ -222,10 +222,12 @@ class _MicroBatch:
             # Kept before the reply comes: a turn sampled and then cut while its reply ran is stored too.
             fields = (turn, role, self.chats.prompt_text(role, request), completion, sampled.version, start,
                       f"{role}/{replica}")
-            self.finished[e].append((*fields, datetime.now(UTC), None, None))
+            sampled_at = datetime.now(UTC)
+            self.finished[e].append((*fields, sampled_at, None, None, None))
             observation, error = await self._observe(role, task, [*transcript, Turn(role, completion.text)])
             transcript.append(Turn(role, completion.text, observation))
-            self.finished[e][-1] = (*fields, datetime.now(UTC), observation, error)
+            end = datetime.now(UTC)
+            self.finished[e][-1] = (*fields, end, observation, error, (end - sampled_at).total_seconds())
             self.replied[e] += 1
 
     async def _generate(self, e: int, role: str, request_id: str,
@@ -299,13 +301,14 @@ class _MicroBatch:
         # per prompt: (n minus its finished episodes, or 0; its dropped episodes)
         groups = [(max(0, self.n - len(done)), sum(x in self.dropped for x in group))
                   for done, group in zip(self.done, self.groups)]
-        for _, e, (turn, role, prompt, completion, version, start, engine, end, observation, error) in rows:
+        for _, e, (turn, role, prompt, completion, version, start, engine, end, observation, error, observed) in rows:
             p, trajectory, task = self.episodes[e]
             timed_out, dropped = self.timed_out.get(e), self.dropped.get(e)
             status = "dropped" if dropped else "timeout" if timed_out else None
             append_turn(columns, self.key, task, p, trajectory, e, turn, role, prompt, completion, version,
                         start, end, observation, dropped or error or timed_out, status=status,
-                        engine=engine, adapter=self.adapters[turn], group=groups[p])
+                        engine=engine, adapter=self.adapters[turn], group=groups[p],
+                        observe_seconds=observed if hooks_of(self.env).observe is not None else None)
         return pa.table(columns, schema=with_agent(ROLLOUTS))
 
 

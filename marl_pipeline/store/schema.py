@@ -20,7 +20,7 @@ from collections.abc import Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 SCHEMA_CHANGES = {
     1: "first version",
     2: "environment_start/environment_end and reward_start/reward_end: timestamps of every stage",
@@ -34,9 +34,10 @@ SCHEMA_CHANGES = {
        "health.dropped_episodes: groups short of n finished episodes, and episodes over-sampling dropped "
        "(null: older); the services dataset (one row per external service and step)",
     10: "health.reward_mean: the agent's mean reward in the step, for the windowed collapse rule (null: older)",
+    11: "rollouts.observe_seconds: how long the environment's reply to the turn took (null: no observe, or older)",
 }
 # Versions whose files this code reads: each change so far only added columns, null or derived in older files.
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
 SCHEMA_VERSION_KEY = b"marl_pipeline.schema_version"
 
 PARTITION_SCHEMA = pa.schema(
@@ -74,6 +75,7 @@ ROLLOUTS = pa.schema(
         pa.field("rollout_start", pa.timestamp("us", tz="UTC")),
         pa.field("rollout_end", pa.timestamp("us", tz="UTC")),
         pa.field("engine_seconds", pa.float32()),  # its share of the engine steps that computed it; null: not measured
+        pa.field("observe_seconds", pa.float32()),  # the environment's reply to it (observe); null: none
         # The turn's group, the same on each of its rows: n (samples_per_prompt) minus its episodes that finished
         # (0: a full group), and its episodes over-sampling dropped (pipeline.rollout.oversample); null: older
         pa.field("group_shortfall", pa.int32()),
@@ -141,6 +143,7 @@ STAGE_TIMING = [pa.field(name, pa.timestamp("us", tz="UTC"))
 OPTIONAL_COLUMNS = frozenset([field.name for field in STAGE_TIMING]
                              + ["observation", "model_score", "mismatch_abs_logprob", "mismatch_ratio_std",
                                 "dropped_rows", "adapter", "grad_norm", "compute_seconds", "engine_seconds",
+                                "observe_seconds",
                                 "trainer_tokens_per_s", "mfu", "group_shortfall", "group_dropped"])
 # Columns a commit refuses null values in: a reader takes a null group_id for a row written before it existed.
 NON_NULL_COLUMNS = frozenset(["group_id"])
