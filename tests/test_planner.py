@@ -209,3 +209,108 @@ def test_the_calibration_counts_the_cores_a_trainer_call_had_and_a_swapped_worke
     assert _train_overhead(two, swapped) == pytest.approx(0.1, abs=1e-6)
     assert _train_overhead(two, {agent: Layout(1, 1, 1, f"{agent}/trainer", True) for agent in "ab"}) == (
         pytest.approx(0.3, abs=1e-6))
+
+
+def test_a_reload_waits_for_the_requests_in_flight_and_holds_the_ones_after_it() -> None:
+    """As the engine's loop (inference/async_engine.py): a weight sync asked for while a request decodes waits until
+    it is done (on the old version); a request sent meanwhile waits for the reload and samples the new one."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from marl_pipeline.cluster.specs import ActorSpec
+    from marl_pipeline.planner.simulate import _Busy, _Engine
+
+    env = simpy.Environment()
+    sim = SimpleNamespace(env=env, busy=defaultdict(lambda: _Busy(env)),
+                          interpreter=lambda agent, replica: simpy.Resource(env, 1))
+    spec = ActorSpec("solver/engine", "engine", "solver", 0, cpus=1.0, gpus=0.0)
+    engine = _Engine(sim, spec, EngineCosts(step=1.0, per_sequence=0.0, per_prompt_token=0.0),
+                     (SharedCores(env, 1), False))
+    done: dict[str, tuple[float, int]] = {}
+
+    def request(name: str, at: float, tokens: int):
+        yield env.timeout(at)
+        version = yield engine.generate(Turn("solver", 4, tokens), 0)
+        done[name] = (env.now, version)
+
+    def sync(at: float):
+        yield env.timeout(at)
+        yield engine.sync(0.5, 1)
+        done["sync"] = (env.now, 1)
+
+    env.process(request("in flight", 0.0, 3))  # steps end at 1, 2, 3
+    env.process(sync(0.5))
+    env.process(request("after the sync", 0.6, 1))
+    env.run()
+    assert done["in flight"] == (3.0, 0)  # not cut by the reload: it finishes on version 0
+    assert done["sync"] == (3.5, 1)  # the reload, once nothing runs
+    assert done["after the sync"] == (4.5, 1)  # held until then, then one step on version 1
+
+
+def test_an_engine_step_is_fitted_as_fixed_and_per_sequence_from_its_requests_finishing() -> None:
+    """A wave's requests taken in together share each step while they decode, so one that ends early was charged
+    bigger shares of fewer steps: from their engine seconds, a step's a + b x sequences comes back. A wave whose
+    requests all end together cannot tell a from b: its step is taken as fixed."""
+    import pyarrow as pa
+
+    from marl_pipeline.planner.costs import _engine_costs
+
+    def rollouts(waves: list[list[int]], a: float, b: float, staggered: int = 0) -> pa.Table:
+        """Each wave's requests sent together at its start, and ``staggered`` more in a second turn sent one by one
+        (0.1 s apart, each alone in the engine: 3 steps, 0.004 s of its own work, a reply of 0.05 s)."""
+        rows = []
+        for index, lengths in enumerate(waves):
+            decoding = [sum(length >= k for length in lengths) for k in range(1, max(lengths) + 1)]
+            for length in lengths:
+                seconds = sum((a + b * n) / n for n in decoding[:length])
+                rows.append({"step": index, "micro_batch": 0, "turn": 0, "agent": "solver",
+                             "response_ids": [1] * length, "engine_seconds": seconds, "observe_seconds": None,
+                             "rollout_start": index * 10.0, "rollout_end": index * 10.0 + sum(
+                                 a + b * n for n in decoding) + 0.001 * len(lengths)})
+            for k in range(staggered):
+                sent = index * 10.0 + 5.0 + 0.1 * k
+                rows.append({"step": index, "micro_batch": 0, "turn": 1, "agent": "solver", "response_ids": [1] * 3,
+                             "engine_seconds": 3 * (a + b), "observe_seconds": 0.05,
+                             "rollout_start": sent, "rollout_end": sent + 3 * (a + b) + 0.004 + 0.05})
+        stamp = pa.timestamp("us", tz="UTC")
+        table = pa.Table.from_pylist(rows)
+        return table.set_column(table.schema.get_field_index("rollout_start"), "rollout_start", pa.array(
+            [int(t * 1e6) for t in table["rollout_start"].to_pylist()], stamp)).set_column(
+            table.schema.get_field_index("rollout_end"), "rollout_end", pa.array(
+                [int(t * 1e6) for t in table["rollout_end"].to_pylist()], stamp))
+
+    varied = [[1, 2, 2, 3, 5, 8] * 8, [1, 1, 4, 6] * 10]
+    fitted = _engine_costs(rollouts(varied, a=0.01, b=0.0005, staggered=6), "solver", threads=2, busy=[])
+    assert (fitted.step, fitted.per_sequence) == pytest.approx((0.02, 0.001), rel=1e-3)  # core-seconds: x 2 threads
+    # a request's own work, by its turn: the first turns' wave's span beyond its steps, a request; the second turn's
+    # requests one by one, their time in flight (replies and the gaps between them left out) beyond their steps
+    assert fitted.per_request_by_turn == pytest.approx((0.002, 0.008), rel=1e-2)
+    assert (fitted.request(0), fitted.request(1), fitted.request(5)) == pytest.approx(
+        (0.002, 0.008, fitted.per_request), rel=1e-3)
+    alike = _engine_costs(rollouts([[3] * 16], a=0.01, b=0.0005), "solver", threads=1, busy=[])
+    assert (alike.step, alike.per_sequence) == pytest.approx((0.01 + 16 * 0.0005, 0.0))
+
+
+def test_the_driver_computes_beside_the_turns_and_a_reply_holds_its_episode(demo_config_data: dict) -> None:
+    """The driver's CPU per turn takes a thread of the head node's cores, so on cores the actors fill it lengthens
+    the step, on idle ones not; an environment's reply delays its episode's next turn by its seconds."""
+    from dataclasses import replace
+
+    config = _config(demo_config_data)
+
+    def step(costs: Costs, cpus: float) -> tuple[float, dict]:
+        nodes = [{"CPU": cpus}]
+        prediction = simulate(plan_placement(config, nodes), config.pipeline, costs, nodes, steps=2)
+        return prediction.mean_step_seconds, prediction.busy
+
+    alone, busy = step(_costs(), 2.0)
+    assert busy["driver"] == 0
+    driven, busy = step(replace(_costs(), driver_per_turn=0.002), 2.0)
+    assert driven > alone and 0 < busy["driver"] < 1
+    assert step(replace(_costs(), driver_per_turn=0.002), 64.0)[0] == pytest.approx(step(_costs(), 64.0)[0], rel=0.02)
+    replied = [[Turn("solver", 40, 4, observe_seconds=0.3), Turn("verifier", 60, 2)]] * 64
+    slow = simulate(plan_placement(config, [{"CPU": 2.0}]), config.pipeline, _costs(replied), [{"CPU": 2.0}], steps=2)
+    first = {(d.step, d.micro_batch, d.episode): d for d in slow.decisions if d.turn == 0}
+    for d in slow.decisions:
+        if d.turn == 1:
+            assert d.started >= first[(d.step, d.micro_batch, d.episode)].ended + 0.3 - 1e-9

@@ -34,6 +34,15 @@ def test_a_stored_launch_calibrates_the_simulation_which_replays_it(local_ray, d
     rollouts = store.read_stage(config.run, "rollouts", columns=["step", "agent", "policy_version"])
     assert len(costs.episodes) == 3 * 2 * 4 * 4  # every stored episode is the workload, in its turns
     assert sum(len(episode) for episode in costs.episodes) == rollouts.num_rows
+    # the driver's CPU, recorded with each version, spread over the turns between the first and last one kept
+    per_turn = []
+    for agent in ("solver", "verifier"):
+        first, last = (json.loads(store.policy_file(config.run, agent, version, "timing.json")) for version in (2, 3))
+        spent = last["driver_cpu_seconds"] - first["driver_cpu_seconds"]
+        assert spent > 0 and (first["step"], last["step"]) == (1, 2)
+        per_turn.append(spent / (rollouts.num_rows / 3))
+    assert costs.driver_per_turn == pytest.approx(sum(per_turn) / 2)
+    assert all(turn.observe_seconds == 0 for episode in costs.episodes for turn in episode)  # the demo: no observe
 
     _, prediction = predict(config, nodes, costs)
     # the simulated launch samples the stored launch's turns, each at the version the stored one used (staleness 0:

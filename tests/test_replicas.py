@@ -138,6 +138,8 @@ def test_a_weight_update_mid_rollout_records_the_version_that_sampled_each_turn(
             assert row["policy_version"] == 1
         if row["rollout_end"].timestamp() < sync_started:
             assert row["policy_version"] == 0
+        # the environment's reply is timed apart from the sampling (the planner replays it): at least its sleep
+        assert 0.3 <= row["observe_seconds"] <= (row["rollout_end"] - row["rollout_start"]).total_seconds()
     by_episode: dict[int, list[dict]] = {}
     for row in sorted(rows, key=lambda r: r["turn"]):
         by_episode.setdefault(row["episode"], []).append(row)

@@ -32,6 +32,12 @@ class EngineCosts:
     per_sequence: float
     per_prompt_token: float
     per_request: float = 0.0
+    per_request_by_turn: tuple[float, ...] = ()
+    """``per_request`` by the turn's place in its episode, where the calibration run had it: a micro-batch's first
+    turns go out together, later ones one by one as their episodes' replies come (one call each: dearer)."""
+
+    def request(self, turn: int) -> float:
+        return self.per_request_by_turn[turn] if turn < len(self.per_request_by_turn) else self.per_request
 
 
 @dataclass(frozen=True)
@@ -132,46 +138,69 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], core
         driver_per_turn=_driver_per_turn(rollouts, timings))
 
 
+TOGETHER_S = 0.01
+"""A wave whose requests were all sent within this is taken as sent together (a micro-batch's first turns: one turn
+of the rollout's event loop sends them a few microseconds apart, within 2-3 ms for 256)."""
+
+
+@dataclass
+class _Wave:
+    """A micro-batch's turns of one index for one agent: (sent, sampled, steps, engine seconds) of each request."""
+
+    requests: list[tuple[float, float, int, float]] = field(default_factory=list)
+
+    def busy(self) -> float:
+        """The seconds some request of it was in flight (their intervals' union: later turns' requests come as
+        their episodes' replies do, with gaps between them)."""
+        total, reach = 0.0, -math.inf
+        for sent, sampled, _, _ in sorted(self.requests):
+            total += max(sampled - max(sent, reach), 0.0)
+            reach = max(reach, sampled)
+        return total
+
+
 def _engine_costs(rollouts, agent: str, threads: int, busy: list[tuple[float, float]]) -> EngineCosts:
-    """From the agent's turn waves (a micro-batch's turns of one index: its requests sent together) that ran while
-    no trainer computed (``busy``: the trainers' intervals), so their seconds are the engine's alone: a step's
-    seconds from the engine's own (each turn's share of the steps, summed, over the wave's longest response), a
-    request's from the rest of the wave's span. One run's waves have one shape (requests, tokens), which does not
-    tell a step's fixed part from its part per sequence: the step is taken as fixed (an assumption)."""
+    """From the agent's turn waves (a micro-batch's turns of one index) that ran while no trainer computed (``busy``:
+    the trainers' intervals), so their seconds are the engine's alone: a step's fixed part and part per sequence
+    from the requests' engine seconds of the waves sent together (:func:`_step_fit`; all waves where none was), a
+    request's own work, by its turn in the episode, from the rest of the time the wave had requests in flight
+    (sampled: a turn's span less its environment's reply)."""
     rows = rollouts.filter(pc.equal(rollouts.column("agent"), agent))
-    waves: dict[tuple, list] = defaultdict(lambda: [math.inf, 0.0, 0.0, 0, 0, []])  # start, end, engine s, n,
-    # longest, (steps, engine s) of each request
+    waves: dict[tuple, _Wave] = defaultdict(_Wave)
     for step, mb, turn, response, seconds, start, end, observed in zip(
             rows.column("step").to_pylist(), rows.column("micro_batch").to_pylist(), rows.column("turn").to_pylist(),
             pc.list_value_length(rows.column("response_ids")).to_pylist(), rows.column("engine_seconds").to_pylist(),
             epoch_seconds(rows.column("rollout_start")), epoch_seconds(rows.column("rollout_end")),
             rows.column("observe_seconds").to_pylist()):
-        wave = waves[(step, mb, turn)]
-        wave[0], wave[1] = min(wave[0], start), max(wave[1], end - (observed or 0.0))  # sampled, before its reply
-        wave[2] += seconds or 0.0
-        wave[3] += 1
-        wave[4] = max(wave[4], response)
-        wave[5].append((max(response, 1), seconds or 0.0))
-    alone = [w for w in waves.values() if not _overlaps(w[0], w[1], busy)] or list(waves.values())
-    step, per_sequence = _step_fit(alone)
-    request = float(np.median([max(w[1] - w[0] - w[2], 0.0) / w[3] for w in alone])) * threads
-    return EngineCosts(step * threads, per_sequence * threads, 0.0, request)
+        waves[(step, mb, turn)].requests.append((start, end - (observed or 0.0), max(response, 1), seconds or 0.0))
+    alone = [w for w in waves.values() if not _overlaps(min(r[0] for r in w.requests),
+                                                        max(r[1] for r in w.requests), busy)] or list(waves.values())
+    together = [w for w in alone if max(r[0] for r in w.requests) - min(r[0] for r in w.requests) < TOGETHER_S]
+    step, per_sequence = _step_fit(together or alone)
+    beyond = {key: max(w.busy() - sum(r[3] for r in w.requests), 0.0) / len(w.requests) * threads
+              for key, w in waves.items() if any(w is a for a in alone)}
+    by_turn = defaultdict(list)
+    for (_, _, turn), seconds in beyond.items():
+        by_turn[turn].append(seconds)
+    turns = max(by_turn) + 1
+    return EngineCosts(step * threads, per_sequence * threads, 0.0, float(np.median(list(beyond.values()))),
+                       tuple(float(np.median(by_turn[t])) if by_turn[t] else 0.0 for t in range(turns)))
 
 
-def _step_fit(waves: list[list]) -> tuple[float, float]:
+def _step_fit(waves: list[_Wave]) -> tuple[float, float]:
     """A step's seconds ``a + b x sequences`` from its requests' engine seconds: the wave's requests taken in
     together, the k-th step decodes the n_k of them with at least k tokens, and each is charged its share, so a
     request of L steps had ``a x sum(1 / n_k, k <= L) + b x L``, fitted over every request (least squares, both
     at least 0). Waves whose requests all end together do not tell a from b: then the step is taken as fixed."""
     rows, seconds = [], []
     for wave in waves:
-        steps = np.array([length for length, _ in wave[5]])
+        steps = np.array([r[2] for r in wave.requests])
         decoding = np.array([(steps >= k).sum() for k in range(1, steps.max() + 1)])
         shares = np.cumsum(1.0 / decoding)
-        for length, engine in wave[5]:
+        for _, _, length, engine in wave.requests:
             rows.append([shares[length - 1], length])
             seconds.append(engine)
-    fixed = float(np.median([w[2] / max(w[4], 1) for w in waves]))
+    fixed = float(np.median([sum(r[3] for r in w.requests) / max(r[2] for r in w.requests) for w in waves]))
     x = np.array(rows)
     if len(rows) < 3 or np.linalg.matrix_rank(x) < 2:
         return fixed, 0.0

@@ -3,8 +3,9 @@
 Not a model of RL pipelines in general: the decisions are the orchestrator's own functions, imported. The
 staleness gate and the synchronous step barrier (``run/queues.py``), sticky least-outstanding routing over an
 agent's replicas (``inference/router.py``), one publisher per agent syncing its replicas one at a time (each
-draining while it loads), the trainer worker serving swapped agents (its spec's ``loads``), the threads each spec
-computes on and the node's cores they share (planner/cores.py). Work is charged from costs fitted to a stored run
+draining while it loads: a reload waits for the requests in flight), the trainer worker serving swapped agents
+(its spec's ``loads``), the threads each spec computes on and the node's cores they share with each other and the
+driver process (planner/cores.py). Work is charged from costs fitted to a stored run
 (planner/costs.py); its episodes are replayed as the workload.
 
 What it leaves out is said in ``Prediction.assumptions``.
@@ -114,7 +115,7 @@ class _Engine:
         self.threads = 1 if device else spec.threads
         self.interpreter = sim.interpreter(spec.agent, replica=spec.index)
         self.version = 0
-        self.waiting: list[list] = []  # [prompt tokens, tokens left, done event]
+        self.waiting: list[list] = []  # [prompt tokens, tokens left, done event, its own work]
         self.running: list[list] = []
         self.syncs: list[tuple[float, int, simpy.Event]] = []
         self.before_sync = 0  # requests that came before the pending sync: taken in by the next step
@@ -122,9 +123,9 @@ class _Engine:
         self.busy = sim.busy[spec.name]
         sim.env.process(self._loop())
 
-    def generate(self, turn: Turn) -> simpy.Event:
+    def generate(self, turn: Turn, index: int) -> simpy.Event:
         done = self.sim.env.event()
-        self.waiting.append([turn.prompt_tokens, max(turn.response_tokens, 1), done])
+        self.waiting.append([turn.prompt_tokens, max(turn.response_tokens, 1), done, self.costs.request(index)])
         self._poke()
         return done
 
@@ -160,7 +161,7 @@ class _Engine:
             self.running += admitted
             work = (self.costs.step + self.costs.per_sequence * len(self.running)
                     + self.costs.per_prompt_token * sum(request[0] for request in admitted)
-                    + self.costs.per_request * len(admitted))
+                    + sum(request[3] for request in admitted))
             self.busy.start()
             with self.interpreter.request() as held:  # a hybrid agent's trainer shares this process's
                 yield held
@@ -268,7 +269,7 @@ class _Simulation:
             started = self.env.now
             engine = self.engines[turn.agent][replica]
             self.driver.add(self.costs.driver_per_turn)  # beside the turn, not before it
-            version = yield engine.generate(turn)
+            version = yield engine.generate(turn, index)
             router.release(replica)
             waiting, self.released_replica[turn.agent] = self.released_replica[turn.agent], self.env.event()
             waiting.succeed()
