@@ -44,8 +44,8 @@ class EngineCosts:
 class TrainerCosts:
     """One trainer call on a micro-batch: ``call + per_token x tokens`` core-seconds. A step's end: the optimizer
     step (``apply`` seconds), then the weights synced into each engine replica in turn (``sync_per_replica``
-    seconds each) while the trainer saves the version, then the commit (``commit`` seconds from the sync's end,
-    the save included); the trainer takes no other call until its save is done."""
+    core-seconds each, on the engine's cores) while the trainer saves the version, then the commit (``commit``
+    seconds from the sync's end, the save included); the trainer takes no other call until its save is done."""
 
     call: float
     per_token: float

@@ -38,6 +38,8 @@ ASSUMPTIONS = (
     "a trainer on several workers is its rank 0, charged for the whole trainer",
     "the driver's CPU is charged per turn, on one thread of the first node's cores, as the calibration run spent it "
     "(its commits and stage threads included); an environment's reply waits its calibrated seconds, on no core",
+    "a weight sync's calibrated seconds are one thread's work on the engine's cores (the trainer's side of it is "
+    "not charged), as measured beside the other agents' syncs",
 )
 
 
@@ -144,9 +146,11 @@ class _Engine:
     def _loop(self):
         env = self.sim.env
         while True:
-            if self.syncs and not self.running and not self.before_sync:  # drained: the reload
-                seconds, version, done = self.syncs.pop(0)
-                yield env.timeout(seconds)
+            if self.syncs and not self.running and not self.before_sync:  # drained: the reload, on this engine's
+                seconds, version, done = self.syncs.pop(0)  # cores (vLLM's CPU backend re-packs the weights)
+                self.busy.start()
+                yield self.cores.compute(seconds, 1)
+                self.busy.stop()
                 self.version = version
                 done.succeed()
                 continue
