@@ -58,7 +58,8 @@ def micro_batch_table(rows: int, tokens: int, seed: int) -> pa.Table:
         "finish_reason": pa.array(["stop"] * rows), "observation": pa.array([None] * rows, pa.string()),
         "rollout_start": pa.array([now] * rows, pa.timestamp("us", "UTC")),
         "rollout_end": pa.array([now] * rows, pa.timestamp("us", "UTC")),
-        "engine_seconds": pa.array([None] * rows, pa.float32()), "group_shortfall": pa.array([0] * rows, pa.int32()),
+        "engine_seconds": pa.array([None] * rows, pa.float32()),
+        "observe_seconds": pa.array([None] * rows, pa.float32()), "group_shortfall": pa.array([0] * rows, pa.int32()),
         "group_dropped": pa.array([0] * rows, pa.int32()), "status": pa.array(["ok"] * rows),
         "error": pa.array([None] * rows, pa.string()), "agent": pa.array([AGENTS[i * 2 // rows] for i in index]),
     }

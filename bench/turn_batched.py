@@ -6,6 +6,7 @@ rows as the production rollout (stages/trajectories.py), so the two can be compa
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from datetime import UTC, datetime
 
@@ -13,6 +14,7 @@ import pyarrow as pa
 import ray
 
 from marl_pipeline.environment import Environment, Turn
+from marl_pipeline.hooks import hooks_of
 from marl_pipeline.stages.rollout import (
     RolloutSettings,
     append_turn,
@@ -44,10 +46,13 @@ def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHand
             [settings.request(request, seed, adapters[turn]) for request, seed in zip(requests, seeds)]))
         for e, ((p, trajectory, task), request, completion) in enumerate(zip(episodes, requests, completions)):
             chats.record(e, role, completion.text, completion.response_ids)
+            replied = time.perf_counter()
             observation, error = observe_reply(env, role, task, [*transcripts[e], Turn(role, completion.text)])
+            observed = time.perf_counter() - replied if hooks_of(env).observe is not None else None
             transcripts[e].append(Turn(role, completion.text, observation))
             append_turn(columns, key, task, p, trajectory, e, turn, role, chats.prompt_text(role, request),
-                        completion, version, start, datetime.now(UTC), observation, error, adapter=adapters[turn])
+                        completion, version, start, datetime.now(UTC), observation, error, adapter=adapters[turn],
+                        observe_seconds=observed)
     failed = {e for e, status in zip(columns["episode"], columns["status"]) if status != "ok"}
     short = Counter(episodes[e][0] for e in failed)  # per prompt: its episodes that did not finish
     columns["group_shortfall"] = [short[episodes[e][0]] for e in columns["episode"]]

@@ -52,6 +52,7 @@ def write_run(store: ExperienceStore, run: str = "r", steps: int = 2, micro_batc
                         "logprobs": [list(-rng.random(3)) for _ in turns], "finish_reason": ["stop"] * n,
                         "observation": [None] * n,
                         "rollout_start": [now] * n, "rollout_end": [now] * n, "engine_seconds": [None] * n,
+                        "observe_seconds": [None] * n,
                         "group_shortfall": [0] * n, "group_dropped": [0] * n,
                         "status": ["ok"] * n, "error": [None] * n}
             results = {**common, "outcome": ["right"] * n, "success": [True] * n, "observation": [""] * n,

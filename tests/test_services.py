@@ -27,8 +27,10 @@ def _calls(count: int, cost: float) -> int:
 def _burst(local_ray, proxy: QuotaProxy, scheduled: bool) -> tuple[dict, float, float]:
     from marl_pipeline.services import scheduler
 
+    # Callers on their own race for the quota: retries enough that none gives up (5 tries did, once in a suite),
+    # each wait at most 2 s.
     settings = ServiceConfig(base_url=proxy.url, requests_per_second=10, concurrency=8, scheduled=scheduled,
-                             backoff_s=0.2)
+                             backoff_s=0.2, retries=10, max_backoff_s=2.0)
     handles = scheduler.start_services({"api": settings})
     try:
         remote = local_ray.remote(num_cpus=0)(_calls)

@@ -98,11 +98,12 @@ def test_the_stored_rows_are_those_of_the_turn_batched_rollout(engines) -> None:
     key, env = MicroBatchKey("same", 2, 1), TimedReplies()
     trajectory = rollout_trajectories(env, engines, key, SETTINGS, RolloutConfig()).to_pylist()
     batched = rollout_micro_batch(env, engines, key, SETTINGS).to_pylist()
-    timing = {"rollout_start", "rollout_end", "engine_seconds", "logprobs"}
+    timing = {"rollout_start", "rollout_end", "engine_seconds", "observe_seconds", "logprobs"}
     assert [{k: v for k, v in row.items() if k not in timing} for row in trajectory] == \
         [{k: v for k, v in row.items() if k not in timing} for row in batched]
     for ours, theirs in zip(trajectory, batched):
         assert ours["logprobs"] == pytest.approx(theirs["logprobs"], abs=1e-5)
+        assert ours["observe_seconds"] >= 0 and theirs["observe_seconds"] >= 0  # both time the reply
 
 
 def test_observe_on_the_action_pool_needs_a_pool(engines) -> None:

@@ -173,18 +173,16 @@ def _engine_costs(rollouts, agent: str, threads: int, busy: list[tuple[float, fl
             epoch_seconds(rows.column("rollout_start")), epoch_seconds(rows.column("rollout_end")),
             rows.column("observe_seconds").to_pylist()):
         waves[(step, mb, turn)].requests.append((start, end - (observed or 0.0), max(response, 1), seconds or 0.0))
-    alone = [w for w in waves.values() if not _overlaps(min(r[0] for r in w.requests),
-                                                        max(r[1] for r in w.requests), busy)] or list(waves.values())
-    together = [w for w in alone if max(r[0] for r in w.requests) - min(r[0] for r in w.requests) < TOGETHER_S]
-    step, per_sequence = _step_fit(together or alone)
-    beyond = {key: max(w.busy() - sum(r[3] for r in w.requests), 0.0) / len(w.requests) * threads
-              for key, w in waves.items() if any(w is a for a in alone)}
-    by_turn = defaultdict(list)
-    for (_, _, turn), seconds in beyond.items():
-        by_turn[turn].append(seconds)
-    turns = max(by_turn) + 1
-    return EngineCosts(step * threads, per_sequence * threads, 0.0, float(np.median(list(beyond.values()))),
-                       tuple(float(np.median(by_turn[t])) if by_turn[t] else 0.0 for t in range(turns)))
+    alone = {key: w for key, w in waves.items() if not _overlaps(
+        min(r[0] for r in w.requests), max(r[1] for r in w.requests), busy)} or dict(waves)
+    together = [w for w in alone.values() if max(r[0] for r in w.requests) - min(r[0] for r in w.requests) < TOGETHER_S]
+    step, per_sequence = _step_fit(together or list(alone.values()))
+    by_turn: dict[int, list[float]] = defaultdict(list)
+    for (_, _, turn), w in alone.items():
+        by_turn[turn].append(max(w.busy() - sum(r[3] for r in w.requests), 0.0) / len(w.requests) * threads)
+    request = float(np.median([seconds for values in by_turn.values() for seconds in values]))
+    return EngineCosts(step * threads, per_sequence * threads, 0.0, request, tuple(
+        float(np.median(by_turn[t])) if t in by_turn else request for t in range(max(by_turn) + 1)))
 
 
 def _step_fit(waves: list[_Wave]) -> tuple[float, float]:
