@@ -37,6 +37,7 @@ def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHand
     columns: dict[str, list] = {name: [] for name in ROLLOUTS.names + ["agent"]}
     chats = engine_chat_session(env, engines)
     adapters = settings.episode_adapters(env.turn_order)
+    replies = hooks_of(env).observe is not None  # without observe, a turn's reply time is none, not 0
     for turn, role in enumerate(env.turn_order):
         requests = [chats.request(e, role, turn, env.render_prompt(role, task, transcripts[e]))
                     for e, (_, _, task) in enumerate(episodes)]
@@ -48,7 +49,7 @@ def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHand
             chats.record(e, role, completion.text, completion.response_ids)
             replied = time.perf_counter()
             observation, error = observe_reply(env, role, task, [*transcripts[e], Turn(role, completion.text)])
-            observed = time.perf_counter() - replied if hooks_of(env).observe is not None else None
+            observed = time.perf_counter() - replied if replies else None
             transcripts[e].append(Turn(role, completion.text, observation))
             append_turn(columns, key, task, p, trajectory, e, turn, role, chats.prompt_text(role, request),
                         completion, version, start, datetime.now(UTC), observation, error, adapter=adapters[turn],

@@ -149,6 +149,19 @@ class _Wave:
 
     requests: list[tuple[float, float, int, float]] = field(default_factory=list)
 
+    def sent_within(self) -> float:
+        """Seconds from its first request sent to its last."""
+        sent = [r[0] for r in self.requests]
+        return max(sent) - min(sent)
+
+    def span(self) -> tuple[float, float]:
+        """From its first request sent to its last one sampled."""
+        return min(r[0] for r in self.requests), max(r[1] for r in self.requests)
+
+    def engine(self) -> float:
+        """Its requests' engine seconds, summed: the steps that computed them."""
+        return sum(r[3] for r in self.requests)
+
     def busy(self) -> float:
         """The seconds some request of it was in flight (their intervals' union: later turns' requests come as
         their episodes' replies do, with gaps between them)."""
@@ -173,13 +186,12 @@ def _engine_costs(rollouts, agent: str, threads: int, busy: list[tuple[float, fl
             epoch_seconds(rows.column("rollout_start")), epoch_seconds(rows.column("rollout_end")),
             rows.column("observe_seconds").to_pylist()):
         waves[(step, mb, turn)].requests.append((start, end - (observed or 0.0), max(response, 1), seconds or 0.0))
-    alone = {key: w for key, w in waves.items() if not _overlaps(
-        min(r[0] for r in w.requests), max(r[1] for r in w.requests), busy)} or dict(waves)
-    together = [w for w in alone.values() if max(r[0] for r in w.requests) - min(r[0] for r in w.requests) < TOGETHER_S]
+    alone = {key: w for key, w in waves.items() if not _overlaps(*w.span(), busy)} or dict(waves)
+    together = [w for w in alone.values() if w.sent_within() < TOGETHER_S]
     step, per_sequence = _step_fit(together or list(alone.values()))
     by_turn: dict[int, list[float]] = defaultdict(list)
     for (_, _, turn), w in alone.items():
-        by_turn[turn].append(max(w.busy() - sum(r[3] for r in w.requests), 0.0) / len(w.requests) * threads)
+        by_turn[turn].append(max(w.busy() - w.engine(), 0.0) / len(w.requests) * threads)
     request = float(np.median([seconds for values in by_turn.values() for seconds in values]))
     return EngineCosts(step * threads, per_sequence * threads, 0.0, request, tuple(
         float(np.median(by_turn[t])) if t in by_turn else request for t in range(max(by_turn) + 1)))
@@ -198,7 +210,7 @@ def _step_fit(waves: list[_Wave]) -> tuple[float, float]:
         for _, _, length, engine in wave.requests:
             rows.append([shares[length - 1], length])
             seconds.append(engine)
-    fixed = float(np.median([sum(r[3] for r in w.requests) / max(r[2] for r in w.requests) for w in waves]))
+    fixed = float(np.median([w.engine() / max(r[2] for r in w.requests) for w in waves]))
     x = np.array(rows)
     if len(rows) < 3 or np.linalg.matrix_rank(x) < 2:
         return fixed, 0.0

@@ -301,6 +301,7 @@ class _MicroBatch:
         # per prompt: (n minus its finished episodes, or 0; its dropped episodes)
         groups = [(max(0, self.n - len(done)), sum(x in self.dropped for x in group))
                   for done, group in zip(self.done, self.groups)]
+        replies = hooks_of(self.env).observe is not None  # without observe, a turn's reply time is none, not 0
         for _, e, (turn, role, prompt, completion, version, start, engine, end, observation, error, observed) in rows:
             p, trajectory, task = self.episodes[e]
             timed_out, dropped = self.timed_out.get(e), self.dropped.get(e)
@@ -308,7 +309,7 @@ class _MicroBatch:
             append_turn(columns, self.key, task, p, trajectory, e, turn, role, prompt, completion, version,
                         start, end, observation, dropped or error or timed_out, status=status,
                         engine=engine, adapter=self.adapters[turn], group=groups[p],
-                        observe_seconds=observed if hooks_of(self.env).observe is not None else None)
+                        observe_seconds=observed if replies else None)
         return pa.table(columns, schema=with_agent(ROLLOUTS))
 
 
