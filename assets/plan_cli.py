@@ -15,7 +15,8 @@ console = Console()
 def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", metavar="CONFIG"),
          calibrate: str = typer.Option(..., "--calibrate", help="Store holding the run to take costs from.",
                                        metavar="STORE"),
-         run: str = typer.Option(..., "--run", help="The stored run whose timings give the costs."),
+         run: list[str] = typer.Option(..., "--run", help="The stored run whose timings give the costs (repeatable: "
+                                                          "each figure the mean over the runs)."),
          cluster: str | None = typer.Option(None, help="NODESxCPUS[:GPUS], e.g. 48x96:8 (default: the nodes of the "
                                                        "Ray cluster at the experiment's ray.address or RAY_ADDRESS; "
                                                        "without one, this machine's CPUs)."),

@@ -8,8 +8,8 @@ synchronous, staleness 0 and 1, 1 and 2 engine replicas, swapped trainers, hybri
 the same variations of three agents relaying a colour (its own calibration launch); or, with ``--team longtail``,
 two agents over three turns (sender, receiver, sender) whose environment replies to every turn after a lognormal
 delay (median 10 ms, sigma 1: a slow reply now and then holds its episode, and its micro-batch). The calibration
-launch is ``streaming`` (engine and trainer apart, 1 replica, staleness 0); its own step time is reported as
-in-sample.
+launch is ``streaming`` (engine and trainer apart, 1 replica, staleness 0), launched ``--calibrations`` times, the
+costs averaged over them; its own step time is reported as in-sample.
 Step times are ``StepFinished.seconds`` (since the previous step finished), steps 1.. of each launch (step 0
 includes the engines' first batches), predicted the same way. Predictions are written to
 ``<work>/predictions.json`` before the first launch they predict starts.
@@ -152,6 +152,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/planner"))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--only", nargs="*", help="Names of the launches to predict and run (default: all).")
+    parser.add_argument("--calibrations", type=int, default=2, help="Launches of the calibration's configuration "
+                                                                   "whose costs are averaged (marl plan --run, "
+                                                                   "repeated).")
     parser.add_argument("--rounds", type=int, default=2, help="Launches of each configuration after the predictions, "
                                                              "each round in the opposite order to the one before.")
     parser.add_argument("--team", choices=("pair", "trio", "longtail"), default="pair",
@@ -176,7 +179,10 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     started = time.time()
     measured = {"streaming": launch(launches["streaming"], "streaming", store_uri, None)}
-    costs = calibration(ExperienceStore(str(store_uri)), "streaming", nodes)
+    for index in range(2, args.calibrations + 1):
+        measured[f"streaming.calibration{index}"] = launch(launches["streaming"], f"streaming.calibration{index}",
+                                                          store_uri, "streaming")
+    costs = calibration(ExperienceStore(str(store_uri)), list(measured), nodes)
     predicted = {}
     for name in ["streaming", *names]:
         config = parse_config({**launches[name], "run": name, "store": str(store_uri)})

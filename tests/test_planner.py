@@ -10,7 +10,7 @@ import simpy
 from marl_pipeline.cluster.placement import PlacementError, plan_placement
 from marl_pipeline.config import parse_config
 from marl_pipeline.planner.cores import SharedCores
-from marl_pipeline.planner.costs import Costs, EngineCosts, TrainerCosts, Turn
+from marl_pipeline.planner.costs import Costs, EngineCosts, TrainerCosts, Turn, pooled
 from marl_pipeline.planner.plan import parse_cluster, predict
 from marl_pipeline.planner.simulate import simulate
 
@@ -314,3 +314,27 @@ def test_the_driver_computes_beside_the_turns_and_a_reply_holds_its_episode(demo
     for d in slow.decisions:
         if d.turn == 1:
             assert d.started >= first[(d.step, d.micro_batch, d.episode)].ended + 0.3 - 1e-9
+
+
+def test_several_launches_calibrate_as_the_mean_of_their_figures_and_their_episodes_in_turn() -> None:
+    """A shared host runs one launch faster than the next: pooled costs average each figure, turn by turn where a
+    figure is by the turn, and draw the launches' episodes alternately (a simulation shorter than one launch sees
+    both)."""
+    fast = Costs({"solver": EngineCosts(0.01, 1e-4, 0.0, 2e-4, (2e-4, 4e-4))}, {"solver": TRAINER}, environment=0.04,
+                 reward=0.05, rollout_overhead=0.1, train_overhead=0.05, episodes=[[Turn("solver", 3, 2)]] * 2,
+                 source="a", driver_per_turn=1e-4)
+    slow = Costs({"solver": EngineCosts(0.03, 3e-4, 0.0, 4e-4, (4e-4, 8e-4))},
+                 {"solver": TrainerCosts(0.3, 1e-4, 0.02, 0.06, 0.001)}, environment=0.08, reward=0.05,
+                 rollout_overhead=0.1, train_overhead=0.05, episodes=[[Turn("solver", 5, 4)]] * 2, source="b",
+                 driver_per_turn=3e-4)
+    both = pooled([fast, slow])
+    engine, trainer = both.engines["solver"], both.trainers["solver"]
+    assert (engine.step, engine.per_sequence, engine.per_request) == pytest.approx((0.02, 2e-4, 3e-4))
+    assert engine.per_request_by_turn == pytest.approx((3e-4, 6e-4))
+    assert (trainer.call, trainer.sync_per_replica) == pytest.approx(((TRAINER.call + 0.3) / 2,
+                                                                      (TRAINER.sync_per_replica + 0.06) / 2))
+    assert (both.environment, both.driver_per_turn) == pytest.approx((0.06, 2e-4))
+    assert [episode[0].prompt_tokens for episode in both.episodes] == [3, 5, 3, 5]
+    assert both.source == "a; b"
+    with pytest.raises(ValueError, match=r"cannot pool costs of different agents: a has \['solver'\]"):
+        pooled([fast, _costs()])

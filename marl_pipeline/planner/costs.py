@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import pyarrow.compute as pc
@@ -136,6 +136,36 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], core
         episodes=_episodes(rollouts),
         source=f"{store.config.uri} run {run}",
         driver_per_turn=_driver_per_turn(rollouts, timings))
+
+
+
+def pooled(calibrations: list[Costs]) -> Costs:
+    """Several launches' costs as one: each figure the mean of theirs (on a shared host one launch runs a few percent
+    to a third faster or slower than the next), the workload their episodes taken in turn.
+
+    Raises:
+        ValueError: the launches do not have the same agents.
+    """
+    first, agents = calibrations[0], set(calibrations[0].engines)
+    if odd := [costs.source for costs in calibrations if set(costs.engines) != agents]:
+        raise ValueError(f"cannot pool costs of different agents: {first.source} has {sorted(agents)}, {odd} not")
+    return replace(_mean(calibrations),
+                   engines={agent: _mean([costs.engines[agent] for costs in calibrations]) for agent in agents},
+                   trainers={agent: _mean([costs.trainers[agent] for costs in calibrations]) for agent in agents},
+                   episodes=[episode for turn in zip(*(costs.episodes for costs in calibrations)) for episode in turn],
+                   source="; ".join(costs.source for costs in calibrations))
+
+
+def _mean(items: list):
+    """A dataclass whose float fields (and tuples of floats, over the places all have) are the items' means."""
+    means = {}
+    for name in (f.name for f in fields(items[0])):
+        values = [getattr(item, name) for item in items]
+        if isinstance(values[0], float):
+            means[name] = float(np.mean(values))
+        elif isinstance(values[0], tuple):
+            means[name] = tuple(float(np.mean(column)) for column in zip(*values))
+    return replace(items[0], **means)
 
 
 TOGETHER_S = 0.01

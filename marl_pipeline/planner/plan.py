@@ -12,7 +12,7 @@ from collections import Counter
 
 from marl_pipeline.cluster.placement import PlacementPlan, plan_placement
 from marl_pipeline.config import ExperimentConfig, parse_config
-from marl_pipeline.planner.costs import Costs, Layout, calibrate
+from marl_pipeline.planner.costs import Costs, Layout, calibrate, pooled
 from marl_pipeline.planner.simulate import Prediction, simulate
 from marl_pipeline.run.launches import launch_history
 from marl_pipeline.store import ExperienceStore
@@ -78,12 +78,15 @@ def layouts(plan: PlacementPlan) -> dict[str, Layout]:
     return result
 
 
-def calibration(store: ExperienceStore, run: str, nodes: list[dict[str, float]]) -> Costs:
-    """The costs of run ``run``'s newest launch, planned on ``nodes`` as it ran.
+def calibration(store: ExperienceStore, run: str | list[str], nodes: list[dict[str, float]]) -> Costs:
+    """The costs of run ``run``'s newest launch, planned on ``nodes`` as it ran; of several runs, their mean
+    (:func:`pooled`).
 
     Raises:
-        ValueError: the run has no recorded launch, or nothing committed to fit from.
+        ValueError: a run has no recorded launch, or nothing committed to fit from; the runs' agents differ.
     """
+    if not isinstance(run, str):
+        return pooled([calibration(store, one, nodes) for one in run])
     launches, configs = launch_history(store, run)
     if not launches:
         raise ValueError(f"run {run!r} has no recorded launch in {store.config.uri}")

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import pyarrow as pa
@@ -104,6 +105,24 @@ def rollout_trajectories(env: Environment, engines: dict[str, ray.actor.ActorHan
     return asyncio.run(_MicroBatch(env, engines, key, settings, options, pool).run())
 
 
+@dataclass
+class _Sampled:
+    """A turn kept once sampled: its reply's fields (``end``, ``observation``, ``error``, ``observe_seconds``) are
+    filled when the reply comes; a turn cut while its reply ran keeps the time it was sampled as its end."""
+
+    turn: int
+    role: str
+    prompt: str
+    completion: object
+    version: int
+    start: datetime
+    engine: str
+    end: datetime
+    observation: str | None = None
+    error: str | None = None
+    observe_seconds: float | None = None
+
+
 class _MicroBatch:
     """One micro-batch's episodes in flight, and the turns each has finished."""
 
@@ -123,7 +142,7 @@ class _MicroBatch:
         self.seeds = [turn_seeds(settings.seed, key, turn, len(self.episodes)) for turn in range(len(env.turn_order))]
         self.adapters = settings.episode_adapters(env.turn_order)  # per turn: the named adapter serving it
         self.chats = engine_chat_session(env, {agent: r.primary() for agent, r in self.engines.items()})
-        self.finished: list[list[tuple]] = [[] for _ in self.episodes]  # per episode: its finished turns' fields
+        self.finished: list[list[_Sampled]] = [[] for _ in self.episodes]  # per episode: its sampled turns
         self.in_flight: dict[int, tuple[ray.actor.ActorHandle, str]] = {}  # per episode: (engine, request id)
         self.replied = [0] * len(self.episodes)  # per episode: turns whose reply came back
         self.timed_out: dict[int, str] = {}  # per episode cut by the time limit: why
@@ -173,7 +192,7 @@ class _MicroBatch:
 
     def _failure(self, e: int) -> str | None:
         """Why an ended episode failed (its time limit, or a reply that raised); None: it finished."""
-        return self.timed_out.get(e) or next((fields[-2] for fields in self.finished[e] if fields[-2]), None)
+        return self.timed_out.get(e) or next((turn.error for turn in self.finished[e] if turn.error), None)
 
     async def _ended(self, e: int) -> None:
         """Counts a finished episode to its group; the group's n-th cuts the group's others (over-sampling)."""
@@ -220,14 +239,13 @@ class _MicroBatch:
             completion = sampled.completion
             self.chats.record(e, role, completion.text, completion.response_ids)
             # Kept before the reply comes: a turn sampled and then cut while its reply ran is stored too.
-            fields = (turn, role, self.chats.prompt_text(role, request), completion, sampled.version, start,
-                      f"{role}/{replica}")
-            sampled_at = datetime.now(UTC)
-            self.finished[e].append((*fields, sampled_at, None, None, None))
-            observation, error = await self._observe(role, task, [*transcript, Turn(role, completion.text)])
-            transcript.append(Turn(role, completion.text, observation))
-            end = datetime.now(UTC)
-            self.finished[e][-1] = (*fields, end, observation, error, (end - sampled_at).total_seconds())
+            kept = _Sampled(turn, role, self.chats.prompt_text(role, request), completion, sampled.version, start,
+                            f"{role}/{replica}", datetime.now(UTC))
+            self.finished[e].append(kept)
+            kept.observation, kept.error = await self._observe(role, task, [*transcript, Turn(role, completion.text)])
+            transcript.append(Turn(role, completion.text, kept.observation))
+            replied = datetime.now(UTC)
+            kept.observe_seconds, kept.end = (replied - kept.end).total_seconds(), replied
             self.replied[e] += 1
 
     async def _generate(self, e: int, role: str, request_id: str,
@@ -297,19 +315,19 @@ class _MicroBatch:
     def _table(self) -> pa.Table:
         """The rows in the turn-batched rollout's order (turn, then episode), so both modes store the same table."""
         columns: dict[str, list] = {name: [] for name in ROLLOUTS.names + ["agent"]}
-        rows = sorted((fields[0], e, fields) for e, turns in enumerate(self.finished) for fields in turns)
+        rows = sorted(((kept.turn, e), kept) for e, turns in enumerate(self.finished) for kept in turns)
         # per prompt: (n minus its finished episodes, or 0; its dropped episodes)
         groups = [(max(0, self.n - len(done)), sum(x in self.dropped for x in group))
                   for done, group in zip(self.done, self.groups)]
         replies = hooks_of(self.env).observe is not None  # without observe, a turn's reply time is none, not 0
-        for _, e, (turn, role, prompt, completion, version, start, engine, end, observation, error, observed) in rows:
+        for (turn, e), kept in rows:
             p, trajectory, task = self.episodes[e]
             timed_out, dropped = self.timed_out.get(e), self.dropped.get(e)
             status = "dropped" if dropped else "timeout" if timed_out else None
-            append_turn(columns, self.key, task, p, trajectory, e, turn, role, prompt, completion, version,
-                        start, end, observation, dropped or error or timed_out, status=status,
-                        engine=engine, adapter=self.adapters[turn], group=groups[p],
-                        observe_seconds=observed if replies else None)
+            append_turn(columns, self.key, task, p, trajectory, e, turn, kept.role, kept.prompt, kept.completion,
+                        kept.version, kept.start, kept.end, kept.observation, dropped or kept.error or timed_out,
+                        status=status, engine=kept.engine, adapter=self.adapters[turn], group=groups[p],
+                        observe_seconds=kept.observe_seconds if replies else None)
         return pa.table(columns, schema=with_agent(ROLLOUTS))
 
 
