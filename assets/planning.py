@@ -3,6 +3,7 @@ simulated with costs from a stored run (marl_pipeline/planner/), with the busy s
 
 
 import dagster as dg
+from pydantic import Field
 
 from resources import ExperienceStoreResource, ExperimentResource
 
@@ -13,8 +14,9 @@ class CapacityPlanConfig(dg.Config):
     cluster: str = ""
     """NODESxCPUS[:GPUS], e.g. 48x96:8; empty: the Ray cluster at the experiment's ``ray.address`` (or
     ``RAY_ADDRESS``), else this machine's CPUs."""
-    calibrate_run: str = ""
-    """The stored run (in the experiment's store) to take costs from; empty: the experiment's own run."""
+    calibrate_runs: list[str] = Field(default_factory=list)
+    """The stored runs (in the experiment's store) to take costs from, each figure their mean; empty: the
+    experiment's own run."""
     gpu: str = ""
     """A GPU kind (h100, h200, a100): engine and trainer costs from a roofline on it, the workload from the run."""
     steps: int = 5
@@ -40,8 +42,8 @@ def capacity_plan(context: dg.AssetExecutionContext, config: CapacityPlanConfig,
     settings = experiment.load()
     here = this_machine()
     nodes = planned_nodes(config.cluster, settings.ray.address)
-    run = config.calibrate_run or settings.run
-    costs = calibration(store.open(), run, here)  # the stored run is taken to have run on this machine
+    # the stored runs are taken to have run on this machine
+    costs = calibration(store.open(), config.calibrate_runs or settings.run, here)
     if config.gpu:
         costs = gpu_costs_for(settings, config.gpu, costs)
     placement, prediction = predict(settings, nodes, costs, config.steps)

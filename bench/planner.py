@@ -18,6 +18,7 @@ This machine's own speed drifts by a third over minutes (a shared host: the same
 step an hour apart), so every configuration, the calibration's included, is launched ``--rounds`` times after the
 predictions are written, each round in the opposite order to the one before (a drift over the rounds weighs on
 every configuration alike); the measured step time is the mean over its rounds, and each round's is kept.
+Every launch keeps all its versions (their timing.json): about 360 MB a launch of three agents, 8 GB a team's run.
 """
 
 from __future__ import annotations

@@ -86,8 +86,8 @@ def test_a_stored_launch_calibrates_the_simulation_which_replays_it(local_ray, d
 
     refused = subprocess.run(
         [sys.executable, "-m", "assets.cli", "plan", str(ROOT / "configs" / "demo.yaml"), "--calibrate",
-         str(tmp_path / "store"), "--run", "nothing-here", "--cluster", "2"], cwd=ROOT, capture_output=True,
-        text=True, timeout=120)
+         str(tmp_path / "store"), "--run", config.run, "--run", "nothing-here", "--cluster", "2"], cwd=ROOT,
+        capture_output=True, text=True, timeout=120)  # --run repeated: the costs of each, pooled
     assert refused.returncode == 2 and "run 'nothing-here' has no recorded launch" in refused.stdout
 
 
