@@ -37,7 +37,8 @@ ASSUMPTIONS = (
     "a colocated agent's engine sleeping and waking, and replicas moved between agents (rebalancing), cost nothing",
     "a trainer on several workers is its rank 0, charged for the whole trainer",
     "the driver's CPU is charged per turn, on one thread of the first node's cores, as the calibration run spent it "
-    "(its commits and stage threads included); an environment's reply waits its calibrated seconds, on no core",
+    "(its commits and stage threads included), beside the turns: a wave's next turns go out together, where a busy "
+    "driver sends them one by one; an environment's reply waits its calibrated seconds, on no core",
     "a weight sync's calibrated seconds are one thread's work on the engine's cores (the trainer's side of it is "
     "not charged), as measured beside the other agents' syncs",
 )
