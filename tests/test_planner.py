@@ -338,3 +338,5 @@ def test_several_launches_calibrate_as_the_mean_of_their_figures_and_their_episo
     assert both.source == "a; b"
     with pytest.raises(ValueError, match=r"cannot pool costs of different agents: a has \['solver'\]"):
         pooled([fast, _costs()])
+    with pytest.raises(ValueError, match="no stored run to take costs from"):
+        pooled([])

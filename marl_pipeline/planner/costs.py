@@ -138,14 +138,15 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], core
         driver_per_turn=_driver_per_turn(rollouts, timings))
 
 
-
 def pooled(calibrations: list[Costs]) -> Costs:
     """Several launches' costs as one: each figure the mean of theirs (on a shared host one launch runs a few percent
     to a third faster or slower than the next), the workload their episodes taken in turn.
 
     Raises:
-        ValueError: the launches do not have the same agents.
+        ValueError: no launch, or the launches do not have the same agents.
     """
+    if not calibrations:
+        raise ValueError("no stored run to take costs from: name at least one")
     first, agents = calibrations[0], set(calibrations[0].engines)
     if odd := [costs.source for costs in calibrations if set(costs.engines) != agents]:
         raise ValueError(f"cannot pool costs of different agents: {first.source} has {sorted(agents)}, {odd} not")
