@@ -14,8 +14,8 @@ Step times are ``StepFinished.seconds`` (since the previous step finished), step
 includes the engines' first batches), predicted the same way. Predictions are written to
 ``<work>/predictions.json`` before the first launch they predict starts.
 
-This machine's own speed drifts by a third over minutes (a shared host: the same launch measured 1.05 and 1.41 s a
-step hours apart), so every configuration, the calibration's included, is launched ``--rounds`` times after the
+This machine's own speed drifts (a shared host: the same launch measured 1.05 and 1.41 s a step hours apart, up to
+14% apart minutes apart), so every configuration, the calibration's included, is launched ``--rounds`` times after the
 predictions are written, each round in the opposite order to the one before (a drift over the rounds weighs on
 every configuration alike); the measured step time is the mean over its rounds, and each round's is kept.
 Every launch keeps all its versions (their timing.json): about 360 MB a launch of three agents, 8 GB a team's run.

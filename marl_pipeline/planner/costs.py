@@ -139,8 +139,8 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], core
 
 
 def pooled(calibrations: list[Costs]) -> Costs:
-    """Several launches' costs as one: each figure the mean of theirs (on a shared host one launch runs a few percent
-    to a third faster or slower than the next), the workload their episodes taken in turn.
+    """Several launches' costs as one: each figure the mean of theirs (on a shared host one launch of a configuration
+    runs several percent faster or slower than the next), the workload their episodes taken in turn.
 
     Raises:
         ValueError: no launch, or the launches do not have the same agents.
