@@ -212,11 +212,11 @@ def main() -> None:
         print(f"| {row['launch']}{' (calibration)' if row['in_sample'] else ''} | {row['predicted_s']:.2f} | "
               f"{row['measured_s']:.2f} ({each}) | {row['error']:+.1%} |")
     unseen = [abs(row["error"]) for row in rows if not row["in_sample"]]
-    each = [abs(row["predicted_s"] - value) / value
-            for row in rows if not row["in_sample"] for value in row["rounds_s"]]
+    per_launch = [abs(row["predicted_s"] - value) / value
+                  for row in rows if not row["in_sample"] for value in row["rounds_s"]]
     print(f"unseen configurations: {len(unseen)}, median |error| {statistics.median(unseen):.1%}, "
-          f"max {max(unseen):.1%}; each launch of them ({len(each)}): median {statistics.median(each):.1%}, "
-          f"max {max(each):.1%}")
+          f"max {max(unseen):.1%}; each launch of them ({len(per_launch)}): median "
+          f"{statistics.median(per_launch):.1%}, max {max(per_launch):.1%}")
 
 
 if __name__ == "__main__":

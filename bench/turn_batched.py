@@ -47,9 +47,9 @@ def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHand
             [settings.request(request, seed, adapters[turn]) for request, seed in zip(requests, seeds)]))
         for e, ((p, trajectory, task), request, completion) in enumerate(zip(episodes, requests, completions)):
             chats.record(e, role, completion.text, completion.response_ids)
-            replied = time.perf_counter()
+            asked = time.perf_counter()
             observation, error = observe_reply(env, role, task, [*transcripts[e], Turn(role, completion.text)])
-            observed = time.perf_counter() - replied if replies else None
+            observed = time.perf_counter() - asked if replies else None
             transcripts[e].append(Turn(role, completion.text, observation))
             append_turn(columns, key, task, p, trajectory, e, turn, role, chats.prompt_text(role, request),
                         completion, version, start, datetime.now(UTC), observation, error, adapter=adapters[turn],
