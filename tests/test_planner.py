@@ -340,31 +340,3 @@ def test_several_launches_calibrate_as_the_mean_of_their_figures_and_their_episo
         pooled([fast, _costs()])
     with pytest.raises(ValueError, match="no stored run to take costs from"):
         pooled([])
-
-
-def test_a_trainers_step_end_is_its_process_cpu_beyond_its_calls_and_computes_beside_the_sync(
-        demo_config_data: dict) -> None:
-    """Between two recorded versions the trainer's process CPU less its calls' charge, per step, is its step end (0
-    where the versions predate the figure); the simulation charges it on the trainer's cores beside the sync, so on
-    cores the actors fill it lengthens the step, on idle ones not while it is shorter than the sync."""
-    from dataclasses import replace
-
-    from marl_pipeline.planner.process_cpu import trainer_step_end
-
-    records = [{"step": 0, "process_cpu_seconds": 10.0}, {"step": 1, "process_cpu_seconds": 10.5},
-               {"step": 3, "process_cpu_seconds": 11.7}, {"step": 4}]
-    charged = {1: 0.3, 2: 0.4, 3: 0.4}
-    # steps 0-1: 0.5 - 0.3 = 0.2; steps 1-3: (1.2 - 0.8) / 2 = 0.2
-    assert trainer_step_end(records, charged) == pytest.approx(0.2)
-    assert trainer_step_end([{"step": 0, "process_cpu_seconds": 10.0}, {"step": 1}], charged) == 0.0
-    assert trainer_step_end([{"step": 0, "process_cpu_seconds": 1.0}, {"step": 1, "process_cpu_seconds": 1.1}],
-                            {1: 0.5}) == 0.0  # never below 0
-    config = _config(demo_config_data)
-
-    def step(costs: Costs, cpus: float) -> float:
-        nodes = [{"CPU": cpus}]
-        return simulate(plan_placement(config, nodes), config.pipeline, costs, nodes, steps=3).mean_step_seconds
-
-    ending = replace(_costs(), trainers={agent: replace(TRAINER, step_end=0.04) for agent in ("solver", "verifier")})
-    assert step(ending, 2.0) > step(_costs(), 2.0)
-    assert step(ending, 64.0) == pytest.approx(step(_costs(), 64.0), rel=0.02)

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 import pyarrow.compute as pc
 
-from marl_pipeline.planner.process_cpu import driver_cores, driver_per_turn, trainer_step_end
 from marl_pipeline.run.pipeline_metrics import Span, spans_from_store, version_timings
 from marl_pipeline.store import ExperienceStore
 
@@ -46,16 +45,13 @@ class TrainerCosts:
     """One trainer call on a micro-batch: ``call + per_token x tokens`` core-seconds. A step's end: the optimizer
     step (``apply`` seconds), then the weights synced into each engine replica in turn (``sync_per_replica``
     core-seconds each, on the engine's cores) while the trainer saves the version, then the commit (``commit``
-    seconds from the sync's end, the save included); the trainer takes no other call until its save is done.
-    ``step_end``: the trainer process's own work at the step's end (the weights handed over, the version saved),
-    core-seconds on its cores beside the sync."""
+    seconds from the sync's end, the save included); the trainer takes no other call until its save is done."""
 
     call: float
     per_token: float
     apply: float
     sync_per_replica: float
     commit: float
-    step_end: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -103,9 +99,6 @@ class Layout:
     replicas: int = 1
     trainer: str = ""
     trainer_on_cores: bool = False
-    own_process: bool = False
-    """The trainer is a process of its own (not a hybrid agent's, nor a worker serving several): its process's CPU
-    is its calls' and its step ends'."""
 
 
 def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], cores: float | None = None) -> Costs:
@@ -129,7 +122,7 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], core
     spans = spans_from_store(store, run, timings)
     busy = {stage: [(span.started, span.ended) for span in spans if span.stage == stage]
             for stage in ("rollouts", "policy_updates")}
-    computed, shares = _computed(rollouts), _core_shares(updates, layouts, cores, driver_cores(timings))
+    computed, shares = _computed(rollouts), _core_shares(updates, layouts, cores, _driver_cores(timings))
     return Costs(
         engines={agent: _engine_costs(rollouts, agent, layouts[agent].engine_threads, busy["policy_updates"])
                  for agent in agents},
@@ -142,7 +135,7 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], core
         train_overhead=_train_overhead(updates, layouts),
         episodes=_episodes(rollouts),
         source=f"{store.config.uri} run {run}",
-        driver_per_turn=driver_per_turn(rollouts, timings))
+        driver_per_turn=_driver_per_turn(rollouts, timings))
 
 
 def pooled(calibrations: list[Costs]) -> Costs:
@@ -292,11 +285,6 @@ def _trainer_costs(updates, agent: str, layout: Layout, computed: dict[tuple, in
         rows.column("compute_seconds").to_pylist(), rows.column("step").to_pylist(),
         rows.column("micro_batch").to_pylist())]) * layout.trainer_threads
     call, per_token = _nonnegative_fit(np.stack([np.ones_like(tokens), tokens], axis=1), seconds)
-    charged: dict[int, float] = defaultdict(float)  # per step, what the simulation charges the agent's calls
-    for (step, _, owner), count in computed.items():
-        if owner == agent:
-            charged[step] += call + per_token * count
-    step_end = trainer_step_end(timings, charged) if layout.own_process and layout.trainer_on_cores else 0.0
     apply, sync, commit = [], [], []
     for record in timings:
         applied = record.get("apply_seconds", 0.0)  # not recorded before 2026-11-27: counted in the commit
@@ -304,7 +292,34 @@ def _trainer_costs(updates, agent: str, layout: Layout, computed: dict[tuple, in
         sync.append(record["sync_seconds"] / layout.replicas)
         commit.append(max(record["ended"] - record["started"] - record["sync_seconds"] - applied, 0.0))
     return TrainerCosts(call, per_token, *(float(np.median(values)) if values else 0.0
-                                           for values in (apply, sync, commit)), step_end=step_end)
+                                           for values in (apply, sync, commit)))
+
+
+def _driver_per_turn(rollouts, timings: dict[tuple, dict]) -> float:
+    """The driver's CPU seconds between an agent's first and last recorded versions (each ``timing.json`` holds the
+    driver's CPU seconds so far, ``driver_cpu_seconds``) over the turns of the steps between them; the median over
+    agents (0 where none has two records)."""
+    steps = set(rollouts.column("step").to_pylist())
+    turns_per_step = rollouts.num_rows / max(len(steps), 1)
+    records: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for (agent, _), record in timings.items():
+        if record.get("driver_cpu_seconds") is not None:
+            records[agent].append((record["step"], record["driver_cpu_seconds"]))
+    rates = []
+    for marks in records.values():
+        (first, before), (last, after) = min(marks), max(marks)
+        if last > first:
+            rates.append((after - before) / (last - first) / max(turns_per_step, 1.0))
+    return float(np.median(rates)) if rates else 0.0
+
+
+def _driver_cores(timings: dict[tuple, dict]) -> float:
+    """The cores the driver kept busy on average between the first and last recorded versions (0: not recorded)."""
+    marks = sorted((record["ended"], record["driver_cpu_seconds"]) for record in timings.values()
+                   if record.get("driver_cpu_seconds") is not None)
+    if len(marks) < 2 or marks[-1][0] <= marks[0][0]:
+        return 0.0
+    return max(marks[-1][1] - marks[0][1], 0.0) / (marks[-1][0] - marks[0][0])
 
 
 def _worker(layouts: dict[str, Layout], agent: str) -> str:

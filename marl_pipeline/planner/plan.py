@@ -71,12 +71,10 @@ def layouts(plan: PlacementPlan) -> dict[str, Layout]:
     for agent in plan.engine_sets:
         engines = plan.agent_specs(agent, "engine")
         first = engines[0].parts[0] if engines[0].parts else engines[0]
-        outer = next(iter(plan.agent_specs(agent, "trainer")), None)
-        trainer = outer.parts[1] if outer is not None and outer.parts else outer
+        trainer = next((spec.parts[1] if spec.parts else spec for spec in plan.agent_specs(agent, "trainer")), None)
         if trainer is None:  # swapped: the worker that serves it
             trainer = next(spec for spec in plan.specs if spec.role == "trainer-worker" and agent in spec.loads)
-        result[agent] = Layout(first.threads, trainer.threads, len(engines), trainer.name, trainer.gpus == 0,
-                               own_process=outer is not None and outer.role == "trainer")
+        result[agent] = Layout(first.threads, trainer.threads, len(engines), trainer.name, trainer.gpus == 0)
     return result
 
 

@@ -39,9 +39,8 @@ ASSUMPTIONS = (
     "the driver's CPU is charged per turn, on one thread of the first node's cores, as the calibration run spent it "
     "(its commits and stage threads included), beside the turns: a wave's next turns go out together, where a busy "
     "driver sends them one by one; an environment's reply waits its calibrated seconds, on no core",
-    "a weight sync's calibrated seconds are one thread's work on the engine's cores, as measured beside the other "
-    "agents' syncs; the trainer's own step end (its weights handed over, its version saved) is its process's CPU a "
-    "step beyond its calls in the calibration run, one thread on its cores beside the sync",
+    "a weight sync's calibrated seconds are one thread's work on the engine's cores (the trainer's side of it is "
+    "not charged), as measured beside the other agents' syncs",
 )
 
 
@@ -332,13 +331,12 @@ class _Simulation:
         """As the orchestrator's publisher: the optimizer step, the replicas synced one at a time (each draining),
         the version served (the gate may open), the commit once the trainer's save is done."""
         costs, spec = self.costs.trainers[agent], self.trainer_of[agent]
-        lock, cores, _ = self.trainer_lock[agent]
+        lock, *_ = self.trainer_lock[agent]
         while (step := (yield inbox.get())) is not None:
             turn = lock.request()  # the trainer's step-end calls run in order with its training calls
             yield turn
             self.busy[spec.name].start()
             yield self.env.timeout(costs.apply)
-            own = cores.compute(costs.step_end, 1)  # its weights handed over and its version saved, beside the sync
             for replica, engine in enumerate(self.engines[agent]):  # one replica at a time, the others serving
                 self.routers[agent].set_draining(replica, True)
                 yield engine.sync(costs.sync_per_replica, step + 1)
@@ -346,7 +344,6 @@ class _Simulation:
             self.served[agent] = step + 1
             self.served_at[agent][step + 1] = self.env.now
             self._served_changed()
-            yield own
             yield self.env.timeout(costs.commit)  # the save the trainer ran meanwhile, the commit after it
             self.busy[spec.name].stop()
             lock.release(turn)

@@ -70,9 +70,6 @@ class StepResult:
     """Tokens a pass (the budget the trainer chose or was given)."""
     passes: str = ""
     """``packed`` (padding-free, attention per row) or ``padded`` (training/packing.py)."""
-    process_cpu_seconds: float = field(default=0.0, compare=False)
-    """The trainer process's CPU seconds so far, read as the step ends (the planner's calibration takes what a step
-    cost it beyond its passes)."""
 
 
 def length_chunks(lengths: list[int], budget: int) -> list[list[int]]:

@@ -279,8 +279,7 @@ class PolicyTrainer:
                                      self.rank.world if self.rank is not None else 1)
         result = StepResult(self.version + 1, self._step_tokens, self._step_sequences, grad_norm,
                             self.learning_rate(self.version), **figures,
-                            chunk_tokens=self.passes.chunk_tokens or 0, passes=self.passes.kind,
-                            process_cpu_seconds=time.process_time())
+                            chunk_tokens=self.passes.chunk_tokens or 0, passes=self.passes.kind)
         self._step_tokens = self._step_sequences = 0
         self._work = flops.StepWork()
         self.version += 1
