@@ -90,7 +90,8 @@ def main() -> None:
     parser.add_argument("--search", action="store_true", help="Also search from the agent-centric layout.")
     parser.add_argument("--one-collective", action="store_true",
                         help="Sync each agent's replicas in one collective (its per-replica seconds divided by its "
-                             "replicas): a mechanism this project does not have, projected.")
+                             "replicas), as ray.weight_sync: broadcast sends a version, each replica's own load "
+                             "left out.")
     args = parser.parse_args()
     from marl_pipeline.config import parse_config
     from marl_pipeline.planner.plan import predict
