@@ -34,13 +34,14 @@ def _forwards(results, seconds: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--processes", type=int, nargs="*", default=[1, 2, 3, 4, 6, 8, 12])
+    parser.add_argument("--processes", type=int, nargs="*", default=[2, 3, 4, 6, 8, 12],
+                        help="The counts to run after one process alone, which every figure is over.")
     parser.add_argument("--out", default=None, help="Write the figures as JSON here.")
     args = parser.parse_args()
     context = multiprocessing.get_context("spawn")  # each process its own torch, as Ray's workers have
     alone, rows = None, []
     print(f"{os.cpu_count()} cores; {args.seconds:g} s a run", flush=True)
-    for processes in args.processes:
+    for processes in [1, *(count for count in args.processes if count != 1)]:
         results = context.Queue()
         workers = [context.Process(target=_forwards, args=(results, args.seconds)) for _ in range(processes)]
         for worker in workers:
@@ -48,7 +49,7 @@ def main() -> None:
         total = sum(results.get() for _ in workers)
         for worker in workers:
             worker.join()
-        alone = alone or total / processes
+        alone = alone or total
         rows.append({"processes": processes, "forwards": total, "of_one_alone": total / alone})
         print(f"{processes:3d} processes: {total:7d} forwards, {total / alone:.2f}x one alone", flush=True)
     if args.out:
