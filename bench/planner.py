@@ -19,6 +19,9 @@ This machine's own speed drifts (a shared host: the same launch measured 1.05 an
 predictions are written, each round in the opposite order to the one before (a drift over the rounds weighs on
 every configuration alike); the measured step time is the mean over its rounds, and each round's is kept.
 Every launch keeps all its versions (their timing.json): about 360 MB a launch of three agents, 8 GB a team's run.
+With ``--cpu`` each launch also records each kind of process's CPU seconds a step over steps 1.. (psutil: driver,
+engines, trainers, other actors, Ray and the rest), printed and kept in ``results.json``: what the simulation's
+charges are checked against.
 """
 
 from __future__ import annotations
@@ -127,8 +130,31 @@ def long_tail_relay() -> type:
     return RelayLongTail
 
 
-def launch(data: dict, run: str, store_uri: Path, version0_from: str | None) -> list[float]:
-    """Run one launch of ``data`` as ``run``; its steps' ``StepFinished.seconds``."""
+def _process_cpu() -> dict[int, tuple[str, float]]:
+    """Every process's kind (``driver``, ``engines``, ``trainers``, ``other actors``, ``ray and the rest``) and its CPU
+    seconds so far, by pid; Ray names an actor's process ``ray::<its class>``."""
+    import os
+
+    import psutil
+
+    kinds = {}
+    for process in psutil.process_iter(["name", "cmdline"]):
+        try:
+            title = " ".join(process.info["cmdline"] or []) or process.info["name"] or ""
+            seconds = sum(process.cpu_times()[:2])
+        except psutil.Error:
+            continue
+        kind = ("driver" if process.pid == os.getpid() else "ray and the rest" if not title.startswith("ray::")
+                else "engines" if "Engine" in title or "StoreAsync" in title
+                else "trainers" if "Train" in title else "other actors")
+        kinds[process.pid] = (kind, seconds)
+    return kinds
+
+
+def launch(data: dict, run: str, store_uri: Path, version0_from: str | None,
+           cpu: dict[str, float] | None = None) -> list[float]:
+    """Run one launch of ``data`` as ``run``; its steps' ``StepFinished.seconds``. ``cpu``: filled with each kind of
+    process's CPU seconds a step (:func:`_process_cpu`) over steps 1.., as the step times are compared."""
     from marl_pipeline.config import parse_config
     from marl_pipeline.run.events import StepFinished
     from marl_pipeline.run.recipe import train
@@ -140,11 +166,19 @@ def launch(data: dict, run: str, store_uri: Path, version0_from: str | None) -> 
     if version0_from is not None:  # the calibration launch's version 0: no warm-up to repeat
         for agent in config.agents:
             shutil.copytree(store.policy_dir(version0_from, agent, 0), store.policy_dir(run, agent, 0))
-    seconds = []
+    seconds, before = [], {}
     for event in train(config):
         if isinstance(event, StepFinished):
             seconds.append(event.seconds)
             print(f"  {run} step {event.step}: {event.seconds:.2f} s", flush=True)
+            if cpu is not None and len(seconds) == 1:
+                before = _process_cpu()
+    if cpu is not None and len(seconds) > 1:
+        for pid, (kind, used) in _process_cpu().items():
+            if pid in before:
+                cpu[kind] = cpu.get(kind, 0.0) + (used - before[pid][1]) / (len(seconds) - 1)
+        print(f"  {run} CPU seconds a step: " + ", ".join(f"{kind} {value:.2f}" for kind, value in sorted(cpu.items())),
+              flush=True)
     return seconds
 
 
@@ -158,6 +192,8 @@ def main() -> None:
                                                                    "repeated).")
     parser.add_argument("--rounds", type=int, default=2, help="Launches of each configuration after the predictions, "
                                                              "each round in the opposite order to the one before.")
+    parser.add_argument("--cpu", action="store_true", help="Also measure each kind of process's CPU seconds a step "
+                                                           "(psutil) in every launch, into results.json.")
     parser.add_argument("--team", choices=("pair", "trio", "longtail"), default="pair",
                         help="pair: the demo's solver and verifier; trio: three agents relaying a colour; longtail: "
                              "two agents over three turns with lognormal environment replies.")
@@ -179,10 +215,15 @@ def main() -> None:
     store_uri = args.work / "store"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     started = time.time()
-    measured = {"streaming": launch(launches["streaming"], "streaming", store_uri, None)}
+    cpu: dict[str, dict[str, float]] = {}  # per launch, with --cpu
+
+    def cpu_of(run: str) -> dict[str, float] | None:
+        return cpu.setdefault(run, {}) if args.cpu else None
+
+    measured = {"streaming": launch(launches["streaming"], "streaming", store_uri, None, cpu_of("streaming"))}
     for index in range(2, args.calibrations + 1):
-        measured[f"streaming.calibration{index}"] = launch(launches["streaming"], f"streaming.calibration{index}",
-                                                          store_uri, "streaming")
+        run = f"streaming.calibration{index}"
+        measured[run] = launch(launches["streaming"], run, store_uri, "streaming", cpu_of(run))
     costs = calibration(ExperienceStore(str(store_uri)), list(measured), nodes)
     predicted = {}
     for name in ["streaming", *names]:
@@ -194,7 +235,8 @@ def main() -> None:
     rounds: dict[str, list[float]] = {name: [] for name in order}
     for index in range(args.rounds):
         for name in order if index % 2 == 0 else order[::-1]:
-            seconds = launch(launches[name], f"{name}.round{index + 1}", store_uri, "streaming")
+            seconds = launch(launches[name], f"{name}.round{index + 1}", store_uri, "streaming",
+                             cpu_of(f"{name}.round{index + 1}"))
             measured[f"{name}.round{index + 1}"] = seconds
             rounds[name].append(statistics.mean(seconds[1:]))
     rows = []
@@ -203,7 +245,7 @@ def main() -> None:
         rows.append({"launch": name, "predicted_s": round(p, 3), "measured_s": round(m, 3),
                      "rounds_s": [round(value, 3) for value in rounds[name]],
                      "error": round((p - m) / m, 4), "in_sample": name == "streaming"})
-    (args.work / "results.json").write_text(json.dumps({"rows": rows, "measured": measured,
+    (args.work / "results.json").write_text(json.dumps({"rows": rows, "measured": measured, "cpu_per_step": cpu,
                                                         "wall_s": time.time() - started}, indent=1))
     print("| launch | predicted s/step | measured s/step (each round) | error |")
     print("| --- | --- | --- | --- |")
