@@ -225,12 +225,14 @@ def main() -> None:
         run = f"streaming.calibration{index}"
         measured[run] = launch(launches["streaming"], run, store_uri, "streaming", cpu_of(run))
     costs = calibration(ExperienceStore(str(store_uri)), list(measured), nodes)
-    predicted = {}
+    predicted, charged = {}, {}
     for name in ["streaming", *names]:
         config = parse_config({**launches[name], "run": name, "store": str(store_uri)})
-        predicted[name] = predict(config, nodes, costs)[1].step_seconds
+        prediction = predict(config, nodes, costs)[1]
+        predicted[name], charged[name] = prediction.step_seconds, prediction.core_seconds
     (args.work / "predictions.json").write_text(json.dumps({"written": time.time(), "costs": repr(costs)[:2000],
-                                                            "predicted": predicted}, indent=1))
+                                                            "predicted": predicted, "core_seconds": charged},
+                                                           indent=1))
     order = ["streaming", *names]
     rounds: dict[str, list[float]] = {name: [] for name in order}
     for index in range(args.rounds):
@@ -253,6 +255,15 @@ def main() -> None:
         each = ", ".join(f"{value:.2f}" for value in row["rounds_s"])
         print(f"| {row['launch']}{' (calibration)' if row['in_sample'] else ''} | {row['predicted_s']:.2f} | "
               f"{row['measured_s']:.2f} ({each}) | {row['error']:+.1%} |")
+    if args.cpu:  # the simulation's charge a step beside the processes' CPU, mean of the rounds
+        print("| launch | engines: charged, used | trainers: charged, used | driver: charged, used |")
+        print("| --- | --- | --- | --- |")
+        for name in order:
+            launches_of = [cpu[f"{name}.round{index + 1}"] for index in range(args.rounds)]
+            used = {kind: statistics.mean(one.get(kind, 0.0) for one in launches_of)
+                    for kind in ("engines", "trainers", "driver")}
+            print(f"| {name} | " + " | ".join(f"{charged[name].get(kind, 0.0):.2f}, {used[kind]:.2f}" for kind in used)
+                  + " |")
     unseen = [abs(row["error"]) for row in rows if not row["in_sample"]]
     per_launch = [abs(row["predicted_s"] - value) / value
                   for row in rows if not row["in_sample"] for value in row["rounds_s"]]

@@ -340,3 +340,21 @@ def test_several_launches_calibrate_as_the_mean_of_their_figures_and_their_episo
         pooled([fast, _costs()])
     with pytest.raises(ValueError, match="no stored run to take costs from"):
         pooled([])
+
+
+def test_the_prediction_counts_the_core_seconds_it_charges_by_kind_of_work(demo_config_data: dict) -> None:
+    """What the simulation charged the nodes' cores a step, by kind, is what its costs say the step's work takes: the
+    trainers' calls by their tokens, the driver's CPU by its turns (so a measured process's CPU can be set beside
+    it)."""
+    from dataclasses import replace
+
+    config = _config(demo_config_data)
+    pipeline, nodes = config.pipeline, [{"CPU": 2.0}]
+    costs = replace(_costs(), driver_per_turn=0.002)
+    prediction = simulate(plan_placement(config, nodes), pipeline, costs, nodes, steps=3)
+    episodes = pipeline.prompts_per_micro_batch * pipeline.samples_per_prompt * pipeline.micro_batches_per_step
+    calls = 2 * pipeline.micro_batches_per_step  # two agents, a call each a micro-batch
+    trained = TRAINER.call * calls + TRAINER.per_token * episodes * (40 + 4 + 60 + 2)
+    assert prediction.core_seconds["trainers"] == pytest.approx(trained)
+    assert prediction.core_seconds["driver"] == pytest.approx(0.002 * 2 * episodes)
+    assert prediction.core_seconds["engines"] > 0 and set(prediction.core_seconds) == {"engines", "trainers", "driver"}

@@ -8,6 +8,7 @@ amounts) and none shares a capacity among running jobs at changing rates.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import simpy
@@ -19,6 +20,7 @@ class _Job:
     threads: int
     done: simpy.Event
     rate: float = 0.0
+    kind: str = ""
 
 
 class SharedCores:
@@ -31,12 +33,14 @@ class SharedCores:
         self._last = 0.0
         self._wake: simpy.Event | None = None
         self.busy_core_seconds = 0.0
+        self.by_kind: dict[str, float] = defaultdict(float)  # core-seconds computed, by the kind each job was given
         env.process(self._run())
 
-    def compute(self, work: float, threads: int) -> simpy.Event:
-        """An event that fires once ``work`` core-seconds are done on ``threads`` threads."""
+    def compute(self, work: float, threads: int, kind: str = "") -> simpy.Event:
+        """An event that fires once ``work`` core-seconds are done on ``threads`` threads; ``kind``: what
+        :attr:`by_kind` counts them as."""
         self._advance()
-        job = _Job(max(work, 0.0), max(threads, 1), self.env.event())
+        job = _Job(max(work, 0.0), max(threads, 1), self.env.event(), kind=kind)
         self.jobs.append(job)
         self._rerate()
         return job.done
@@ -47,6 +51,7 @@ class SharedCores:
         for job in self.jobs:
             job.work -= job.rate * elapsed
             self.busy_core_seconds += job.rate * elapsed
+            self.by_kind[job.kind] += job.rate * elapsed
 
     def _rerate(self) -> None:
         threads = sum(job.threads for job in self.jobs)
@@ -96,6 +101,6 @@ class SerialWork:
             work, self.backlog = self.backlog, 0.0
             if self.busy is not None:
                 self.busy.start()
-            yield self.cores.compute(work, 1)
+            yield self.cores.compute(work, 1, "driver")
             if self.busy is not None:
                 self.busy.stop()

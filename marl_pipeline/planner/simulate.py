@@ -76,6 +76,9 @@ class Prediction:
     """When each agent's engines all came to serve each version."""
     decisions: list[Decision] = field(default_factory=list)
     assumptions: tuple[str, ...] = ASSUMPTIONS
+    core_seconds: dict[str, float] = field(default_factory=dict)
+    """Per kind of work (``engines``, ``trainers``, ``driver``): the nodes' core-seconds charged a step, on average
+    over the simulated steps (a GPU's device-seconds are not counted)."""
 
     @property
     def mean_step_seconds(self) -> float:
@@ -150,7 +153,7 @@ class _Engine:
             if self.syncs and not self.running and not self.before_sync:  # drained: the reload, on this engine's
                 seconds, version, done = self.syncs.pop(0)  # cores (vLLM's CPU backend re-packs the weights)
                 self.busy.start()
-                yield self.cores.compute(seconds, 1)
+                yield self.cores.compute(seconds, 1, "engines")
                 self.busy.stop()
                 self.version = version
                 done.succeed()
@@ -170,7 +173,7 @@ class _Engine:
             self.busy.start()
             with self.interpreter.request() as held:  # a hybrid agent's trainer shares this process's
                 yield held
-                yield self.cores.compute(work, self.threads)
+                yield self.cores.compute(work, self.threads, "engines")
             self.busy.stop()
             for request in self.running:
                 request[1] -= 1
@@ -192,8 +195,8 @@ class _Simulation:
         self.served_at: dict[str, dict[int, float]] = {agent: {0: 0.0} for agent in self.agents}
         self.committed = dict.fromkeys(self.agents, 0)
         self.served_changed = env.event()
-        self.cores, head = _place(plan, nodes, env)
-        self.driver = SerialWork(head, self.busy["driver"])  # one interpreter: one thread of the head's cores
+        self.cores, self.nodes = _place(plan, nodes, env)
+        self.driver = SerialWork(self.nodes[0], self.busy["driver"])  # one interpreter: a thread of the head's cores
         self.hybrid = {spec.agent for spec in plan.specs if spec.role == "agent-process"}
         self._interpreters: dict[str, simpy.Resource] = {}
         self.engines = {agent: [_Engine(self, spec.parts[0] if spec.parts else spec, costs.engines[agent],
@@ -239,8 +242,12 @@ class _Simulation:
         staleness: dict[int, int] = defaultdict(int)
         for decision in self.decisions:
             staleness[decision.step - decision.version] += 1
+        charged: dict[str, float] = defaultdict(float)
+        for kind, seconds in ((k, v) for node in self.nodes for k, v in node.by_kind.items()):
+            charged[kind] += seconds / self.steps
         return Prediction(self.step_seconds, {name: busy.total / elapsed for name, busy in self.busy.items()},
-                          dict(staleness), self.released, self.served_at, self.decisions)
+                          dict(staleness), self.released, self.served_at, self.decisions,
+                          core_seconds=dict(charged))
 
     def _source(self, outbox: simpy.Store):
         barrier = StepBarrier(self.pipeline.micro_batches_per_step, self.synchronous)
@@ -324,7 +331,7 @@ class _Simulation:
             self.busy[spec.name].start()
             with self.interpreter(agent, replica=0).request() as held:
                 yield held
-                yield cores.compute(costs.call + costs.per_token * tokens, threads)
+                yield cores.compute(costs.call + costs.per_token * tokens, threads, "trainers")
             self.busy[spec.name].stop()
 
     def _publish(self, agent: str, inbox: simpy.Store):
@@ -366,11 +373,11 @@ class _Simulation:
 
 
 def _place(plan: PlacementPlan, nodes: list[dict[str, float]],
-           env: simpy.Environment) -> tuple[dict[str, tuple[SharedCores, bool]], SharedCores]:
+           env: simpy.Environment) -> tuple[dict[str, tuple[SharedCores, bool]], list[SharedCores]]:
     """Where each spec computes: an actor on GPUs on a device of its own (one a placement group: a colocated agent's
     engine and trainer share theirs), whose costs are device-seconds; any other on the cores of the node the plan
     put it on, whose costs are core-seconds. With whether it is a device (a job there runs on one thread); and the
-    first node's cores, where the driver runs (Ray's head)."""
+    nodes' cores, the first's where the driver runs (Ray's head)."""
     shared = [SharedCores(env, node.get("CPU", 1.0)) for node in nodes]
     devices: dict[str, SharedCores] = {}
     placed = {}
@@ -381,7 +388,7 @@ def _place(plan: PlacementPlan, nodes: list[dict[str, float]],
             placed[spec.name] = (devices.setdefault(key, SharedCores(env, 1.0)), True)
         else:  # a hybrid agent's process is where the plan put its engine
             placed[spec.name] = (shared[plan.node_of[(spec.parts[0] if spec.parts else spec).name]], False)
-    return placed, shared[0]
+    return placed, shared
 
 
 def simulate(plan: PlacementPlan, pipeline: PipelineConfig, costs: Costs, nodes: list[dict[str, float]],
