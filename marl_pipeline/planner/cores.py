@@ -32,9 +32,12 @@ class SharedCores:
         self.jobs: list[_Job] = []
         self._last = 0.0
         self._wake: simpy.Event | None = None
-        self.busy_core_seconds = 0.0
         self.by_kind: dict[str, float] = defaultdict(float)  # core-seconds computed, by the kind each job was given
         env.process(self._run())
+
+    @property
+    def busy_core_seconds(self) -> float:
+        return sum(self.by_kind.values())
 
     def compute(self, work: float, threads: int, kind: str = "") -> simpy.Event:
         """An event that fires once ``work`` core-seconds are done on ``threads`` threads; ``kind``: what
@@ -50,7 +53,6 @@ class SharedCores:
         elapsed, self._last = self.env.now - self._last, self.env.now
         for job in self.jobs:
             job.work -= job.rate * elapsed
-            self.busy_core_seconds += job.rate * elapsed
             self.by_kind[job.kind] += job.rate * elapsed
 
     def _rerate(self) -> None:

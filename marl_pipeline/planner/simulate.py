@@ -243,8 +243,9 @@ class _Simulation:
         for decision in self.decisions:
             staleness[decision.step - decision.version] += 1
         charged: dict[str, float] = defaultdict(float)
-        for kind, seconds in ((k, v) for node in self.nodes for k, v in node.by_kind.items()):
-            charged[kind] += seconds / self.steps
+        for node in self.nodes:
+            for kind, seconds in node.by_kind.items():
+                charged[kind] += seconds / self.steps
         return Prediction(self.step_seconds, {name: busy.total / elapsed for name, busy in self.busy.items()},
                           dict(staleness), self.released, self.served_at, self.decisions,
                           core_seconds=dict(charged))
