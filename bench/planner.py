@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -131,24 +132,16 @@ def long_tail_relay() -> type:
 
 
 def _process_cpu() -> dict[int, tuple[str, float]]:
-    """Every process's kind (``driver``, ``engines``, ``trainers``, ``other actors``, ``ray and the rest``) and its CPU
-    seconds so far, by pid; Ray names an actor's process ``ray::<its class>``."""
-    import os
+    """This process's and every one under it (Ray's, its actors'), by pid: its kind (``driver``, ``engines``,
+    ``trainers``, ``other actors``, ``ray and the rest``) and its CPU seconds so far (bench/startup.py's reader)."""
+    from startup import cpu_by_pid  # bench/ is on the path
 
-    import psutil
-
-    kinds = {}
-    for process in psutil.process_iter(["name", "cmdline"]):
-        try:
-            title = " ".join(process.info["cmdline"] or []) or process.info["name"] or ""
-            seconds = sum(process.cpu_times()[:2])
-        except psutil.Error:
-            continue
-        kind = ("driver" if process.pid == os.getpid() else "ray and the rest" if not title.startswith("ray::")
+    def kind(pid: int, title: str) -> str:
+        return ("driver" if pid == os.getpid() else "ray and the rest" if not title.startswith("ray::")
                 else "engines" if "Engine" in title or "StoreAsync" in title
                 else "trainers" if "Train" in title else "other actors")
-        kinds[process.pid] = (kind, seconds)
-    return kinds
+
+    return {pid: (kind(pid, title), seconds) for pid, (title, seconds) in cpu_by_pid(os.getpid()).items()}
 
 
 def launch(data: dict, run: str, store_uri: Path, version0_from: str | None,
@@ -166,15 +159,16 @@ def launch(data: dict, run: str, store_uri: Path, version0_from: str | None,
     if version0_from is not None:  # the calibration launch's version 0: no warm-up to repeat
         for agent in config.agents:
             shutil.copytree(store.policy_dir(version0_from, agent, 0), store.policy_dir(run, agent, 0))
-    seconds, before = [], {}
+    seconds, marks = [], []  # with cpu: the processes' CPU at step 0's end and at the last step's, before teardown
     for event in train(config):
         if isinstance(event, StepFinished):
             seconds.append(event.seconds)
             print(f"  {run} step {event.step}: {event.seconds:.2f} s", flush=True)
-            if cpu is not None and len(seconds) == 1:
-                before = _process_cpu()
-    if cpu is not None and len(seconds) > 1:
-        for pid, (kind, used) in _process_cpu().items():
+            if cpu is not None and len(seconds) in (1, config.pipeline.steps):
+                marks.append(_process_cpu())
+    if cpu is not None and len(marks) == 2:
+        before, after = marks
+        for pid, (kind, used) in after.items():
             if pid in before:
                 cpu[kind] = cpu.get(kind, 0.0) + (used - before[pid][1]) / (len(seconds) - 1)
         print(f"  {run} CPU seconds a step: " + ", ".join(f"{kind} {value:.2f}" for kind, value in sorted(cpu.items())),

@@ -43,9 +43,9 @@ def _title(argv: list[str]) -> str:
     return Path(argv[0]).name or "?"
 
 
-def cpu_by_process(root: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of ``root`` and every process under it, summed by process title (Ray names
-    an actor's process ``ray::<class>``; the rest by executable): where start-up's CPU went."""
+def cpu_by_pid(root: int) -> dict[int, tuple[str, float]]:
+    """``root`` and every process under it, by pid: its title (Ray names an actor's process ``ray::<class>``; the rest
+    by executable) and its CPU seconds (user + system) so far."""
     parents, seconds, titles = {}, {}, {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -56,13 +56,22 @@ def cpu_by_process(root: int) -> dict[str, float]:
             pid = int(stat.parent.name)
             _, parents[pid], seconds[pid] = read
             titles[pid] = _title(argv)
-    totals: dict[str, float] = {}
+    under = {}
     for pid in seconds:
         ancestor = pid
         while ancestor not in (root, 0, 1) and ancestor in parents:
             ancestor = parents[ancestor]
         if ancestor == root:
-            totals[titles[pid]] = round(totals.get(titles[pid], 0.0) + seconds[pid], 2)
+            under[pid] = (titles[pid], seconds[pid])
+    return under
+
+
+def cpu_by_process(root: int) -> dict[str, float]:
+    """CPU seconds so far of ``root`` and every process under it, summed by process title (:func:`cpu_by_pid`): where
+    start-up's CPU went."""
+    totals: dict[str, float] = {}
+    for title, seconds in cpu_by_pid(root).values():
+        totals[title] = round(totals.get(title, 0.0) + seconds, 2)
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
