@@ -24,9 +24,9 @@ from marl_pipeline.store import ExperienceStore
 @dataclass(frozen=True)
 class EngineCosts:
     """One engine step (continuous batching): ``step + per_sequence x decoding sequences + per_prompt_token x
-    prompt tokens admitted + per_request x requests admitted`` core-seconds; each decoding sequence gains one token
-    a step. ``per_request``: a request's own work in the engine's process beyond the steps (taken in, its output
-    made and returned)."""
+    prompt tokens admitted`` core-seconds; each decoding sequence gains one token a step. ``per_request``: a
+    request's own work in the engine's process beyond the steps (taken in, its output made and returned), which the
+    simulation does as the request's result is returned."""
 
     step: float
     per_sequence: float

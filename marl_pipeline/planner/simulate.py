@@ -5,8 +5,8 @@ staleness gate and the synchronous step barrier (``run/queues.py``), sticky leas
 agent's replicas (``inference/router.py``), one publisher per agent syncing its replicas one at a time (each
 draining while it loads: a reload waits for the requests in flight), the trainer worker serving swapped agents
 (its spec's ``loads``), the threads each spec computes on and the node's cores they share with each other and the
-driver process (planner/cores.py). Work is charged from costs fitted to a stored run
-(planner/costs.py); its episodes are replayed as the workload.
+driver process (planner/cores.py). Work is charged from costs fitted to a stored run (planner/costs.py); its
+episodes are replayed as the workload.
 
 What it leaves out is said in ``Prediction.assumptions``.
 """
@@ -41,6 +41,8 @@ ASSUMPTIONS = (
     "driver sends them one by one; an environment's reply waits its calibrated seconds, on no core",
     "a weight sync's calibrated seconds are one thread's work on the engine's cores (the trainer's side of it is "
     "not charged), as measured beside the other agents' syncs",
+    "a request's own work in its engine (taken in, its output made and returned) is done as its result is returned, "
+    "one result after another on one of the engine's threads, so a step's results come back spread by it",
 )
 
 
@@ -101,19 +103,17 @@ class _Busy:
         self.env, self.active, self.since, self.total = env, 0, 0.0, 0.0
 
     def start(self) -> None:
-        if self.active == 0:
-            self.since = self.env.now
-        self.active += 1
+        self.since, self.active = self.since if self.active else self.env.now, self.active + 1
 
     def stop(self) -> None:
         self.active -= 1
-        if self.active == 0:
-            self.total += self.env.now - self.since
+        self.total += 0.0 if self.active else self.env.now - self.since
 
 
 class _Engine:
-    """One engine replica: continuous batching, one step at a time on its spec's threads; a weight sync waits for
-    the step in progress and pauses the next ones while it loads."""
+    """One engine replica: continuous batching, one step at a time on its spec's threads, then the step's finished
+    requests returned one after another, each after its own work; a weight sync waits for the step in progress and
+    pauses the next ones while it loads."""
 
     def __init__(self, sim: _Simulation, spec: ActorSpec, costs, cores: tuple[SharedCores, bool]) -> None:
         self.sim, self.spec, self.costs = sim, spec, costs
@@ -130,8 +130,8 @@ class _Engine:
         sim.env.process(self._loop())
 
     def generate(self, turn: Turn, index: int) -> simpy.Event:
-        done = self.sim.env.event()
-        self.waiting.append([turn.prompt_tokens, max(turn.response_tokens, 1), done, self.costs.request(index)])
+        self.waiting.append([turn.prompt_tokens, max(turn.response_tokens, 1), done := self.sim.env.event(),
+                             self.costs.request(index)])
         self._poke()
         return done
 
@@ -168,18 +168,18 @@ class _Engine:
                 continue
             self.running += admitted
             work = (self.costs.step + self.costs.per_sequence * len(self.running)
-                    + self.costs.per_prompt_token * sum(request[0] for request in admitted)
-                    + sum(request[3] for request in admitted))
+                    + self.costs.per_prompt_token * sum(request[0] for request in admitted))
             self.busy.start()
             with self.interpreter.request() as held:  # a hybrid agent's trainer shares this process's
                 yield held
                 yield self.cores.compute(work, self.threads, "engines")
+                self.running = [[prompt, left - 1, *rest] for prompt, left, *rest in self.running]
+                finished = [r for r in self.running if r[1] <= 0]
+                self.running = [r for r in self.running if r[1] > 0]
+                for request in finished:  # returned one after another, each after its own work on one thread:
+                    yield self.cores.compute(request[3], 1, "engines")  # a wave comes back spread by it
+                    request[2].succeed(self.version)
             self.busy.stop()
-            for request in self.running:
-                request[1] -= 1
-            for request in [r for r in self.running if r[1] <= 0]:
-                request[2].succeed(self.version)
-            self.running = [r for r in self.running if r[1] > 0]
 
 
 class _Simulation:
