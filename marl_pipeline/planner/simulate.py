@@ -106,8 +106,7 @@ class _Busy:
         self.since, self.active = self.since if self.active else self.env.now, self.active + 1
 
     def stop(self) -> None:
-        self.active -= 1
-        self.total += 0.0 if self.active else self.env.now - self.since
+        self.active, self.total = self.active - 1, self.total + (0.0 if self.active > 1 else self.env.now - self.since)
 
 
 class _Engine:
@@ -177,7 +176,8 @@ class _Engine:
                 finished = [r for r in self.running if r[1] <= 0]
                 self.running = [r for r in self.running if r[1] > 0]
                 for request in finished:  # returned one after another, each after its own work on one thread:
-                    yield self.cores.compute(request[3], 1, "engines")  # a wave comes back spread by it
+                    if request[3] > 0:  # a wave comes back spread by it (a GPU's costs have none)
+                        yield self.cores.compute(request[3], 1, "engines")
                     request[2].succeed(self.version)
             self.busy.stop()
 
