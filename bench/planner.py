@@ -133,11 +133,13 @@ def long_tail_relay() -> type:
 
 def _process_cpu() -> dict[int, tuple[str, float]]:
     """This process's and every one under it (Ray's, its actors'), by pid: its kind (``driver``, ``engines``,
-    ``trainers``, ``other actors``, ``ray and the rest``) and its CPU seconds so far (bench/startup.py's reader)."""
+    ``trainers``, ``hybrid agents``: an engine and trainer in one process, ``other actors``, ``ray and the rest``) and
+    its CPU seconds so far (bench/startup.py's reader)."""
     from startup import cpu_by_pid  # bench/ is on the path
 
     def kind(pid: int, title: str) -> str:
         return ("driver" if pid == os.getpid() else "ray and the rest" if not title.startswith("ray::")
+                else "hybrid agents" if "AgentProcess" in title
                 else "engines" if "Engine" in title or "StoreAsync" in title
                 else "trainers" if "Train" in title else "other actors")
 
@@ -250,14 +252,16 @@ def main() -> None:
         print(f"| {row['launch']}{' (calibration)' if row['in_sample'] else ''} | {row['predicted_s']:.2f} | "
               f"{row['measured_s']:.2f} ({each}) | {row['error']:+.1%} |")
     if args.cpu:  # the simulation's charge a step beside the processes' CPU, mean of the rounds
-        print("| launch | engines: charged, used | trainers: charged, used | driver: charged, used |")
-        print("| --- | --- | --- | --- |")
+        print("| launch | engines: charged, used | trainers: charged, used | driver: charged, used | hybrid agents: "
+              "used (charged as engines and trainers) |")
+        print("| --- | --- | --- | --- | --- |")
         for name in order:
             launches_of = [cpu[f"{name}.round{index + 1}"] for index in range(args.rounds)]
             used = {kind: statistics.mean(one.get(kind, 0.0) for one in launches_of)
-                    for kind in ("engines", "trainers", "driver")}
-            print(f"| {name} | " + " | ".join(f"{charged[name].get(kind, 0.0):.2f}, {used[kind]:.2f}" for kind in used)
-                  + " |")
+                    for kind in ("engines", "trainers", "driver", "hybrid agents")}
+            print(f"| {name} | " + " | ".join(f"{charged[name].get(kind, 0.0):.2f}, {used[kind]:.2f}"
+                                              for kind in ("engines", "trainers", "driver"))
+                  + f" | {used['hybrid agents']:.2f} |")
     unseen = [abs(row["error"]) for row in rows if not row["in_sample"]]
     per_launch = [abs(row["predicted_s"] - value) / value
                   for row in rows if not row["in_sample"] for value in row["rounds_s"]]
