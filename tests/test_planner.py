@@ -211,21 +211,37 @@ def test_the_calibration_counts_the_cores_a_trainer_call_had_and_a_swapped_worke
         pytest.approx(0.3, abs=1e-6))
 
 
+def _replica(env: simpy.Environment, costs: EngineCosts):
+    """A simulated engine replica of one thread on a core of its own."""
+    from marl_pipeline.cluster.specs import ActorSpec
+    from marl_pipeline.planner.replica import Busy, EngineReplica
+
+    spec = ActorSpec("solver/engine", "engine", "solver", 0, cpus=1.0, gpus=0.0)
+    return EngineReplica(env, spec, costs, (SharedCores(env, 1), False), Busy(env), simpy.Resource(env, 1))
+
+
+def test_a_step_s_finished_requests_are_returned_one_after_another_each_after_its_own_work() -> None:
+    """Two requests of one token taken in together finish in one step (1 s); each one's own work (0.25 s) is done as
+    it is returned, in turn, so the second comes back 0.25 s after the first, and the next step waits for both."""
+    env = simpy.Environment()
+    engine = _replica(env, EngineCosts(step=1.0, per_sequence=0.0, per_prompt_token=0.0, per_request=0.25))
+    returned: list[float] = []
+
+    def request(tokens: int):
+        yield engine.generate(Turn("solver", 4, tokens), 0)
+        returned.append(env.now)
+
+    for tokens in (1, 1, 2):
+        env.process(request(tokens))
+    env.run()
+    assert returned == pytest.approx([1.25, 1.5, 2.75])  # the third's second step starts once both are returned
+
+
 def test_a_reload_waits_for_the_requests_in_flight_and_holds_the_ones_after_it() -> None:
     """As the engine's loop (inference/async_engine.py): a weight sync asked for while a request decodes waits until
     it is done (on the old version); a request sent meanwhile waits for the reload and samples the new one."""
-    from collections import defaultdict
-    from types import SimpleNamespace
-
-    from marl_pipeline.cluster.specs import ActorSpec
-    from marl_pipeline.planner.simulate import _Busy, _Engine
-
     env = simpy.Environment()
-    sim = SimpleNamespace(env=env, busy=defaultdict(lambda: _Busy(env)),
-                          interpreter=lambda agent, replica: simpy.Resource(env, 1))
-    spec = ActorSpec("solver/engine", "engine", "solver", 0, cpus=1.0, gpus=0.0)
-    engine = _Engine(sim, spec, EngineCosts(step=1.0, per_sequence=0.0, per_prompt_token=0.0),
-                     (SharedCores(env, 1), False))
+    engine = _replica(env, EngineCosts(step=1.0, per_sequence=0.0, per_prompt_token=0.0))
     done: dict[str, tuple[float, int]] = {}
 
     def request(name: str, at: float, tokens: int):

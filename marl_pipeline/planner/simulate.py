@@ -24,6 +24,7 @@ from marl_pipeline.config import PipelineConfig
 from marl_pipeline.inference.router import Router
 from marl_pipeline.planner.cores import SerialWork, SharedCores
 from marl_pipeline.planner.costs import Costs, Turn
+from marl_pipeline.planner.replica import Busy, EngineReplica
 from marl_pipeline.run.queues import StepBarrier, gate_open
 from marl_pipeline.store import MicroBatchKey
 
@@ -96,98 +97,12 @@ class Prediction:
         return max(self.busy, key=self.busy.get)
 
 
-class _Busy:
-    """Time during which an actor or stage had work in progress."""
-
-    def __init__(self, env: simpy.Environment) -> None:
-        self.env, self.active, self.since, self.total = env, 0, 0.0, 0.0
-
-    def start(self) -> None:
-        self.since, self.active = self.since if self.active else self.env.now, self.active + 1
-
-    def stop(self) -> None:
-        self.active, self.total = self.active - 1, self.total + (0.0 if self.active > 1 else self.env.now - self.since)
-
-
-class _Engine:
-    """One engine replica: continuous batching, one step at a time on its spec's threads, then the step's finished
-    requests returned one after another, each after its own work; a weight sync waits for the step in progress and
-    pauses the next ones while it loads."""
-
-    def __init__(self, sim: _Simulation, spec: ActorSpec, costs, cores: tuple[SharedCores, bool]) -> None:
-        self.sim, self.spec, self.costs = sim, spec, costs
-        self.cores, device = cores
-        self.threads = 1 if device else spec.threads
-        self.interpreter = sim.interpreter(spec.agent, replica=spec.index)
-        self.version = 0
-        self.waiting: list[list] = []  # [prompt tokens, tokens left, done event, its own work]
-        self.running: list[list] = []
-        self.syncs: list[tuple[float, int, simpy.Event]] = []
-        self.before_sync = 0  # requests that came before the pending sync: taken in by the next step
-        self.wake = sim.env.event()
-        self.busy = sim.busy[spec.name]
-        sim.env.process(self._loop())
-
-    def generate(self, turn: Turn, index: int) -> simpy.Event:
-        self.waiting.append([turn.prompt_tokens, max(turn.response_tokens, 1), done := self.sim.env.event(),
-                             self.costs.request(index)])
-        self._poke()
-        return done
-
-    def sync(self, seconds: float, version: int) -> simpy.Event:
-        done = self.sim.env.event()
-        if not self.syncs:
-            self.before_sync = len(self.waiting)
-        self.syncs.append((seconds, version, done))
-        self._poke()
-        return done
-
-    def _poke(self) -> None:
-        if not self.wake.triggered:
-            self.wake.succeed()
-
-    def _loop(self):
-        env = self.sim.env
-        while True:
-            if self.syncs and not self.running and not self.before_sync:  # drained: the reload, on this engine's
-                seconds, version, done = self.syncs.pop(0)  # cores (vLLM's CPU backend re-packs the weights)
-                self.busy.start()
-                yield self.cores.compute(seconds, 1, "engines")
-                self.busy.stop()
-                self.version = version
-                done.succeed()
-                continue
-            # As the engine's loop: a pending reload holds the requests that came after it, while those in flight
-            # (and taken in before it) finish on the old version.
-            taken = self.before_sync if self.syncs else len(self.waiting)
-            admitted, self.waiting, self.before_sync = self.waiting[:taken], self.waiting[taken:], 0
-            if not admitted and not self.running:
-                self.wake = env.event()
-                yield self.wake
-                continue
-            self.running += admitted
-            work = (self.costs.step + self.costs.per_sequence * len(self.running)
-                    + self.costs.per_prompt_token * sum(request[0] for request in admitted))
-            self.busy.start()
-            with self.interpreter.request() as held:  # a hybrid agent's trainer shares this process's
-                yield held
-                yield self.cores.compute(work, self.threads, "engines")
-                self.running = [[prompt, left - 1, *rest] for prompt, left, *rest in self.running]
-                finished = [r for r in self.running if r[1] <= 0]
-                self.running = [r for r in self.running if r[1] > 0]
-                for request in finished:  # returned one after another, each after its own work on one thread:
-                    if request[3] > 0:  # a wave comes back spread by it (a GPU's costs have none)
-                        yield self.cores.compute(request[3], 1, "engines")
-                    request[2].succeed(self.version)
-            self.busy.stop()
-
-
 class _Simulation:
     def __init__(self, plan: PlacementPlan, pipeline: PipelineConfig, costs: Costs,
                  nodes: list[dict[str, float]], steps: int) -> None:
         self.env = env = simpy.Environment()
         self.plan, self.pipeline, self.costs, self.steps = plan, pipeline, costs, steps
-        self.busy: dict[str, _Busy] = defaultdict(lambda: _Busy(env))
+        self.busy: dict[str, Busy] = defaultdict(lambda: Busy(env))
         self.synchronous = pipeline.mode == "synchronous"
         self.staleness = 0 if self.synchronous else pipeline.staleness
         self.agents = list(plan.engine_sets)
@@ -199,9 +114,8 @@ class _Simulation:
         self.driver = SerialWork(self.nodes[0], self.busy["driver"])  # one interpreter: a thread of the head's cores
         self.hybrid = {spec.agent for spec in plan.specs if spec.role == "agent-process"}
         self._interpreters: dict[str, simpy.Resource] = {}
-        self.engines = {agent: [_Engine(self, spec.parts[0] if spec.parts else spec, costs.engines[agent],
-                                        self.cores[spec.name])
-                                for spec in plan.agent_specs(agent, "engine")] for agent in self.agents}
+        self.engines = {agent: [self._replica(spec, costs) for spec in plan.agent_specs(agent, "engine")]
+                        for agent in self.agents}
         self.routers = {agent: Router(len(replicas), plan.engine_sets[agent].max_outstanding)
                         for agent, replicas in self.engines.items()}
         self.released_replica = {agent: env.event() for agent in self.agents}
@@ -360,6 +274,12 @@ class _Simulation:
                 start = self.last_end if self.last_end is not None else self.step_started[step]
                 self.step_seconds.append(self.env.now - start)
                 self.last_end = self.env.now
+
+    def _replica(self, spec: ActorSpec, costs: Costs) -> EngineReplica:
+        """An engine spec's replica: a hybrid agent's engine part, on the cores the plan put its process on."""
+        engine = spec.parts[0] if spec.parts else spec
+        return EngineReplica(self.env, engine, costs.engines[engine.agent], self.cores[spec.name],
+                             self.busy[engine.name], self.interpreter(engine.agent, replica=engine.index))
 
     def interpreter(self, agent: str, replica: int) -> simpy.Resource:
         """The interpreter a hybrid agent's replica 0 and trainer share (their Python runs one at a time: a
