@@ -94,7 +94,8 @@ class EngineReplica:
             with self.interpreter.request() as held:  # a hybrid agent's trainer shares this process's
                 yield held
                 yield self.cores.compute(work, self.threads, "engines")
-                self.running = [[prompt, left - 1, *rest] for prompt, left, *rest in self.running]
+                for request in self.running:
+                    request[1] -= 1
                 finished = [r for r in self.running if r[1] <= 0]
                 self.running = [r for r in self.running if r[1] > 0]
                 for request in finished:  # returned one after another, each after its own work on one thread:
