@@ -12,7 +12,9 @@ launch is ``streaming`` (engine and trainer apart, 1 replica, staleness 0), laun
 costs averaged over them; its own step time is reported as in-sample.
 Step times are ``StepFinished.seconds`` (since the previous step finished), steps 1.. of each launch (step 0
 includes the engines' first batches), predicted the same way. Predictions are written to
-``<work>/predictions.json`` before the first launch they predict starts.
+``<work>/predictions.json`` before the first launch they predict starts. ``--replay`` launches nothing: it predicts
+a finished run in ``--work`` again with the checkout's model, from its stored calibration launches, into
+``<work>/replay.json`` (two models on the same launches, after the fact).
 
 This machine's own speed drifts (a shared host: the same launch measured 1.05 and 1.41 s a step hours apart, up to
 14% apart minutes apart), so every configuration, the calibration's included, is launched ``--rounds`` times after the
@@ -178,6 +180,83 @@ def launch(data: dict, run: str, store_uri: Path, version0_from: str | None,
     return seconds
 
 
+def predictions(store_uri: Path, calibrations: list[str], launches: dict[str, dict], order: list[str],
+                nodes: list[dict[str, float]]) -> tuple[object, dict[str, list[float]], dict[str, dict[str, float]]]:
+    """The costs pooled from the stored ``calibrations`` runs, and each launch's predicted step times and charge a
+    step by kind of work."""
+    from marl_pipeline.config import parse_config
+    from marl_pipeline.planner.plan import calibration, predict
+    from marl_pipeline.store import ExperienceStore
+
+    costs = calibration(ExperienceStore(str(store_uri)), calibrations, nodes)
+    predicted, charged = {}, {}
+    for name in order:
+        config = parse_config({**launches[name], "run": name, "store": str(store_uri)})
+        prediction = predict(config, nodes, costs)[1]
+        predicted[name], charged[name] = prediction.step_seconds, prediction.core_seconds
+    return costs, predicted, charged
+
+
+def report(order: list[str], predicted: dict[str, list[float]], rounds: dict[str, list[float]],
+           charged: dict[str, dict[str, float]], cpu: dict[str, dict[str, float]]) -> list[dict]:
+    """Print the table (and, with each launch's measured CPU in ``cpu``, the charge beside it); the rows."""
+    rows = []
+    for name in order:
+        p, m = statistics.mean(predicted[name][1:]), statistics.mean(rounds[name])
+        rows.append({"launch": name, "predicted_s": round(p, 3), "measured_s": round(m, 3),
+                     "rounds_s": [round(value, 3) for value in rounds[name]],
+                     "error": round((p - m) / m, 4), "in_sample": name == "streaming"})
+    print("| launch | predicted s/step | measured s/step (each round) | error |")
+    print("| --- | --- | --- | --- |")
+    for row in rows:
+        each = ", ".join(f"{value:.2f}" for value in row["rounds_s"])
+        print(f"| {row['launch']}{' (calibration)' if row['in_sample'] else ''} | {row['predicted_s']:.2f} | "
+              f"{row['measured_s']:.2f} ({each}) | {row['error']:+.1%} |")
+    if cpu:  # the simulation's charge a step beside the processes' CPU, mean of the rounds
+        print("| launch | engines: charged, used | trainers: charged, used | driver: charged, used | hybrid agents: "
+              "used (charged as engines and trainers) |")
+        print("| --- | --- | --- | --- | --- |")
+        for name in order:
+            launches_of = [cpu[f"{name}.round{index + 1}"] for index in range(len(rounds[name]))]
+            used = {kind: statistics.mean(one.get(kind, 0.0) for one in launches_of)
+                    for kind in ("engines", "trainers", "driver", "hybrid agents")}
+            print(f"| {name} | " + " | ".join(f"{charged[name].get(kind, 0.0):.2f}, {used[kind]:.2f}"
+                                              for kind in ("engines", "trainers", "driver"))
+                  + f" | {used['hybrid agents']:.2f} |")
+    unseen = [abs(row["error"]) for row in rows if not row["in_sample"]]
+    per_launch = [abs(row["predicted_s"] - value) / value
+                  for row in rows if not row["in_sample"] for value in row["rounds_s"]]
+    print(f"unseen configurations: {len(unseen)}, median |error| {statistics.median(unseen):.1%}, "
+          f"max {max(unseen):.1%}; each launch of them ({len(per_launch)}): median "
+          f"{statistics.median(per_launch):.1%}, max {max(per_launch):.1%}")
+    return rows
+
+
+def replay(work: Path, team: str) -> None:
+    """Predict a finished run of this bench again with this checkout's model, from its stored calibration launches,
+    against its measured rounds (``results.json``, which keeps them to the millisecond: an error may differ from the
+    run's own in its last digit): two models compared on the same launches, after the fact.
+    Writes ``<work>/replay.json``; the run's own files are left as they are.
+
+    Raises:
+        SystemExit: ``work`` holds no finished run.
+    """
+    if not (work / "results.json").is_file():
+        raise SystemExit(f"--replay {work}: no results.json there (run the bench with --work {work} first)")
+    results = json.loads((work / "results.json").read_text())
+    calibrations = [run for run in results["measured"] if run == "streaming" or run.startswith("streaming.calibration")]
+    base = base_config(team)
+    base["pipeline"]["steps"] = len(results["measured"]["streaming"])
+    order = [row["launch"] for row in results["rows"]]
+    costs, predicted, charged = predictions(work / "store", calibrations, variants(base), order,
+                                            [{"CPU": 2.0, "GPU": 0.0}])
+    rows = report(order, predicted, {row["launch"]: row["rounds_s"] for row in results["rows"]}, charged,
+                  results.get("cpu_per_step") or {})
+    (work / "replay.json").write_text(json.dumps({"written": time.time(), "costs": repr(costs)[:2000],
+                                                  "predicted": predicted, "core_seconds": charged, "rows": rows},
+                                                 indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/tmp/planner"))
@@ -193,13 +272,13 @@ def main() -> None:
     parser.add_argument("--team", choices=("pair", "trio", "longtail"), default="pair",
                         help="pair: the demo's solver and verifier; trio: three agents relaying a colour; longtail: "
                              "two agents over three turns with lognormal environment replies.")
+    parser.add_argument("--replay", action="store_true", help="Launch nothing: predict the finished run in --work "
+                                                              "(of the same --team) again with this checkout's model.")
     args = parser.parse_args()
+    if args.replay:
+        return replay(args.work, args.team)
 
     import ray
-
-    from marl_pipeline.config import parse_config
-    from marl_pipeline.planner.plan import calibration, predict
-    from marl_pipeline.store import ExperienceStore
 
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
@@ -207,7 +286,7 @@ def main() -> None:
     base["pipeline"]["steps"] = args.steps
     launches = variants(base)
     names = [name for name in launches if name != "streaming" and (not args.only or name in args.only)]
-    nodes = [{"CPU": 2.0, "GPU": 0.0}]
+    order = ["streaming", *names]
     store_uri = args.work / "store"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     started = time.time()
@@ -220,16 +299,10 @@ def main() -> None:
     for index in range(2, args.calibrations + 1):
         run = f"streaming.calibration{index}"
         measured[run] = launch(launches["streaming"], run, store_uri, "streaming", cpu_of(run))
-    costs = calibration(ExperienceStore(str(store_uri)), list(measured), nodes)
-    predicted, charged = {}, {}
-    for name in ["streaming", *names]:
-        config = parse_config({**launches[name], "run": name, "store": str(store_uri)})
-        prediction = predict(config, nodes, costs)[1]
-        predicted[name], charged[name] = prediction.step_seconds, prediction.core_seconds
+    costs, predicted, charged = predictions(store_uri, list(measured), launches, order, [{"CPU": 2.0, "GPU": 0.0}])
     (args.work / "predictions.json").write_text(json.dumps({"written": time.time(), "costs": repr(costs)[:2000],
                                                             "predicted": predicted, "core_seconds": charged},
                                                            indent=1))
-    order = ["streaming", *names]
     rounds: dict[str, list[float]] = {name: [] for name in order}
     for index in range(args.rounds):
         for name in order if index % 2 == 0 else order[::-1]:
@@ -237,37 +310,9 @@ def main() -> None:
                              cpu_of(f"{name}.round{index + 1}"))
             measured[f"{name}.round{index + 1}"] = seconds
             rounds[name].append(statistics.mean(seconds[1:]))
-    rows = []
-    for name in order:
-        p, m = statistics.mean(predicted[name][1:]), statistics.mean(rounds[name])
-        rows.append({"launch": name, "predicted_s": round(p, 3), "measured_s": round(m, 3),
-                     "rounds_s": [round(value, 3) for value in rounds[name]],
-                     "error": round((p - m) / m, 4), "in_sample": name == "streaming"})
+    rows = report(order, predicted, rounds, charged, cpu)
     (args.work / "results.json").write_text(json.dumps({"rows": rows, "measured": measured, "cpu_per_step": cpu,
                                                         "wall_s": time.time() - started}, indent=1))
-    print("| launch | predicted s/step | measured s/step (each round) | error |")
-    print("| --- | --- | --- | --- |")
-    for row in rows:
-        each = ", ".join(f"{value:.2f}" for value in row["rounds_s"])
-        print(f"| {row['launch']}{' (calibration)' if row['in_sample'] else ''} | {row['predicted_s']:.2f} | "
-              f"{row['measured_s']:.2f} ({each}) | {row['error']:+.1%} |")
-    if args.cpu:  # the simulation's charge a step beside the processes' CPU, mean of the rounds
-        print("| launch | engines: charged, used | trainers: charged, used | driver: charged, used | hybrid agents: "
-              "used (charged as engines and trainers) |")
-        print("| --- | --- | --- | --- | --- |")
-        for name in order:
-            launches_of = [cpu[f"{name}.round{index + 1}"] for index in range(args.rounds)]
-            used = {kind: statistics.mean(one.get(kind, 0.0) for one in launches_of)
-                    for kind in ("engines", "trainers", "driver", "hybrid agents")}
-            print(f"| {name} | " + " | ".join(f"{charged[name].get(kind, 0.0):.2f}, {used[kind]:.2f}"
-                                              for kind in ("engines", "trainers", "driver"))
-                  + f" | {used['hybrid agents']:.2f} |")
-    unseen = [abs(row["error"]) for row in rows if not row["in_sample"]]
-    per_launch = [abs(row["predicted_s"] - value) / value
-                  for row in rows if not row["in_sample"] for value in row["rounds_s"]]
-    print(f"unseen configurations: {len(unseen)}, median |error| {statistics.median(unseen):.1%}, "
-          f"max {max(unseen):.1%}; each launch of them ({len(per_launch)}): median "
-          f"{statistics.median(per_launch):.1%}, max {max(per_launch):.1%}")
 
 
 if __name__ == "__main__":
