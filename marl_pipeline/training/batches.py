@@ -70,6 +70,10 @@ class StepResult:
     """Tokens a pass (the budget the trainer chose or was given)."""
     passes: str = ""
     """``packed`` (padding-free, attention per row) or ``padded`` (training/packing.py)."""
+    swaps: int = field(default=0, compare=False)
+    """The trainer worker's swaps so far (in and out), where one serves several agents (0: a trainer of its own)."""
+    swap_seconds: float = field(default=0.0, compare=False)
+    """Their seconds so far: what its agents' steps spent changing the state it holds."""
 
 
 def length_chunks(lengths: list[int], budget: int) -> list[list[int]]:

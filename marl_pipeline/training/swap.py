@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import ray
@@ -139,7 +139,12 @@ class TrainerWorker:
             raise KeyError(f"agent {agent!r} is not served by this trainer worker (it serves {sorted(self.specs)})")
         if method == "policy_version":  # answered from the shell: readiness checks must not swap anything
             return self.trainers[agent].version if agent in self.trainers else self.specs[agent].version
-        return getattr(self._load(agent), method)(*args, **kwargs)
+        result = getattr(self._load(agent), method)(*args, **kwargs)
+        if method == "apply_step":  # the version's timing.json records what swapping has cost so far
+            stats = self.stats
+            result = replace(result, swaps=stats.swaps_in + stats.swaps_out,
+                             swap_seconds=stats.seconds_in + stats.seconds_out)
+        return result
 
     def _load(self, agent: str) -> PolicyTrainer:
         if self.loaded == agent:
