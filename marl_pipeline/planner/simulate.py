@@ -31,6 +31,8 @@ from marl_pipeline.store import MicroBatchKey
 ASSUMPTIONS = (
     "the calibration run's episodes (turns and their token counts) are the workload",
     "each actor keeps its spec's threads (the run moves streaming trainers' threads to follow demand)",
+    "an actor's threads divide its work evenly (W core-seconds on T threads take W / T seconds on free cores); a "
+    "small model's ops divide worse",
     "a hybrid agent's engine step and trainer call never overlap (one interpreter), whole, not interleaved",
     "swapping an agent's trainer state in and out costs nothing beyond the calls it serves",
     "environment and reward take their calibrated seconds a micro-batch, beside the engines and trainers (the "
