@@ -244,6 +244,9 @@ def replay(work: Path, team: str) -> None:
     if not (work / "results.json").is_file():
         raise SystemExit(f"--replay {work}: no results.json there (run the bench with --work {work} first)")
     results = json.loads((work / "results.json").read_text())
+    if "rows" not in results:
+        raise SystemExit(f"--replay {work}: its results.json has the launches' measurements but not their rounds "
+                         f"compared (the run's report did not finish)")
     calibrations = [run for run in results["measured"] if run == "streaming" or run.startswith("streaming.calibration")]
     base = base_config(team)
     base["pipeline"]["steps"] = len(results["measured"]["streaming"])
@@ -310,9 +313,10 @@ def main() -> None:
                              cpu_of(f"{name}.round{index + 1}"))
             measured[f"{name}.round{index + 1}"] = seconds
             rounds[name].append(statistics.mean(seconds[1:]))
-    rows = report(order, predicted, rounds, charged, cpu)
-    (args.work / "results.json").write_text(json.dumps({"rows": rows, "measured": measured, "cpu_per_step": cpu,
-                                                        "wall_s": time.time() - started}, indent=1))
+    results = {"measured": measured, "cpu_per_step": cpu, "wall_s": time.time() - started}
+    (args.work / "results.json").write_text(json.dumps(results, indent=1))  # the measurements, before the report
+    results["rows"] = report(order, predicted, rounds, charged, cpu)
+    (args.work / "results.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -64,12 +64,12 @@ def test_swapped_training_is_bit_identical_to_resident(local_ray, tiny_model_dir
                 assert mine.pop("compute_seconds") > 0 and theirs.pop("compute_seconds") > 0  # timed, not compared
                 assert mine == theirs
         for agent in agents:
-            mine, theirs = resident[agent].apply_step(), worker.call(agent, "apply_step")
-            assert mine == theirs and mine.swaps == 0
-            # what the version's timing.json records of the worker's swapping so far (the planner reads it)
+            alone, served = resident[agent].apply_step(), worker.call(agent, "apply_step")
+            assert alone == served and alone.swaps == 0
+            # the worker's swapping so far, which the version's timing.json records
             stats = worker.swap_stats()
-            assert theirs.swaps == stats.swaps_in + stats.swaps_out > 0
-            assert theirs.swap_seconds == stats.seconds_in + stats.seconds_out > 0
+            assert served.swaps == stats.swaps_in + stats.swaps_out > 0
+            assert served.swap_seconds == stats.seconds_in + stats.seconds_out > 0
             for (name, mine), (other, theirs) in zip(resident[agent].named_weights(),
                                                      worker.call(agent, "named_weights"), strict=True):
                 assert name == other and torch.equal(mine, theirs)
