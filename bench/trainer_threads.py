@@ -1,0 +1,79 @@
+"""Benchmark: what a trainer's second (and further) thread buys on the built-in tiny model, the planner bench's model.
+
+The planner's simulation takes an actor's work on T threads as done T times as fast (planner/simulate.py's
+assumptions); the placement gives a lone synchronous trainer worker every core of its node. This times one
+``PolicyTrainer`` in this process, its ``accumulate`` of a micro-batch shaped like the bench's (short prompts and
+responses, many rows) and its ``apply_step``, at each thread count in turn, rep by rep (so a drift of the host weighs on
+every count alike): the median wall seconds, the speed-up over one thread, and the process's CPU seconds over its wall
+seconds (the cores it kept busy, spinning threads included).
+
+    .venv/bin/python bench/trainer_threads.py --threads 1 2 --reps 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--rows", type=int, default=256, help="rows a micro-batch (the demo's: 16 prompts x 16)")
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(3, 8), metavar=("MIN", "MAX"))
+    parser.add_argument("--response-tokens", type=int, nargs=2, default=(1, 3), metavar=("MIN", "MAX"))
+    args = parser.parse_args()
+
+    from planner import base_config
+    from trainer_throughput import make_batch
+
+    from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
+    from marl_pipeline.bootstrap.tiny_model import build_tiny_model
+    from marl_pipeline.cluster.specs import trainer_options
+    from marl_pipeline.config import parse_config
+    from marl_pipeline.training.trainer import PolicyTrainer
+
+    corpus = ArithmeticCheck(ArithmeticOptions()).text_corpus(np.random.default_rng(0), 500)
+    model = build_tiny_model(Path(tempfile.mkdtemp()) / "model", corpus, seed=0)
+    config = parse_config({**base_config("pair"), "run": "threads", "store": tempfile.mkdtemp()})
+    options = trainer_options(config, next(iter(config.agents)), 1)  # the bench's trainer settings
+    options |= {key: str(model) for key in ("reference_dir", "base_dir") if options[key]}
+    trainer = PolicyTrainer(str(model), 0, **options)
+    batch = make_batch(args.rows, 200, tuple(args.prompt_tokens), tuple(args.response_tokens))
+    trainer.accumulate(batch)  # warm-up: first-call allocations and kernels
+    trainer.apply_step()
+    wall: dict[int, list[float]] = {threads: [] for threads in args.threads}
+    cores: dict[int, list[float]] = {threads: [] for threads in args.threads}
+    for rep in range(args.reps):
+        for threads in args.threads if rep % 2 == 0 else args.threads[::-1]:
+            torch.set_num_threads(threads)
+            began, cpu = time.perf_counter(), time.process_time()
+            trainer.accumulate(batch)
+            trainer.apply_step()
+            seconds = time.perf_counter() - began
+            wall[threads].append(seconds)
+            cores[threads].append((time.process_time() - cpu) / seconds)
+        print(f"rep {rep + 1}/{args.reps}: " + ", ".join(f"{t} threads {wall[t][-1]:.3f} s" for t in args.threads),
+              flush=True)
+    one = statistics.median(wall[args.threads[0]])
+    print(f"| threads | median s (accumulate + apply_step) | speed-up over {args.threads[0]} | cores kept busy |")
+    print("| --- | --- | --- | --- |")
+    for threads in args.threads:
+        median = statistics.median(wall[threads])
+        print(f"| {threads} | {median:.3f} | {one / median:.2f} | {statistics.median(cores[threads]):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
