@@ -44,6 +44,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+NODES = [{"CPU": 2.0, "GPU": 0.0}]
+"""The cluster every launch runs on and is planned for: this machine's 2 cores as Ray's one node."""
+
+
+def calibration_runs(runs) -> list[str]:
+    """Of a run's launch names, the calibration's: ``streaming`` and its repeats ``streaming.calibration<k>``."""
+    return [run for run in runs if run == "streaming" or run.startswith("streaming.calibration")]
+
+
 def _agents(data: dict, **settings) -> dict:
     """``data`` with ``settings`` merged into every agent (``engine`` and ``trainer`` merged key by key)."""
     data = copy.deepcopy(data)
@@ -180,19 +189,19 @@ def launch(data: dict, run: str, store_uri: Path, version0_from: str | None,
     return seconds
 
 
-def predictions(store_uri: Path, calibrations: list[str], launches: dict[str, dict], order: list[str],
-                nodes: list[dict[str, float]]) -> tuple[object, dict[str, list[float]], dict[str, dict[str, float]]]:
+def predictions(store_uri: Path, calibrations: list[str], launches: dict[str, dict],
+                order: list[str]) -> tuple[object, dict[str, list[float]], dict[str, dict[str, float]]]:
     """The costs pooled from the stored ``calibrations`` runs, and each launch's predicted step times and charge a
     step by kind of work."""
     from marl_pipeline.config import parse_config
     from marl_pipeline.planner.plan import calibration, predict
     from marl_pipeline.store import ExperienceStore
 
-    costs = calibration(ExperienceStore(str(store_uri)), calibrations, nodes)
+    costs = calibration(ExperienceStore(str(store_uri)), calibrations, NODES)
     predicted, charged = {}, {}
     for name in order:
         config = parse_config({**launches[name], "run": name, "store": str(store_uri)})
-        prediction = predict(config, nodes, costs)[1]
+        prediction = predict(config, NODES, costs)[1]
         predicted[name], charged[name] = prediction.step_seconds, prediction.core_seconds
     return costs, predicted, charged
 
@@ -247,12 +256,11 @@ def replay(work: Path, team: str) -> None:
     if "rows" not in results:
         raise SystemExit(f"--replay {work}: its results.json has the launches' measurements but not their rounds "
                          f"compared (the run's report did not finish)")
-    calibrations = [run for run in results["measured"] if run == "streaming" or run.startswith("streaming.calibration")]
+    calibrations = calibration_runs(results["measured"])
     base = base_config(team)
     base["pipeline"]["steps"] = len(results["measured"]["streaming"])
     order = [row["launch"] for row in results["rows"]]
-    costs, predicted, charged = predictions(work / "store", calibrations, variants(base), order,
-                                            [{"CPU": 2.0, "GPU": 0.0}])
+    costs, predicted, charged = predictions(work / "store", calibrations, variants(base), order)
     rows = report(order, predicted, {row["launch"]: row["rounds_s"] for row in results["rows"]}, charged,
                   results.get("cpu_per_step") or {})
     (work / "replay.json").write_text(json.dumps({"written": time.time(), "costs": repr(costs)[:2000],
@@ -302,7 +310,7 @@ def main() -> None:
     for index in range(2, args.calibrations + 1):
         run = f"streaming.calibration{index}"
         measured[run] = launch(launches["streaming"], run, store_uri, "streaming", cpu_of(run))
-    costs, predicted, charged = predictions(store_uri, list(measured), launches, order, [{"CPU": 2.0, "GPU": 0.0}])
+    costs, predicted, charged = predictions(store_uri, list(measured), launches, order)
     (args.work / "predictions.json").write_text(json.dumps({"written": time.time(), "costs": repr(costs)[:2000],
                                                             "predicted": predicted, "core_seconds": charged},
                                                            indent=1))

@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--runs", nargs="*", help="Launches to compare (default: every one but the calibration's).")
     args = parser.parse_args()
 
-    from planner import base_config  # bench/planner.py: registers the team's environment
+    from planner import NODES, base_config, calibration_runs  # bench/planner.py; base_config registers the team
 
     from marl_pipeline.config import parse_config
     from marl_pipeline.planner.plan import calibration, predict
@@ -72,17 +72,16 @@ def main() -> None:
 
     base_config(args.team)
     store = ExperienceStore(str(args.work / "store"))
-    nodes = [{"CPU": 2.0, "GPU": 0.0}]
     launches = sorted(path.name.removeprefix("run=") for path in (args.work / "store").glob("run=*"))
-    calibrations = [run for run in launches if run.split(".")[0] == "streaming" and "round" not in run]
-    costs = calibration(store, calibrations, nodes)
+    calibrations = calibration_runs(launches)
+    costs = calibration(store, calibrations, NODES)
     print("| launch | wave spread ms by turn: measured, simulated | turn latency ms | micro-batch rollout s |")
     print("| --- | --- | --- | --- |")
     for run in args.runs or [run for run in launches if run not in calibrations]:
         history, configs = launch_history(store, run)
         config = parse_config(configs[history[-1]["config"]])  # as it ran
         real = measured(store, run)
-        sim = simulated(predict(config, nodes, costs, config.pipeline.steps)[1].decisions)
+        sim = simulated(predict(config, NODES, costs, config.pipeline.steps)[1].decisions)
         print(f"| {run} | " + " | ".join(", ".join(f"t{turn} {real[key][turn]:.0f}/{sim[key].get(turn, 0):.0f}"
                                                    for turn in real[key]) for key in ("spread_ms", "latency_ms"))
               + f" | {real['rollout_s']:.3f}/{sim['rollout_s']:.3f} |", flush=True)
