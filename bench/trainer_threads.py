@@ -19,7 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,15 +37,13 @@ def main() -> None:
 
     from planner import base_config
     from trainer_throughput import make_batch
+    from training import tiny_model
 
-    from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
-    from marl_pipeline.bootstrap.tiny_model import build_tiny_model
     from marl_pipeline.cluster.specs import trainer_options
     from marl_pipeline.config import parse_config
     from marl_pipeline.training.trainer import PolicyTrainer
 
-    corpus = ArithmeticCheck(ArithmeticOptions()).text_corpus(np.random.default_rng(0), 500)
-    model = build_tiny_model(Path(tempfile.mkdtemp()) / "model", corpus, seed=0)
+    model = tiny_model(Path(tempfile.mkdtemp()))
     config = parse_config({**base_config("pair"), "run": "threads", "store": tempfile.mkdtemp()})
     options = trainer_options(config, next(iter(config.agents)), 1)  # the bench's trainer settings
     options |= {key: str(model) for key in ("reference_dir", "base_dir") if options[key]}
