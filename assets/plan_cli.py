@@ -26,6 +26,9 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
                                                    "the workload from the stored run."),
          profile: str | None = typer.Option(None, help="With --gpu: the trainers' MFU from this bench/gpu_trainer.py "
                                                        "--rl output instead of the roofline's default."),
+         threads_profile: str | None = typer.Option(None, "--threads-profile", help="What a trainer's threads buy "
+                                                     "on these CPUs (bench/trainer_threads.py --out's file), in "
+                                                     "place of a linear speed-up."),
          engine_profiles: list[str] = typer.Option([], "--engine-profile", help="With --gpu: AGENT=FILE, that "
                                                    "agent's engine costs from bench/engine_profile.py's output "
                                                    "instead of the roofline (repeatable)."),
@@ -51,6 +54,7 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
         this_machine,
     )
     from marl_pipeline.planner.search import search as search_allocations
+    from marl_pipeline.planner.threads import thread_profile
     from marl_pipeline.store import ExperienceStore, StoreError
 
     try:
@@ -58,7 +62,8 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
         config, _ = train_run_config(config_path, settings)
         nodes = planned_nodes(cluster, config.ray.address)
         # the stored run is taken to have run on this machine: its threads are re-planned here
-        stored = calibration(ExperienceStore(calibrate), run, here)
+        threads = thread_profile(threads_profile) if threads_profile else None
+        stored = calibration(ExperienceStore(calibrate), run, here, threads)
 
         engines = dict(_agent_file(setting) for setting in engine_profiles)
 

@@ -17,6 +17,8 @@ class CapacityPlanConfig(dg.Config):
     calibrate_runs: list[str] = Field(default_factory=list)
     """The stored runs (in the experiment's store) to take costs from, each figure their mean; empty: the
     experiment's own run."""
+    threads_profile: str = ""
+    """What a trainer's threads buy on these CPUs (``bench/trainer_threads.py --out``'s file); empty: linear."""
     gpu: str = ""
     """A GPU kind (h100, h200, a100): engine and trainer costs from a roofline on it, the workload from the run."""
     steps: int = 5
@@ -38,12 +40,14 @@ def capacity_plan(context: dg.AssetExecutionContext, config: CapacityPlanConfig,
         predict,
         this_machine,
     )
+    from marl_pipeline.planner.threads import thread_profile
 
     settings = experiment.load()
     here = this_machine()
     nodes = planned_nodes(config.cluster, settings.ray.address)
     # the stored runs are taken to have run on this machine
-    costs = calibration(store.open(), config.calibrate_runs or settings.run, here)
+    threads = thread_profile(config.threads_profile) if config.threads_profile else None
+    costs = calibration(store.open(), config.calibrate_runs or settings.run, here, threads)
     if config.gpu:
         costs = gpu_costs_for(settings, config.gpu, costs)
     placement, prediction = predict(settings, nodes, costs, config.steps)

@@ -12,7 +12,9 @@ launch is ``streaming`` (engine and trainer apart, 1 replica, staleness 0), laun
 costs averaged over them; its own step time is reported as in-sample.
 Step times are ``StepFinished.seconds`` (since the previous step finished), steps 1.. of each launch (step 0
 includes the engines' first batches), predicted the same way. Predictions are written to
-``<work>/predictions.json`` before the first launch they predict starts. ``--replay`` launches nothing: it predicts
+``<work>/predictions.json`` before the first launch they predict starts. What a trainer's second thread buys is
+measured first (bench/trainer_threads.py, into ``<work>/threads.json``; ``--threads-profile`` to give one,
+``--linear-threads`` for none). ``--replay`` launches nothing: it predicts
 a finished run in ``--work`` again with the checkout's model, from its stored calibration launches, into
 ``<work>/replay.json`` (two models on the same launches, after the fact).
 
@@ -34,6 +36,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -189,15 +192,17 @@ def launch(data: dict, run: str, store_uri: Path, version0_from: str | None,
     return seconds
 
 
-def predictions(store_uri: Path, calibrations: list[str], launches: dict[str, dict],
-                order: list[str]) -> tuple[object, dict[str, list[float]], dict[str, dict[str, float]]]:
-    """The costs pooled from the stored ``calibrations`` runs, and each launch's predicted step times and charge a
-    step by kind of work."""
+def predictions(store_uri: Path, calibrations: list[str], launches: dict[str, dict], order: list[str],
+                threads: Path | None) -> tuple[object, dict[str, list[float]], dict[str, dict[str, float]]]:
+    """The costs pooled from the stored ``calibrations`` runs (a trainer's threads' speed-up from the ``threads``
+    profile; None: linear), and each launch's predicted step times and charge a step by kind of work."""
     from marl_pipeline.config import parse_config
     from marl_pipeline.planner.plan import calibration, predict
+    from marl_pipeline.planner.threads import thread_profile
     from marl_pipeline.store import ExperienceStore
 
-    costs = calibration(ExperienceStore(str(store_uri)), calibrations, NODES)
+    scaling = thread_profile(threads) if threads else None
+    costs = calibration(ExperienceStore(str(store_uri)), calibrations, NODES, scaling)
     predicted, charged = {}, {}
     for name in order:
         config = parse_config({**launches[name], "run": name, "store": str(store_uri)})
@@ -241,7 +246,15 @@ def report(order: list[str], predicted: dict[str, list[float]], rounds: dict[str
     return rows
 
 
-def replay(work: Path, team: str) -> None:
+def measure_threads(out: Path) -> Path:
+    """What a trainer's second thread buys on this host now (bench/trainer_threads.py, in a process of its own, before
+    Ray starts): the thread profile the predictions use."""
+    subprocess.run([sys.executable, str(ROOT / "bench" / "trainer_threads.py"), "--threads", "1", "2", "--reps", "9",
+                    "--out", str(out)], check=True)
+    return out
+
+
+def replay(work: Path, team: str, threads: Path | None) -> None:
     """Predict a finished run of this bench again with this checkout's model, from its stored calibration launches,
     against its measured rounds (``results.json``, which keeps them to the millisecond: an error may differ from the
     run's own in its last digit): two models compared on the same launches, after the fact.
@@ -260,7 +273,7 @@ def replay(work: Path, team: str) -> None:
     base = base_config(team)
     base["pipeline"]["steps"] = len(results["measured"]["streaming"])
     order = [row["launch"] for row in results["rows"]]
-    costs, predicted, charged = predictions(work / "store", calibrations, variants(base), order)
+    costs, predicted, charged = predictions(work / "store", calibrations, variants(base), order, threads)
     rows = report(order, predicted, {row["launch"]: row["rounds_s"] for row in results["rows"]}, charged,
                   results.get("cpu_per_step") or {})
     (work / "replay.json").write_text(json.dumps({"written": time.time(), "costs": repr(costs)[:2000],
@@ -285,9 +298,17 @@ def main() -> None:
                              "two agents over three turns with lognormal environment replies.")
     parser.add_argument("--replay", action="store_true", help="Launch nothing: predict the finished run in --work "
                                                               "(of the same --team) again with this checkout's model.")
+    parser.add_argument("--threads-profile", type=Path, help="What a trainer's threads buy (bench/trainer_threads.py "
+                                                              "--out's file; default: measured into "
+                                                              "<work>/threads.json before the calibration, and with "
+                                                              "--replay the run's own, where it has one).")
+    parser.add_argument("--linear-threads", action="store_true", help="No thread profile: T threads T times as "
+                                                                      "fast (the model before 2026-11-28).")
     args = parser.parse_args()
     if args.replay:
-        return replay(args.work, args.team)
+        own = args.work / "threads.json"
+        return replay(args.work, args.team, None if args.linear_threads else args.threads_profile or (
+            own if own.is_file() else None))
 
     import ray
 
@@ -299,6 +320,7 @@ def main() -> None:
     names = [name for name in launches if name != "streaming" and (not args.only or name in args.only)]
     order = ["streaming", *names]
     store_uri = args.work / "store"
+    threads = None if args.linear_threads else args.threads_profile or measure_threads(args.work / "threads.json")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     started = time.time()
     cpu: dict[str, dict[str, float]] = {}  # per launch, with --cpu
@@ -310,10 +332,10 @@ def main() -> None:
     for index in range(2, args.calibrations + 1):
         run = f"streaming.calibration{index}"
         measured[run] = launch(launches["streaming"], run, store_uri, "streaming", cpu_of(run))
-    costs, predicted, charged = predictions(store_uri, list(measured), launches, order)
-    (args.work / "predictions.json").write_text(json.dumps({"written": time.time(), "costs": repr(costs)[:2000],
-                                                            "predicted": predicted, "core_seconds": charged},
-                                                           indent=1))
+    costs, predicted, charged = predictions(store_uri, list(measured), launches, order, threads)
+    (args.work / "predictions.json").write_text(json.dumps({
+        "written": time.time(), "costs": repr(costs)[:2000], "threads": costs.threads.describe(),
+        "predicted": predicted, "core_seconds": charged}, indent=1))
     rounds: dict[str, list[float]] = {name: [] for name in order}
     for index in range(args.rounds):
         for name in order if index % 2 == 0 else order[::-1]:

@@ -7,12 +7,17 @@ responses, many rows) and its ``apply_step``, at each thread count in turn, rep 
 every count alike): the median wall seconds, the speed-up over one thread, and the process's CPU seconds over its wall
 seconds (the cores it kept busy, spinning threads included).
 
-    .venv/bin/python bench/trainer_threads.py --threads 1 2 --reps 9
+    .venv/bin/python bench/trainer_threads.py --threads 1 2 --reps 9 --out threads.json
+
+``--out`` writes the speed-ups as a thread profile (planner/threads.py) that ``marl plan --threads-profile`` reads;
+bench/planner.py measures one so before it writes its predictions.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import platform
 import statistics
 import sys
 import tempfile
@@ -33,7 +38,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256, help="rows a micro-batch (the demo's: 16 prompts x 16)")
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(3, 8), metavar=("MIN", "MAX"))
     parser.add_argument("--response-tokens", type=int, nargs=2, default=(1, 3), metavar=("MIN", "MAX"))
+    parser.add_argument("--out", type=Path, help="write the speed-ups as a thread profile (--threads 1 2 ... n)")
     args = parser.parse_args()
+    if args.out and args.threads != list(range(1, len(args.threads) + 1)):
+        parser.error(f"--out: a thread profile needs --threads 1 2 ... n, not {args.threads}")
 
     from planner import base_config
     from trainer_throughput import make_batch
@@ -70,6 +78,19 @@ def main() -> None:
     for threads in args.threads:
         median = statistics.median(wall[threads])
         print(f"| {threads} | {median:.3f} | {one / median:.2f} | {statistics.median(cores[threads]):.2f} |")
+    if args.out:
+        args.out.write_text(json.dumps({
+            "cpu": _cpu_name(), "command": " ".join(sys.argv), "written": time.time(),
+            "trainer": {str(t): round(one / statistics.median(wall[t]), 4) for t in args.threads},
+            "cores_busy": {str(t): round(statistics.median(cores[t]), 3) for t in args.threads}}, indent=1))
+        print(f"thread profile written to {args.out}")
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -56,12 +56,16 @@ def test_a_stored_launch_calibrates_the_simulation_which_replays_it(local_ray, d
     # a sanity bound on the in-sample fit, not a speed goal (BENCHMARKS.md has the validation on unseen launches)
     assert 0.5 < prediction.mean_step_seconds / (sum(measured) / len(measured)) < 2.0
 
+    profile = tmp_path / "threads.json"  # what bench/trainer_threads.py --out writes
+    profile.write_text(json.dumps({"cpu": "here", "trainer": {"1": 1.0, "2": 1.5}}))
     result = subprocess.run(
         [sys.executable, "-m", "assets.cli", "plan", str(ROOT / "configs" / "demo.yaml"), "--calibrate",
          str(tmp_path / "store"), "--run", config.run, "--cluster", "2", "--set", "pipeline.steps=3",
-         "--search", "--format", "json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+         "--search", "--threads-profile", str(profile), "--format", "json"], cwd=ROOT, capture_output=True,
+        text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout)
+    assert any(str(profile) in line and "2: 1.50x" in line for line in summary["assumptions"])
     assert len(summary["per_step"]) == 3 and summary["step_seconds"] > 0
     found = summary["search"]  # best first; the first is at least as good as the experiment as written
     assert found and found[0]["step_seconds"] <= summary["step_seconds"] + 1e-9

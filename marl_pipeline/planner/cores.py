@@ -1,6 +1,7 @@
 """A node's cores shared by the actors computing on it at once, for the simulation: each job is an amount of work
-(core-seconds) done by an actor on ``threads`` threads; while the busy threads of the node exceed its cores, every
-job slows in proportion (processor sharing, which is what the OS scheduler gives OpenMP threads beyond the cores).
+(core-seconds: seconds on one thread) done by an actor on ``threads`` threads, ``speedup`` times as fast as on one
+(``threads`` unless measured, planner/threads.py); while the busy threads of the node exceed its cores, every job
+slows in proportion (processor sharing, which is what the OS scheduler gives OpenMP threads beyond the cores).
 
 Written here: simpy's resources queue jobs whole (a ``Resource`` serves one at a time, a ``Container`` holds
 amounts) and none shares a capacity among running jobs at changing rates.
@@ -19,8 +20,14 @@ class _Job:
     work: float
     threads: int
     done: simpy.Event
+    speedup: float
     rate: float = 0.0
+    """Cores it holds now (its threads' share of them); its work goes ``rate x speedup / threads`` a second."""
     kind: str = ""
+
+    @property
+    def progress(self) -> float:
+        return self.rate * self.speedup / self.threads
 
 
 class SharedCores:
@@ -32,18 +39,19 @@ class SharedCores:
         self.jobs: list[_Job] = []
         self._last = 0.0
         self._wake: simpy.Event | None = None
-        self.by_kind: dict[str, float] = defaultdict(float)  # core-seconds computed, by the kind each job was given
+        self.by_kind: dict[str, float] = defaultdict(float)  # core-seconds held, by the kind each job was given
         env.process(self._run())
 
     @property
     def busy_core_seconds(self) -> float:
         return sum(self.by_kind.values())
 
-    def compute(self, work: float, threads: int, kind: str = "") -> simpy.Event:
-        """An event that fires once ``work`` core-seconds are done on ``threads`` threads; ``kind``: what
-        :attr:`by_kind` counts them as."""
+    def compute(self, work: float, threads: int, kind: str = "", speedup: float | None = None) -> simpy.Event:
+        """An event that fires once ``work`` core-seconds are done on ``threads`` threads, which go ``speedup``
+        times as fast as one (None: ``threads``); ``kind``: what :attr:`by_kind` counts the cores they held as."""
         self._advance()
-        job = _Job(max(work, 0.0), max(threads, 1), self.env.event(), kind=kind)
+        threads = max(threads, 1)
+        job = _Job(max(work, 0.0), threads, self.env.event(), threads if speedup is None else speedup, kind=kind)
         self.jobs.append(job)
         self._rerate()
         return job.done
@@ -52,7 +60,7 @@ class SharedCores:
         """Charge the time since the last change to the running jobs, at the rates they had."""
         elapsed, self._last = self.env.now - self._last, self.env.now
         for job in self.jobs:
-            job.work -= job.rate * elapsed
+            job.work -= job.progress * elapsed
             self.by_kind[job.kind] += job.rate * elapsed
 
     def _rerate(self) -> None:
@@ -75,7 +83,7 @@ class SharedCores:
             if not self.jobs:
                 yield self._wake
             else:
-                soonest = min(job.work / job.rate for job in self.jobs)
+                soonest = min(job.work / job.progress for job in self.jobs)
                 yield self._wake | self.env.timeout(soonest)
             self._advance()
 

@@ -3,9 +3,10 @@ and the workload it replays: the run's episodes, each a sequence of turns with t
 
 Costs are in core-seconds (seconds on one thread with the core to itself), so a layout with other threads, or
 more actors sharing a node's cores, is charged by the same figures (planner/cores.py). The calibration multiplies
-the stored seconds by the threads the run's specs gave each actor, and a trainer call's by the share of the node's
-cores it had beside the micro-batch's other calls; what it cannot see (threads moved during the run by the split of
-the cores, engines sampling beside each other) is an assumption, stated with the prediction.
+the stored seconds by the speed-up of the threads the run's specs gave each actor (a trainer's from a measured
+thread profile where given, planner/threads.py; else the thread count), and a trainer call's by the share of the
+node's cores it had beside the micro-batch's other calls; what it cannot see (threads moved during the run by the
+split of the cores, engines sampling beside each other) is an assumption, stated with the prediction.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 import pyarrow.compute as pc
 
+from marl_pipeline.planner.threads import Layout, ThreadScaling, core_shares, worker_of
 from marl_pipeline.run.pipeline_metrics import Span, spans_from_store, version_timings
 from marl_pipeline.store import ExperienceStore
 
@@ -81,6 +83,8 @@ class Costs:
     driver_per_turn: float = 0.0
     """The driver process's own CPU (its rollout, stage and commit threads, Ray's calls from it) per turn, in
     core-seconds: its CPU over the run's steps spread over their turns (0: a run stored before it was recorded)."""
+    threads: ThreadScaling = field(default_factory=ThreadScaling)
+    """What a trainer's threads buy, which turned its stored seconds into core-seconds and the simulation applies."""
 
 
 def epoch_seconds(column) -> np.ndarray:
@@ -88,23 +92,12 @@ def epoch_seconds(column) -> np.ndarray:
     return pc.cast(column, "int64").to_numpy(zero_copy_only=False) / 1e6
 
 
-@dataclass(frozen=True)
-class Layout:
-    """What the calibration run gave an agent: its engine's and trainer's threads (its specs'), its replicas, the
-    trainer actor its calls ran on (a swapped worker serves several agents' calls one at a time), and whether that
-    trainer computed on the node's cores (not a GPU)."""
-
-    engine_threads: int
-    trainer_threads: int
-    replicas: int = 1
-    trainer: str = ""
-    trainer_on_cores: bool = False
-
-
-def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], cores: float | None = None) -> Costs:
+def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], cores: float | None = None,
+              threads: ThreadScaling | None = None) -> Costs:
     """Fit the costs from run ``run``'s stored partitions and policy versions; ``layouts``: each agent's threads and
     replicas in that run, which turn stored seconds into core-seconds and a sync into a sync per replica; ``cores``:
-    the node's cores the run's trainers shared (None: as many as they asked for).
+    the node's cores the run's trainers shared (None: as many as they asked for); ``threads``: what a trainer's
+    threads buy (None: linear).
 
     Raises:
         ValueError: the run has no committed rollouts or policy updates to fit from.
@@ -122,12 +115,14 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], core
     spans = spans_from_store(store, run, timings)
     busy = {stage: [(span.started, span.ended) for span in spans if span.stage == stage]
             for stage in ("rollouts", "policy_updates")}
-    computed, shares = _computed(rollouts), _core_shares(updates, layouts, cores, _driver_cores(timings))
+    computed, shares = _computed(rollouts), core_shares(updates, layouts, cores, _driver_cores(timings))
+    threads = threads or ThreadScaling()
     return Costs(
         engines={agent: _engine_costs(rollouts, agent, layouts[agent].engine_threads, busy["policy_updates"])
                  for agent in agents},
         trainers={agent: _trainer_costs(updates, agent, layouts[agent], computed, busy["rollouts"],
-                                        [record for (owner, _), record in timings.items() if owner == agent], shares)
+                                        [record for (owner, _), record in timings.items() if owner == agent], shares,
+                                        threads.speedup(layouts[agent].trainer_threads))
                   for agent in agents},
         environment=_median_span(spans, "environment_results"),
         reward=_median_span(spans, "rewards"),
@@ -135,7 +130,7 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], core
         train_overhead=_train_overhead(updates, layouts),
         episodes=_episodes(rollouts),
         source=f"{store.config.uri} run {run}",
-        driver_per_turn=_driver_per_turn(rollouts, timings))
+        driver_per_turn=_driver_per_turn(rollouts, timings), threads=threads)
 
 
 def pooled(calibrations: list[Costs]) -> Costs:
@@ -269,11 +264,11 @@ def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
 
 def _trainer_costs(updates, agent: str, layout: Layout, computed: dict[tuple, int],
                    rollout_spans: list[tuple[float, float]], timings: list[dict],
-                   shares: dict[tuple, float]) -> TrainerCosts:
+                   shares: dict[tuple, float], speedup: float) -> TrainerCosts:
     """``computed``: the tokens a trainer computes for each (step, micro-batch, agent): its turns' prompts and
     responses, as the simulation counts them (the stored ``tokens`` are the responses', which the loss counts);
     ``timings``: the agent's versions' ``timing.json`` records; ``shares``: the cores a call had
-    (:func:`_core_shares`)."""
+    (planner/threads.py's :func:`core_shares`); ``speedup``: what the trainer's threads bought."""
     rows = updates.filter(pc.equal(updates.column("agent"), agent))
     alone = np.array([not _overlaps(begin, end, rollout_spans) for begin, end in zip(
         epoch_seconds(rows.column("stage_started")), epoch_seconds(rows.column("stage_ended")))])
@@ -283,7 +278,7 @@ def _trainer_costs(updates, agent: str, layout: Layout, computed: dict[tuple, in
         rows.column("step").to_pylist(), rows.column("micro_batch").to_pylist())], dtype=float)
     seconds = np.array([(s or 0.0) * shares.get((step, mb), 1.0) for s, step, mb in zip(
         rows.column("compute_seconds").to_pylist(), rows.column("step").to_pylist(),
-        rows.column("micro_batch").to_pylist())]) * layout.trainer_threads
+        rows.column("micro_batch").to_pylist())]) * speedup
     call, per_token = _nonnegative_fit(np.stack([np.ones_like(tokens), tokens], axis=1), seconds)
     apply, sync, commit = [], [], []
     for record in timings:
@@ -320,29 +315,6 @@ def _driver_cores(timings: dict[tuple, dict]) -> float:
     if len(marks) < 2 or marks[-1][0] <= marks[0][0]:
         return 0.0
     return max(marks[-1][1] - marks[0][1], 0.0) / (marks[-1][0] - marks[0][0])
-
-
-def _worker(layouts: dict[str, Layout], agent: str) -> str:
-    """The trainer actor an agent's calls ran on (a swapped worker is shared; unknown: the agent's own)."""
-    layout = layouts.get(agent)
-    return layout.trainer if layout is not None and layout.trainer else agent
-
-
-def _core_shares(updates, layouts: dict[str, Layout], cores: float | None, driver: float = 0.0) -> dict[tuple, float]:
-    """Per (step, micro-batch): the share of its threads each trainer call on the node's cores had, with the other
-    trainers' calls of the micro-batch at once (those of one actor run one after another: one thread set) and the
-    driver's ``driver`` cores on average. The train stage issues a micro-batch's calls to every agent's trainer at
-    once, so trainers on a node's cores that ask for more threads than it has share them (as the simulation shares
-    them, planner/cores.py)."""
-    if cores is None:
-        return {}
-    workers: dict[tuple, dict[str, int]] = defaultdict(dict)
-    for step, mb, agent in zip(updates.column("step").to_pylist(), updates.column("micro_batch").to_pylist(),
-                               updates.column("agent").to_pylist()):
-        layout = layouts.get(agent)
-        if layout is not None and layout.trainer_on_cores:
-            workers[(step, mb)][_worker(layouts, agent)] = layout.trainer_threads
-    return {key: min(1.0, cores / (sum(threads.values()) + driver)) for key, threads in workers.items()}
 
 
 def _computed(rollouts) -> dict[tuple, int]:
@@ -382,7 +354,7 @@ def _train_overhead(updates, layouts: dict[str, Layout]) -> float:
             updates.column("agent").to_pylist(), epoch_seconds(updates.column("stage_started")),
             epoch_seconds(updates.column("stage_ended")), updates.column("compute_seconds").to_pylist()):
         entry = spans.setdefault((step, mb), [end - begin, defaultdict(float)])
-        entry[1][_worker(layouts, agent)] += seconds or 0.0
+        entry[1][worker_of(layouts, agent)] += seconds or 0.0
     return float(np.median([max(span - max(calls.values(), default=0.0), 0.0) for span, calls in spans.values()]))
 
 

@@ -12,8 +12,9 @@ from collections import Counter
 
 from marl_pipeline.cluster.placement import PlacementPlan, plan_placement
 from marl_pipeline.config import ExperimentConfig, parse_config
-from marl_pipeline.planner.costs import Costs, Layout, calibrate, pooled
+from marl_pipeline.planner.costs import Costs, calibrate, pooled
 from marl_pipeline.planner.simulate import Prediction, simulate
+from marl_pipeline.planner.threads import Layout, ThreadScaling
 from marl_pipeline.run.launches import launch_history
 from marl_pipeline.store import ExperienceStore
 
@@ -78,21 +79,22 @@ def layouts(plan: PlacementPlan) -> dict[str, Layout]:
     return result
 
 
-def calibration(store: ExperienceStore, run: str | list[str], nodes: list[dict[str, float]]) -> Costs:
+def calibration(store: ExperienceStore, run: str | list[str], nodes: list[dict[str, float]],
+                threads: ThreadScaling | None = None) -> Costs:
     """The costs of run ``run``'s newest launch, planned on ``nodes`` as it ran; of several runs, their mean
-    (:func:`pooled`).
+    (:func:`pooled`); ``threads``: what a trainer's threads buy (a measured thread profile; None: linear).
 
     Raises:
         ValueError: a run has no recorded launch, or nothing committed to fit from; the runs' agents differ.
     """
     if not isinstance(run, str):
-        return pooled([calibration(store, one, nodes) for one in run])
+        return pooled([calibration(store, one, nodes, threads) for one in run])
     launches, configs = launch_history(store, run)
     if not launches:
         raise ValueError(f"run {run!r} has no recorded launch in {store.config.uri}")
     config = parse_config(configs[launches[-1]["config"]])
     cores = nodes[0].get("CPU") if len(nodes) == 1 else None  # on several nodes: as many as asked for (stated)
-    return calibrate(store, run, layouts(plan_placement(config, nodes)), cores)
+    return calibrate(store, run, layouts(plan_placement(config, nodes)), cores, threads)
 
 
 def predict(config: ExperimentConfig, nodes: list[dict[str, float]], costs: Costs,

@@ -31,8 +31,6 @@ from marl_pipeline.store import MicroBatchKey
 ASSUMPTIONS = (
     "the calibration run's episodes (turns and their token counts) are the workload",
     "each actor keeps its spec's threads (the run moves streaming trainers' threads to follow demand)",
-    "an actor's threads divide its work evenly (W core-seconds on T threads take W / T seconds on free cores); a "
-    "small model's ops divide worse",
     "a hybrid agent's engine step and trainer call never overlap (one interpreter), whole, not interleaved",
     "swapping an agent's trainer state in and out costs nothing beyond the calls it serves",
     "environment and reward take their calibrated seconds a micro-batch, beside the engines and trainers (the "
@@ -164,7 +162,7 @@ class _Simulation:
                 charged[kind] += seconds / self.steps
         return Prediction(self.step_seconds, {name: busy.total / elapsed for name, busy in self.busy.items()},
                           dict(staleness), self.released, self.served_at, self.decisions,
-                          core_seconds=dict(charged))
+                          (*ASSUMPTIONS[:2], self.costs.threads.describe(), *ASSUMPTIONS[2:]), dict(charged))
 
     def _source(self, outbox: simpy.Store):
         barrier = StepBarrier(self.pipeline.micro_batches_per_step, self.synchronous)
@@ -248,7 +246,8 @@ class _Simulation:
             self.busy[spec.name].start()
             with self.interpreter(agent, replica=0).request() as held:
                 yield held
-                yield cores.compute(costs.call + costs.per_token * tokens, threads, "trainers")
+                yield cores.compute(costs.call + costs.per_token * tokens, threads, "trainers",
+                                    self.costs.threads.speedup(threads))
             self.busy[spec.name].stop()
 
     def _publish(self, agent: str, inbox: simpy.Store):

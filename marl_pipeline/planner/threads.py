@@ -1,0 +1,107 @@
+"""An actor's threads: those the calibration run gave it (``Layout``), the share of the node's cores its trainer calls
+had (``core_shares``), and what more threads buy a trainer (``ThreadScaling``), measured by
+``bench/trainer_threads.py --out`` rather than taken as linear: work of W seconds on one thread takes
+``W / speedup(T)`` on T free cores and keeps all T busy meanwhile (the threads spin while the ops divide badly). On the
+planner bench's tiny model a second thread buys 1.5x, not 2x (BENCHMARKS.md, planner-error).
+
+The format (JSON)::
+
+    {"cpu": "AMD EPYC ...", "command": "...", "trainer": {"1": 1.0, "2": 1.49}}
+
+Thread counts beyond the profile's largest keep its efficiency (speed-up per thread); without a profile the speed-up
+is the thread count (the simulation's linear assumption, stated with the prediction).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ThreadScaling:
+    """A trainer's speed-up on 1, 2, ... threads over one (``trainer[T - 1]``); empty: linear."""
+
+    trainer: tuple[float, ...] = ()
+    source: str = ""
+
+    def speedup(self, threads: int) -> float:
+        """How many times as fast a trainer's work goes on ``threads`` free threads as on one."""
+        threads = max(threads, 1)
+        if not self.trainer:
+            return float(threads)
+        if threads <= len(self.trainer):
+            return self.trainer[threads - 1]
+        return self.trainer[-1] * threads / len(self.trainer)
+
+    def describe(self) -> str:
+        """The assumption a prediction with these figures makes."""
+        if not self.trainer:
+            return ("an actor's threads divide its work evenly (W core-seconds on T threads take W / T seconds on "
+                    "free cores); a small model's ops divide worse: give a measured thread profile")
+        measured = ", ".join(f"{threads + 1}: {speedup:.2f}x" for threads, speedup in enumerate(self.trainer))
+        return (f"a trainer on T threads goes as fast as the thread profile {self.source} measured ({measured}; "
+                f"beyond, the last's speed-up per thread), keeping its T threads busy; an engine's threads divide its "
+                f"work evenly")
+
+
+def thread_profile(path: str | Path) -> ThreadScaling:
+    """The trainer speed-ups a ``bench/trainer_threads.py --out`` profile measured.
+
+    Raises:
+        ValueError: the file is not such a profile, or its speed-ups do not start at one thread, skip a count, or are
+            not positive (naming which).
+    """
+    path = Path(path)
+    try:
+        entries = json.loads(path.read_text())["trainer"].items()
+        measured = {int(threads): float(speedup) for threads, speedup in entries}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"thread profile {path}: expected JSON with a \"trainer\" object of thread count -> speed-up "
+                         f"over one thread, as bench/trainer_threads.py --out writes ({type(error).__name__}: "
+                         f"{error})") from None
+    counts = sorted(measured)
+    if not counts or counts != list(range(1, len(counts) + 1)):
+        raise ValueError(f"thread profile {path}: trainer speed-ups for threads {counts}; expected 1, 2, ... with "
+                         f"none skipped")
+    if bad := [threads for threads in counts if measured[threads] <= 0]:
+        raise ValueError(f"thread profile {path}: speed-ups at threads {bad} are not positive")
+    return ThreadScaling(tuple(measured[threads] / measured[1] for threads in counts), str(path))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the calibration run gave an agent: its engine's and trainer's threads (its specs'), its replicas, the
+    trainer actor its calls ran on (a swapped worker serves several agents' calls one at a time), and whether that
+    trainer computed on the node's cores (not a GPU)."""
+
+    engine_threads: int
+    trainer_threads: int
+    replicas: int = 1
+    trainer: str = ""
+    trainer_on_cores: bool = False
+
+
+def worker_of(layouts: dict[str, Layout], agent: str) -> str:
+    """The trainer actor an agent's calls ran on (a swapped worker is shared; unknown: the agent's own)."""
+    layout = layouts.get(agent)
+    return layout.trainer if layout is not None and layout.trainer else agent
+
+
+def core_shares(updates, layouts: dict[str, Layout], cores: float | None, driver: float = 0.0) -> dict[tuple, float]:
+    """Per (step, micro-batch): the share of its threads each trainer call on the node's cores had, with the other
+    trainers' calls of the micro-batch at once (those of one actor run one after another: one thread set) and the
+    driver's ``driver`` cores on average. The train stage issues a micro-batch's calls to every agent's trainer at
+    once, so trainers on a node's cores that ask for more threads than it has share them (as the simulation shares
+    them, planner/cores.py)."""
+    if cores is None:
+        return {}
+    workers: dict[tuple, dict[str, int]] = defaultdict(dict)
+    for step, mb, agent in zip(updates.column("step").to_pylist(), updates.column("micro_batch").to_pylist(),
+                               updates.column("agent").to_pylist()):
+        layout = layouts.get(agent)
+        if layout is not None and layout.trainer_on_cores:
+            workers[(step, mb)][worker_of(layouts, agent)] = layout.trainer_threads
+    return {key: min(1.0, cores / (sum(threads.values()) + driver)) for key, threads in workers.items()}
