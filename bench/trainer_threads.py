@@ -1,7 +1,7 @@
 """Benchmark: what a trainer's second (and further) thread buys on the built-in tiny model, the planner bench's model.
 
-The planner's simulation takes an actor's work on T threads as done T times as fast (planner/simulate.py's
-assumptions); the placement gives a lone synchronous trainer worker every core of its node. This times one
+Without a thread profile, the planner's simulation takes an actor's work on T threads as done T times as fast
+(planner/threads.py); the placement gives a lone synchronous trainer worker every core of its node. This times one
 ``PolicyTrainer`` in this process, its ``accumulate`` of a micro-batch shaped like the bench's (short prompts and
 responses, many rows) and its ``apply_step``, at each thread count in turn, rep by rep (so a drift of the host weighs on
 every count alike): the median wall seconds, the speed-up over one thread, and the process's CPU seconds over its wall
