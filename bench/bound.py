@@ -496,9 +496,9 @@ def main() -> None:
         parser.error("--driver-core needs at least 2 cores: one for the driver, the others for the actors")
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown")
-    from marl_pipeline.policy.precision import cpu_has_bf16
+    from marl_pipeline.policy.precision import cpu_has_bf16, cpu_name
+
+    cpu = cpu_name()
 
     print(f"{args.config}: {os.cpu_count()} cores, {cpu}{', native bf16' if cpu_has_bf16() else ''}", flush=True)
     launches = {}

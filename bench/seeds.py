@@ -61,8 +61,9 @@ def main() -> None:
             rows.append({"seed": seed, "agent": agent, "metric": name, "first_version": first,
                          "last_version": last, "before": round(before, 3), "after": round(after, 3),
                          "gain": round(after - before, 3), "by_version": by_version})
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown")
+    from marl_pipeline.policy.precision import cpu_name
+
+    cpu = cpu_name()
     print(f"{args.config} {args.set}: {os.cpu_count()} cores, {cpu}")
     print("| agent | metric | seed | by version | gain |")
     print("| --- | --- | ---: | --- | ---: |")

@@ -152,10 +152,9 @@ def main() -> None:
     data.pop("evaluation", None)
     config = args.work / "config.yaml"
     config.write_text(yaml.safe_dump(data))
-    from marl_pipeline.policy.precision import cpu_has_bf16
+    from marl_pipeline.policy.precision import cpu_has_bf16, cpu_name
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown")
+    cpu = cpu_name()
     print(f"{args.config} {args.set}: {os.cpu_count()} cores, {cpu}{', native bf16' if cpu_has_bf16() else ''}")
     print("first launch (makes version 0):", flush=True)
     first = marl_train(config, args.work / "dagster")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -49,6 +48,7 @@ def main() -> None:
 
     from marl_pipeline.cluster.specs import trainer_options
     from marl_pipeline.config import parse_config
+    from marl_pipeline.policy.precision import cpu_name
     from marl_pipeline.training.trainer import PolicyTrainer
 
     model = tiny_model(Path(tempfile.mkdtemp()))
@@ -80,17 +80,11 @@ def main() -> None:
         print(f"| {threads} | {median:.3f} | {one / median:.2f} | {statistics.median(cores[threads]):.2f} |")
     if args.out:
         args.out.write_text(json.dumps({
-            "cpu": _cpu_name(), "command": " ".join(sys.argv), "written": time.time(),
+            "cpu": cpu_name(), "command": " ".join(sys.argv), "written": time.time(),
             "trainer": {str(t): round(one / statistics.median(wall[t]), 4) for t in args.threads},
             "cores_busy": {str(t): round(statistics.median(cores[t]), 3) for t in args.threads}}, indent=1))
         print(f"thread profile written to {args.out}")
 
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -138,6 +138,9 @@ def test_cpu_bf16_detection_reads_the_flags(tmp_path: Path, monkeypatch) -> None
     amx.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 amx_tile amx_bf16\n")
     avx2.write_text("processor\t: 0\nflags\t\t: fpu sse avx2\n")
     assert precision.cpu_has_bf16(amx) and not precision.cpu_has_bf16(avx2)
+    named = tmp_path / "named"
+    named.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9B14\nflags\t\t: fpu avx512_bf16\n")
+    assert precision.cpu_name(named) == "AMD EPYC 9B14" and precision.cpu_name(avx2) == "unknown"
     monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)
     assert precision.resolve_dtype("auto", "cpu") == torch.bfloat16
     monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)

@@ -9,6 +9,7 @@ which is why ``auto`` asks the hardware.
 from __future__ import annotations
 
 import contextlib
+import platform
 from pathlib import Path
 
 import torch
@@ -25,6 +26,16 @@ def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
                    for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
     return any(flag in flags for flag in _CPU_BF16_FLAGS)
+
+
+def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """This CPU's model name, as benchmarks record it beside their figures (``unknown`` where none is stated)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:  # not Linux
+        return platform.processor() or "unknown"
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+                "unknown")
 
 
 def resolve_dtype(dtype: str, device_type: str) -> torch.dtype:
