@@ -333,6 +333,46 @@ def test_the_driver_computes_beside_the_turns_and_a_reply_holds_its_episode(demo
             assert d.started >= first[(d.step, d.micro_batch, d.episode)].ended + 0.3 - 1e-9
 
 
+def test_each_hand_off_between_stages_and_to_the_publisher_waits_the_calibrated_seconds(demo_config_data: dict) -> None:
+    """With one micro-batch a step at staleness 0, a step's micro-batch is handed on four times in a row (rollout to
+    environment, to reward, to training, to each agent's publisher), so each hand-off's seconds lengthen the step
+    four times over."""
+    from dataclasses import replace
+
+    config = _config(demo_config_data, micro_batches_per_step=1)
+    nodes = [{"CPU": 2.0}]
+
+    def step(costs: Costs) -> list[float]:
+        return simulate(plan_placement(config, nodes), config.pipeline, costs, nodes, steps=3).step_seconds
+
+    for before, after in zip(step(_costs())[1:], step(replace(_costs(), handoff=0.25))[1:]):
+        assert after - before == pytest.approx(4 * 0.25, abs=1e-6)
+
+
+def test_the_hand_off_is_fitted_from_when_each_stage_could_start_to_when_it_did() -> None:
+    """Of each step's last micro-batch (the one a synchronous step's barrier waits for), from its previous stage's
+    end, or for training also from the previous micro-batch's training end (one train thread), to its start; and
+    from the step's last training to each publisher's start; the median of those."""
+    from marl_pipeline.planner.costs import _handoff
+    from marl_pipeline.run.pipeline_metrics import Span
+
+    def chain(step: int, mb: int, at: float, gaps: tuple[float, float, float]) -> list[Span]:
+        spans, t = [], at
+        for stage, gap in zip(("rollouts", "environment_results", "rewards", "policy_updates"), (0.0, *gaps)):
+            t += gap
+            spans.append(Span(stage, step, mb, t, t, t + 1.0))
+            t += 1.0
+        return spans
+
+    # micro-batch 0's hand-offs (9 s: a barrier's wait) are not counted; micro-batch 1's training waits for
+    # micro-batch 0's (ending at 31), not for its reward (ending at 22.1)
+    spans = chain(0, 0, 0.0, (9.0, 9.0, 9.0)) + chain(0, 1, 19.0, (0.05, 0.05, 0.0))
+    spans[-1] = Span("policy_updates", 0, 1, 22.1, 31.2, 32.2)
+    spans += [Span("optimizer_step", 0, -1, 32.2, 32.3, 33.0), Span("optimizer_step", 0, -1, 32.2, 32.5, 33.0)]
+    assert _handoff(spans) == pytest.approx(0.1)  # of 0.05, 0.05, 0.2 (31 to 31.2), 0.1 and 0.3
+    assert _handoff([]) == 0.0
+
+
 def test_several_launches_calibrate_as_the_mean_of_their_figures_and_their_episodes_in_turn() -> None:
     """A shared host runs one launch faster than the next: pooled costs average each figure, turn by turn where a
     figure is by the turn, and draw the launches' episodes alternately (a simulation shorter than one launch sees

@@ -43,6 +43,7 @@ def test_a_stored_launch_calibrates_the_simulation_which_replays_it(local_ray, d
         per_turn.append(spent / (rollouts.num_rows / 3))
     assert costs.driver_per_turn == pytest.approx(sum(per_turn) / 2)
     assert all(turn.observe_seconds == 0 for episode in costs.episodes for turn in episode)  # the demo: no observe
+    assert 0 < costs.handoff < min(measured)  # a micro-batch handed from stage to stage: committed, a thread woken
 
     _, prediction = predict(config, nodes, costs)
     # the simulated launch samples the stored launch's turns, each at the version the stored one used (staleness 0:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field, fields, replace
+from itertools import pairwise
 
 import numpy as np
 import pyarrow.compute as pc
@@ -77,6 +78,9 @@ class Costs:
     """A rollout micro-batch's seconds beyond its turns (prompts rendered, the table built and committed)."""
     train_overhead: float
     """A training micro-batch's seconds beyond its trainers' calls (its inputs read, its rows committed)."""
+    handoff: float = 0.0
+    """Seconds from a micro-batch's stage ending to its next stage starting, and from a step's last training to its
+    publisher starting: the table committed, the next thread woken (on the driver, off every core's charge)."""
     episodes: list[list[Turn]] = field(default_factory=list)
     """The workload: the calibration run's episodes, each its turns in order, drawn from for each simulated one."""
     source: str = ""
@@ -115,7 +119,7 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], core
     spans = spans_from_store(store, run, timings)
     busy = {stage: [(span.started, span.ended) for span in spans if span.stage == stage]
             for stage in ("rollouts", "policy_updates")}
-    computed, shares = _computed(rollouts), core_shares(updates, layouts, cores, _driver_cores(timings))
+    computed, shares = _computed(rollouts), core_shares(updates, layouts, cores)
     threads = threads or ThreadScaling()
     return Costs(
         engines={agent: _engine_costs(rollouts, agent, layouts[agent].engine_threads, busy["policy_updates"])
@@ -128,6 +132,7 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], core
         reward=_median_span(spans, "rewards"),
         rollout_overhead=_rollout_overhead(rollouts),
         train_overhead=_train_overhead(updates, layouts),
+        handoff=_handoff(spans),
         episodes=_episodes(rollouts),
         source=f"{store.config.uri} run {run}",
         driver_per_turn=_driver_per_turn(rollouts, timings), threads=threads)
@@ -308,15 +313,6 @@ def _driver_per_turn(rollouts, timings: dict[tuple, dict]) -> float:
     return float(np.median(rates)) if rates else 0.0
 
 
-def _driver_cores(timings: dict[tuple, dict]) -> float:
-    """The cores the driver kept busy on average between the first and last recorded versions (0: not recorded)."""
-    marks = sorted((record["ended"], record["driver_cpu_seconds"]) for record in timings.values()
-                   if record.get("driver_cpu_seconds") is not None)
-    if len(marks) < 2 or marks[-1][0] <= marks[0][0]:
-        return 0.0
-    return max(marks[-1][1] - marks[0][1], 0.0) / (marks[-1][0] - marks[0][0])
-
-
 def _computed(rollouts) -> dict[tuple, int]:
     tokens: dict[tuple, int] = defaultdict(int)
     for step, mb, agent, prompt, response in zip(
@@ -331,6 +327,29 @@ def _median_span(spans: list[Span], stage: str) -> float:
     """A stage's median seconds a micro-batch (0 when the run stored none)."""
     seconds = [span.ended - span.started for span in spans if span.stage == stage]
     return float(np.median(seconds)) if seconds else 0.0
+
+
+def _handoff(spans: list[Span]) -> float:
+    """Median over hand-offs of the seconds from when the next stage could start to when it did: each step's last
+    micro-batch (in synchronous mode the one the step barrier waited for) from stage to stage (training also after
+    the step's previous micro-batch's, on the one train thread), and each agent's publisher from the step's last
+    training (0 when the run stored none)."""
+    by = {(span.stage, span.step, span.micro_batch): span for span in spans if span.stage != "optimizer_step"}
+    last: dict[int, int] = {}
+    for _, step, mb in by:
+        last[step] = max(last.get(step, mb), mb)
+    hops = []
+    for step, mb in last.items():
+        for before, stage in pairwise(("rollouts", "environment_results", "rewards", "policy_updates")):
+            if (before, step, mb) in by and (stage, step, mb) in by:
+                ready = by[(before, step, mb)].ended
+                if stage == "policy_updates" and ("policy_updates", step, mb - 1) in by:
+                    ready = max(ready, by[("policy_updates", step, mb - 1)].ended)
+                hops.append(by[(stage, step, mb)].started - ready)
+    for span in spans:
+        if span.stage == "optimizer_step" and ("policy_updates", span.step, last.get(span.step, -1)) in by:
+            hops.append(span.started - by[("policy_updates", span.step, last[span.step])].ended)
+    return float(np.median(np.maximum(hops, 0.0))) if hops else 0.0
 
 
 def _rollout_overhead(rollouts) -> float:

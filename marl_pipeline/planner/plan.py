@@ -146,7 +146,8 @@ def gpu_costs_for(config: ExperimentConfig, gpu_name: str, workload: Costs, prof
     costs = gpu_costs(shapes, card, {a: s.engine.tensor_parallel_size for a, s in config.agents.items()},
                       {a: s.trainer.workers for a, s in config.agents.items()}, workload.episodes, mfu,
                       source_note=profile or "", environment=workload.environment, reward=workload.reward,
-                      rollout_overhead=workload.rollout_overhead, train_overhead=workload.train_overhead)
+                      rollout_overhead=workload.rollout_overhead, train_overhead=workload.train_overhead,
+                      handoff=workload.handoff)
     if not engine_profiles:
         return costs
     measured = {agent: engine_profile(path) for agent, path in engine_profiles.items()}

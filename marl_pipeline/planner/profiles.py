@@ -285,7 +285,7 @@ def _named_gpu(path: Path, name) -> GpuSpec:
 def gpu_costs(agents: dict[str, ModelShape], gpu: GpuSpec, tensor_parallel: dict[str, int],
               workers: dict[str, int], episodes: list[list[Turn]], mfu: float | dict[str, float] | None = None,
               source_note: str = "", *, environment: float = 0.0, reward: float = 0.0, rollout_overhead: float = 0.0,
-              train_overhead: float = 0.0, context_tokens: int = 1024) -> Costs:
+              train_overhead: float = 0.0, handoff: float = 0.0, context_tokens: int = 1024) -> Costs:
     """Every agent's engine and trainer costs on ``gpu`` from rooflines (:func:`engine_roofline`,
     :func:`trainer_roofline` at their other defaults), for the simulation to replay ``episodes`` with.
 
@@ -303,6 +303,7 @@ def gpu_costs(agents: dict[str, ModelShape], gpu: GpuSpec, tensor_parallel: dict
         reward: the reward stage's seconds a micro-batch.
         rollout_overhead: a rollout micro-batch's seconds beyond its turns.
         train_overhead: a training micro-batch's seconds beyond its trainers' calls.
+        handoff: a micro-batch's seconds from one stage to the next (``Costs.handoff``).
         context_tokens: the engines' typical context (:func:`engine_roofline`).
 
     Raises:
@@ -327,5 +328,5 @@ def gpu_costs(agents: dict[str, ModelShape], gpu: GpuSpec, tensor_parallel: dict
                   if isinstance(mfu, dict) else f"{mfu:.1%}")
         source = f"trainer profile {source_note or 'given'} (MFU {shares}), roofline on {gpu.name}"
     return Costs(engines=engines, trainers=trainers, environment=environment, reward=reward,
-                 rollout_overhead=rollout_overhead, train_overhead=train_overhead, episodes=list(episodes),
-                 source=source)
+                 rollout_overhead=rollout_overhead, train_overhead=train_overhead, handoff=handoff,
+                 episodes=list(episodes), source=source)

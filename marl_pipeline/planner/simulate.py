@@ -5,8 +5,8 @@ staleness gate and the synchronous step barrier (``run/queues.py``), sticky leas
 agent's replicas (``inference/router.py``), one publisher per agent syncing its replicas one at a time (each
 draining while it loads: a reload waits for the requests in flight), the trainer worker serving swapped agents
 (its spec's ``loads``), the threads each spec computes on and the node's cores they share with each other and the
-driver process (planner/cores.py). Work is charged from costs fitted to a stored run (planner/costs.py); its
-episodes are replayed as the workload.
+driver process (planner/cores.py), and each hand-off of a micro-batch from stage to stage and to the publishers.
+Work is charged from costs fitted to a stored run (planner/costs.py); its episodes are replayed as the workload.
 
 What it leaves out is said in ``Prediction.assumptions``.
 """
@@ -210,6 +210,7 @@ class _Simulation:
     def _map(self, stage: str, seconds: float, inbox: simpy.Store, outbox: simpy.Store, barrier: StepBarrier):
         while True:
             key = yield inbox.get()
+            yield self.env.timeout(self.costs.handoff)
             self.busy[stage].start()
             yield self.env.timeout(seconds)
             self.busy[stage].stop()
@@ -226,6 +227,7 @@ class _Simulation:
                 while key not in arrived:
                     arrived.add((yield inbox.get()))
                 arrived.discard(key)
+                yield self.env.timeout(self.costs.handoff)
                 tokens = self.tokens[(step, mb)]
                 self.busy["policy_updates"].start()
                 yield simpy.AllOf(self.env, [self.env.process(self._trainer_call(agent, tokens[agent]))
@@ -256,6 +258,7 @@ class _Simulation:
         costs, spec = self.costs.trainers[agent], self.trainer_of[agent]
         lock, *_ = self.trainer_lock[agent]
         while (step := (yield inbox.get())) is not None:
+            yield self.env.timeout(self.costs.handoff)
             turn = lock.request()  # the trainer's step-end calls run in order with its training calls
             yield turn
             self.busy[spec.name].start()

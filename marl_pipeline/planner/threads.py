@@ -90,12 +90,13 @@ def worker_of(layouts: dict[str, Layout], agent: str) -> str:
     return layout.trainer if layout is not None and layout.trainer else agent
 
 
-def core_shares(updates, layouts: dict[str, Layout], cores: float | None, driver: float = 0.0) -> dict[tuple, float]:
+def core_shares(updates, layouts: dict[str, Layout], cores: float | None) -> dict[tuple, float]:
     """Per (step, micro-batch): the share of its threads each trainer call on the node's cores had, with the other
-    trainers' calls of the micro-batch at once (those of one actor run one after another: one thread set) and the
-    driver's ``driver`` cores on average. The train stage issues a micro-batch's calls to every agent's trainer at
-    once, so trainers on a node's cores that ask for more threads than it has share them (as the simulation shares
-    them, planner/cores.py)."""
+    trainers' calls of the micro-batch at once (those of one actor run one after another: one thread set). The train
+    stage issues a micro-batch's calls to every agent's trainer at once, so trainers on a node's cores that ask for
+    more threads than it has share them (as the simulation shares them, planner/cores.py). The driver is not counted:
+    the simulation charges its CPU beside the turns, so a call fitted as if it shared the cores with the driver came
+    back that much faster in the simulation of its own run."""
     if cores is None:
         return {}
     workers: dict[tuple, dict[str, int]] = defaultdict(dict)
@@ -104,4 +105,4 @@ def core_shares(updates, layouts: dict[str, Layout], cores: float | None, driver
         layout = layouts.get(agent)
         if layout is not None and layout.trainer_on_cores:
             workers[(step, mb)][worker_of(layouts, agent)] = layout.trainer_threads
-    return {key: min(1.0, cores / (sum(threads.values()) + driver)) for key, threads in workers.items()}
+    return {key: min(1.0, cores / sum(threads.values())) for key, threads in workers.items()}
