@@ -21,7 +21,9 @@ a finished run in ``--work`` again with the checkout's model, from its stored ca
 This machine's own speed drifts (a shared host: the same launch measured 1.05 and 1.41 s a step hours apart, up to
 14% apart minutes apart), so every configuration, the calibration's included, is launched ``--rounds`` times after the
 predictions are written, each round in the opposite order to the one before (a drift over the rounds weighs on
-every configuration alike); the measured step time is the mean over its rounds, and each round's is kept.
+every configuration alike); the measured step time is the mean over its rounds, and each round's is kept. The
+report ends with how far the host moved: the calibration configuration's rounds against its calibration launches,
+and each error relative to those rounds (a diagnostic, not the bar).
 Every launch keeps all its versions (their timing.json): about 360 MB a launch of three agents, 8 GB a team's run.
 With ``--cpu`` each launch also records each kind of process's CPU seconds a step over steps 1.. (psutil: driver,
 engines, trainers, other actors, Ray and the rest), printed and kept in ``results.json``: what the simulation's
@@ -212,8 +214,12 @@ def predictions(store_uri: Path, calibrations: list[str], launches: dict[str, di
 
 
 def report(order: list[str], predicted: dict[str, list[float]], rounds: dict[str, list[float]],
-           charged: dict[str, dict[str, float]], cpu: dict[str, dict[str, float]]) -> list[dict]:
-    """Print the table (and, with each launch's measured CPU in ``cpu``, the charge beside it); the rows."""
+           charged: dict[str, dict[str, float]], cpu: dict[str, dict[str, float]],
+           calibrated: list[float] | None = None) -> list[dict]:
+    """Print the table (and, with each launch's measured CPU in ``cpu``, the charge beside it); the rows. With the
+    calibration launches' step times (``calibrated``), also how far the host moved: the calibration configuration's
+    rounds against them, which no prediction from them can undo, and each error relative to those rounds (a
+    diagnostic: it takes the host's level at the rounds out, so it is not the bar)."""
     rows = []
     for name in order:
         p, m = statistics.mean(predicted[name][1:]), statistics.mean(rounds[name])
@@ -243,6 +249,16 @@ def report(order: list[str], predicted: dict[str, list[float]], rounds: dict[str
     print(f"unseen configurations: {len(unseen)}, median |error| {statistics.median(unseen):.1%}, "
           f"max {max(unseen):.1%}; each launch of them ({len(per_launch)}): median "
           f"{statistics.median(per_launch):.1%}, max {max(per_launch):.1%}")
+    if calibrated:
+        base, own = statistics.mean(calibrated), {row["launch"]: row for row in rows}["streaming"]
+        print(f"the host: the calibration configuration ran {', '.join(f'{v:.3f}' for v in calibrated)} s a step in "
+              f"its calibration launches and {', '.join(f'{v:.3f}' for v in own['rounds_s'])} in the rounds ("
+              + ", ".join(f"{v / base - 1:+.1%}" for v in own["rounds_s"]) + f" of their mean); predicted "
+              f"{own['predicted_s']:.3f} ({own['predicted_s'] / base - 1:+.1%} of it)")
+        relative = [abs((row["predicted_s"] / own["predicted_s"]) / (row["measured_s"] / own["measured_s"]) - 1)
+                    for row in rows if not row["in_sample"]]
+        print(f"relative to the calibration configuration's rounds (not the bar): median "
+              f"{statistics.median(relative):.1%}, max {max(relative):.1%}")
     return rows
 
 
@@ -275,7 +291,8 @@ def replay(work: Path, team: str, threads: Path | None) -> None:
     order = [row["launch"] for row in results["rows"]]
     costs, predicted, charged = predictions(work / "store", calibrations, variants(base), order, threads)
     rows = report(order, predicted, {row["launch"]: row["rounds_s"] for row in results["rows"]}, charged,
-                  results.get("cpu_per_step") or {})
+                  results.get("cpu_per_step") or {},
+                  [statistics.mean(results["measured"][run][1:]) for run in calibrations])
     (work / "replay.json").write_text(json.dumps({"written": time.time(), "costs": repr(costs)[:2000],
                                                   "predicted": predicted, "core_seconds": charged, "rows": rows},
                                                  indent=1))
@@ -345,7 +362,8 @@ def main() -> None:
             rounds[name].append(statistics.mean(seconds[1:]))
     results = {"measured": measured, "cpu_per_step": cpu, "wall_s": time.time() - started}
     (args.work / "results.json").write_text(json.dumps(results, indent=1))  # the measurements, before the report
-    results["rows"] = report(order, predicted, rounds, charged, cpu)
+    results["rows"] = report(order, predicted, rounds, charged, cpu,
+                             [statistics.mean(measured[run][1:]) for run in calibration_runs(measured)])
     (args.work / "results.json").write_text(json.dumps(results, indent=1))
 
 
