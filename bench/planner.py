@@ -1,29 +1,30 @@
-"""The planner against launches it has not seen (issue 50.4): calibrate from one launch, write the predicted step
-time of every other configuration, then run them and compare.
+"""The planner against launches it has not seen (issue 50.4): calibrate from launches of one configuration, write the
+predicted step time of other configurations, then run them and compare.
 
-    .venv/bin/python bench/planner.py --work /tmp/planner --steps 8
+    .venv/bin/python bench/planner.py --work /tmp/planner --steps 20 --cpu
 
 Configurations are the demo's (configs/demo.yaml, evaluation off) varied one setting at a time: streaming and
 synchronous, staleness 0 and 1, 1 and 2 engine replicas, swapped trainers, hybrid agents; or, with ``--team trio``,
 the same variations of three agents relaying a colour (its own calibration launch); or, with ``--team longtail``,
 two agents over three turns (sender, receiver, sender) whose environment replies to every turn after a lognormal
 delay (median 10 ms, sigma 1: a slow reply now and then holds its episode, and its micro-batch). The calibration
-launch is ``streaming`` (engine and trainer apart, 1 replica, staleness 0), launched ``--calibrations`` times, the
-costs averaged over them; its own step time is reported as in-sample.
-Step times are ``StepFinished.seconds`` (since the previous step finished), steps 1.. of each launch (step 0
-includes the engines' first batches), predicted the same way. Predictions are written to
-``<work>/predictions.json`` before the first launch they predict starts. What a trainer's second thread buys is
-measured first (bench/trainer_threads.py, into ``<work>/threads.json``; ``--threads-profile`` to give one,
-``--linear-threads`` for none). ``--replay`` launches nothing: it predicts
-a finished run in ``--work`` again with the checkout's model, from its stored calibration launches, into
-``<work>/replay.json`` (two models on the same launches, after the fact).
+configuration is ``streaming`` (engine and trainer apart, 1 replica, staleness 0), launched ``--calibrations`` times
+first. Step times are ``StepFinished.seconds`` (since the previous step finished), steps 1.. of each launch (step 0
+includes the engines' first batches), predicted the same way. What a trainer's second thread buys is measured first
+(bench/trainer_threads.py, into ``<work>/threads.json``; ``--threads-profile`` to give one, ``--linear-threads`` for
+none).
 
-This machine's own speed drifts (a shared host: the same launch measured 1.05 and 1.41 s a step hours apart, up to
-14% apart minutes apart), so every configuration, the calibration's included, is launched ``--rounds`` times after the
-predictions are written, each round in the opposite order to the one before (a drift over the rounds weighs on
-every configuration alike); the measured step time is the mean over its rounds, and each round's is kept. The
-report ends with how far the host moved: the calibration configuration's rounds against its calibration launches,
-and each error relative to those rounds (a diagnostic, not the bar).
+This machine's own speed drifts (a shared host: the calibration configuration, launched again 5-20 minutes after its
+calibration, ran 17% faster to 28% slower), so the unseen configurations run in ``--rounds`` rounds, each in the
+opposite order to the one before, cut in blocks of ``--recalibrate-every`` launches: before each block the
+calibration configuration is launched again, and the block's predictions are fitted from its ``--calibrations``
+latest launches and written to ``<work>/predictions.json`` before the block's first launch starts. Each launch is
+compared with its own prediction, and each calibration launch that opens a block with the block before's prediction
+of it (the calibration configuration's row, not counted in the bar); the report ends with the calibration
+configuration's launches in order, how far the host moved. ``--recalibrate-every 0`` calibrates once, before all
+(the design until 2026-11-28, whose runs BENCHMARKS.md keeps). ``--replay`` launches nothing: it predicts a finished
+run in ``--work`` again with the checkout's model, each block from the launches it was calibrated from, into
+``<work>/replay.json`` (two models on the same launches, after the fact).
 Every launch keeps all its versions (their timing.json): about 360 MB a launch of three agents, 8 GB a team's run.
 With ``--cpu`` each launch also records each kind of process's CPU seconds a step over steps 1.. (psutil: driver,
 engines, trainers, other actors, Ray and the rest), printed and kept in ``results.json``: what the simulation's
@@ -213,52 +214,46 @@ def predictions(store_uri: Path, calibrations: list[str], launches: dict[str, di
     return costs, predicted, charged
 
 
-def report(order: list[str], predicted: dict[str, list[float]], rounds: dict[str, list[float]],
-           charged: dict[str, dict[str, float]], cpu: dict[str, dict[str, float]],
-           calibrated: list[float] | None = None) -> list[dict]:
-    """Print the table (and, with each launch's measured CPU in ``cpu``, the charge beside it); the rows. With the
-    calibration launches' step times (``calibrated``), also how far the host moved: the calibration configuration's
-    rounds against them, which no prediction from them can undo, and each error relative to those rounds (a
-    diagnostic: it takes the host's level at the rounds out, so it is not the bar)."""
+def report(launched: list[dict], calibrated: list[tuple[str, float]]) -> list[dict]:
+    """Print the table and return its rows, one a configuration: each launch's own prediction (``launched``: run,
+    configuration, ``predicted`` and ``measured`` mean step seconds, ``charged`` and ``cpu`` by kind of work) against
+    its measurement, each configuration's mean of them, the errors over the unseen ones (the bar), and the
+    calibration configuration's launches in order (``calibrated``: run, mean step seconds), how far the host moved."""
     rows = []
-    for name in order:
-        p, m = statistics.mean(predicted[name][1:]), statistics.mean(rounds[name])
+    for name in dict.fromkeys(one["name"] for one in launched):
+        mine = [one for one in launched if one["name"] == name]
+        p, m = statistics.mean(one["predicted"] for one in mine), statistics.mean(one["measured"] for one in mine)
         rows.append({"launch": name, "predicted_s": round(p, 3), "measured_s": round(m, 3),
-                     "rounds_s": [round(value, 3) for value in rounds[name]],
+                     "launches": [{"run": one["run"], "predicted_s": round(one["predicted"], 3),
+                                   "measured_s": round(one["measured"], 3)} for one in mine],
                      "error": round((p - m) / m, 4), "in_sample": name == "streaming"})
-    print("| launch | predicted s/step | measured s/step (each round) | error |")
-    print("| --- | --- | --- | --- |")
+    print("| launch | predicted s/step | measured s/step | error | each launch: predicted, measured |")
+    print("| --- | --- | --- | --- | --- |")
     for row in rows:
-        each = ", ".join(f"{value:.2f}" for value in row["rounds_s"])
-        print(f"| {row['launch']}{' (calibration)' if row['in_sample'] else ''} | {row['predicted_s']:.2f} | "
-              f"{row['measured_s']:.2f} ({each}) | {row['error']:+.1%} |")
-    if cpu:  # the simulation's charge a step beside the processes' CPU, mean of the rounds
+        each = "; ".join(f"{one['predicted_s']:.2f}, {one['measured_s']:.2f}" for one in row["launches"])
+        print(f"| {row['launch']}{' (the next calibration launch)' if row['in_sample'] else ''} | "
+              f"{row['predicted_s']:.2f} | {row['measured_s']:.2f} | {row['error']:+.1%} | {each} |")
+    if any(one["cpu"] for one in launched):  # the simulation's charge a step beside the processes' CPU
         print("| launch | engines: charged, used | trainers: charged, used | driver: charged, used | hybrid agents: "
               "used (charged as engines and trainers) |")
         print("| --- | --- | --- | --- | --- |")
-        for name in order:
-            launches_of = [cpu[f"{name}.round{index + 1}"] for index in range(len(rounds[name]))]
-            used = {kind: statistics.mean(one.get(kind, 0.0) for one in launches_of)
-                    for kind in ("engines", "trainers", "driver", "hybrid agents")}
-            print(f"| {name} | " + " | ".join(f"{charged[name].get(kind, 0.0):.2f}, {used[kind]:.2f}"
-                                              for kind in ("engines", "trainers", "driver"))
-                  + f" | {used['hybrid agents']:.2f} |")
+        for one in launched:
+            print(f"| {one['run']} | " + " | ".join(
+                f"{one['charged'].get(kind, 0.0):.2f}, {one['cpu'].get(kind, 0.0):.2f}"
+                for kind in ("engines", "trainers", "driver"))
+                  + f" | {one['cpu'].get('hybrid agents', 0.0):.2f} |")
     unseen = [abs(row["error"]) for row in rows if not row["in_sample"]]
-    per_launch = [abs(row["predicted_s"] - value) / value
-                  for row in rows if not row["in_sample"] for value in row["rounds_s"]]
-    print(f"unseen configurations: {len(unseen)}, median |error| {statistics.median(unseen):.1%}, "
-          f"max {max(unseen):.1%}; each launch of them ({len(per_launch)}): median "
-          f"{statistics.median(per_launch):.1%}, max {max(per_launch):.1%}")
+    per_launch = [abs(one["predicted_s"] - one["measured_s"]) / one["measured_s"]
+                  for row in rows if not row["in_sample"] for one in row["launches"]]
+    if unseen:
+        print(f"unseen configurations: {len(unseen)}, median |error| {statistics.median(unseen):.1%}, "
+              f"max {max(unseen):.1%}; each launch of them ({len(per_launch)}): median "
+              f"{statistics.median(per_launch):.1%}, max {max(per_launch):.1%}, "
+              f"{sum(error <= 0.2 for error in per_launch)} within 20%")
     if calibrated:
-        base, own = statistics.mean(calibrated), {row["launch"]: row for row in rows}["streaming"]
-        print(f"the host: the calibration configuration ran {', '.join(f'{v:.3f}' for v in calibrated)} s a step in "
-              f"its calibration launches and {', '.join(f'{v:.3f}' for v in own['rounds_s'])} in the rounds ("
-              + ", ".join(f"{v / base - 1:+.1%}" for v in own["rounds_s"]) + f" of their mean); predicted "
-              f"{own['predicted_s']:.3f} ({own['predicted_s'] / base - 1:+.1%} of it)")
-        relative = [abs((row["predicted_s"] / own["predicted_s"]) / (row["measured_s"] / own["measured_s"]) - 1)
-                    for row in rows if not row["in_sample"]]
-        print(f"relative to the calibration configuration's rounds (not the bar): median "
-              f"{statistics.median(relative):.1%}, max {max(relative):.1%}")
+        first = calibrated[0][1]
+        print("the host: the calibration configuration's launches in order, s a step (of the first): "
+              + ", ".join(f"{seconds:.3f} ({seconds / first - 1:+.1%})" for _, seconds in calibrated))
     return rows
 
 
@@ -270,32 +265,47 @@ def measure_threads(out: Path) -> Path:
     return out
 
 
+def compare(plan: list[dict], predicted: list[tuple[dict, dict]], measured: dict[str, list[float]],
+            cpu: dict[str, dict[str, float]]) -> list[dict]:
+    """Each launch beside its own prediction: ``plan``'s blocks (``predicted``: each one's step times and charges by
+    configuration), and each calibration launch that opened a block beside the block before's prediction of it."""
+    def one(run: str, name: str, block: int) -> dict:
+        steps, charged = predicted[block]
+        return {"run": run, "name": name, "predicted": statistics.mean(steps[name][1:]),
+                "measured": statistics.mean(measured[run][1:]), "charged": charged[name], "cpu": cpu.get(run, {})}
+
+    launched = []
+    for index, block in enumerate(plan):
+        if block["opened_by"]:
+            launched.append(one(block["opened_by"], "streaming", index - 1))
+        launched.extend(one(run, name, index) for name, run in block["launches"])
+    return launched
+
+
 def replay(work: Path, team: str, threads: Path | None) -> None:
-    """Predict a finished run of this bench again with this checkout's model, from its stored calibration launches,
-    against its measured rounds (``results.json``, which keeps them to the millisecond: an error may differ from the
-    run's own in its last digit): two models compared on the same launches, after the fact.
-    Writes ``<work>/replay.json``; the run's own files are left as they are.
+    """Predict a finished run of this bench again with this checkout's model, from the calibration launches each of
+    its blocks was predicted from, against its measured launches: two models compared on the same launches, after
+    the fact. Writes ``<work>/replay.json``; the run's own files are left as they are.
 
     Raises:
-        SystemExit: ``work`` holds no finished run.
+        SystemExit: ``work`` holds no finished run of this design.
     """
     if not (work / "results.json").is_file():
         raise SystemExit(f"--replay {work}: no results.json there (run the bench with --work {work} first)")
     results = json.loads((work / "results.json").read_text())
-    if "rows" not in results:
-        raise SystemExit(f"--replay {work}: its results.json has the launches' measurements but not their rounds "
-                         f"compared (the run's report did not finish)")
-    calibrations = calibration_runs(results["measured"])
+    if "plan" not in results:
+        raise SystemExit(f"--replay {work}: its results.json has no plan of blocks (a run from before the calibration "
+                         f"was repeated between blocks, 2026-11-28); run the bench again")
     base = base_config(team)
     base["pipeline"]["steps"] = len(results["measured"]["streaming"])
-    order = [row["launch"] for row in results["rows"]]
-    costs, predicted, charged = predictions(work / "store", calibrations, variants(base), order, threads)
-    rows = report(order, predicted, {row["launch"]: row["rounds_s"] for row in results["rows"]}, charged,
-                  results.get("cpu_per_step") or {},
-                  [statistics.mean(results["measured"][run][1:]) for run in calibrations])
-    (work / "replay.json").write_text(json.dumps({"written": time.time(), "costs": repr(costs)[:2000],
-                                                  "predicted": predicted, "core_seconds": charged, "rows": rows},
-                                                 indent=1))
+    predicted = [predictions(work / "store", block["calibrations"], variants(base),
+                             ["streaming", *dict.fromkeys(name for name, _ in block["launches"])], threads)[1:]
+                 for block in results["plan"]]
+    measured = results["measured"]
+    rows = report(compare(results["plan"], predicted, measured, results.get("cpu_per_step") or {}),
+                  [(run, statistics.mean(measured[run][1:])) for run in calibration_runs(measured)])
+    (work / "replay.json").write_text(json.dumps({"written": time.time(), "rows": rows,
+                                                  "predicted": [steps for steps, _ in predicted]}, indent=1))
 
 
 def main() -> None:
@@ -306,8 +316,11 @@ def main() -> None:
     parser.add_argument("--calibrations", type=int, default=2, help="Launches of the calibration's configuration "
                                                                    "whose costs are averaged (marl plan --run, "
                                                                    "repeated).")
-    parser.add_argument("--rounds", type=int, default=2, help="Launches of each configuration after the predictions, "
-                                                             "each round in the opposite order to the one before.")
+    parser.add_argument("--rounds", type=int, default=2, help="Launches of each unseen configuration, each round in "
+                                                             "the opposite order to the one before.")
+    parser.add_argument("--recalibrate-every", type=int, default=3, help="Launch the calibration configuration "
+                        "again after this many unseen launches, and predict the next ones from the --calibrations "
+                        "latest of its launches (0: calibrate once, before every prediction).")
     parser.add_argument("--cpu", action="store_true", help="Also measure each kind of process's CPU seconds a step "
                                                            "(psutil) in every launch, into results.json.")
     parser.add_argument("--team", choices=("pair", "trio", "longtail"), default="pair",
@@ -335,7 +348,6 @@ def main() -> None:
     base["pipeline"]["steps"] = args.steps
     launches = variants(base)
     names = [name for name in launches if name != "streaming" and (not args.only or name in args.only)]
-    order = ["streaming", *names]
     store_uri = args.work / "store"
     threads = None if args.linear_threads else args.threads_profile or measure_threads(args.work / "threads.json")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -345,25 +357,45 @@ def main() -> None:
     def cpu_of(run: str) -> dict[str, float] | None:
         return cpu.setdefault(run, {}) if args.cpu else None
 
-    measured = {"streaming": launch(launches["streaming"], "streaming", store_uri, None, cpu_of("streaming"))}
+    measured: dict[str, list[float]] = {}
+    calibrations: list[str] = []
+
+    def calibrate(run: str) -> None:
+        measured[run] = launch(launches["streaming"], run, store_uri, calibrations[0] if calibrations else None,
+                               cpu_of(run))
+        calibrations.append(run)
+
+    calibrate("streaming")
     for index in range(2, args.calibrations + 1):
-        run = f"streaming.calibration{index}"
-        measured[run] = launch(launches["streaming"], run, store_uri, "streaming", cpu_of(run))
-    costs, predicted, charged = predictions(store_uri, list(measured), launches, order, threads)
-    (args.work / "predictions.json").write_text(json.dumps({
-        "written": time.time(), "costs": repr(costs)[:2000], "threads": costs.threads.describe(),
-        "predicted": predicted, "core_seconds": charged}, indent=1))
-    rounds: dict[str, list[float]] = {name: [] for name in order}
-    for index in range(args.rounds):
-        for name in order if index % 2 == 0 else order[::-1]:
-            seconds = launch(launches[name], f"{name}.round{index + 1}", store_uri, "streaming",
-                             cpu_of(f"{name}.round{index + 1}"))
-            measured[f"{name}.round{index + 1}"] = seconds
-            rounds[name].append(statistics.mean(seconds[1:]))
-    results = {"measured": measured, "cpu_per_step": cpu, "wall_s": time.time() - started}
+        calibrate(f"streaming.calibration{index}")
+    schedule = [(name, f"{name}.round{index + 1}") for index in range(args.rounds)
+                for name in (names if index % 2 == 0 else names[::-1])]
+    every = args.recalibrate_every or max(len(schedule), 1)
+    plan: list[dict] = []
+    predicted: list[tuple[dict, dict]] = []
+    for start in range(0, len(schedule), every):
+        block = {"opened_by": None, "launches": schedule[start:start + every]}
+        if start:  # the calibration configuration again, before the block it calibrates
+            block["opened_by"] = f"streaming.calibration{len(calibrations) + 1}"
+            calibrate(block["opened_by"])
+        block["calibrations"] = calibrations[-args.calibrations:]
+        costs, steps, charged = predictions(store_uri, block["calibrations"], launches,
+                                            ["streaming", *dict.fromkeys(name for name, _ in block["launches"])],
+                                            threads)
+        plan.append(block)
+        predicted.append((steps, charged))
+        written = {"written": time.time(), "threads": costs.threads.describe(), "blocks": [
+            {**one, "predicted": steps_of, "core_seconds": charged_of}
+            for one, (steps_of, charged_of) in zip(plan, predicted)], "costs": repr(costs)[:2000]}
+        (args.work / "predictions.json").write_text(json.dumps(written, indent=1))  # before the block's launches
+        print(f"predictions for {[run for _, run in block['launches']]} written, from {block['calibrations']}",
+              flush=True)
+        for name, run in block["launches"]:
+            measured[run] = launch(launches[name], run, store_uri, "streaming", cpu_of(run))
+    results = {"measured": measured, "cpu_per_step": cpu, "plan": plan, "wall_s": time.time() - started}
     (args.work / "results.json").write_text(json.dumps(results, indent=1))  # the measurements, before the report
-    results["rows"] = report(order, predicted, rounds, charged, cpu,
-                             [statistics.mean(measured[run][1:]) for run in calibration_runs(measured)])
+    results["rows"] = report(compare(plan, predicted, measured, cpu),
+                             [(run, statistics.mean(measured[run][1:])) for run in calibrations])
     (args.work / "results.json").write_text(json.dumps(results, indent=1))
 
 
