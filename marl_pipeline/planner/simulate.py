@@ -253,16 +253,18 @@ class _Simulation:
             self.busy[spec.name].stop()
 
     def _publish(self, agent: str, inbox: simpy.Store):
-        """As the orchestrator's publisher: the optimizer step, the replicas synced one at a time (each draining),
-        the version served (the gate may open), the commit once the trainer's save is done."""
+        """As the orchestrator's publisher: the optimizer step on the trainer (in order with its training calls; the
+        engines load the exported weights without it), the replicas synced one at a time (each draining), the
+        version served (the gate may open), the commit once the trainer's save is done."""
         costs, spec = self.costs.trainers[agent], self.trainer_of[agent]
         lock, *_ = self.trainer_lock[agent]
         while (step := (yield inbox.get())) is not None:
             yield self.env.timeout(self.costs.handoff)
-            turn = lock.request()  # the trainer's step-end calls run in order with its training calls
-            yield turn
-            self.busy[spec.name].start()
-            yield self.env.timeout(costs.apply)
+            with lock.request() as turn:
+                yield turn
+                self.busy[spec.name].start()
+                yield self.env.timeout(costs.apply)
+                self.busy[spec.name].stop()
             for replica, engine in enumerate(self.engines[agent]):  # one replica at a time, the others serving
                 self.routers[agent].set_draining(replica, True)
                 yield engine.sync(costs.sync_per_replica, step + 1)
@@ -271,8 +273,6 @@ class _Simulation:
             self.served_at[agent][step + 1] = self.env.now
             self._served_changed()
             yield self.env.timeout(costs.commit)  # the save the trainer ran meanwhile, the commit after it
-            self.busy[spec.name].stop()
-            lock.release(turn)
             self.committed[agent] = step + 1
             if min(self.committed.values()) > step and len(self.step_seconds) == step:
                 start = self.last_end if self.last_end is not None else self.step_started[step]
