@@ -349,6 +349,28 @@ def test_each_hand_off_between_stages_and_to_the_publisher_waits_the_calibrated_
         assert after - before == pytest.approx(4 * 0.25, abs=1e-6)
 
 
+def test_a_publisher_holds_its_trainer_for_the_optimizer_step_and_not_the_engines_sync(demo_config_data: dict) -> None:
+    """One trainer worker serving both agents (swapped) runs each agent's optimizer step in turn, but the engines
+    load the exported weights without it: two agents' syncs, each on its own engine, overlap, so a second longer
+    lengthens the step by about a second, not two."""
+    from dataclasses import replace
+
+    data = copy.deepcopy(demo_config_data)
+    data["ray"] = {**data.get("ray", {}), "resident_trainers": 1}
+    data["pipeline"].update({"steps": 3, "micro_batches_per_step": 1})
+    config, nodes = parse_config(data), [{"CPU": 64.0}]
+    plan = plan_placement(config, nodes)
+    assert [spec.loads for spec in plan.specs if spec.role == "trainer-worker"] == [("solver", "verifier")]
+
+    def step(sync: float) -> list[float]:
+        trainer = replace(TRAINER, sync_per_replica=sync)
+        costs = replace(_costs(), trainers={"solver": trainer, "verifier": trainer})
+        return simulate(plan, config.pipeline, costs, nodes).step_seconds
+
+    for before, after in zip(step(0.05)[1:], step(1.05)[1:]):
+        assert after - before == pytest.approx(1.0, abs=0.05)
+
+
 def test_the_hand_off_is_fitted_from_when_each_stage_could_start_to_when_it_did() -> None:
     """Of each step's last micro-batch (the one a synchronous step's barrier waits for), from its previous stage's
     end, or for training also from the previous micro-batch's training end (one train thread), to its start; and
