@@ -22,7 +22,8 @@ latest launches and written to ``<work>/predictions.json`` before the block's fi
 compared with its own prediction, and each calibration launch that opens a block with the block before's prediction
 of it (the calibration configuration's row, not counted in the bar); the report ends with the calibration
 configuration's launches in order, how far the host moved. ``--recalibrate-every 0`` calibrates once, before all
-(the design until 2026-11-28, whose runs BENCHMARKS.md keeps). ``--replay`` launches nothing: it predicts a finished
+the unseen launches (as the design until 2026-11-28 did, whose runs BENCHMARKS.md keeps; it also launched the
+calibration configuration in each round). ``--replay`` launches nothing: it predicts a finished
 run in ``--work`` again with the checkout's model, each block from the launches it was calibrated from, into
 ``<work>/replay.json`` (two models on the same launches, after the fact).
 Every launch keeps all its versions (their timing.json): about 360 MB a launch of three agents, 8 GB a team's run.
