@@ -266,6 +266,12 @@ def measure_threads(out: Path) -> Path:
     return out
 
 
+def predicted_in(block: dict) -> list[str]:
+    """The configurations a block's predictions cover: its launches' and the calibration configuration's, whose next
+    launch opens the following block (main and ``--replay`` predict the same)."""
+    return ["streaming", *dict.fromkeys(name for name, _ in block["launches"])]
+
+
 def compare(plan: list[dict], predicted: list[tuple[dict, dict]], measured: dict[str, list[float]],
             cpu: dict[str, dict[str, float]]) -> list[dict]:
     """Each launch beside its own prediction: ``plan``'s blocks (``predicted``: each one's step times and charges by
@@ -300,7 +306,7 @@ def replay(work: Path, team: str, threads: Path | None) -> None:
     base = base_config(team)
     base["pipeline"]["steps"] = len(results["measured"]["streaming"])
     predicted = [predictions(work / "store", block["calibrations"], variants(base),
-                             ["streaming", *dict.fromkeys(name for name, _ in block["launches"])], threads)[1:]
+                             predicted_in(block), threads)[1:]
                  for block in results["plan"]]
     measured = results["measured"]
     rows = report(compare(results["plan"], predicted, measured, results.get("cpu_per_step") or {}),
@@ -321,7 +327,7 @@ def main() -> None:
                                                              "the opposite order to the one before.")
     parser.add_argument("--recalibrate-every", type=int, default=3, help="Launch the calibration configuration "
                         "again after this many unseen launches, and predict the next ones from the --calibrations "
-                        "latest of its launches (0: calibrate once, before every prediction).")
+                        "latest of its launches (0: calibrate once, before all the unseen launches).")
     parser.add_argument("--cpu", action="store_true", help="Also measure each kind of process's CPU seconds a step "
                                                            "(psutil) in every launch, into results.json.")
     parser.add_argument("--team", choices=("pair", "trio", "longtail"), default="pair",
@@ -380,8 +386,7 @@ def main() -> None:
             block["opened_by"] = f"streaming.calibration{len(calibrations) + 1}"
             calibrate(block["opened_by"])
         block["calibrations"] = calibrations[-args.calibrations:]
-        costs, steps, charged = predictions(store_uri, block["calibrations"], launches,
-                                            ["streaming", *dict.fromkeys(name for name, _ in block["launches"])],
+        costs, steps, charged = predictions(store_uri, block["calibrations"], launches, predicted_in(block),
                                             threads)
         plan.append(block)
         predicted.append((steps, charged))
