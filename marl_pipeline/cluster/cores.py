@@ -79,6 +79,24 @@ def named_threads_cpu(name: str) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_seconds(engines: list, trainer) -> dict[str, float | None]:
+    """The CPU seconds so far of this process (the driver), of an agent's engine replicas' processes (summed) and of
+    its trainer's (a hybrid agent's: each its part), from which the planner fits their charge (planner/costs.py);
+    None for actors that do not answer (dead, hanging, or not reporting: a swapped trainer's worker)."""
+    def reported(handles: list) -> float | None:
+        if not all(isinstance(handle, ray.actor.ActorHandle) or getattr(type(handle), "reports_cpu", False)
+                   for handle in handles):
+            return None
+        try:
+            return sum(report.cpu_seconds for report in ray.get([handle.cpu_report.remote() for handle in handles],
+                                                                timeout=REPORT_TIMEOUT_S))
+        except (ray.exceptions.RayError, AttributeError):
+            return None
+
+    return {"driver_cpu_seconds": time.process_time(), "engine_cpu_seconds": reported(engines),
+            "trainer_cpu_seconds": reported([trainer])}
+
+
 def cores_used(before: CpuReport, after: CpuReport) -> float | None:
     """The cores the actor's process kept busy between two reports, on average: its CPU seconds over the seconds
     (None: another process, as a restarted actor, or no time between them)."""

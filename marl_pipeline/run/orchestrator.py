@@ -33,6 +33,7 @@ import pyarrow as pa
 import ray
 
 from marl_pipeline.cluster.colocation import Turns
+from marl_pipeline.cluster.cores import cpu_seconds
 from marl_pipeline.cluster.spawn import Workers
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import Environment
@@ -56,7 +57,7 @@ from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.health import commit_step_health, signals_by_agent, stored_collapse, trainer_signals
 from marl_pipeline.stages.reward import model_reward, score_micro_batch
 from marl_pipeline.stages.training import train_micro_batch
-from marl_pipeline.stages.trajectories import sample_micro_batch, token_demand
+from marl_pipeline.stages.trajectories import rollout_messages, sample_micro_batch, token_demand
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.recent import RecentCommits
 from marl_pipeline.store.schema import with_stage_timing
@@ -314,8 +315,9 @@ class Orchestrator:
                 upload = ray.get(pending.saved)
                 timing = StageTiming(pending.enqueued, started, time.time())
                 record = json.dumps({"step": pending.step, **asdict(timing), "apply_seconds": applied - started,
-                                     "sync_seconds": synced - applied, "driver_cpu_seconds": time.process_time(),
-                                     "engine_asleep": self.turns.last_turn(agent), **asdict(result)}).encode()
+                                     "sync_seconds": synced - applied, "engine_asleep": self.turns.last_turn(agent),
+                                     "driver_messages": rollout_messages(), **asdict(result),
+                                     **cpu_seconds(replicas.handles(), self.workers.trainers[agent])}).encode()
                 self.recent.flush()  # the step's partitions are durable before the version that trained on them
                 path = self.store.publish_policy(upload, {"timing.json": record})
                 # The newest version is kept (a resumed launch starts from it); evaluations use the engine's copy.

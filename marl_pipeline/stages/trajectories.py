@@ -331,6 +331,15 @@ class _MicroBatch:
         return pa.table(columns, schema=with_agent(ROLLOUTS))
 
 
+_messages = [0]  # a list: incremented in place by each micro-batch's event loop (a lost increment among two is noise)
+
+
+def rollout_messages() -> int:
+    """This process's rollout messages with the engines so far: streaming calls sent and chunks of results back (the
+    driver's CPU follows them more than turns: two replicas split a wave into more of both, planner/cpu.py)."""
+    return _messages[0]
+
+
 class _Batches:
     """Requests to an engine replica go in batches: those submitted in one turn of the event loop (a micro-batch's
     first turns, or the turns whose previous ones finished in one engine step) are one streaming call
@@ -361,6 +370,7 @@ class _Batches:
     def _send(self, handle: ray.actor.ActorHandle) -> None:
         if not (batch := self.waiting.pop(handle)):
             return
+        _messages[0] += 1
         task = asyncio.ensure_future(self._stream(handle, batch))
         self.streams.add(task)
         task.add_done_callback(self.streams.discard)
@@ -368,6 +378,7 @@ class _Batches:
     async def _stream(self, handle: ray.actor.ActorHandle, batch: list[tuple[str, GenerationRequest]]) -> None:
         try:
             async for ref in handle.generate_stream.options(num_returns="streaming").remote(batch):
+                _messages[0] += 1
                 for request_id, result in await ref:
                     self._settle(request_id, result)
         except Exception as error:  # the replica died: every request of the batch not yet settled fails with it
