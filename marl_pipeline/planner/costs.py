@@ -19,6 +19,7 @@ from itertools import pairwise
 import numpy as np
 import pyarrow.compute as pc
 
+from marl_pipeline.planner.cpu import driver_rates, nonnegative_fit
 from marl_pipeline.planner.threads import Layout, ThreadScaling, core_shares, worker_of
 from marl_pipeline.run.pipeline_metrics import Span, spans_from_store, version_timings
 from marl_pipeline.store import ExperienceStore
@@ -86,7 +87,14 @@ class Costs:
     source: str = ""
     driver_per_turn: float = 0.0
     """The driver process's own CPU (its rollout, stage and commit threads, Ray's calls from it) per turn, in
-    core-seconds: its CPU over the run's steps spread over their turns (0: a run stored before it was recorded)."""
+    core-seconds, beyond ``driver_per_message`` (0: a run stored before the driver's CPU was recorded)."""
+    driver_per_message: float = 0.0
+    """The driver's CPU per rollout message (a streaming call to a replica, a chunk of results back), beyond the turns'
+    (0: a run stored before they were counted, 2026-11-29)."""
+    messages_per_turn: float = 0.0
+    """The calibration run's rollout messages per turn and per replica of its agents: two replicas split each wave
+    into two calls and each step's results into two chunks, so a turn is charged ``driver_per_message x
+    messages_per_turn x`` its agent's replicas (planner/cpu.py)."""
     threads: ThreadScaling = field(default_factory=ThreadScaling)
     """What a trainer's threads buy, which turned its stored seconds into core-seconds and the simulation applies."""
 
@@ -135,7 +143,8 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], core
         handoff=_handoff(spans),
         episodes=_episodes(rollouts),
         source=f"{store.config.uri} run {run}",
-        driver_per_turn=_driver_per_turn(rollouts, timings), threads=threads)
+        threads=threads, **driver_rates(rollouts, timings, np.mean([layouts[agent].replicas for agent in agents])))
+
 
 
 def pooled(calibrations: list[Costs]) -> Costs:
@@ -245,26 +254,12 @@ def _step_fit(waves: list[_Wave]) -> tuple[float, float]:
     x = np.array(rows)
     if len(rows) < 3 or np.linalg.matrix_rank(x) < 2:
         return fixed, 0.0
-    a, b = _nonnegative_fit(x, np.array(seconds))
+    a, b = nonnegative_fit(x, np.array(seconds))
     return (a, b) if a + b > 0 else (fixed, 0.0)
 
 
 def _overlaps(start: float, end: float, intervals: list[tuple[float, float]]) -> bool:
     return any(begin < end and start < finish for begin, finish in intervals)
-
-
-def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
-    """Least squares with every coefficient at least 0 (a negative cost is a fit artefact): the columns whose
-    coefficient came out negative are dropped and the rest fitted again."""
-    keep = list(range(x.shape[1]))
-    while True:
-        coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
-        if (coef >= 0).all() or len(keep) == 1:
-            full = [0.0] * x.shape[1]
-            for index, value in zip(keep, coef):
-                full[index] = max(float(value), 0.0)
-            return full
-        keep = [index for index, value in zip(keep, coef) if value >= 0] or keep[:1]
 
 
 def _trainer_costs(updates, agent: str, layout: Layout, computed: dict[tuple, int],
@@ -284,7 +279,7 @@ def _trainer_costs(updates, agent: str, layout: Layout, computed: dict[tuple, in
     seconds = np.array([(s or 0.0) * shares.get((step, mb), 1.0) for s, step, mb in zip(
         rows.column("compute_seconds").to_pylist(), rows.column("step").to_pylist(),
         rows.column("micro_batch").to_pylist())]) * speedup
-    call, per_token = _nonnegative_fit(np.stack([np.ones_like(tokens), tokens], axis=1), seconds)
+    call, per_token = nonnegative_fit(np.stack([np.ones_like(tokens), tokens], axis=1), seconds)
     apply, sync, commit = [], [], []
     for record in timings:
         applied = record.get("apply_seconds", 0.0)  # not recorded before 2026-11-27: counted in the commit
@@ -293,24 +288,6 @@ def _trainer_costs(updates, agent: str, layout: Layout, computed: dict[tuple, in
         commit.append(max(record["ended"] - record["started"] - record["sync_seconds"] - applied, 0.0))
     return TrainerCosts(call, per_token, *(float(np.median(values)) if values else 0.0
                                            for values in (apply, sync, commit)))
-
-
-def _driver_per_turn(rollouts, timings: dict[tuple, dict]) -> float:
-    """The driver's CPU seconds between an agent's first and last recorded versions (each ``timing.json`` holds the
-    driver's CPU seconds so far, ``driver_cpu_seconds``) over the turns of the steps between them; the median over
-    agents (0 where none has two records)."""
-    steps = set(rollouts.column("step").to_pylist())
-    turns_per_step = rollouts.num_rows / max(len(steps), 1)
-    records: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    for (agent, _), record in timings.items():
-        if record.get("driver_cpu_seconds") is not None:
-            records[agent].append((record["step"], record["driver_cpu_seconds"]))
-    rates = []
-    for marks in records.values():
-        (first, before), (last, after) = min(marks), max(marks)
-        if last > first:
-            rates.append((after - before) / (last - first) / max(turns_per_step, 1.0))
-    return float(np.median(rates)) if rates else 0.0
 
 
 def _computed(rollouts) -> dict[tuple, int]:

@@ -38,8 +38,10 @@ ASSUMPTIONS = (
     "a colocated agent's engine sleeping and waking, and replicas moved between agents (rebalancing), cost nothing",
     "a trainer on several workers is its rank 0, charged for the whole trainer",
     "the driver's CPU is charged per turn, on one thread of the first node's cores, as the calibration run spent it "
-    "(its commits and stage threads included), beside the turns: a wave's next turns go out together, where a busy "
-    "driver sends them one by one; an environment's reply waits its calibrated seconds, on no core",
+    "(its commits and stage threads included), with its rollout messages (calls to replicas, chunks of results "
+    "back) as many a turn and replica as the calibration run sent, beside the turns: a wave's next turns go out "
+    "together, where a busy driver sends them one by one; an environment's reply waits its calibrated seconds, on "
+    "no core",
     "a weight sync's calibrated seconds are one thread's work on the engine's cores (the trainer's side of it is "
     "not charged), as measured beside the other agents' syncs",
     "a request's own work in its engine (taken in, its output made and returned) is done as its result is returned, "
@@ -135,6 +137,8 @@ class _Simulation:
         self.step_seconds: list[float] = []
         self.last_end: float | None = None
         self.episode_counter = 0
+        self.driver_per_turn = {agent: costs.driver_per_turn + costs.driver_per_message * costs.messages_per_turn
+                                * len(replicas) for agent, replicas in self.engines.items()}  # planner/cpu.py
 
     # -- the recipe: the orchestrator's threads as processes --------------------------------------
     def run(self) -> Prediction:
@@ -195,7 +199,7 @@ class _Simulation:
                 yield self.released_replica[turn.agent]
             started = self.env.now
             engine = self.engines[turn.agent][replica]
-            self.driver.add(self.costs.driver_per_turn)  # beside the turn, not before it
+            self.driver.add(self.driver_per_turn[turn.agent])  # beside the turn, not before it
             version = yield engine.generate(turn, index)
             router.release(replica)
             waiting, self.released_replica[turn.agent] = self.released_replica[turn.agent], self.env.event()
