@@ -146,7 +146,6 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], core
         threads=threads, **driver_rates(rollouts, timings, np.mean([layouts[agent].replicas for agent in agents])))
 
 
-
 def pooled(calibrations: list[Costs]) -> Costs:
     """Several launches' costs as one: each figure the mean of theirs (on a shared host one launch of a configuration
     runs several percent faster or slower than the next), the workload their episodes taken in turn.

@@ -34,7 +34,7 @@ def driver_rates(rollouts, timings: dict[tuple, dict], replicas: float = 1.0) ->
     ``timing.json`` records (the driver's CPU seconds and rollout messages so far): between consecutive records,
     CPU = a x turns + b x messages, fitted (least squares, both at least 0); messages per turn over the run, per
     replica (``replicas``: the run's, a mean over its agents); each the median over agents. Records without messages
-    (older runs): all the CPU per turn."""
+    (older runs), or fewer than four: all the CPU per turn."""
     steps = set(rollouts.column("step").to_pylist())
     turns_per_step = max(rollouts.num_rows / max(len(steps), 1), 1.0)
     records: dict[str, list[tuple]] = defaultdict(list)
