@@ -79,13 +79,17 @@ def named_threads_cpu(name: str) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def reports_cpu(handle) -> bool:
+    """Whether the handle answers ``cpu_report``: an actor's, or a hybrid agent's trainer in its engine's process."""
+    return isinstance(handle, ray.actor.ActorHandle) or getattr(type(handle), "reports_cpu", False)
+
+
 def cpu_seconds(engines: list, trainer) -> dict[str, float | None]:
     """The CPU seconds so far of this process (the driver), of an agent's engine replicas' processes (summed) and of
     its trainer's (a hybrid agent's: each its part), from which the planner fits their charge (planner/costs.py);
     None for actors that do not answer (dead, hanging, or not reporting: a swapped trainer's worker)."""
     def reported(handles: list) -> float | None:
-        if not all(isinstance(handle, ray.actor.ActorHandle) or getattr(type(handle), "reports_cpu", False)
-                   for handle in handles):
+        if not all(reports_cpu(handle) for handle in handles):
             return None
         try:
             return sum(report.cpu_seconds for report in ray.get([handle.cpu_report.remote() for handle in handles],
@@ -131,8 +135,7 @@ class CoreSplit:
     def for_run(cls, config: ExperimentConfig, engines: dict, trainers: dict) -> CoreSplit:
         """Over the run's engine replicas and trainers (actors, or in a hybrid agent's process; a swapped trainer's
         worker does not report), moving the trainers it may (none in ``synchronous`` mode)."""
-        reporting = {f"{agent}/trainer": handle for agent, handle in trainers.items()
-                     if isinstance(handle, ray.actor.ActorHandle) or getattr(type(handle), "reports_cpu", False)}
+        reporting = {f"{agent}/trainer": handle for agent, handle in trainers.items() if reports_cpu(handle)}
         movable = {f"{agent}/trainer" for agent, settings in config.agents.items()
                    if config.pipeline.mode == "streaming" and settings.trainer.threads is None
                    and settings.trainer.num_gpus == 0 and settings.trainer.workers == 1
