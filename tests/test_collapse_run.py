@@ -20,7 +20,7 @@ from marl_pipeline.stages.health import collapse_warnings, recent_health
 from marl_pipeline.store import ExperienceStore
 from tests.conftest import small_config_data
 
-STEPS = 12  # the checker paid for "yes" passed 0.9 at steps 6-8 here, the one paid for right stayed at 0.50-0.81
+STEPS = 12  # the checker paid for "yes" passed 0.9 at steps 6-8 here, the one paid for right at one step at most
 
 
 class CheckerPaid:
@@ -85,7 +85,9 @@ def test_a_checker_collapsing_onto_yes_is_reported_as_it_happens_and_a_learning_
     shares = [event.health["verifier"]["top_answer_share"] for event in steps]
     if not paid_for_yes:
         assert all(not event.warnings for event in steps), [event.warnings for event in steps]
-        assert max(shares) < settings.top_answer_share, shares
+        # Its share may touch the threshold for a step (0.92 once on an AVX2 host), never for `steps` in a row
+        above = [share > settings.top_answer_share for share in shares]
+        assert not any(all(above[i:i + settings.steps]) for i in range(len(shares) - settings.steps + 1)), shares
         return
     warned = [event for event in steps if event.warnings]
     assert warned, shares

@@ -30,7 +30,8 @@ TEMPLATE = RewardModelConfig().judge_template
 @pytest.fixture(scope="module")
 def judge_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("rm") / "judge"
-    losses = train_tiny_judge(directory, ENV.reward_examples(np.random.default_rng(1), 4000), steps=1000, seed=0,
+    losses = train_tiny_judge(directory, ENV.reward_examples(np.random.default_rng(1), 4000),
+                              steps=RewardModelConfig().train_steps, seed=0,
                               tokenizer_dir=tiny_model_dir)
     assert np.mean(losses[-20:]) < 0.1 * losses[0]
     return directory
