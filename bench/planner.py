@@ -29,10 +29,7 @@ run in ``--work`` again with the checkout's model, each block from the launches 
 Every launch keeps all its versions (their timing.json): about 360 MB a launch of three agents, 8 GB a team's run.
 With ``--cpu`` each launch also records each kind of process's CPU seconds a step over steps 1.. (psutil: driver,
 engines, trainers, other actors, Ray and the rest), printed and kept in ``results.json``: what the simulation's
-charges are checked against. Before each calibration launch and each block the host's speed is probed (two seconds
-of one-thread matrix products); the report ends with each unseen launch's prediction scaled by its block's probe
-against its calibration launches', kept in ``results.json`` as ``probe_scaled`` (a record beside the bar's
-predictions, which stay unscaled).
+charges are checked against.
 """
 
 from __future__ import annotations
@@ -197,24 +194,6 @@ def launch(data: dict, run: str, store_uri: Path, version0_from: str | None,
         print(f"  {run} CPU seconds a step: " + ", ".join(f"{kind} {value:.2f}" for kind, value in sorted(cpu.items())),
               flush=True)
     return seconds
-
-
-def host_speed(seconds: float = 2.0) -> float:
-    """The host's speed now, before a launch: 128x128 float32 matrix products a second on one torch thread. Beside
-    the unscaled predictions, each block's are also scaled by its probe against its calibration launches' (a record,
-    not the bar's predictions: whether the host's drift between launches is what a probe sees)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    a = torch.randn(128, 128)
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ a
-        count += 1
-    elapsed = time.perf_counter() - start
-    torch.set_num_threads(threads)
-    return count / elapsed
 
 
 def predictions(store_uri: Path, calibrations: list[str], launches: dict[str, dict], order: list[str],
@@ -388,10 +367,7 @@ def main() -> None:
     measured: dict[str, list[float]] = {}
     calibrations: list[str] = []
 
-    speeds: dict[str, float] = {}  # the host probe before each calibration launch
-
     def calibrate(run: str) -> None:
-        speeds[run] = host_speed()
         measured[run] = launch(launches["streaming"], run, store_uri, calibrations[0] if calibrations else None,
                                cpu_of(run))
         calibrations.append(run)
@@ -410,7 +386,6 @@ def main() -> None:
             block["opened_by"] = f"streaming.calibration{len(calibrations) + 1}"
             calibrate(block["opened_by"])
         block["calibrations"] = calibrations[-args.calibrations:]
-        block["host_speed"] = {"now": host_speed(), "calibrations": [speeds[run] for run in block["calibrations"]]}
         costs, steps, charged = predictions(store_uri, block["calibrations"], launches, predicted_in(block),
                                             threads)
         plan.append(block)
@@ -423,32 +398,11 @@ def main() -> None:
               flush=True)
         for name, run in block["launches"]:
             measured[run] = launch(launches[name], run, store_uri, "streaming", cpu_of(run))
-    results = {"measured": measured, "cpu_per_step": cpu, "plan": plan, "wall_s": time.time() - started,
-               "host_speed": speeds}
+    results = {"measured": measured, "cpu_per_step": cpu, "plan": plan, "wall_s": time.time() - started}
     (args.work / "results.json").write_text(json.dumps(results, indent=1))  # the measurements, before the report
     results["rows"] = report(compare(plan, predicted, measured, cpu),
                              [(run, statistics.mean(measured[run][1:])) for run in calibrations])
-    results["probe_scaled"] = probe_scaled(plan, predicted, measured)
     (args.work / "results.json").write_text(json.dumps(results, indent=1))
-
-
-def probe_scaled(plan: list[dict], predicted: list[tuple[dict, dict]], measured: dict[str, list[float]]) -> list[dict]:
-    """Each unseen launch's prediction scaled by its block's host probe (:func:`host_speed`) against the probes before
-    the block's calibration launches, beside the measurement; printed, and returned for results.json."""
-    rows = []
-    for block, (steps, _) in zip(plan, predicted):
-        speed = block["host_speed"]
-        scale = statistics.mean(speed["calibrations"]) / speed["now"]
-        for name, run in block["launches"]:
-            p, m = statistics.mean(steps[name][1:]) * scale, statistics.mean(measured[run][1:])
-            rows.append({"run": run, "scale": round(scale, 4), "predicted_s": round(p, 3), "measured_s": round(m, 3),
-                         "error": round((p - m) / m, 4)})
-            print(f"  probe-scaled {run}: x{scale:.3f}, {p:.2f} against {m:.2f} ({(p - m) / m:+.1%})")
-    errors = [abs(row["error"]) for row in rows]
-    if errors:
-        print(f"probe-scaled, each launch ({len(errors)}): median {statistics.median(errors):.1%}, max "
-              f"{max(errors):.1%}, {sum(error <= 0.2 for error in errors)} within 20%")
-    return rows
 
 
 if __name__ == "__main__":
