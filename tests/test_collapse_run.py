@@ -85,7 +85,7 @@ def test_a_checker_collapsing_onto_yes_is_reported_as_it_happens_and_a_learning_
     shares = [event.health["verifier"]["top_answer_share"] for event in steps]
     if not paid_for_yes:
         assert all(not event.warnings for event in steps), [event.warnings for event in steps]
-        # Its share may touch the threshold for a step (0.92 once on an AVX2 host), never for `steps` in a row
+        # Its share may touch the threshold for a step, never for `steps` in a row (the rule it is not warned by)
         above = [share > settings.top_answer_share for share in shares]
         assert not any(all(above[i:i + settings.steps]) for i in range(len(shares) - settings.steps + 1)), shares
         return
