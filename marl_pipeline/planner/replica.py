@@ -1,5 +1,6 @@
 """One engine replica in the planner's simulation (planner/simulate.py): continuous batching on its spec's threads, a
-step's finished requests returned one after another, a weight sync that drains it; and the busy time of an actor.
+step's finished requests returned together after their own work, a weight sync that drains it; and the busy time of an
+actor.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ class Busy:
 
 class EngineReplica:
     """One engine replica: continuous batching, one step at a time on its spec's threads, then the step's finished
-    requests returned one after another, each after its own work; a weight sync waits for the step in progress and
-    pauses the next ones while it loads."""
+    requests returned together once their own work is done; a weight sync waits for the step in progress and pauses
+    the next ones while it loads."""
 
     def __init__(self, env: simpy.Environment, spec: ActorSpec, costs: EngineCosts, cores: tuple[SharedCores, bool],
                  busy: Busy, interpreter: simpy.Resource) -> None:
@@ -98,8 +99,10 @@ class EngineReplica:
                     request[1] -= 1
                 finished = [r for r in self.running if r[1] <= 0]
                 self.running = [r for r in self.running if r[1] > 0]
-                for request in finished:  # returned one after another, each after its own work on one thread:
-                    if request[3] > 0:  # a wave comes back spread by it (a GPU's costs have none)
-                        yield self.cores.compute(request[3], 1, "engines")
+                # Returned together after their own work on one thread, as the stream yields a step's results in
+                # one chunk: a wave of 256 came back within 7-17 ms measured (a GPU's costs have no such work).
+                if (own := sum(request[3] for request in finished)) > 0:
+                    yield self.cores.compute(own, 1, "engines")
+                for request in finished:
                     request[2].succeed(self.version)
             self.busy.stop()
