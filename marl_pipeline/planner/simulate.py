@@ -44,8 +44,9 @@ ASSUMPTIONS = (
     "no core",
     "a weight sync's calibrated seconds are one thread's work on the engine's cores (the trainer's side of it is "
     "not charged), as measured beside the other agents' syncs",
-    "a request's own work in its engine (taken in, its output made and returned) is done as its result is returned, "
-    "one result after another on one of the engine's threads, so a step's results come back spread by it",
+    "a request's own work in its engine (taken in, its output made and returned) is done on one of the engine's "
+    "threads after its step, and the step's results come back together once all of it is done, as the engine "
+    "streams them; results that come apart on crowded cores are not simulated",
 )
 
 
