@@ -100,7 +100,7 @@ class EngineReplica:
                 finished = [r for r in self.running if r[1] <= 0]
                 self.running = [r for r in self.running if r[1] > 0]
                 # Returned together after their own work on one thread, as the stream yields a step's results in
-                # one chunk (BENCHMARKS.md, Planning); a GPU's costs have no such work.
+                # one chunk (docs/ARCHITECTURE.md, the planner); a GPU's costs have no such work.
                 if (own := sum(request[3] for request in finished)) > 0:
                     yield self.cores.compute(own, 1, "engines")
                 for request in finished:
