@@ -22,6 +22,7 @@ import json
 import multiprocessing
 import os
 import time
+from pathlib import Path
 
 
 def _mlp():
@@ -59,7 +60,7 @@ def _engine(model_dir: str):
 
     engine = RolloutEngine(model_dir, 0, gpu_memory_utilization=0.9, max_model_len=512, dtype="float32", seed=0,
                            threads=1, kv_cache_gib=0.25)
-    vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
+    vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
 
     def batch():
         engine.generate([GenerationRequest(prompt=[(i * 7 + j) % (vocab - 8) + 4 for j in range(40)], seed=i,
