@@ -3,6 +3,7 @@ and a weight reload that waits for the requests in flight."""
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -68,6 +69,29 @@ def test_a_streamed_batch_yields_each_request_once_as_sampled_alone_and_a_bad_on
     for request_id, request in batch[:-1]:
         alone = local_ray.get(engine.generate_one.remote(f"{request_id}-alone", request))
         assert results[request_id].completion.response_ids == alone.completion.response_ids
+
+
+class _EagerSwitching(AsyncRolloutEngine):
+    """The engine actor unchanged, with the interpreter handing its lock between threads every microsecond: what a
+    crowded node does to the engine thread and the actor's event loop (the OS preempting one for the other)."""
+
+    def switch_every(self, seconds: float) -> None:
+        sys.setswitchinterval(seconds)
+
+
+def test_a_step_s_results_stream_in_one_chunk_while_the_loop_thread_interleaves(local_ray,
+                                                                                tiny_model_dir: Path) -> None:
+    handle = engine_actor(EngineConfig(), actor_class=_EagerSwitching).remote(
+        str(tiny_model_dir), 0, gpu_memory_utilization=0.15, max_model_len=128, dtype="float32", seed=0)
+    try:
+        local_ray.get(handle.switch_every.remote(1e-6))
+        batch = [(f"same-{i}", GenerationRequest(PROMPT, i, 6, 1.0, ignore_eos=True)) for i in range(64)]
+        for _ in range(3):  # each time: all 64 end in the same engine step
+            chunks = [local_ray.get(ref) for ref in
+                      handle.generate_stream.options(num_returns="streaming").remote(batch)]
+            assert [len(chunk) for chunk in chunks] == [64]
+    finally:
+        local_ray.kill(handle)
 
 
 def test_an_aborted_or_cancelled_request_leaves_the_engine_and_the_others_finish(local_ray, engine) -> None:

@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from marl_pipeline.inference.engine import (
     Completion,
@@ -33,44 +33,16 @@ from marl_pipeline.inference.engine import (
     completion_of,
     engine_prompt,
 )
+from marl_pipeline.inference.engine_handoff import (
+    Delivery,
+    EngineRequest,
+    Reload,
+    RequestAborted,
+    Sampled,
+    settle,
+    settle_all,
+)
 from marl_pipeline.policy.transfer import Endpoint, Layout, SyncGroup
-
-
-class RequestAborted(RuntimeError):
-    """The request was aborted (``abort``, or its caller cancelled it) before it finished."""
-
-
-@dataclass(frozen=True)
-class Sampled:
-    """One request's completion and the policy version that sampled it."""
-
-    completion: Completion
-    version: int
-
-
-@dataclass
-class _Request:
-    """A request known to the engine thread: what to add, and where to deliver the result."""
-
-    request_id: str
-    prompt: object
-    params: object
-    deliver: Callable[[object], None]
-    """Called on the engine thread with a vLLM ``RequestOutput`` or an exception."""
-    version: int = -1
-    lora: object = None
-    """vLLM's ``LoRARequest`` of the request's named adapter (inference/engine.py), else None."""
-    engine_seconds: float = 0.0
-    """Its share of the engine steps so far (``Completion.engine_seconds``)."""
-
-
-@dataclass
-class _Reload:
-    named_tensors: list
-    version: int
-    deliver: Callable[[object], None]
-    held: list[_Request] = field(default_factory=list)
-    """Requests that arrived while the reload waited for the ones in flight."""
 
 
 class AsyncRolloutEngine:
@@ -79,8 +51,8 @@ class AsyncRolloutEngine:
     def __init__(self, model_dir: str, version: int, **engine_options) -> None:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._running: dict[str, _Request] = {}  # engine thread only
-        self._reload: _Reload | None = None  # engine thread only
+        self._running: dict[str, EngineRequest] = {}  # engine thread only
+        self._reload: Reload | None = None  # engine thread only
         self._ids = itertools.count()
         self._failure: BaseException | None = None
         self._closed = False
@@ -109,9 +81,14 @@ class AsyncRolloutEngine:
     # -- requests ---------------------------------------------------------------------------------
     async def generate_one(self, request_id: str, request: GenerationRequest) -> Sampled:
         """Sample one completion, seeded; a cancelled call aborts its request in the engine."""
-        output, version, seconds = await self._submit(
-            request_id, engine_prompt(f"request {request_id!r}", request.prompt), self._engine.sampling_params(request),
-            self._engine.lora_request(request.adapter))
+        return await self._sampled(request_id, self._enqueue([self._prepared(request_id, request)])[0])
+
+    def _prepared(self, request_id: str, request: GenerationRequest) -> tuple:
+        return (request_id, engine_prompt(f"request {request_id!r}", request.prompt),
+                self._engine.sampling_params(request), self._engine.lora_request(request.adapter))
+
+    async def _sampled(self, request_id: str, future: asyncio.Future) -> Sampled:
+        output, version, seconds = await self._awaited(request_id, future)
         return Sampled(replace(completion_of(output), engine_seconds=seconds), version)
 
     async def generate_stream(self, batch: list[tuple[str, GenerationRequest]]):
@@ -120,13 +97,23 @@ class AsyncRolloutEngine:
         Call it with ``num_returns="streaming"``: one Ray call per batch instead of one per request, whose fixed cost
         dominated a tiny model's rollout (bench/bound.py). Closing the stream (the
         caller cancelled it) aborts the requests still running."""
-        ids = {asyncio.ensure_future(self.generate_one(request_id, request)): request_id
-               for request_id, request in batch}
+        prepared, failed = [], []
+        for request_id, request in batch:
+            try:
+                prepared.append(self._prepared(request_id, request))
+            except Exception as error:  # a bad request fails alone
+                failed.append((request_id, error))
+        # Handed over in one command, so that one engine step takes the whole batch in (one by one, the engine
+        # thread could start stepping the first ones of a batch while a crowded loop still queued the rest).
+        ids = {asyncio.ensure_future(self._sampled(entry[0], future)): entry[0]
+               for entry, future in zip(prepared, self._enqueue(prepared) if prepared else [])}
         pending = set(ids)
+        if failed:
+            yield failed
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                await asyncio.sleep(0)  # the engine thread settles a step's requests one callback each
+                await asyncio.sleep(0)  # a step's requests, settled in one callback, finish in one turn of the loop
                 done |= {task for task in pending if task.done()}
                 pending -= done
                 yield [(ids[task], task.exception() or task.result()) for task in done]
@@ -149,8 +136,9 @@ class AsyncRolloutEngine:
         """The engine's logprob of each response token given the prompt (teacher forcing), with ``adapter``."""
         ids = list(prompt_ids) + list(response_ids)
         params = self._params(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        output, _, _ = await self._submit(f"score-{next(self._ids)}", {"prompt_token_ids": ids}, params,
-                                          self._engine.lora_request(adapter))
+        score = f"score-{next(self._ids)}"
+        output, _, _ = await self._awaited(score, self._enqueue([(score, {"prompt_token_ids": ids}, params,
+                                                                   self._engine.lora_request(adapter))])[0])
         return [output.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt_ids), len(ids))]
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -162,7 +150,7 @@ class AsyncRolloutEngine:
     async def load_weights(self, named_tensors: list[tuple[str, object]], version: int) -> int:
         """Serve a new policy version: waits for the requests in flight (new ones wait for the reload), reloads
         the weights in place and drops the prefix cache, whose blocks the old weights computed."""
-        result = await self._call(lambda deliver: self._begin_reload(_Reload(named_tensors, version, deliver)))
+        result = await self._call(lambda deliver: self._begin_reload(Reload(named_tensors, version, deliver)))
         if isinstance(result, BaseException):
             raise result
         return version
@@ -244,21 +232,23 @@ class AsyncRolloutEngine:
 
     async def _call(self, command: Callable[[Callable[[object], None]], None]):
         """Run ``command(deliver)`` on the engine thread; returns what it delivers."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-
-        def deliver(value: object) -> None:
-            loop.call_soon_threadsafe(_settle, future, value)
-
-        self._command(lambda: command(deliver))
+        future = asyncio.get_running_loop().create_future()
+        self._command(lambda: command(Delivery(future)))
         return await future
 
-    async def _submit(self, request_id: str, prompt: str | dict, params, lora=None) -> tuple[object, int, float]:
-        """``prompt`` as vLLM takes it (``engine_prompt``). -> (vLLM's output, the version, its engine seconds)."""
-        params.output_kind = self._final_only  # one output per request, when it finishes
+    def _enqueue(self, requests: list[tuple]) -> list[asyncio.Future]:
+        """Hands ``(request id, prompt as vLLM takes it (engine_prompt), params, lora)`` to the engine thread in one
+        command; -> each one's future of (vLLM's output, the version, its engine seconds) or what ended it."""
+        loop, made = asyncio.get_running_loop(), []
+        for request_id, prompt, params, lora in requests:
+            params.output_kind = self._final_only  # one output per request, when it finishes
+            made.append(EngineRequest(request_id, prompt, params, Delivery(loop.create_future()), lora=lora))
+        self._command(lambda: [self._add(request) for request in made])
+        return [request.deliver.future for request in made]
+
+    async def _awaited(self, request_id: str, future: asyncio.Future) -> tuple[object, int, float]:
         try:
-            result = await self._call(lambda deliver: self._add(_Request(request_id, prompt, params, deliver,
-                                                                         lora=lora)))
+            result = await future
         except asyncio.CancelledError:
             # The caller gave up (ray.cancel, a timed-out episode): free the engine's batch slot now.
             self._command(lambda: self._abort([request_id], None))
@@ -295,11 +285,19 @@ class AsyncRolloutEngine:
                     share = (time.perf_counter() - began) / max(len(self._running), 1)
                     for request in self._running.values():
                         request.engine_seconds += share
+                    finished = []
                     for output in outputs:
                         if output.finished and (request := self._running.pop(output.request_id, None)):
                             self._prompt_tokens += len(output.prompt_token_ids or ())
                             self._cached_tokens += output.num_cached_tokens or 0
-                            request.deliver((output, request.version, request.engine_seconds))
+                            finished.append((request.deliver.future,
+                                             (output, request.version, request.engine_seconds)))
+                    # One callback a step: settled one by one, a crowded loop streamed a step in several chunks
+                    loops: dict[asyncio.AbstractEventLoop, list] = {}
+                    for future, value in finished:
+                        loops.setdefault(future.get_loop(), []).append((future, value))
+                    for loop, settled in loops.items():
+                        loop.call_soon_threadsafe(settle_all, settled)
         except BaseException as error:  # every waiting caller learns why, instead of hanging
             self._failure = error
             for request in [*self._running.values(), *self._held()]:
@@ -309,7 +307,7 @@ class AsyncRolloutEngine:
     def _busy(self) -> bool:
         return bool(self._running) or (self._reload is not None and not self._running)
 
-    def _held(self) -> list[_Request]:
+    def _held(self) -> list[EngineRequest]:
         return self._reload.held if self._reload is not None else []
 
     def _sleep(self, deliver: Callable[[object], None]) -> None:
@@ -322,7 +320,7 @@ class AsyncRolloutEngine:
             self._asleep_since = time.time()
         deliver(None)
 
-    def _add(self, request: _Request) -> None:
+    def _add(self, request: EngineRequest) -> None:
         if request.request_id in self._running:
             request.deliver(ValueError(f"request id {request.request_id!r} is already running"))
         elif self._asleep_since is not None:
@@ -352,9 +350,9 @@ class AsyncRolloutEngine:
             for request in aborted:
                 request.deliver(RequestAborted(f"request {request.request_id!r} was aborted"))
         if done is not None:
-            done.get_loop().call_soon_threadsafe(_settle, done, None)
+            done.get_loop().call_soon_threadsafe(settle, done, None)
 
-    def _begin_reload(self, reload: _Reload) -> None:
+    def _begin_reload(self, reload: Reload) -> None:
         if self._reload is not None:
             reload.deliver(RuntimeError("a weight reload is already in progress; reload one version at a time"))
             return
@@ -374,8 +372,3 @@ class AsyncRolloutEngine:
             reload.deliver(None)
         for request in reload.held:
             self._add(request)
-
-
-def _settle(future: asyncio.Future, value: object) -> None:
-    if not future.done():
-        future.set_result(value)
