@@ -108,9 +108,9 @@ class AsyncRolloutEngine:
         ids = {asyncio.ensure_future(self._sampled(entry[0], future)): entry[0]
                for entry, future in zip(prepared, self._enqueue(prepared) if prepared else [])}
         pending = set(ids)
-        if failed:
-            yield failed
         try:
+            if failed:
+                yield failed
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 await asyncio.sleep(0)  # a step's requests, settled in one callback, finish in one turn of the loop
