@@ -56,6 +56,18 @@ def test_the_batched_call_keeps_the_batch_engines_contract(local_ray, engine) ->
         local_ray.get(engine.generate.remote(requests(["1+2=", []], [1, 2], 4, 1.0)))
 
 
+def test_the_engine_counts_its_steps_and_the_sequences_each_held(local_ray, engine) -> None:
+    steps, sequences = local_ray.get(engine.step_counts.remote())
+    alone = local_ray.get(engine.generate_one.remote("counted", GenerationRequest(PROMPT, 7, 6, 1.0)))
+    length = len(alone.completion.response_ids)
+    after = local_ray.get(engine.step_counts.remote())
+    assert after == (steps + length, sequences + length)  # a token a step, the prompt's with the first
+    _, together = local_ray.get(engine.generate.remote(requests([PROMPT, "1+2="], [7, 3], 6, 1.0)))
+    lengths = [len(completion.response_ids) for completion in together]
+    # taken in one step: they share steps while both run
+    assert local_ray.get(engine.step_counts.remote()) == (after[0] + max(lengths), after[1] + sum(lengths))
+
+
 def test_a_streamed_batch_yields_each_request_once_as_sampled_alone_and_a_bad_one_fails_alone(local_ray,
                                                                                               engine) -> None:
     batch = [(f"stream-{i}", GenerationRequest(PROMPT, i, 4 + 3 * i, 1.0, ignore_eos=True)) for i in range(6)]

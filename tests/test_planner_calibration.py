@@ -44,8 +44,9 @@ def test_a_stored_launch_calibrates_the_simulation_which_replays_it(local_ray, d
     assert costs.driver_per_turn == pytest.approx(sum(per_turn) / 2)  # 2 records: too few to fit per message
     # each record also counts the driver's rollout messages and the engines' and trainer's CPU so far (the demo's
     # agents are hybrid: each its part of the one process)
-    for key in ("driver_messages", "engine_cpu_seconds", "trainer_cpu_seconds"):
+    for key in ("driver_messages", "engine_cpu_seconds", "trainer_cpu_seconds", "engine_steps"):
         assert 0 < first[key] < last[key], key
+    assert last["engine_step_sequences"] - first["engine_step_sequences"] > last["engine_steps"] - first["engine_steps"]
     assert all(turn.observe_seconds == 0 for episode in costs.episodes for turn in episode)  # the demo: no observe
     assert 0 < costs.handoff < min(measured)  # a micro-batch handed from stage to stage: committed, a thread woken
 

@@ -38,21 +38,26 @@ IDLE_CORES = 0.1
 
 @dataclass(frozen=True)
 class CpuReport:
-    """What an actor reports of its process: where it runs, when, its CPU seconds so far and its threads."""
+    """What an actor reports of its process: where it runs, when, its CPU seconds so far and its threads; an
+    engine also its vLLM steps so far and the sequences they held (the planner sets them beside its own)."""
 
     node: str
     pid: int
     seconds: float
     cpu_seconds: float
     threads: int
+    engine_steps: int | None = None
+    step_sequences: int | None = None
 
 
-def cpu_report(threads: int, cpu_seconds: float | None = None) -> CpuReport:
+def cpu_report(threads: int, cpu_seconds: float | None = None, engine=None) -> CpuReport:
     """This process's report, from an actor computing on ``threads`` threads; ``cpu_seconds``: its part of the
-    process's CPU seconds (a hybrid agent's engine or trainer), else all of them."""
+    process's CPU seconds (a hybrid agent's engine or trainer), else all of them; ``engine``: the
+    ``AsyncRolloutEngine`` whose steps it reports."""
     node = ray.get_runtime_context().get_node_id()
+    steps = (None, None) if engine is None else (engine.steps, engine.step_sequences)
     return CpuReport(node, os.getpid(), time.monotonic(),
-                     time.process_time() if cpu_seconds is None else cpu_seconds, threads)
+                     time.process_time() if cpu_seconds is None else cpu_seconds, threads, *steps)
 
 
 TRAINER_THREADS = "marl-trainer"
@@ -84,21 +89,28 @@ def reports_cpu(handle) -> bool:
     return isinstance(handle, ray.actor.ActorHandle) or getattr(type(handle), "reports_cpu", False)
 
 
-def cpu_seconds(engines: list, trainer) -> dict[str, float | None]:
+def cpu_seconds(engines: list, trainer) -> dict[str, float | int | None]:
     """The CPU seconds so far of this process (the driver), of an agent's engine replicas' processes (summed) and of
-    its trainer's (a hybrid agent's: each its part), from which the planner fits their charge (planner/costs.py);
-    None for actors that do not answer (dead, hanging, or not reporting: a swapped trainer's worker)."""
-    def reported(handles: list) -> float | None:
+    its trainer's (a hybrid agent's: each its part), from which the planner fits their charge (planner/costs.py),
+    and the engines' vLLM steps so far and the sequences they held (summed); None for actors that do not answer
+    (dead, hanging, or not reporting: a swapped trainer's worker)."""
+    def reported(handles: list) -> list[CpuReport] | None:
         if not all(reports_cpu(handle) for handle in handles):
             return None
         try:
-            return sum(report.cpu_seconds for report in ray.get([handle.cpu_report.remote() for handle in handles],
-                                                                timeout=REPORT_TIMEOUT_S))
+            return ray.get([handle.cpu_report.remote() for handle in handles], timeout=REPORT_TIMEOUT_S)
         except (ray.exceptions.RayError, AttributeError):
             return None
 
-    return {"driver_cpu_seconds": time.process_time(), "engine_cpu_seconds": reported(engines),
-            "trainer_cpu_seconds": reported([trainer])}
+    def total(reports: list[CpuReport] | None, field: str) -> float | int | None:
+        values = None if reports is None else [getattr(report, field) for report in reports]
+        return None if values is None or None in values else sum(values)
+
+    engine_reports, trainer_reports = reported(engines), reported([trainer])
+    return {"driver_cpu_seconds": time.process_time(), "engine_cpu_seconds": total(engine_reports, "cpu_seconds"),
+            "trainer_cpu_seconds": total(trainer_reports, "cpu_seconds"),
+            "engine_steps": total(engine_reports, "engine_steps"),
+            "engine_step_sequences": total(engine_reports, "step_sequences")}
 
 
 def cores_used(before: CpuReport, after: CpuReport) -> float | None:

@@ -47,7 +47,7 @@ class StoreAsyncEngine(AsyncRolloutEngine):
 
     async def cpu_report(self) -> CpuReport:
         """For the split of its node's cores (cluster/cores.py); its threads stay as built."""
-        return cpu_report(self.threads)
+        return cpu_report(self.threads, engine=self)
 
     async def load_weights(self, named_tensors, version: int) -> int:
         """``AsyncRolloutEngine.load_weights``, also from :class:`HeldWeights`."""

@@ -83,7 +83,7 @@ class AgentProcess(StoreAsyncEngine):
 
     async def cpu_report(self) -> CpuReport:
         """The engine's part of the process (cluster/cores.py): its CPU less the trainer's threads'."""
-        return cpu_report(self.threads, time.process_time() - named_threads_cpu(TRAINER_THREADS))
+        return cpu_report(self.threads, time.process_time() - named_threads_cpu(TRAINER_THREADS), engine=self)
 
     async def trainer_cpu_report(self) -> CpuReport:
         """The trainer's part: the lanes' threads and those they started, by their OS name."""

@@ -59,6 +59,7 @@ class AsyncRolloutEngine:
         # Prompt tokens of finished requests, and those of them vLLM found in its prefix cache (its per-request
         # num_cached_tokens, which its prefix_cache_hits metric sums; the engine runs with stats logging off).
         self._prompt_tokens = self._cached_tokens = 0
+        self.steps = self.step_sequences = 0  # engine thread only: vLLM steps taken, and the sequences they held
         self._receiver: Endpoint | None = None  # this replica's side of its agent's weight broadcasts
         self._received: tuple[int, list] | None = None  # (version, named tensors) received, until served
         self._asleep_since: float | None = None  # engine thread only: when it last slept, while asleep
@@ -214,6 +215,10 @@ class AsyncRolloutEngine:
         (``hits``), as vLLM counted them per request."""
         return {"queries": self._prompt_tokens, "hits": self._cached_tokens}
 
+    async def step_counts(self) -> tuple[int, int]:
+        """vLLM steps taken so far, and the sequences they held (a step of 8 sequences counts 8)."""
+        return self.steps, self.step_sequences
+
     async def kv_cache_tokens(self) -> int:
         """Tokens the engine's KV cache holds (its blocks x the block size), for the sequences and kept prefixes."""
         cache = self._core.vllm_config.cache_config
@@ -283,6 +288,7 @@ class AsyncRolloutEngine:
                     began = time.perf_counter()
                     outputs = self._core.step()
                     share = (time.perf_counter() - began) / max(len(self._running), 1)
+                    self.steps, self.step_sequences = self.steps + 1, self.step_sequences + len(self._running)
                     for request in self._running.values():
                         request.engine_seconds += share
                     finished = []
