@@ -13,7 +13,7 @@ class RoundRobinRouter(Router):
         super().__init__(replicas, max_outstanding)
         self._next = 0
 
-    def _choose(self, episode: Hashable, live: list[int]) -> int | None:
+    def _choose(self, episode: Hashable, live: list[int], lane: tuple[int, int] | None = None) -> int | None:
         chosen = live[self._next % len(live)]
         self._next += 1
         return chosen

@@ -51,6 +51,22 @@ def test_a_down_replica_gets_nothing_and_its_episodes_move() -> None:
         router.acquire("b")
 
 
+def test_a_new_episode_keeps_the_lane_of_its_previous_turn_where_the_agents_have_as_many_replicas() -> None:
+    router = Router(2, max_outstanding=3)
+    # its previous turn ran on replica 1 of an agent with two: replica 1 too, though replica 0 is less loaded
+    assert [router.acquire(e, (2, 1)) for e in "abc"] == [1, 1, 1]
+    assert router.acquire("d", (2, 1)) == 0  # its lane saturated: the least outstanding
+    assert [router.acquire("e", (1, 0)), router.acquire("f", (3, 1))] == [0, 0]  # another count: no lane
+    assert router.acquire("a", (2, 0)) == 1  # an episode placed here before stays here
+    assert router.outstanding() == [3, 4]
+    router.release(1)
+    router.release(1)
+    router.set_draining(1, True)
+    assert router.acquire("g", (2, 1)) is None  # its lane draining, the other saturated: it waits
+    router.set_draining(1, False)
+    assert router.acquire("g", (2, 1)) == 1
+
+
 def test_a_draining_replica_takes_no_new_episode_but_keeps_its_own() -> None:
     router = Router(2)
     assert router.acquire("a") == 0

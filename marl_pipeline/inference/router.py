@@ -5,6 +5,10 @@
   compute the whole prefix again.
 - *Least outstanding*: a new episode (or one whose replica is down) goes to the replica with the fewest requests
   in flight, unless that replica is saturated (``max_outstanding``); when every replica is saturated it waits.
+- *Lanes*: a new episode whose previous turn ran on replica ``i`` of another agent with as many replicas goes to
+  replica ``i`` too, unless it is draining, down or saturated. One engine step's results come back together and the
+  episodes' next turns go out in one call; spread over the next agent's replicas, each replica would take in the
+  pieces of two upstream replicas apart (they drift out of phase on crowded cores) and step more, smaller batches.
 - *Down / draining*: a replica that died (or is restarting) takes nothing; one loading new weights takes no new
   episode (its sticky episodes still come: the engine holds them until the reload is done).
 
@@ -37,9 +41,10 @@ class Router:
         self._down: set[int] = set()
         self._draining: set[int] = set()
 
-    def acquire(self, episode: Hashable) -> int | None:
+    def acquire(self, episode: Hashable, lane: tuple[int, int] | None = None) -> int | None:
         """The replica for ``episode``'s next request, counted outstanding until :meth:`release`; None when every
-        live replica is saturated (try again once a request finishes).
+        live replica is saturated (try again once a request finishes). ``lane``: ``(replicas, replica)`` of the
+        episode's previous turn at another agent.
 
         Raises:
             NoReplica: every replica is down.
@@ -48,21 +53,28 @@ class Router:
             live = [i for i in range(self.replicas) if i not in self._down]
             if not live:
                 raise NoReplica(f"all {self.replicas} replicas are down")
-            chosen = self._choose(episode, live)
+            chosen = self._choose(episode, live, lane)
             if chosen is not None:
                 self._outstanding[chosen] += 1
             return chosen
 
-    def _choose(self, episode: Hashable, live: list[int]) -> int | None:
-        """Sticky, else least outstanding (under the lock); a subclass may route otherwise (bench's round robin)."""
+    def _choose(self, episode: Hashable, live: list[int], lane: tuple[int, int] | None = None) -> int | None:
+        """Sticky, else its lane, else least outstanding (under the lock); a subclass may route otherwise (bench's
+        round robin)."""
         if (home := self._home.get(episode)) is not None and home not in self._down:
             return home  # its earlier turns' blocks are in this replica's prefix cache
         open_ = [i for i in live if i not in self._draining] or live  # all draining: they hold, not refuse
-        chosen = min(open_, key=lambda i: (self._outstanding[i], i))
-        if self.max_outstanding is not None and self._outstanding[chosen] >= self.max_outstanding:
-            return None
+        if lane is not None and lane[0] == self.replicas and lane[1] in open_ and not self._saturated(lane[1]):
+            chosen = lane[1]
+        else:
+            chosen = min(open_, key=lambda i: (self._outstanding[i], i))
+            if self._saturated(chosen):
+                return None
         self._home[episode] = chosen
         return chosen
+
+    def _saturated(self, replica: int) -> bool:
+        return self.max_outstanding is not None and self._outstanding[replica] >= self.max_outstanding
 
     def release(self, replica: int) -> None:
         """A request acquired on ``replica`` finished (or failed)."""

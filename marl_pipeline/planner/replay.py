@@ -50,12 +50,14 @@ def replay_routing(store: ExperienceStore, run: str, replicas: dict[str, int],
     events = sorted([(end, 0, index) for index, end in enumerate(ends)]
                     + [(start, 1, index) for index, start in enumerate(starts)])
     chosen: dict[int, int] = {}
+    lanes: dict[tuple, tuple[int, int]] = {}  # per episode: its previous turn's (replicas, replica)
     for _, starting, index in events:
         row = rows[index]
         key = (row["step"], row["micro_batch"], row["episode"])
         router = routers[row["agent"]]
         if starting:
-            chosen[index] = router.acquire(key)
+            chosen[index] = router.acquire(key, lanes.get(key))
+            lanes[key] = (router.replicas, chosen[index])
         elif index in chosen:
             router.release(chosen[index])
             if row["turn"] == last_turn[key]:

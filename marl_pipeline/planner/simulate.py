@@ -193,16 +193,17 @@ class _Simulation:
         yield simpy.AllOf(self.env, episodes)
 
     def _episode(self, step: int, mb: int, e: int, turns: list[Turn]):
-        key = (step, mb, e)
+        key, lane = (step, mb, e), None
         for index, turn in enumerate(turns):
             router = self.routers[turn.agent]
-            while (replica := router.acquire(key)) is None:  # every replica saturated: wait for a release
+            while (replica := router.acquire(key, lane)) is None:  # every replica saturated: wait for a release
                 yield self.released_replica[turn.agent]
             started = self.env.now
             engine = self.engines[turn.agent][replica]
             self.driver.add(self.driver_per_turn[turn.agent])  # beside the turn, not before it
             version = yield engine.generate(turn, index)
             router.release(replica)
+            lane = (router.replicas, replica)
             waiting, self.released_replica[turn.agent] = self.released_replica[turn.agent], self.env.event()
             waiting.succeed()
             self.decisions.append(Decision(step, mb, e, index, turn.agent, replica, version, started, self.env.now))

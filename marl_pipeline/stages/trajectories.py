@@ -148,6 +148,7 @@ class _MicroBatch:
         self.timed_out: dict[int, str] = {}  # per episode cut by the time limit: why
         self.threads: ThreadPoolExecutor | None = None
         self.batches = _Batches()
+        self.lanes: dict[int, tuple[int, int]] = {}  # per episode: its previous turn's (replicas, replica)
 
     async def run(self) -> pa.Table:
         observes = hooks_of(self.env).observe is not None and self.options.observe_on == "thread"
@@ -254,7 +255,7 @@ class _MicroBatch:
         when its replica dies. -> (Sampled, the replica that served it)."""
         replicas, failures = self.engines[role], []
         while True:
-            replica = await self._acquire(replicas, (self.key, e))
+            replica = await self._acquire(replicas, (self.key, e), self.lanes.get(e))
             handle = replicas.handle(replica)
             self.in_flight[e] = (handle, request_id)
             try:
@@ -272,15 +273,16 @@ class _MicroBatch:
             finally:  # a cancelled request stays in in_flight: the time limit's _abort frees its engine slot
                 replicas.router.release(replica)
             self.in_flight.pop(e, None)
+            self.lanes[e] = (replicas.router.replicas, replica)
             return sampled, replica
 
     @staticmethod
-    async def _acquire(replicas: EngineReplicas, episode: object) -> int:
-        """A replica for the episode's request: waits while every replica is saturated, or every one is down and
-        one is being restarted."""
+    async def _acquire(replicas: EngineReplicas, episode: object, lane: tuple[int, int] | None = None) -> int:
+        """A replica for the episode's request (``lane``: its previous turn's, ``Router.acquire``): waits while
+        every replica is saturated, or every one is down and one is being restarted."""
         while True:
             try:
-                replica = replicas.router.acquire(episode)
+                replica = replicas.router.acquire(episode, lane)
             except NoReplica as down:
                 if not replicas.restarting():  # with why, if a restart failed (a hybrid agent's process died, say)
                     failed = replicas.restart_errors[-1:]
