@@ -86,6 +86,13 @@ def test_replicas_share_an_agents_turns_and_an_episode_stays_on_its_replica(demo
     for d in prediction.decisions:  # sticky: an episode's later turns go where its first one of the agent went
         assert homes.setdefault((d.step, d.micro_batch, d.episode, d.agent), d.replica) == d.replica
     assert {"solver/engine/0", "solver/engine/1"} <= set(prediction.busy)
+    # lanes: the verifier's turn of an episode on the solver's replica index; off, least outstanding mixes them
+    for lanes, same in ((True, True), (False, False)):
+        config = _config(demo_config_data, replicas=2, rollout={"lanes": lanes})
+        prediction = simulate(plan_placement(config, nodes), config.pipeline, _costs(episodes), nodes, steps=2)
+        replica = {(d.step, d.micro_batch, d.episode, d.agent): d.replica for d in prediction.decisions}
+        kept = [replica[(*key[:3], "verifier")] == index for key, index in replica.items() if key[3] == "solver"]
+        assert all(kept) if same else not all(kept)
 
 
 def test_more_cores_or_overlap_shorten_the_step_and_the_busiest_actor_is_named(demo_config_data: dict) -> None:

@@ -74,6 +74,10 @@ class RolloutConfig(StrictModel):
     """Where a reply is computed: a driver thread, or the run's action pool (a reply that costs real time: running
     code, a tool; the plugin must then be an action environment, which has the pool, and picklable)."""
 
+    lanes: bool = True
+    """A new episode's turn goes to the replica its previous turn used at an agent with as many replicas (unless
+    draining, down or saturated), so one engine step's results reach the next agent's replicas whole
+    (inference/router.py); False: to the least outstanding replica."""
     rebalance_replicas: bool = False
     """Between steps, split the engine replicas by each agent's tokens (needs equal engine resources)."""
     oversample: int | float = 0

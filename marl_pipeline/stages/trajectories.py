@@ -249,8 +249,7 @@ class _MicroBatch:
             kept.observe_seconds, kept.end = (replied - kept.end).total_seconds(), replied
             self.replied[e] += 1
 
-    async def _generate(self, e: int, role: str, request_id: str,
-                        request: GenerationRequest) -> tuple[object, int]:
+    async def _generate(self, e: int, role: str, request_id: str, request: GenerationRequest) -> tuple[object, int]:
         """One turn's request on the replica the router picks; sent again (same id and seed) to another replica
         when its replica dies. -> (Sampled, the replica that served it)."""
         replicas, failures = self.engines[role], []
@@ -273,13 +272,12 @@ class _MicroBatch:
             finally:  # a cancelled request stays in in_flight: the time limit's _abort frees its engine slot
                 replicas.router.release(replica)
             self.in_flight.pop(e, None)
-            self.lanes[e] = (replicas.router.replicas, replica)
+            self.lanes[e] = (replicas.router.replicas, replica) if self.options.lanes else None
             return sampled, replica
 
     @staticmethod
     async def _acquire(replicas: EngineReplicas, episode: object, lane: tuple[int, int] | None = None) -> int:
-        """A replica for the episode's request (``lane``: its previous turn's, ``Router.acquire``): waits while
-        every replica is saturated, or every one is down and one is being restarted."""
+        """A replica (``Router.acquire``; ``lane``: the previous turn's), waiting while all are saturated or down."""
         while True:
             try:
                 replica = replicas.router.acquire(episode, lane)
