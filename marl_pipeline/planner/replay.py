@@ -29,10 +29,11 @@ class Agreement:
 
 
 def replay_routing(store: ExperienceStore, run: str, replicas: dict[str, int],
-                   max_outstanding: dict[str, int | None] | None = None) -> Agreement:
+                   max_outstanding: dict[str, int | None] | None = None, lanes: bool = True) -> Agreement:
     """Each stored turn's replica, chosen again by the agent's router over the recorded turns in the order they
     started and finished (a request is acquired when its turn started, released when it ended; an episode's home
     forgotten after its last turn), against the replica the row names (``engine``: ``<agent>/<replica>``).
+    ``lanes``: the run's ``pipeline.rollout.lanes`` (False for runs stored before 6f52985, 2026-11-29).
 
     Valid for runs whose replicas did not change during a rollout (no weight sync while sampling: staleness 0, no
     replica restarted or rebalanced), where the router's draining never applied."""
@@ -50,14 +51,14 @@ def replay_routing(store: ExperienceStore, run: str, replicas: dict[str, int],
     events = sorted([(end, 0, index) for index, end in enumerate(ends)]
                     + [(start, 1, index) for index, start in enumerate(starts)])
     chosen: dict[int, int] = {}
-    lanes: dict[tuple, tuple[int, int]] = {}  # per episode: its previous turn's (replicas, replica)
+    lanes_on, lanes = lanes, {}  # per episode: its previous turn's (replicas, replica)
     for _, starting, index in events:
         row = rows[index]
         key = (row["step"], row["micro_batch"], row["episode"])
         router = routers[row["agent"]]
         if starting:
             chosen[index] = router.acquire(key, lanes.get(key))
-            lanes[key] = (router.replicas, chosen[index])
+            lanes[key] = (router.replicas, chosen[index]) if lanes_on else None
         elif index in chosen:
             router.release(chosen[index])
             if row["turn"] == last_turn[key]:
