@@ -73,6 +73,10 @@ class Router:
         self._home[episode] = chosen
         return chosen
 
+    def lane(self, replica: int) -> tuple[int, int]:
+        """The lane :meth:`acquire` takes for an episode's next agent after a turn this router put on ``replica``."""
+        return self.replicas, replica
+
     def _saturated(self, replica: int) -> bool:
         return self.max_outstanding is not None and self._outstanding[replica] >= self.max_outstanding
 

@@ -51,14 +51,14 @@ def replay_routing(store: ExperienceStore, run: str, replicas: dict[str, int],
     events = sorted([(end, 0, index) for index, end in enumerate(ends)]
                     + [(start, 1, index) for index, start in enumerate(starts)])
     chosen: dict[int, int] = {}
-    lanes_on, lanes = lanes, {}  # per episode: its previous turn's (replicas, replica)
+    previous: dict[tuple, tuple[int, int] | None] = {}  # per episode: its previous turn's lane
     for _, starting, index in events:
         row = rows[index]
         key = (row["step"], row["micro_batch"], row["episode"])
         router = routers[row["agent"]]
         if starting:
-            chosen[index] = router.acquire(key, lanes.get(key))
-            lanes[key] = (router.replicas, chosen[index]) if lanes_on else None
+            chosen[index] = router.acquire(key, previous.get(key))
+            previous[key] = router.lane(chosen[index]) if lanes else None
         elif index in chosen:
             router.release(chosen[index])
             if row["turn"] == last_turn[key]:

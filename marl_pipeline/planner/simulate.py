@@ -203,7 +203,7 @@ class _Simulation:
             self.driver.add(self.driver_per_turn[turn.agent])  # beside the turn, not before it
             version = yield engine.generate(turn, index)
             router.release(replica)
-            lane = (router.replicas, replica) if self.pipeline.rollout.lanes else None
+            lane = router.lane(replica) if self.pipeline.rollout.lanes else None
             waiting, self.released_replica[turn.agent] = self.released_replica[turn.agent], self.env.event()
             waiting.succeed()
             self.decisions.append(Decision(step, mb, e, index, turn.agent, replica, version, started, self.env.now))

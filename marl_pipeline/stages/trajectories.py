@@ -272,7 +272,7 @@ class _MicroBatch:
             finally:  # a cancelled request stays in in_flight: the time limit's _abort frees its engine slot
                 replicas.router.release(replica)
             self.in_flight.pop(e, None)
-            self.lanes[e] = (replicas.router.replicas, replica) if self.options.lanes else None
+            self.lanes[e] = replicas.router.lane(replica) if self.options.lanes else None
             return sampled, replica
 
     @staticmethod
