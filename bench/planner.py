@@ -12,7 +12,7 @@ configuration is ``streaming`` (engine and trainer apart, 1 replica, staleness 0
 first. Step times are ``StepFinished.seconds`` (since the previous step finished), steps 1.. of each launch (step 0
 includes the engines' first batches), predicted the same way. What a trainer's second thread buys is measured first
 (bench/trainer_threads.py, into ``<work>/threads.json``; ``--threads-profile`` to give one, ``--linear-threads`` for
-none).
+none); ``--crowding`` gives the host's crowding exponent (bench/crowding.py fits it from finished runs).
 
 This machine's own speed drifts (a shared host: the calibration configuration, launched again 5-20 minutes after its
 calibration, ran 17% faster to 28% slower), so the unseen configurations run in ``--rounds`` rounds, each in the
@@ -197,15 +197,21 @@ def launch(data: dict, run: str, store_uri: Path, version0_from: str | None,
 
 
 def predictions(store_uri: Path, calibrations: list[str], launches: dict[str, dict], order: list[str],
-                threads: Path | None) -> tuple[object, dict[str, list[float]], dict[str, dict[str, float]]]:
+                threads: Path | None, crowding: float | None = None
+                ) -> tuple[object, dict[str, list[float]], dict[str, dict[str, float]]]:
     """The costs pooled from the stored ``calibrations`` runs (a trainer's threads' speed-up from the ``threads``
-    profile; None: linear), and each launch's predicted step times and charge a step by kind of work."""
+    profile; None: linear; ``crowding``, where given, in place of the profile's), and each launch's predicted step
+    times and charge a step by kind of work."""
+    from dataclasses import replace
+
     from marl_pipeline.config import parse_config
     from marl_pipeline.planner.plan import calibration, predict
-    from marl_pipeline.planner.threads import thread_profile
+    from marl_pipeline.planner.threads import ThreadScaling, thread_profile
     from marl_pipeline.store import ExperienceStore
 
-    scaling = thread_profile(threads) if threads else None
+    scaling = thread_profile(threads) if threads else ThreadScaling()
+    if crowding is not None:
+        scaling = replace(scaling, crowding=crowding)
     costs = calibration(ExperienceStore(str(store_uri)), calibrations, NODES, scaling)
     predicted, charged = {}, {}
     for name in order:
@@ -289,7 +295,7 @@ def compare(plan: list[dict], predicted: list[tuple[dict, dict]], measured: dict
     return launched
 
 
-def replay(work: Path, team: str, threads: Path | None) -> None:
+def replay(work: Path, team: str, threads: Path | None, crowding: float | None = None) -> None:
     """Predict a finished run of this bench again with this checkout's model, from the calibration launches each of
     its blocks was predicted from, against its measured launches: two models compared on the same launches, after
     the fact. Writes ``<work>/replay.json``; the run's own files are left as they are.
@@ -306,7 +312,7 @@ def replay(work: Path, team: str, threads: Path | None) -> None:
     base = base_config(team)
     base["pipeline"]["steps"] = len(results["measured"]["streaming"])
     predicted = [predictions(work / "store", block["calibrations"], variants(base),
-                             predicted_in(block), threads)[1:]
+                             predicted_in(block), threads, crowding)[1:]
                  for block in results["plan"]]
     measured = results["measured"]
     rows = report(compare(results["plan"], predicted, measured, results.get("cpu_per_step") or {}),
@@ -341,11 +347,13 @@ def main() -> None:
                                                               "--replay the run's own, where it has one).")
     parser.add_argument("--linear-threads", action="store_true", help="No thread profile: T threads T times as "
                                                                       "fast (the model before 2026-11-28).")
+    parser.add_argument("--crowding", type=float, help="The host's crowding exponent (planner/cores.py; "
+                        "bench/crowding.py fits it from finished runs) in place of the thread profile's (none: 0).")
     args = parser.parse_args()
     if args.replay:
         own = args.work / "threads.json"
         return replay(args.work, args.team, None if args.linear_threads else args.threads_profile or (
-            own if own.is_file() else None))
+            own if own.is_file() else None), args.crowding)
 
     import ray
 
@@ -387,7 +395,7 @@ def main() -> None:
             calibrate(block["opened_by"])
         block["calibrations"] = calibrations[-args.calibrations:]
         costs, steps, charged = predictions(store_uri, block["calibrations"], launches, predicted_in(block),
-                                            threads)
+                                            threads, args.crowding)
         plan.append(block)
         predicted.append((steps, charged))
         written = {"written": time.time(), "threads": costs.threads.describe(), "blocks": [

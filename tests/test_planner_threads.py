@@ -1,5 +1,6 @@
 """What a trainer's threads buy in the planner (marl_pipeline/planner/threads.py): a measured thread profile read and
-checked, jobs on shared cores going as fast as it says, and a calibrated call given back at the threads it ran on."""
+checked, jobs on shared cores going as fast as it says, what crowded cores lose, and a calibrated call given back at
+the threads it ran on."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from marl_pipeline.planner.cores import SharedCores
 from marl_pipeline.planner.threads import Layout, ThreadScaling, thread_profile
 
 
-def _run(jobs: list[tuple[float, int, float | None]], cores: float) -> tuple[list[float], float]:
+def _run(jobs: list[tuple[float, int, float | None]], cores: float,
+         crowding: float = 0.0) -> tuple[list[float], float]:
     """When each (core-seconds, threads, speed-up) job started at 0 ends on ``cores`` cores; the core-seconds held."""
     env = simpy.Environment()
-    shared, ends = SharedCores(env, cores), {}
+    shared, ends = SharedCores(env, cores, crowding), {}
 
     def job(index: int, work: float, threads: int, speedup: float | None):
         yield shared.compute(work, threads, "trainers", speedup)
@@ -40,6 +42,22 @@ def test_a_job_goes_as_fast_as_its_threads_speed_up_and_holds_all_of_them() -> N
     assert held == pytest.approx(2.0 + 1 / 3)
 
 
+def test_crowded_cores_do_less_work_a_core_second_and_threads_that_fit_lose_nothing() -> None:
+    # two one-thread jobs of 1 core-second on 1 core: half a core each; crowding 1 halves what that half does
+    assert _run([(1.0, 1, None), (1.0, 1, None)], cores=1) == (pytest.approx([2.0, 2.0]), pytest.approx(2.0))
+    assert _run([(1.0, 1, None), (1.0, 1, None)], cores=1, crowding=1.0) == (pytest.approx([4.0, 4.0]),
+                                                                              pytest.approx(4.0))
+    # 3 threads on 2 cores at crowding 0.5: (2/3) ** 0.5 of the work a core-second, until the short job ends
+    efficiency = (2 / 3) ** 0.5
+    ends, _ = _run([(0.5, 1, None), (2.0, 2, None)], cores=2, crowding=0.5)
+    first = 0.5 / (2 / 3 * efficiency)
+    assert ends == pytest.approx([first, first + (2.0 - 4 / 3 * efficiency * first) / 2])  # then alone on both
+    assert _run([(1.0, 2, None)], cores=2, crowding=1.0)[0] == pytest.approx([0.5])  # fits: no loss
+    crowded = ThreadScaling(crowding=0.5)
+    assert crowded.efficiency(0.25) == pytest.approx(0.5) and crowded.efficiency(1.0) == 1.0
+    assert "** 0.5" in crowded.describe() and "without loss" in ThreadScaling().describe()
+
+
 def test_the_speed_up_is_the_profiles_and_beyond_it_keeps_the_last_speed_up_per_thread() -> None:
     linear = ThreadScaling()
     assert [linear.speedup(t) for t in (0, 1, 2, 8)] == [1.0, 1.0, 2.0, 8.0]
@@ -52,8 +70,12 @@ def test_a_profile_is_read_relative_to_one_thread_and_a_malformed_one_is_refused
     good = tmp_path / "threads.json"
     good.write_text(json.dumps({"cpu": "x", "trainer": {"2": 1.2, "1": 0.8}}))
     read = thread_profile(good)
-    assert read.trainer == pytest.approx((1.0, 1.5)) and read.source == str(good)
+    assert read.trainer == pytest.approx((1.0, 1.5)) and read.source == str(good) and read.crowding == 0.0
+    good.write_text(json.dumps({"cpu": "x", "trainer": {"1": 1.0}, "crowding": 0.1}))
+    assert thread_profile(good).crowding == 0.1
     for name, data, message in [
+            ("crowded.json", {"trainer": {"1": 1.0}, "crowding": -0.1}, r"crowding -0.1 is not a number from 0 to 2"),
+            ("crowded2.json", {"trainer": {"1": 1.0}, "crowding": "high"}, r"crowding 'high' is not a number"),
             ("missing.json", {"engine": {"1": 1.0}}, r"missing.json: expected JSON with a \"trainer\" object"),
             ("skipped.json", {"trainer": {"1": 1.0, "3": 2.0}}, r"threads \[1, 3\]; expected 1, 2, ... with none"),
             ("negative.json", {"trainer": {"1": 1.0, "2": 0.0}}, r"speed-ups at threads \[2\] are not positive"),

@@ -1,7 +1,9 @@
 """A node's cores shared by the actors computing on it at once, for the simulation: each job is an amount of work
 (core-seconds: seconds on one thread) done by an actor on ``threads`` threads, ``speedup`` times as fast as on one
 (``threads`` unless measured, planner/threads.py); while the busy threads of the node exceed its cores, every job
-slows in proportion (processor sharing, which is what the OS scheduler gives OpenMP threads beyond the cores).
+slows in proportion (processor sharing, which is what the OS scheduler gives OpenMP threads beyond the cores), and
+with ``crowding`` > 0 each core-second held also does less work, ``(cores / threads) ** crowding`` of it: what time
+slicing more threads than cores costs on a host (switches, cold caches, late wake-ups), fitted by bench/crowding.py.
 
 Written here: simpy's resources queue jobs whole (a ``Resource`` serves one at a time, a ``Container`` holds
 amounts) and none shares a capacity among running jobs at changing rates.
@@ -24,18 +26,21 @@ class _Job:
     rate: float = 0.0
     """Cores it holds now (its threads' share of them); its work goes ``rate x speedup / threads`` a second."""
     kind: str = ""
+    efficiency: float = 1.0
+    """The work a core-second held does while the node is crowded (1 while its threads fit its cores)."""
 
     @property
     def progress(self) -> float:
-        return self.rate * self.speedup / self.threads
+        return self.rate * self.speedup / self.threads * self.efficiency
 
 
 class SharedCores:
     """``cores`` cores shared by the jobs running on them (a node's CPUs, or one GPU's streaming multiprocessors
-    with ``cores=1`` and jobs of one thread)."""
+    with ``cores=1`` and jobs of one thread); ``crowding``: the exponent of the work lost beyond the cores (0: none,
+    as on a device, whose jobs queue on its streams rather than being switched)."""
 
-    def __init__(self, env: simpy.Environment, cores: float) -> None:
-        self.env, self.cores = env, cores
+    def __init__(self, env: simpy.Environment, cores: float, crowding: float = 0.0) -> None:
+        self.env, self.cores, self.crowding = env, cores, crowding
         self.jobs: list[_Job] = []
         self._last = 0.0
         self._wake: simpy.Event | None = None
@@ -66,8 +71,9 @@ class SharedCores:
     def _rerate(self) -> None:
         threads = sum(job.threads for job in self.jobs)
         share = min(1.0, self.cores / threads) if threads else 1.0
+        efficiency = share ** self.crowding
         for job in self.jobs:
-            job.rate = job.threads * share
+            job.rate, job.efficiency = job.threads * share, efficiency
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
 

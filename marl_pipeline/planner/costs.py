@@ -127,8 +127,8 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], core
     spans = spans_from_store(store, run, timings)
     busy = {stage: [(span.started, span.ended) for span in spans if span.stage == stage]
             for stage in ("rollouts", "policy_updates")}
-    computed, shares = _computed(rollouts), core_shares(updates, layouts, cores)
     threads = threads or ThreadScaling()
+    computed, shares = _computed(rollouts), core_shares(updates, layouts, cores, threads)
     return Costs(
         engines={agent: _engine_costs(rollouts, agent, layouts[agent].engine_threads, busy["policy_updates"])
                  for agent in agents},

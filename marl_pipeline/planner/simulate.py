@@ -113,7 +113,7 @@ class _Simulation:
         self.served_at: dict[str, dict[int, float]] = {agent: {0: 0.0} for agent in self.agents}
         self.committed = dict.fromkeys(self.agents, 0)
         self.served_changed = env.event()
-        self.cores, self.nodes = _place(plan, nodes, env)
+        self.cores, self.nodes = _place(plan, nodes, env, costs.threads.crowding)
         self.driver = SerialWork(self.nodes[0], self.busy["driver"])  # one interpreter: a thread of the head's cores
         self.hybrid = {spec.agent for spec in plan.specs if spec.role == "agent-process"}
         self._interpreters: dict[str, simpy.Resource] = {}
@@ -303,13 +303,13 @@ class _Simulation:
         changed.succeed()
 
 
-def _place(plan: PlacementPlan, nodes: list[dict[str, float]],
-           env: simpy.Environment) -> tuple[dict[str, tuple[SharedCores, bool]], list[SharedCores]]:
+def _place(plan: PlacementPlan, nodes: list[dict[str, float]], env: simpy.Environment,
+           crowding: float = 0.0) -> tuple[dict[str, tuple[SharedCores, bool]], list[SharedCores]]:
     """Where each spec computes: an actor on GPUs on a device of its own (one a placement group: a colocated agent's
     engine and trainer share theirs), whose costs are device-seconds; any other on the cores of the node the plan
     put it on, whose costs are core-seconds. With whether it is a device (a job there runs on one thread); and the
-    nodes' cores, the first's where the driver runs (Ray's head)."""
-    shared = [SharedCores(env, node.get("CPU", 1.0)) for node in nodes]
+    nodes' cores, the first's where the driver runs (Ray's head); ``crowding``: the nodes' (planner/cores.py)."""
+    shared = [SharedCores(env, node.get("CPU", 1.0), crowding) for node in nodes]
     devices: dict[str, SharedCores] = {}
     placed = {}
     for spec in plan.specs:

@@ -6,10 +6,12 @@ planner bench's tiny model a second thread buys 1.5x, not 2x (BENCHMARKS.md, pla
 
 The format (JSON)::
 
-    {"cpu": "AMD EPYC ...", "command": "...", "trainer": {"1": 1.0, "2": 1.49}}
+    {"cpu": "AMD EPYC ...", "command": "...", "trainer": {"1": 1.0, "2": 1.49}, "crowding": 0.1}
 
 Thread counts beyond the profile's largest keep its efficiency (speed-up per thread); without a profile the speed-up
-is the thread count (the simulation's linear assumption, stated with the prediction).
+is the thread count (the simulation's linear assumption, stated with the prediction). ``crowding`` (optional, 0 when
+absent): how much work a node's threads lose while more of them run than it has cores (planner/cores.py), a host's
+figure that bench/crowding.py fits from launches of several layouts.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class ThreadScaling:
 
     trainer: tuple[float, ...] = ()
     source: str = ""
+    crowding: float = 0.0
+    """Beyond a node's cores, a core-second held does ``(cores / threads) ** crowding`` of its work."""
 
     def speedup(self, threads: int) -> float:
         """How many times as fast a trainer's work goes on ``threads`` free threads as on one."""
@@ -38,13 +42,20 @@ class ThreadScaling:
 
     def describe(self) -> str:
         """The assumption a prediction with these figures makes."""
+        crowded = (f"; while a node runs more threads than cores, a core-second does (cores / threads) ** "
+                   f"{self.crowding:g} of its work" if self.crowding else
+                   "; threads beyond a node's cores share them without loss")
         if not self.trainer:
             return ("an actor's threads divide its work evenly (W core-seconds on T threads take W / T seconds on "
-                    "free cores); a small model's ops divide worse: give a measured thread profile")
+                    "free cores); a small model's ops divide worse: give a measured thread profile" + crowded)
         measured = ", ".join(f"{threads + 1}: {speedup:.2f}x" for threads, speedup in enumerate(self.trainer))
         return (f"a trainer on T threads goes as fast as the thread profile {self.source} measured ({measured}; "
                 f"beyond, the last's speed-up per thread), keeping its T threads busy; an engine's threads divide its "
-                f"work evenly")
+                f"work evenly" + crowded)
+
+    def efficiency(self, share: float) -> float:
+        """The work a core-second does when the node's threads get ``share`` of a core each (at most 1)."""
+        return min(share, 1.0) ** self.crowding
 
 
 def thread_profile(path: str | Path) -> ThreadScaling:
@@ -68,7 +79,11 @@ def thread_profile(path: str | Path) -> ThreadScaling:
                          f"none skipped")
     if bad := [threads for threads in counts if measured[threads] <= 0]:
         raise ValueError(f"thread profile {path}: speed-ups at threads {bad} are not positive")
-    return ThreadScaling(tuple(measured[threads] / measured[1] for threads in counts), str(path))
+    crowding = json.loads(path.read_text()).get("crowding", 0.0)
+    if isinstance(crowding, bool) or not isinstance(crowding, (int, float)) or not 0 <= crowding <= 2:
+        raise ValueError(f"thread profile {path}: crowding {crowding!r} is not a number from 0 to 2 (the exponent "
+                         f"bench/crowding.py fits; 0: no loss beyond the cores)")
+    return ThreadScaling(tuple(measured[threads] / measured[1] for threads in counts), str(path), float(crowding))
 
 
 @dataclass(frozen=True)
@@ -90,11 +105,13 @@ def worker_of(layouts: dict[str, Layout], agent: str) -> str:
     return layout.trainer if layout is not None and layout.trainer else agent
 
 
-def core_shares(updates, layouts: dict[str, Layout], cores: float | None) -> dict[tuple, float]:
+def core_shares(updates, layouts: dict[str, Layout], cores: float | None,
+                scaling: ThreadScaling | None = None) -> dict[tuple, float]:
     """Per (step, micro-batch): the share of its threads each trainer call on the node's cores had, with the other
     trainers' calls of the micro-batch at once (those of one actor run one after another: one thread set). The train
     stage issues a micro-batch's calls to every agent's trainer at once, so trainers on a node's cores that ask for
-    more threads than it has share them (as the simulation shares them, planner/cores.py). The driver is not counted:
+    more threads than it has share them (as the simulation shares them, planner/cores.py, a crowded core-second doing
+    ``scaling``'s share of its work). The driver is not counted:
     the simulation charges its CPU beside the turns, so a call fitted as if it shared the cores with the driver came
     back that much faster in the simulation of its own run."""
     if cores is None:
@@ -105,4 +122,6 @@ def core_shares(updates, layouts: dict[str, Layout], cores: float | None) -> dic
         layout = layouts.get(agent)
         if layout is not None and layout.trainer_on_cores:
             workers[(step, mb)][worker_of(layouts, agent)] = layout.trainer_threads
-    return {key: min(1.0, cores / sum(threads.values())) for key, threads in workers.items()}
+    efficiency = (scaling or ThreadScaling()).efficiency  # the crowding the simulation charges, counted here alike
+    return {key: (share := min(1.0, cores / sum(threads.values()))) * efficiency(share)
+            for key, threads in workers.items()}
