@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--grid", type=float, nargs="+", default=[0.0, 0.05, 0.1, 0.15, 0.2])
     parser.add_argument("--out", type=Path, help="also write every launch's prediction at each exponent (JSON)")
     args = parser.parse_args()
+    if bad := [crowding for crowding in args.grid if not 0 <= crowding <= 2]:
+        parser.error(f"--grid {bad}: each exponent is a number from 0 to 2 (0: no loss beyond the cores)")
     runs = []
     for entry in args.runs:
         work, _, team = entry.rpartition(":")

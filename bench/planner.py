@@ -350,6 +350,8 @@ def main() -> None:
     parser.add_argument("--crowding", type=float, help="The host's crowding exponent (planner/cores.py; "
                         "bench/crowding.py fits it from finished runs) in place of the thread profile's (none: 0).")
     args = parser.parse_args()
+    if args.crowding is not None and not 0 <= args.crowding <= 2:
+        parser.error(f"--crowding {args.crowding}: expected a number from 0 to 2 (0: no loss beyond the cores)")
     if args.replay:
         own = args.work / "threads.json"
         return replay(args.work, args.team, None if args.linear_threads else args.threads_profile or (

@@ -59,15 +59,16 @@ class ThreadScaling:
 
 
 def thread_profile(path: str | Path) -> ThreadScaling:
-    """The trainer speed-ups a ``bench/trainer_threads.py --out`` profile measured.
+    """The trainer speed-ups a ``bench/trainer_threads.py --out`` profile measured, and its crowding exponent.
 
     Raises:
-        ValueError: the file is not such a profile, or its speed-ups do not start at one thread, skip a count, or are
-            not positive (naming which).
+        ValueError: the file is not such a profile, its speed-ups do not start at one thread, skip a count, or are
+            not positive (naming which), or its crowding is not a number from 0 to 2.
     """
     path = Path(path)
     try:
-        entries = json.loads(path.read_text())["trainer"].items()
+        data = json.loads(path.read_text())
+        entries = data["trainer"].items()
         measured = {int(threads): float(speedup) for threads, speedup in entries}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"thread profile {path}: expected JSON with a \"trainer\" object of thread count -> speed-up "
@@ -79,7 +80,7 @@ def thread_profile(path: str | Path) -> ThreadScaling:
                          f"none skipped")
     if bad := [threads for threads in counts if measured[threads] <= 0]:
         raise ValueError(f"thread profile {path}: speed-ups at threads {bad} are not positive")
-    crowding = json.loads(path.read_text()).get("crowding", 0.0)
+    crowding = data.get("crowding", 0.0)
     if isinstance(crowding, bool) or not isinstance(crowding, (int, float)) or not 0 <= crowding <= 2:
         raise ValueError(f"thread profile {path}: crowding {crowding!r} is not a number from 0 to 2 (the exponent "
                          f"bench/crowding.py fits; 0: no loss beyond the cores)")
