@@ -28,20 +28,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 def errors(work: Path, team: str, crowding: float) -> list[tuple[str, float, float]]:
     """Each unseen launch of the finished run in ``work``: (run, predicted, measured) mean step seconds, steps 1.."""
-    from planner import base_config, predictions, variants
+    from planner import compare, predicted_again
 
     results = json.loads((work / "results.json").read_text())
-    base = base_config(team)
-    base["pipeline"]["steps"] = len(results["measured"]["streaming"])
     threads = work / "threads.json"
-    rows = []
-    for block in results["plan"]:
-        names = list(dict.fromkeys(name for name, _ in block["launches"]))
-        _, predicted, _ = predictions(work / "store", block["calibrations"], variants(base), names,
-                                      threads if threads.is_file() else None, crowding)
-        for name, run in block["launches"]:
-            rows.append((run, statistics.mean(predicted[name][1:]), statistics.mean(results["measured"][run][1:])))
-    return rows
+    predicted = predicted_again(work, team, results, threads if threads.is_file() else None, crowding)
+    return [(one["run"], one["predicted"], one["measured"])
+            for one in compare(results["plan"], predicted, results["measured"], {}) if one["name"] != "streaming"]
 
 
 def main() -> None:

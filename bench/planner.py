@@ -295,6 +295,16 @@ def compare(plan: list[dict], predicted: list[tuple[dict, dict]], measured: dict
     return launched
 
 
+def predicted_again(work: Path, team: str, results: dict, threads: Path | None,
+                    crowding: float | None = None) -> list[tuple[dict, dict]]:
+    """Each block of the finished run in ``work`` (its ``results``) predicted again with this checkout's model, from
+    the calibration launches it was predicted from: its step times and charges by configuration, as main kept them."""
+    base = base_config(team)
+    base["pipeline"]["steps"] = len(results["measured"]["streaming"])
+    return [predictions(work / "store", block["calibrations"], variants(base), predicted_in(block), threads,
+                        crowding)[1:] for block in results["plan"]]
+
+
 def replay(work: Path, team: str, threads: Path | None, crowding: float | None = None) -> None:
     """Predict a finished run of this bench again with this checkout's model, from the calibration launches each of
     its blocks was predicted from, against its measured launches: two models compared on the same launches, after
@@ -309,11 +319,7 @@ def replay(work: Path, team: str, threads: Path | None, crowding: float | None =
     if "plan" not in results:
         raise SystemExit(f"--replay {work}: its results.json has no plan of blocks (a run from before the calibration "
                          f"was repeated between blocks, 2026-11-28); run the bench again")
-    base = base_config(team)
-    base["pipeline"]["steps"] = len(results["measured"]["streaming"])
-    predicted = [predictions(work / "store", block["calibrations"], variants(base),
-                             predicted_in(block), threads, crowding)[1:]
-                 for block in results["plan"]]
+    predicted = predicted_again(work, team, results, threads, crowding)
     measured = results["measured"]
     rows = report(compare(results["plan"], predicted, measured, results.get("cpu_per_step") or {}),
                   [(run, statistics.mean(measured[run][1:])) for run in calibration_runs(measured)])

@@ -17,6 +17,11 @@ from dataclasses import dataclass
 import simpy
 
 
+def crowded(share: float, crowding: float) -> float:
+    """The work a core-second does when a node's threads get ``share`` of a core each (at most 1)."""
+    return min(share, 1.0) ** crowding
+
+
 @dataclass
 class _Job:
     work: float
@@ -71,7 +76,7 @@ class SharedCores:
     def _rerate(self) -> None:
         threads = sum(job.threads for job in self.jobs)
         share = min(1.0, self.cores / threads) if threads else 1.0
-        efficiency = share ** self.crowding
+        efficiency = crowded(share, self.crowding)
         for job in self.jobs:
             job.rate, job.efficiency = job.threads * share, efficiency
         if self._wake is not None and not self._wake.triggered:

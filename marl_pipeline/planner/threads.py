@@ -21,6 +21,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from marl_pipeline.planner.cores import crowded
+
 
 @dataclass(frozen=True)
 class ThreadScaling:
@@ -55,7 +57,7 @@ class ThreadScaling:
 
     def efficiency(self, share: float) -> float:
         """The work a core-second does when the node's threads get ``share`` of a core each (at most 1)."""
-        return min(share, 1.0) ** self.crowding
+        return crowded(share, self.crowding)
 
 
 def thread_profile(path: str | Path) -> ThreadScaling:
