@@ -20,13 +20,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from assets.plan_cli import plan
-from marl_pipeline.config import (
-    ConfigError,
-    apply_overrides,
-    dotted_overrides,
-    parse_config,
-    read_config_data,
-)
+from marl_pipeline.config import ConfigError, load_with_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train teams of LLM agents with RL.")
 console = Console()
@@ -43,11 +37,12 @@ _QUIET_ENV = {"TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DI
 class _RayStartNotices(logging.Filter):
     """Drops what ``ray.init`` logs that asks nothing of a ``marl`` user: that Ray set no SIGTERM handler (the CLI
     starts Ray on a thread of its own, for start-up time, and handles the signals itself), that Ray enabled token
-    authentication by default (it stays enabled; the notice only says how to turn it off), that it started a local
-    instance, and that the job's Ray resource joined the one the CLI started (the set-up lines say both)."""
+    authentication by default (it stays enabled; the notice only says how to turn it off) and, the first time on a
+    host, that it saved a new token for it, that it started a local instance, and that the job's Ray resource joined
+    the one the CLI started (the set-up lines say both)."""
 
     NOTICES = ("SIGTERM handler is not set", "Token authentication is enabled for this Ray cluster",
-               "Started a local Ray instance", "Calling ray.init() again")
+               "Generated new authentication token", "Started a local Ray instance", "Calling ray.init() again")
     LOGGERS = ("ray._private.worker", "ray._private.authentication.authentication_token_setup")
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -75,14 +70,8 @@ def _dagster_home() -> Path:
 def train_run_config(config_path: Path, settings: list[str]):
     """The experiment CONFIG with ``--set`` KEY=VALUE settings, validated, and the train job's ``experiment``
     resource config that gives a run the same: the file and the settings as the launchpad's ``overrides``."""
-    data = read_config_data(config_path)
-    if not settings:  # as load_config, from the data read once
-        return parse_config(data, source=str(config_path)), {"config_path": str(config_path)}
-    if not isinstance(data, dict):
-        raise ConfigError(f"invalid config {config_path}: expected a mapping at the top level")
-    overrides = dotted_overrides(settings, list(data.get("agents") or {}))
-    config = parse_config(apply_overrides(data, overrides), source=f"{config_path} with --set {' '.join(settings)}")
-    return config, {"config_path": str(config_path), "overrides": overrides}
+    config, overrides = load_with_settings(config_path, settings)
+    return config, {"config_path": str(config_path), **({"overrides": overrides} if overrides else {})}
 
 
 @app.command()
@@ -224,6 +213,12 @@ class _LocalRay:
         self._done.wait()
 
     def release(self) -> None:
+        """Stop Ray where the job's Ray resource has not (a run that failed before its resources started), so that no
+        thread of this process waits on a GCS gone with the thread that started it, then end that thread."""
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
         self._done.set()
 
 

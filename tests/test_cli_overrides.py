@@ -38,6 +38,24 @@ def test_the_cli_overrides_reach_the_run_as_the_launchpads_do() -> None:
     assert plain == {"config_path": str(DEMO)} and untouched.pipeline.steps != 3
 
 
+def test_settings_the_file_spells_differently_are_run_config_the_train_job_takes(tmp_path: Path) -> None:
+    """A store given as a URI and a float YAML reads as a string (the help's own example) pass the train job's run
+    config as validated: Dagster refused both before ("must be dict", "Invalid scalar"), and `marl train` then waited
+    60 s on a Ray it had stopped."""
+    import dagster as dg
+
+    from assets.definitions import defs
+
+    store = str(tmp_path / "other")
+    config, experiment = train_run_config(DEMO, [f"store={store}", "agents.*.trainer.lr=1e-5", "seed=3"])
+    assert experiment["overrides"]["store"]["uri"] == store
+    assert experiment["overrides"]["agents"]["solver"]["trainer"] == {"lr": 1e-5}
+    run_config = {"resources": {"experiment": {"config": experiment}}}
+    assert dg.validate_run_config(defs.get_job_def("train"), run_config)
+    loaded = ExperimentResource(**experiment).load()
+    assert loaded == config and loaded.store.uri == store and loaded.seed == 3
+
+
 def test_a_bad_setting_fails_at_once_naming_it() -> None:
     runner = CliRunner()
     result = runner.invoke(app, ["train", str(DEMO), "--set", "pipeline.steps=many"])
@@ -50,7 +68,7 @@ def test_a_bad_setting_fails_at_once_naming_it() -> None:
 
 
 def test_rays_start_notices_are_dropped_and_its_other_warnings_kept() -> None:
-    """The two ``ray.init`` warnings that ask nothing of a ``marl train`` user, filtered on Ray's own loggers."""
+    """The ``ray.init`` notices that ask nothing of a ``marl`` user, filtered on Ray's own loggers."""
     import logging
 
     from assets.cli import _RayStartNotices
@@ -68,8 +86,9 @@ def test_rays_start_notices_are_dropped_and_its_other_warnings_kept() -> None:
     ray_logger.addHandler(handler)  # where both loggers' records reach Ray's own handlers
     try:
         worker.warning("SIGTERM handler is not set because current thread is not the main thread.")
-        logging.getLogger("ray._private.authentication.authentication_token_setup").warning(
-            "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
+        tokens = logging.getLogger("ray._private.authentication.authentication_token_setup")
+        tokens.warning("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
+        tokens.warning("Generated new authentication token and saved to /root/.ray/auth_token")  # a host's first
         worker.warning("Some other warning a user should see")
     finally:
         ray_logger.removeHandler(handler)

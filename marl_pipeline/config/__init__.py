@@ -23,8 +23,10 @@ from marl_pipeline.config.experiment import (
     apply_overrides,
     dotted_overrides,
     load_config,
+    load_with_settings,
     parse_config,
     read_config_data,
+    validated_overrides,
 )
 from marl_pipeline.config.external import JudgeConfig, RewardConfig, ServiceConfig
 from marl_pipeline.config.pipeline import (
@@ -78,6 +80,8 @@ __all__ = [
     "apply_overrides",
     "dotted_overrides",
     "load_config",
+    "load_with_settings",
     "parse_config",
     "read_config_data",
+    "validated_overrides",
 ]

@@ -240,6 +240,35 @@ def dotted_overrides(settings: list[str], agents: list[str]) -> dict[str, Any]:
     return overrides
 
 
+def load_with_settings(path: str | Path, settings: list[str]) -> tuple[ExperimentConfig, dict[str, Any]]:
+    """The experiment file at ``path`` with ``KEY=VALUE`` settings (``marl train --set``) applied, validated, and the
+    settings as overrides nested like the file, each value as the validated experiment holds it
+    (:func:`validated_overrides`); ``{}`` when there are none."""
+    data = read_config_data(path)
+    if not settings:
+        return parse_config(data, source=str(path)), {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid config {path}: expected a mapping at the top level")
+    overrides = dotted_overrides(settings, list(data.get("agents") or {}))
+    config = parse_config(apply_overrides(data, overrides), source=f"{path} with --set {' '.join(settings)}")
+    return config, validated_overrides(overrides, config)
+
+
+def validated_overrides(overrides: Mapping[str, Any], config: ExperimentConfig) -> dict[str, Any]:
+    """``overrides`` with each value replaced by what ``config``, the experiment they made, holds at its place: typed
+    as the models read it (YAML's ``1e-5``, a string, as the float it means; a store's URI as the store's settings),
+    which is what a run config's overrides, typed from the same models, take (resources/overrides.py)."""
+    return _held(overrides, config.model_dump(mode="json"))
+
+
+def _held(overrides: Any, held: Any) -> Any:
+    if isinstance(overrides, Mapping) and isinstance(held, Mapping):
+        return {key: _held(value, held[key]) for key, value in overrides.items()}
+    if isinstance(held, Mapping):  # a value the models read as a mapping: its set fields
+        return {key: _held(value, value) for key, value in held.items() if value is not None}
+    return held
+
+
 def _merged(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     merged = dict(data)
     for key, value in overrides.items():
