@@ -58,6 +58,7 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
             StepFinished,
             ThreadsChanged,
             TrainerPasses,
+            describe_passes,
             mean_reward,
         )
         from marl_pipeline.run.launches import launch_history
@@ -78,6 +79,7 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
     previews: dict = {}  # per micro-batch, its committed rollouts' text columns until its rewards commit
     # Each version's card summary from the launch's own rollouts and launch record: no read per version.
     served, launches = ServedVersions(store, config.run, config.pipeline.micro_batches_per_step), []
+    passes: list[TrainerPasses] = []  # told by each trainer with its first step; logged together once it finishes
     for event in train(config, launch_id=context.run_id):
         timeline.add(event)
         if isinstance(event, StageCommitted):
@@ -105,10 +107,13 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
                           "trainer_tokens_per_s": round(event.tokens_per_second, 1),
                           "mfu_percent": round(100 * event.mfu, 3), "card": dg.MetadataValue.md(card)}))
         elif isinstance(event, TrainerPasses):
-            context.log.info(f"{STEP_PREFIX}{event.step}: {event.describe()}")
+            passes.append(event)
         elif isinstance(event, EvaluationCommitted):
             _log_evaluation(context, config, event)
         elif isinstance(event, StepFinished):
+            for line in describe_passes(passes):
+                context.log.info(f"{STEP_PREFIX}{event.step}: {line}")
+            passes.clear()
             rewards = ", ".join(f"{agent} {value:.3f}" for agent, value in event.mean_reward.items())
             context.log.info(f"{STEP_PREFIX}{event.step}: mean reward {mean_reward(event.mean_reward):.3f} "
                              f"({rewards}); step time {event.seconds:.2f} s, first rollout to commit "

@@ -87,13 +87,21 @@ class TrainerPasses:
     settings: dict
 
     def describe(self) -> str:
-        """One line for the run's log: passes, budget and why, device and precision."""
+        """How the passes run, short: packed or padded, the budget and where it came from, device and precision (why
+        padded stays in the settings, which every version's timing.json records)."""
         settings = self.settings
         budget = (f" of {settings['chunk_tokens']:,} tokens ({settings['budget_why']})"
                   if settings.get("chunk_tokens") else " (no pass ran to size their budget)")
-        why = f" ({settings['padded_why']})" if settings.get("padded_why") else ""
-        return (f"{self.agent}'s trainer: {settings['passes']} passes{budget} on {settings['device']}, "
-                f"{settings['dtype']}{why}")
+        return f"{settings['passes']} passes{budget} on {settings['device']}, {settings['dtype']}"
+
+
+def describe_passes(told: list[TrainerPasses]) -> list[str]:
+    """The trainers' passes as set-up facts, one line per distinct way of running them with the agents that share
+    it: "trainers of solver, verifier: padded passes of 2,048 tokens (the CPU's default) on cpu, float32"."""
+    agents: dict[str, list[str]] = {}
+    for event in told:
+        agents.setdefault(event.describe(), []).append(event.agent)
+    return [f"trainers of {', '.join(sorted(names))}: {how}" for how, names in agents.items()]
 
 
 @dataclass(frozen=True)
