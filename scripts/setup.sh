@@ -108,10 +108,13 @@ fi
 install_chromium fresh
 echo "setting up .venv ($engine engine); this takes a few minutes the first time" >&2
 bootstrap_uv
-# --compile-bytecode: every Ray worker, CLI and Dagster process imports torch, vLLM, transformers and Ray. Without
-# .pyc files (PYTHONDONTWRITEBYTECODE=1 on this machine and CI's) each one compiles them again: importing those
-# four took 26-52 s per process against 10 s with bytecode, measured side by side under load.
-"$uv" sync -q --locked --compile-bytecode --python "$python" --extra "$engine" --extra dev --extra models || {
+# Bytecode compiled (uv's UV_COMPILE_BYTECODE): every Ray worker, CLI and Dagster process imports torch, vLLM,
+# transformers and Ray. Without .pyc files (PYTHONDONTWRITEBYTECODE=1 on this machine and CI's) each one compiles
+# them again: importing those four took 26-52 s per process against 10 s with bytecode, measured side by side under
+# load. uv compiles every package again on every sync (41 s with nothing else to do): UV_COMPILE_BYTECODE=0 skips it
+# where the .pyc files are there already (tests/test_plugin_install.py's second set-up).
+export UV_COMPILE_BYTECODE="${UV_COMPILE_BYTECODE:-1}"
+"$uv" sync -q --locked --python "$python" --extra "$engine" --extra dev --extra models || {
   echo "set-up failed; if uv.lock is out of date with pyproject.toml, refresh it with: make lock" >&2
   exit 1
 }

@@ -33,6 +33,17 @@ if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+LAUNCH_FIXTURES = {"local_ray", "smollm2_dir"}
+"""Fixtures that start Ray or convert the real model: a test that needs one is a ``launch`` test (pyproject.toml's
+markers), marked or not."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if LAUNCH_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.launch)
+
+
 @pytest.fixture(scope="session")
 def demo_config_data() -> dict:
     """The demo config with each agent's engine and trainer in processes of their own: what most tests vary (GPUs,

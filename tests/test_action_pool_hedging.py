@@ -15,6 +15,8 @@ from marl_pipeline.actions.pool import ActionPool
 from marl_pipeline.actions.worker import Job
 from marl_pipeline.config import PoolSettings
 
+pytestmark = pytest.mark.launch
+
 # A stalled first copy sleeps this long; the checks below finish well before it. Generous: on a loaded 2-core
 # machine starting a hedge's worker and dispatching to it can take a second or more.
 STALL = 6.0

@@ -38,6 +38,7 @@ def test_threads_below_one_are_a_config_error(demo_config_data: dict, tmp_path: 
         parse_config({**demo_config_data, "store": str(tmp_path), "agents": agents})
 
 
+@pytest.mark.launch
 def test_trainer_actors_compute_on_their_threads(local_ray, demo_config_data: dict, tiny_model_dir: Path,
                                                  tmp_path: Path) -> None:
     import torch
@@ -101,6 +102,7 @@ def test_cores_used_are_cpu_seconds_over_seconds() -> None:
     assert cores_used(before, CpuReport("node", 8, 12.0, 6.0, 2)) is None  # a restarted actor: another process
 
 
+@pytest.mark.launch
 def test_a_busy_trainer_takes_the_cores_its_idle_neighbour_leaves(local_ray, demo_config_data: dict,
                                                                    tiny_model_dir: Path, tmp_path: Path) -> None:
     import torch
@@ -138,6 +140,7 @@ def test_a_busy_trainer_takes_the_cores_its_idle_neighbour_leaves(local_ray, dem
             local_ray.kill(handle)
 
 
+@pytest.mark.launch
 def test_a_hybrid_agents_process_reports_engine_and_trainer_apart_and_its_trainer_takes_the_idle_cores(
         local_ray, demo_config_data: dict, tiny_model_dir: Path, tmp_path: Path) -> None:
     import torch

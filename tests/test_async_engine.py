@@ -32,6 +32,7 @@ def engine(local_ray, tiny_model_dir: Path):
     local_ray.kill(handle)
 
 
+@pytest.mark.launch
 def test_a_request_samples_the_same_alone_or_among_others(local_ray, engine, tiny_model_dir: Path) -> None:
     alone = local_ray.get(engine.generate_one.remote("alone", GenerationRequest(PROMPT, 7, 12, 1.0)))
     crowd = [engine.generate_one.remote(f"crowd-{i}", GenerationRequest([17, 11, 18 + i % 3, 29], 100 + i, 12, 1.0))
@@ -91,6 +92,7 @@ class _EagerSwitching(AsyncRolloutEngine):
         sys.setswitchinterval(seconds)
 
 
+@pytest.mark.launch
 def test_a_step_s_results_stream_in_one_chunk_while_the_loop_thread_interleaves(local_ray,
                                                                                 tiny_model_dir: Path) -> None:
     handle = engine_actor(EngineConfig(), actor_class=_EagerSwitching).remote(
@@ -158,6 +160,7 @@ def test_an_engine_on_a_cpu_holds_every_sequence_twice_where_its_memory_share_gi
     assert wanted - 128 < local_ray.get(engine.kv_cache_tokens.remote()) <= wanted
 
 
+@pytest.mark.launch
 def test_an_engine_given_a_kv_cache_size_holds_that_many_tokens(local_ray, tiny_model_dir: Path) -> None:
     """``engine.kv_cache_gib`` sizes the cache itself (vLLM's kv_cache_memory_bytes), whatever the memory share."""
     token_bytes = kv_cache_bytes_per_token(tiny_model_dir)
@@ -172,6 +175,7 @@ def test_an_engine_given_a_kv_cache_size_holds_that_many_tokens(local_ray, tiny_
     assert wanted - 128 < tokens <= wanted  # whole 128-token blocks of the CPU backend
 
 
+@pytest.mark.launch
 def test_a_sleeping_engine_refuses_requests_until_the_next_version_wakes_it(local_ray, engine,
                                                                             tiny_model_dir: Path) -> None:
     """The engine side of an agent whose engine and trainer take turns on its GPUs (cluster/colocation.py); on a CPU

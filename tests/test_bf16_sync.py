@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig
 from marl_pipeline.training.batches import TrainBatch
 from marl_pipeline.training.trainer import PolicyTrainer
 from tests.sampling import requests
 from tests.test_model_sources import needs_smollm2
+
+pytestmark = pytest.mark.launch
 
 BF16_TOLERANCE = 0.15
 """Largest |engine - trainer| logprob per token, in nats. bf16 keeps 8 bits of mantissa (relative rounding

@@ -180,6 +180,7 @@ def chat_run(local_ray, smollm2_dir, tmp_path_factory):
     return config, store
 
 
+@pytest.mark.launch
 @needs_smollm2
 def test_engine_stored_and_trainer_ids_are_the_templates_and_a_recomputation_repeats_them(chat_run,
                                                                                          chat_tokenizer) -> None:
@@ -238,6 +239,7 @@ def test_engine_stored_and_trainer_ids_are_the_templates_and_a_recomputation_rep
     assert again.select(ids).sort_by("sample_id").to_pylist() == rollouts.select(ids).sort_by("sample_id").to_pylist()
 
 
+@pytest.mark.launch
 @needs_smollm2
 def test_evaluation_tokenizes_chat_cases_once_and_plain_strings_still_work(chat_run, chat_tokenizer) -> None:
     import ray

@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from marl_pipeline.store import ExperienceStore
 from tests.conftest import small_config_data
+
+pytestmark = pytest.mark.launch
 
 ROOT = Path(__file__).resolve().parents[1]
 

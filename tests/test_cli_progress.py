@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import dagster as dg
+import pytest
 
 from assets.cli import _PolicyProgress
 from assets.partitions import agent_key, stage_partition
@@ -104,6 +105,7 @@ def test_a_launch_marks_failed_the_earlier_runs_whose_process_died_and_only_thos
     assert any(f"resumed by Dagster run {result.run_id}" in (message or "") for message in messages)
 
 
+@pytest.mark.launch
 def test_the_sensor_and_marl_runs_mark_failed_a_dead_launch_without_waiting_for_the_next(tmp_path: Path) -> None:
     """A kill -9 of `marl train` leaves its Dagster run started: the always-on sensor and `marl runs` mark it failed
     (its process, named by the run's tag, is gone), a live one and one on another host stay as they are."""

@@ -45,6 +45,7 @@ def _trained(store: ExperienceStore, run: str, agent: str, tiny_model_dir: Path,
     store.commit_policy(staging, run, agent, 1)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("store_config", ["local", "s3"], indirect=True)
 def test_runs_lists_each_run_with_its_versions_and_state(store_config: StoreConfig, tiny_model_dir: Path) -> None:
     store = ExperienceStore(store_config)

@@ -20,6 +20,8 @@ from marl_pipeline.stages.health import collapse_warnings, recent_health
 from marl_pipeline.store import ExperienceStore
 from tests.conftest import small_config_data
 
+pytestmark = pytest.mark.launch
+
 STEPS = 12  # the checker paid for "yes" passed 0.9 at steps 6-8 here, the one paid for right at one step at most
 
 

@@ -137,6 +137,7 @@ PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.launch
 def test_engine_and_trainer_ranks_see_the_same_logical_gpus(tiny_model_dir: Path, tmp_path: Path) -> None:
     # Its own Ray instance (4 logical GPUs), in a child process: the suite's shared instance declares none.
     result = subprocess.run([sys.executable, "-c", PROBE, str(tiny_model_dir), str(tmp_path / "store")], cwd=ROOT,
@@ -152,6 +153,7 @@ def test_engine_and_trainer_ranks_see_the_same_logical_gpus(tiny_model_dir: Path
     assert two["ranks"] == workers  # ... the GPU that trainer rank k has too
 
 
+@pytest.mark.launch
 def test_colocated_engines_sleep_while_their_trainers_train_and_the_run_is_the_disaggregated_one(
         local_ray, demo_config_data, tmp_path: Path) -> None:
     stores = {}

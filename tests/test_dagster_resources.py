@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import dagster as dg
+import pytest
 import ray
 import yaml
 
@@ -45,6 +46,7 @@ def test_ray_address_comes_from_the_experiment(tmp_path: Path, demo_config_data:
         assert resources.ray.ray_address == "auto"  # the resource's own field wins over the YAML
 
 
+@pytest.mark.launch
 def test_recomputed_environment_partition_runs_its_actions_on_the_pool(tmp_path: Path,
                                                                       demo_config_data: dict) -> None:
     register_environment(WhereActionsRun)

@@ -24,6 +24,7 @@ def engine(local_ray, tiny_model_dir: Path):
     local_ray.kill(handle)
 
 
+@pytest.mark.launch
 def test_rollout_logprobs_match_the_trainer(local_ray, engine, tiny_model_dir: Path) -> None:
     trainer = PolicyTrainer(str(tiny_model_dir), 0, lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2,
                             seed=0, num_threads=1)
@@ -60,6 +61,7 @@ def test_weight_sync_updates_the_running_engine(local_ray, engine, tiny_model_di
     assert local_ray.get(engine.policy_version.remote()) == 1
 
 
+@pytest.mark.launch
 def test_a_seeded_batch_past_vllms_default_token_budget_samples(local_ray, engine) -> None:
     # 120 prompts of ~60 tokens: 7,000+ prompt tokens, past vLLM's default 4,096 a step, where its CPU sampler used to
     # fail on seeded requests whose prompts were prefilled in chunks ("CPU Generator does not use offset").

@@ -46,6 +46,7 @@ def _episode(env, engine, pool):
     return rollouts, results, rewards
 
 
+@pytest.mark.launch
 def test_math_solver_verifier_real_episodes(engine) -> None:
     env = MathSolverVerifier(MathOptions(max_operand=3))
     pool = ActionPool(PoolSettings(min_workers=1, max_workers=2, num_cpus=0))
@@ -70,6 +71,7 @@ def test_code_writer_tester_real_episodes(engine) -> None:
     pool.shutdown()
 
 
+@pytest.mark.launch
 def test_code_writer_tester_by_hand() -> None:
     # A wall limit far above the CPU limit: on a loaded machine a busy loop gets a fraction of a core, and the
     # case below is about the CPU limit stopping it (the wall timeout has its own test in test_sandbox.py).
@@ -172,6 +174,7 @@ class WhereMathRuns(MathSolverVerifier):
         return ActionResult(result.outcome, result.success, result.observation, {**result.info, "pid": os.getpid()})
 
 
+@pytest.mark.launch
 def test_train_job_runs_actions_on_the_pool_and_scores_with_the_reward_model(local_ray, demo_config_data,
                                                                              tmp_path) -> None:
     """configs/math_reward_model.yaml cut down to one step: every action ran on a pool worker (another

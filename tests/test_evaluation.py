@@ -81,6 +81,7 @@ def evaluated(local_ray, demo_config_data: dict, tmp_path_factory) -> tuple:
     return config, list(train(config))
 
 
+@pytest.mark.launch
 def test_train_job_evaluates_every_agent_and_a_recomputation_agrees(evaluated) -> None:
     config, events = evaluated
     events = [event for event in events if isinstance(event, EvaluationCommitted)]

@@ -109,6 +109,7 @@ PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.launch
 def test_ranks_and_split_engine_workers_each_get_their_own_logical_gpu(tiny_model_dir: Path, tmp_path: Path) -> None:
     # Its own Ray instance (4 logical GPUs), in a child process: the suite's shared instance declares none.
     result = subprocess.run([sys.executable, "-c", PROBE, str(tiny_model_dir), str(tmp_path / "store")], cwd=ROOT,

@@ -94,6 +94,7 @@ def _small(data: dict, store: Path):
     return parse_config(data)
 
 
+@pytest.mark.launch
 def test_a_hybrid_launch_runs_one_process_per_agent_and_trains_as_separate_actors_do(
         local_ray, demo_config_data, tmp_path: Path) -> None:
     stores = {}
@@ -127,6 +128,7 @@ def test_a_hybrid_launch_runs_one_process_per_agent_and_trains_as_separate_actor
             assert max((apart[k] - other[k]).abs().max().item() for k in apart) <= 1e-6, agent
 
 
+@pytest.mark.launch
 def test_a_hybrid_agents_weights_reach_its_engine_in_process_and_its_other_replicas_from_there(
         local_ray, demo_config_data: dict, tiny_model_dir: Path, tmp_path: Path) -> None:
     solver = demo_config_data["agents"]["solver"]

@@ -27,6 +27,7 @@ def _inspect(*args: str, env: dict | None = None) -> str:
     return result.stdout
 
 
+@pytest.mark.launch
 def test_inspect_prints_distributions_failures_and_sample_conversations(tmp_path: Path) -> None:
     store = ExperienceStore(tmp_path)
     write_run(store)
@@ -54,6 +55,7 @@ def test_inspect_filters_by_step_and_agent(tmp_path: Path) -> None:
     assert "run r, step 1, agent solver: 1 steps, 8 episodes, 8 turns" in out and "failures: none" in out
 
 
+@pytest.mark.launch
 def test_inspect_reads_an_s3_store_with_the_standard_aws_variables(s3_endpoint: str, tmp_path: Path) -> None:
     uri = f"s3://marl/inspect-{tmp_path.name}"
     write_run(ExperienceStore(StoreConfig(uri=uri, endpoint_url=s3_endpoint, access_key_id="testing",
@@ -132,6 +134,7 @@ def _with_health(store: ExperienceStore, steps: int = 2) -> None:
                                                      {"solver": step + 1, "verifier": step + 1}, trained))
 
 
+@pytest.mark.launch
 def test_inspect_and_runs_fit_80_columns_and_give_scripts_every_column(tmp_path: Path) -> None:
     """Rendered at 80 columns no cell is cut (Rich marks a cut with an ellipsis); --wide has every signal;
     --format json and csv carry the whole health table, the trainer's throughput too."""
@@ -169,6 +172,7 @@ def test_inspect_and_runs_fit_80_columns_and_give_scripts_every_column(tmp_path:
     assert json.loads(runner.invoke(app, ["runs", str(tmp_path), "--format", "json"]).output)[0]["run"] == "r"
 
 
+@pytest.mark.launch
 def test_runs_and_inspect_say_which_agent_is_under_a_warning_and_since_when(tmp_path: Path) -> None:
     """A verifier whose top answer passes 0.9 from step 2 on: `marl runs` names it and the step its streak started
     (by the run's own thresholds, from its launch record), `marl inspect` gives every agent a verdict."""

@@ -16,6 +16,8 @@ from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.experience import StoreError
 from tests.conftest import small_config_data
 
+pytestmark = pytest.mark.launch
+
 PARAMETER_TOLERANCE = 1e-6
 ADAPTERS, FULL = "adapter_model.safetensors", "model.safetensors"
 

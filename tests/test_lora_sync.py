@@ -21,6 +21,8 @@ from marl_pipeline.training.trainer import PolicyTrainer
 from tests.test_model_sources import needs_smollm2
 from tests.test_replicas import broadcast_from
 
+pytestmark = pytest.mark.launch
+
 LOGPROB_TOLERANCE = 1e-4
 """Engine vs trainer, per token, in nats: float32 on both sides (tests/test_engine_sync.py). The engine's weights
 are W + s B A computed once; the trainer computes x W + s (x A) B: the same function, rounded differently."""

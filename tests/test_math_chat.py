@@ -270,6 +270,7 @@ def test_the_tiny_models_warm_up_gets_plain_text() -> None:
     assert all(isinstance(text, str) for text in env.text_corpus(np.random.default_rng(0), 10))
 
 
+@pytest.mark.launch
 @needs_smollm2
 def test_chat_prompts_are_short_under_smollm2s_template() -> None:
     from transformers import AutoTokenizer

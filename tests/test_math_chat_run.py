@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from environments.math_answers import check_math, same_answer, stated_answer
 from marl_pipeline.config import parse_config
 from marl_pipeline.run.events import EvaluationCommitted
 from marl_pipeline.run.recipe import train
 from marl_pipeline.store import ExperienceStore
+
+pytestmark = pytest.mark.launch
 
 
 def test_math_chat_worked_trains_with_the_tiny_model(local_ray, tmp_path: Path) -> None:

@@ -290,6 +290,7 @@ def test_bad_options_say_what_is_wrong() -> None:
         _env(shown_answers="sometimes")
 
 
+@pytest.mark.launch
 @needs_smollm2
 def test_the_verdict_turn_fits_the_smollm2_configs_context() -> None:
     """Under SmolLM2's chat template, the verdict turn (the working's ids extended) leaves room for the reply in the

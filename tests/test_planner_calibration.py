@@ -21,6 +21,7 @@ from tests.conftest import small_config_data
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.launch
 def test_a_stored_launch_calibrates_the_simulation_which_replays_it(local_ray, demo_config_data: dict,
                                                                     tmp_path: Path) -> None:
     config = parse_config(small_config_data(demo_config_data, tmp_path / "store", steps=3))
@@ -101,6 +102,7 @@ def test_a_stored_launch_calibrates_the_simulation_which_replays_it(local_ray, d
     assert refused.returncode == 2 and "run 'nothing-here' has no recorded launch" in refused.stdout
 
 
+@pytest.mark.launch
 def test_the_routers_and_the_gates_decisions_replay_as_a_run_made_them(local_ray, demo_config_data: dict,
                                                                         tmp_path: Path) -> None:
     from marl_pipeline.planner.replay import replay_gate, replay_routing

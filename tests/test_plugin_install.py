@@ -10,9 +10,12 @@ import subprocess
 from pathlib import Path
 
 import dagster as dg
+import pytest
 import yaml
 
 from marl_pipeline.store import ExperienceStore
+
+pytestmark = pytest.mark.launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +72,7 @@ def test_make_plugin_installs_a_plugin_that_trains_and_survives_the_set_up(tmp_p
     assert store.policy_versions("relay", "sender") == [0, 1, 2]
 
     (clone / ".venv" / ".marl-installed").unlink()  # the set-up syncs again, as after a change of uv.lock
-    again = _run(["make", "setup"], clone, env)
+    again = _run(["make", "setup"], clone, {**env, "UV_COMPILE_BYTECODE": "0"})  # compiled by the first set-up
     assert "reinstalling the plugins of plugins.txt" in again.stderr
     # The console script still finds the plugin: the config's environment and options resolve through its entry
     # point (the launch above showed that the run's Ray workers, in the same environment, do too).

@@ -14,6 +14,7 @@ from marl_pipeline.policy.checkpoint import load_policy
 from marl_pipeline.store import ExperienceStore
 
 
+@pytest.mark.launch
 def test_builtin_model_is_built_warmed_up_and_kept(small_config) -> None:
     env = build_environment(small_config.environment.name, small_config.environment.options)
     store = ExperienceStore(small_config.store)
@@ -28,6 +29,7 @@ def test_builtin_model_is_built_warmed_up_and_kept(small_config) -> None:
     assert latest_versions(store, small_config.run, ["solver", "verifier"]) == {"solver": 0, "verifier": 0}
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("on_ray", [False, True], ids=["in-process", "ray-tasks"])
 def test_a_local_hugging_face_directory_loads_the_same_way(demo_config_data, tiny_model_dir: Path, tmp_path: Path,
                                                            on_ray: bool, request) -> None:
@@ -86,6 +88,7 @@ def _named_adapter_config(demo_config_data, tiny_model_dir: Path, store: Path, v
     return parse_config(data)
 
 
+@pytest.mark.launch
 def test_a_warm_up_kept_as_a_named_adapter_leaves_the_model_untouched(demo_config_data, tiny_model_dir: Path,
                                                                      tmp_path: Path) -> None:
     """``warmup.adapter``: version 0 is the model as loaded, and the warm-up's adapters are stored beside it under

@@ -95,6 +95,7 @@ def test_pruning_removes_a_version_from_the_bucket_and_the_cache(store_config: S
         assert store.location.fs.find(f"{store.location.base}/run=r/policies/agent=solver/version=1") == []
 
 
+@pytest.mark.launch
 def test_the_runs_built_in_models_are_committed_like_policies(store_config: StoreConfig, demo_config_data: dict,
                                                               tmp_path: Path) -> None:
     # The built-in model and reward model of a run are committed in the store (the bucket for S3), so another node,

@@ -13,6 +13,7 @@ import signal
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import ray
 
 from environments.arithmetic import ArithmeticCheck
@@ -23,6 +24,8 @@ from marl_pipeline.run.events import ReplicaChanged, RunFinished, StageCommitted
 from marl_pipeline.run.recipe import train
 from marl_pipeline.store import ExperienceStore
 from tests.conftest import small_config_data
+
+pytestmark = pytest.mark.launch
 
 STEPS, MICRO_BATCHES, PROMPTS, SAMPLES, STALENESS = 4, 2, 4, 4, 1
 

@@ -31,6 +31,8 @@ from marl_pipeline.training.batches import TrainBatch
 from marl_pipeline.training.trainer import PolicyTrainer
 from tests.timed_replies import TimedReplies
 
+pytestmark = pytest.mark.launch
+
 LOGPROB_TOLERANCE = 1e-4
 STALENESS = 1
 SETTINGS = RolloutSettings(seed=5, prompts_per_micro_batch=4, samples_per_prompt=2, max_new_tokens=12,

@@ -63,6 +63,7 @@ def watched(request, tmp_path: Path, demo_config_data: dict) -> Watched:
     return Watched(tmp_path, demo_config_data, endpoint)
 
 
+@pytest.mark.launch
 def test_a_batch_of_task_files_starts_exactly_one_run(watched: Watched) -> None:
     watched.drop("old.jsonl")
     assert watched.tick() == []  # the first tick takes what is there as the baseline
@@ -83,6 +84,7 @@ def test_a_batch_of_task_files_starts_exactly_one_run(watched: Watched) -> None:
     assert watched.tick() == []
 
 
+@pytest.mark.launch
 def test_a_batch_waits_for_its_files_to_settle_and_for_a_running_train(tmp_path: Path,
                                                                          demo_config_data: dict) -> None:
     watched = Watched(tmp_path, demo_config_data, settle_s=1.0)

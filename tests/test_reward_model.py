@@ -30,10 +30,20 @@ TEMPLATE = RewardModelConfig().judge_template
 @pytest.fixture(scope="module")
 def judge_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("rm") / "judge"
-    losses = train_tiny_judge(directory, ENV.reward_examples(np.random.default_rng(1), 4000),
-                              steps=RewardModelConfig().train_steps, seed=0,
+    # Fewer steps than the default's 2000, which give 0.99 of the held-out verdicts right on an AVX512 host: 1000
+    # gave 0.98 there, so the claim holds with margin at 1500 in three quarters of the time.
+    losses = train_tiny_judge(directory, ENV.reward_examples(np.random.default_rng(1), 4000), steps=1500, seed=0,
                               tokenizer_dir=tiny_model_dir)
     assert np.mean(losses[-20:]) < 0.1 * losses[0]
+    return directory
+
+
+@pytest.fixture(scope="module")
+def briefly_taught_judge_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
+    """A judge after 20 steps: what mixing its scores into the rewards needs is a real judge, not a good one."""
+    directory = tmp_path_factory.mktemp("rm") / "brief"
+    train_tiny_judge(directory, ENV.reward_examples(np.random.default_rng(1), 400), steps=20, seed=0,
+                     tokenizer_dir=tiny_model_dir)
     return directory
 
 
@@ -53,6 +63,7 @@ def classifier_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
     return directory
 
 
+@pytest.mark.launch
 def test_builtin_judge_learns_the_demo_outcome(judge_dir: Path) -> None:
     server = RewardModelServer(str(judge_dir), "judge", judge_template=TEMPLATE)
     held_out = ENV.reward_examples(np.random.default_rng(99), 200)
@@ -86,6 +97,7 @@ def _bare_judge(path: Path, template: str, yes: str, no: str, prompts: list[str]
     return scores
 
 
+@pytest.mark.launch
 def test_pool_serves_classifier_and_judge_like_the_bare_library(local_ray, classifier_dir: Path,
                                                                   tiny_model_dir: Path) -> None:
     prompts = [f"{a}+{b}=" for a in range(4) for b in range(4)]
@@ -122,8 +134,8 @@ def test_judge_words_must_be_single_tokens(tiny_model_dir: Path) -> None:
                           judge_yes="absolutely yes", judge_no="no")
 
 
-def test_reward_stage_mixes_the_model_score(judge_dir: Path) -> None:
-    server = RewardModelServer(str(judge_dir), "judge", judge_template=TEMPLATE)
+def test_reward_stage_mixes_the_model_score(briefly_taught_judge_dir: Path) -> None:
+    server = RewardModelServer(str(briefly_taught_judge_dir), "judge", judge_template=TEMPLATE)
     task = {"id": "2+3", "a": 2, "b": 3}
     rollouts = rollouts_of(ENV, task, [["5", "yes"], ["4", "yes"], ["x", "no"]])
     rollouts = rollouts.set_column(rollouts.column_names.index("prompt_text"), "prompt_text",
@@ -159,6 +171,7 @@ def test_reward_model_config_errors(demo_config_data: dict, tmp_path: Path) -> N
         parse_config({**code, "reward_model": {}})
 
 
+@pytest.mark.launch
 def test_training_launch_stores_and_replays_the_model_reward(local_ray, demo_config_data: dict,
                                                              tmp_path: Path) -> None:
     from marl_pipeline.run.recipe import train

@@ -28,6 +28,7 @@ HOSTILE = {
 }
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_hostile_code_is_stopped_or_denied(case: str) -> None:
     code, status = HOSTILE[case]
@@ -72,6 +73,7 @@ def test_no_network_even_past_the_audit_hook() -> None:
     assert result.status == "denied" and "net/dev" in result.reason
 
 
+@pytest.mark.launch
 def test_pool_worker_keeps_serving_after_hostile_code(local_ray) -> None:
     pool = ActionPool(PoolSettings(min_workers=1, max_workers=1, timeout_s=30, num_cpus=0))
     codes = [code for code, _ in HOSTILE.values()] + ["print(6 * 7)"]

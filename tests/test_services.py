@@ -44,6 +44,7 @@ def _burst(local_ray, proxy: QuotaProxy, scheduled: bool) -> tuple[dict, float, 
         scheduler.stop_services(handles)
 
 
+@pytest.mark.launch
 def test_every_caller_of_the_run_shares_one_quota_and_none_is_refused(local_ray):
     proxy = QuotaProxy(requests_per_second=10, latency_s=0.05)
     try:
@@ -58,6 +59,7 @@ def test_every_caller_of_the_run_shares_one_quota_and_none_is_refused(local_ray)
     assert figures["queue_wait_p99"] > 0.5  # 8 callers at 10 a second: each waits about 0.8 s at the scheduler
 
 
+@pytest.mark.launch
 def test_callers_on_their_own_are_refused_and_retry(local_ray):
     proxy = QuotaProxy(requests_per_second=10, latency_s=0.05, retry_after_s=0.3)
     try:
@@ -68,6 +70,7 @@ def test_callers_on_their_own_are_refused_and_retry(local_ray):
     assert figures["retries"] >= proxy.refused and len(proxy.served) == 48
 
 
+@pytest.mark.launch
 def test_a_refused_call_raises_naming_the_service(local_ray):
     from marl_pipeline.services import scheduler
 
@@ -157,6 +160,7 @@ def test_services_and_the_judge_are_checked_when_the_config_loads(demo_config_da
         parse_config({**base, "reward": {"judge": {"service": "judge", "model": "m", "agents": ["critic"]}}})
 
 
+@pytest.mark.launch
 def test_a_permit_whose_caller_vanished_is_freed_after_its_timeout():
     """A caller cancelled after its grant never releases: its place among the calls in flight is freed once its try
     could no longer be running (the try's timeout), or the service would lose that place for the run."""

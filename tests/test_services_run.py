@@ -18,6 +18,8 @@ from marl_pipeline.config import parse_config
 from tests.conftest import small_config_data
 from tests.quota_proxy import QuotaProxy
 
+pytestmark = pytest.mark.launch
+
 
 @pytest.fixture(scope="module")
 def judge_server(smollm2_dir: Path, tmp_path_factory):

@@ -19,6 +19,8 @@ from marl_pipeline.training.batches import TrainBatch
 from marl_pipeline.training.sharded import Rank, deal, merged_stats
 from marl_pipeline.training.trainer import TRAINER_STATE, PolicyTrainer
 
+pytestmark = pytest.mark.launch
+
 OPTIONS = dict(lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, clip_eps=0.2, seed=0, num_threads=1,
                loss_normalization="token", kl_coef=0.1, entropy_coef=0.01, chunk_tokens=16)
 

@@ -13,6 +13,8 @@ from marl_pipeline.run.recipe import train
 from marl_pipeline.store import ExperienceStore
 from tests.conftest import small_config_data
 
+pytestmark = pytest.mark.launch
+
 
 def test_spans_recomputed_from_the_store_equal_the_live_ones(local_ray, demo_config_data, tmp_path: Path) -> None:
     config = parse_config(small_config_data(demo_config_data, tmp_path / "store", steps=2, micro_batches_per_step=2,

@@ -162,6 +162,7 @@ store.commit("rewards", MicroBatchKey("r", 0, 0), _rewards(["solver", "verifier"
 """
 
 
+@pytest.mark.launch
 def test_a_writer_killed_before_its_commit_leaves_nothing_visible(store_config: StoreConfig) -> None:
     store = ExperienceStore(store_config)
     key = MicroBatchKey("r", 0, 0)
@@ -189,6 +190,7 @@ def test_a_writer_killed_before_its_commit_leaves_nothing_visible(store_config: 
     assert store.read_stage("r", "rewards").num_rows == 6
 
 
+@pytest.mark.launch
 def test_readers_during_commits_see_one_whole_version(store_config: StoreConfig) -> None:
     store = ExperienceStore(store_config)
     key = MicroBatchKey("r", 0, 0)

@@ -16,6 +16,8 @@ from marl_pipeline.training.batches import TrainBatch
 from marl_pipeline.training.swap import AgentSpec, SwappedTrainer, TrainerWorker, actor_handles
 from marl_pipeline.training.trainer import PolicyTrainer
 
+pytestmark = pytest.mark.launch
+
 OPTIONS = {  # agents that differ, so a state landing in the wrong shell would show
     "a": dict(lr=1e-2, seed=0),
     "b": dict(lr=3e-3, seed=1, weight_decay=0.1),

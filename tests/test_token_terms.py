@@ -102,6 +102,7 @@ _PEAK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.launch
 def test_peak_memory_stays_below_the_full_logits() -> None:
     """4,095 positions over a 32,000-token vocabulary: their float32 logits alone are 524 MB. In chunks of 256
     positions, the pass's peak grows by at most four chunks' logits (a chunk's logits and log-softmax, and their

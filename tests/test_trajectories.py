@@ -47,6 +47,7 @@ def by_episode(table) -> dict[int, list[dict]]:
     return episodes
 
 
+@pytest.mark.launch
 def test_a_slow_reply_holds_only_its_own_episode(engines) -> None:
     key = MicroBatchKey("slow", 0, 0)
     env = TimedReplies(slow_s=SLOW_REPLY_S)
@@ -63,6 +64,7 @@ def test_a_slow_reply_holds_only_its_own_episode(engines) -> None:
     assert min(batched[e][1]["rollout_start"] for e in fast) >= max(batched[e][0]["rollout_end"] for e in slow)
 
 
+@pytest.mark.launch
 def test_an_episode_over_its_time_limit_is_cut_and_does_not_hold_the_commit(engines, tmp_path: Path) -> None:
     key, store = MicroBatchKey("limit", 0, 0), ExperienceStore(tmp_path / "store")
     env = TimedReplies(slow_s=40.0)
@@ -202,6 +204,7 @@ def test_oversampling_keeps_the_first_n_that_finish_and_stores_the_rest_dropped(
     assert stage_summary("rollouts", rollouts)["failed_rows"] == 0
 
 
+@pytest.mark.launch
 def test_a_group_short_of_n_keeps_failed_episodes_up_to_n_and_records_its_shortfall(engines, tmp_path: Path) -> None:
     """Task 0: two of three episodes hang past the time limit, so one finishes: it keeps the first that timed out,
     drops the second, and is one short. Task 1: an episode whose reply raised is dropped, its group full without it."""

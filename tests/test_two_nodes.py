@@ -25,6 +25,8 @@ from marl_pipeline.store.schema import STAGES
 from tests.conftest import small_config_data
 from tests.test_orchestrator import assert_every_micro_batch_once
 
+pytestmark = pytest.mark.launch
+
 RAY = str(Path(sys.executable).with_name("ray"))
 # Ray turns token authentication on for a new cluster when ~/.ray/auth_token exists, and a joining node or driver
 # that does not look there then fails to connect: one explicit mode for every process of this test.

@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover - the dev extra installs it
     sync_playwright = None
 
 pytestmark = [
+    pytest.mark.launch,
     pytest.mark.timeout(RUN_TIMEOUT_S + 900),  # the first test's set-up starts the UI and waits for the run
     pytest.mark.skipif(sync_playwright is None, reason="playwright is not installed: run `make setup` (dev extra)"),
     pytest.mark.skipif(not Path(CHROMIUM).exists(),

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pyarrow.compute as pc
+import pytest
 from safetensors.torch import load_file
 
 from marl_pipeline.cluster import warm_actors
@@ -32,6 +33,7 @@ def _launch(demo_config_data: dict, store: Path, **engine) -> ExperienceStore:
     return ExperienceStore(config.store)
 
 
+@pytest.mark.launch
 def test_a_launch_on_kept_actors_ends_where_a_launch_on_new_ones_does(local_ray, demo_config_data,
                                                                      tmp_path: Path) -> None:
     first = _launch(demo_config_data, tmp_path / "first")  # new actors, kept when it ends

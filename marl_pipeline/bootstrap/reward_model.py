@@ -78,7 +78,8 @@ def train_tiny_judge(directory: Path, examples: list[tuple[str, str, float]], *,
     # The server reads each verdict's one next-token probability: a verdict the vocabulary splits becomes a token
     tokenizer.add_tokens([word for word in (yes, no) if len(tokenizer(word, add_special_tokens=False).input_ids) > 1])
     build_tiny_model(directory, texts, seed, tokenizer=tokenizer)
-    trainer = warmup_trainer(str(directory), lr=lr, seed=seed, num_threads=threads)
+    # The rate decays linearly to a tenth over the steps (RewardModelConfig.train_steps says what a constant one did)
+    trainer = warmup_trainer(str(directory), lr=lr, seed=seed, num_threads=threads, lr_decay_steps=steps)
     tokenizer = trainer.tokenizer
     tokenizer.truncation_side = "left"  # as the server reads a long text: its end, the response
     prompts = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_length)["input_ids"]
