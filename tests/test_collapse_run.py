@@ -64,11 +64,31 @@ class CheckerPaid:
 register_environment(CheckerPaid)
 
 
-def _launch(demo_config_data: dict, store: Path, paid_for_yes: bool) -> tuple[list[StepFinished], ExperienceStore]:
+def _config_data(demo_config_data: dict, store: Path, paid_for_yes: bool) -> dict:
     data = small_config_data(demo_config_data, store, steps=STEPS, samples_per_prompt=8)
     data["environment"] = {"name": CheckerPaid.name, "options": {"paid_for_yes": paid_for_yes}}
     for agent in data["agents"].values():  # the demo's warm-up: with the suite's short one, a checker paid for right
         agent["warmup"] = {"steps": 1200, "lr": 0.001}  # verdicts could not yet judge and collapsed onto "no" too
+    return data
+
+
+@pytest.fixture(scope="module")
+def warmed_up(local_ray, demo_config_data: dict, tmp_path_factory) -> dict[str, str]:
+    """Each agent's version 0 after the demo's warm-up, made once for both launches: the warm-up does not depend on
+    what the checker is paid for, and it was half of each launch."""
+    from marl_pipeline.bootstrap.policies import prepare_base_policies
+
+    config = parse_config(_config_data(demo_config_data, tmp_path_factory.mktemp("warmed") / "store", False))
+    store = ExperienceStore(config.store)
+    env = build_environment(CheckerPaid.name, {"paid_for_yes": False})
+    return {policy.agent: str(policy.path) for policy in prepare_base_policies(config, env, store, on_ray=True)}
+
+
+def _launch(demo_config_data: dict, store: Path, paid_for_yes: bool,
+            warmed_up: dict[str, str]) -> tuple[list[StepFinished], ExperienceStore]:
+    data = _config_data(demo_config_data, store, paid_for_yes)
+    for name, agent in data["agents"].items():  # from the warm-up made once: as a local model, not warmed up again
+        agent.update(model=warmed_up[name], warmup={"steps": 0})
     config = parse_config(data)
     assert not hooks_of(build_environment(CheckerPaid.name, {"paid_for_yes": paid_for_yes})).evaluated
     steps = [event for event in train(config) if isinstance(event, StepFinished)]
@@ -78,8 +98,8 @@ def _launch(demo_config_data: dict, store: Path, paid_for_yes: bool) -> tuple[li
 
 @pytest.mark.parametrize("paid_for_yes", [True, False], ids=["paid-for-yes", "paid-for-right"])
 def test_a_checker_collapsing_onto_yes_is_reported_as_it_happens_and_a_learning_one_is_not(
-        local_ray, demo_config_data, tmp_path: Path, paid_for_yes: bool) -> None:
-    steps, store = _launch(demo_config_data, tmp_path / "store", paid_for_yes)
+        local_ray, warmed_up, demo_config_data, tmp_path: Path, paid_for_yes: bool) -> None:
+    steps, store = _launch(demo_config_data, tmp_path / "store", paid_for_yes, warmed_up)
     settings = HealthConfig()
     for event in steps:  # what each step reported is what its stored signals say, read back as any reader would
         assert event.warnings == collapse_warnings(
