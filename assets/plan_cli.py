@@ -42,78 +42,44 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
          output: str = typer.Option("table", "--format", help="table, or json (for scripts).")) -> None:
     """Predict an experiment's step time, each actor's busy share and the staleness of its turns, by simulating
     this orchestrator on its placement plan with costs fitted from a stored run. A projection, not a measurement."""
-    from assets.cli import train_run_config
     from marl_pipeline.cluster.placement import PlacementError
-    from marl_pipeline.config import ConfigError, apply_overrides, dotted_overrides, read_config_data
-    from marl_pipeline.planner.plan import (
-        calibration,
-        describe_nodes,
-        gpu_costs_for,
-        planned_nodes,
-        predict,
-        this_machine,
-    )
-    from marl_pipeline.planner.search import search as search_allocations
-    from marl_pipeline.planner.threads import thread_profile
+    from marl_pipeline.config import ConfigError, apply_overrides, load_with_settings, read_config_data
+    from marl_pipeline.planner.capacity import plan_capacity
     from marl_pipeline.store import ExperienceStore, StoreError
 
     try:
-        here = this_machine()
-        config, _ = train_run_config(config_path, settings)
-        nodes = planned_nodes(cluster, config.ray.address)
-        # the stored run is taken to have run on this machine: its threads are re-planned here
-        threads = thread_profile(threads_profile) if threads_profile else None
-        stored = calibration(ExperienceStore(calibrate), run, here, threads)
-
-        engines = dict(_agent_file(setting) for setting in engine_profiles)
-
-        def costs_for(candidate):
-            return stored if gpu is None else gpu_costs_for(candidate, gpu, stored, profile, engines)
-
-        costs = costs_for(config)
-        placement, prediction = predict(config, nodes, costs, steps)
-        if search:
-            data = read_config_data(config_path)
-            data = apply_overrides(data, dotted_overrides(settings, list(data.get("agents") or {})))
-            found = search_allocations(data, nodes, costs_for, steps)
+        config, overrides = load_with_settings(config_path, settings)
+        summary = plan_capacity(
+            config, apply_overrides(read_config_data(config_path), overrides), ExperienceStore(calibrate), run,
+            cluster=cluster, steps=steps, gpu=gpu, profile=profile, threads_profile=threads_profile,
+            engine_profiles=dict(_agent_file(setting) for setting in engine_profiles), by_length=by_length,
+            search=search)
     except (ConfigError, PlacementError, StoreError, ValueError) as error:
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(2) from None
-    summary = {"step_seconds": prediction.mean_step_seconds, "steps_per_hour": prediction.steps_per_hour,
-               "per_step": prediction.step_seconds, "busy": prediction.busy, "bound": prediction.bound,
-               "staleness": prediction.staleness, "placement": placement.summary(), "costs": costs.source,
-               "assumptions": list(prediction.assumptions)}
-    if by_length:
-        if gpu is None:
-            console.print("[red]--by-length needs --gpu: the ranges come from a GPU's memory[/red]")
-            raise typer.Exit(2)
-        summary["by_length"] = _by_length(config, gpu)
-    if search:
-        summary["search"] = [{"settings": c.settings(), "step_seconds": c.step_seconds,
-                              "steps_per_hour": c.steps_per_hour, "bound": c.bound} for c in found]
     if output == "json":
         print(json.dumps(summary, indent=1))
         return
-    console.print(f"[bold]{config.run}[/bold] on {describe_nodes(nodes)} (costs from {costs.source})")
+    console.print(f"[bold]{config.run}[/bold] on {summary['nodes']} (costs from {summary['costs']})")
     for agent, found in summary.get("by_length", {}).items():
         console.print(f"{agent} by context length on {gpu}: " + "; ".join(found["ranges"]))
         console.print(f"  agents.{agent}.parallelism_by_length: {json.dumps(found['parallelism_by_length'])}",
                       style="dim", soft_wrap=True)
-    console.print(f"predicted step: [bold]{prediction.mean_step_seconds:.2f} s[/bold] "
-                  f"({prediction.steps_per_hour:.0f} steps an hour); bound by {prediction.bound}")
+    console.print(f"predicted step: [bold]{summary['step_seconds']:.2f} s[/bold] "
+                  f"({summary['steps_per_hour']:.0f} steps an hour); bound by {summary['bound']}")
     table = Table("actor or stage", "busy", title="busy share of the simulated time")
-    for name, share in sorted(prediction.busy.items(), key=lambda item: -item[1]):
+    for name, share in sorted(summary["busy"].items(), key=lambda item: -item[1]):
         table.add_row(name, f"{share:.0%}")
     console.print(table)
     console.print("staleness of the sampled turns: " + ", ".join(
-        f"{lag}: {count}" for lag, count in sorted(prediction.staleness.items())))
+        f"{lag}: {count}" for lag, count in sorted(summary["staleness"].items())))
     if search:
         best = Table("steps an hour", "step", "bound", "marl train --set", title="allocations found, best first")
-        for candidate in found:
-            best.add_row(f"{candidate.steps_per_hour:.0f}", f"{candidate.step_seconds:.2f} s", candidate.bound,
-                         " ".join(candidate.settings()) or "(as written)")
+        for candidate in summary["search"]:
+            best.add_row(f"{candidate['steps_per_hour']:.0f}", f"{candidate['step_seconds']:.2f} s",
+                         candidate["bound"], " ".join(candidate["settings"]) or "(as written)")
         console.print(best)
-    console.print("assumptions: " + "; ".join(prediction.assumptions), style="dim")
+    console.print("assumptions: " + "; ".join(summary["assumptions"]), style="dim")
     console.print("a projection by simulation, not a measurement", style="dim")
 
 
@@ -122,23 +88,3 @@ def _agent_file(setting: str) -> tuple[str, str]:
     if not equals or not agent or not path:
         raise ValueError(f"--engine-profile {setting!r}: expected AGENT=FILE")
     return agent, path
-
-
-def _by_length(config, gpu_name: str) -> dict[str, dict]:
-    """Each agent's needs by range of context length (planner/selector.py), and the ``parallelism_by_length`` entries
-    a run applies between steps: its episodes in flight on one replica (``engine.max_outstanding``, else its share of
-    a micro-batch's episodes) at each range's longest context."""
-    import json as json_module
-    from pathlib import Path as PathType
-
-    from marl_pipeline.planner.profiles import gpu as gpu_spec
-    from marl_pipeline.planner.selector import describe, layout_entries, parallelism_by_length
-
-    card, found = gpu_spec(gpu_name), {}
-    episodes = config.pipeline.prompts_per_micro_batch * config.pipeline.samples_per_prompt
-    for agent, settings in config.agents.items():
-        model = json_module.loads((PathType(settings.model) / "config.json").read_text())
-        sequences = settings.engine.max_outstanding or -(-episodes // settings.engine.replicas)
-        ranges = parallelism_by_length(model, card, sequences)
-        found[agent] = {"ranges": describe(ranges), "parallelism_by_length": layout_entries(ranges)}
-    return found

@@ -21,6 +21,14 @@ class CapacityPlanConfig(dg.Config):
     """What a trainer's threads buy on these CPUs (``bench/trainer_threads.py --out``'s file); empty: linear."""
     gpu: str = ""
     """A GPU kind (h100, h200, a100): engine and trainer costs from a roofline on it, the workload from the run."""
+    profile: str = ""
+    """With ``gpu``: the trainers' MFU from this ``bench/gpu_trainer.py --rl`` output instead of the roofline's."""
+    engine_profiles: dict[str, str] = Field(default_factory=dict)
+    """With ``gpu``: agent -> ``bench/engine_profile.py``'s output, that agent's engine costs, not the roofline's."""
+    by_length: bool = False
+    """With ``gpu``: each agent's engine tensor parallelism and trainer workers by range of context length."""
+    search: bool = False
+    """Try allocations (replicas, tensor parallelism, trainer workers, staleness, micro-batches): the best few."""
     steps: int = 5
     """Steps to simulate."""
 
@@ -32,35 +40,25 @@ def capacity_plan(context: dg.AssetExecutionContext, config: CapacityPlanConfig,
     what bounds the step, by a simulation of this orchestrator on its placement plan (a projection, not a
     measurement: the simulation's assumptions are in the metadata)."""
     from assets.plots import busy_png, images_markdown
-    from marl_pipeline.planner.plan import (
-        calibration,
-        describe_nodes,
-        gpu_costs_for,
-        planned_nodes,
-        predict,
-        this_machine,
-    )
-    from marl_pipeline.planner.threads import thread_profile
+    from marl_pipeline.planner.capacity import plan_capacity
 
     settings = experiment.load()
-    here = this_machine()
-    nodes = planned_nodes(config.cluster, settings.ray.address)
-    # the stored runs are taken to have run on this machine
-    threads = thread_profile(config.threads_profile) if config.threads_profile else None
-    costs = calibration(store.open(), config.calibrate_runs or settings.run, here, threads)
-    if config.gpu:
-        costs = gpu_costs_for(settings, config.gpu, costs)
-    placement, prediction = predict(settings, nodes, costs, config.steps)
-    context.log.info(f"capacity plan: {prediction.mean_step_seconds:.2f} s a step on {len(nodes)} node(s), bound "
-                     f"by {prediction.bound} (costs: {costs.source})")
+    summary = plan_capacity(settings, experiment.data()[0], store.open(), config.calibrate_runs or settings.run,
+                            cluster=config.cluster or None, steps=config.steps, gpu=config.gpu or None,
+                            profile=config.profile or None, threads_profile=config.threads_profile or None,
+                            engine_profiles=config.engine_profiles, by_length=config.by_length, search=config.search)
+    context.log.info(f"capacity plan: {summary['step_seconds']:.2f} s a step on {summary['nodes']}, bound by "
+                     f"{summary['bound']} (costs: {summary['costs']})")
+    extra = {key: dg.MetadataValue.json(summary[key]) for key in ("by_length", "search") if key in summary}
     return dg.MaterializeResult(metadata={
-        "step_seconds": dg.MetadataValue.float(round(prediction.mean_step_seconds, 4)),
-        "steps_per_hour": dg.MetadataValue.float(round(prediction.steps_per_hour, 1)),
-        "bound": dg.MetadataValue.text(prediction.bound),
-        "cluster": dg.MetadataValue.text(config.cluster or describe_nodes(nodes)),
-        "costs": dg.MetadataValue.text(costs.source),
-        "staleness": dg.MetadataValue.json({str(k): v for k, v in sorted(prediction.staleness.items())}),
-        "placement": dg.MetadataValue.json(placement.summary()),
-        "busy": images_markdown({"predicted busy share": busy_png(prediction.busy)}),
-        "assumptions": dg.MetadataValue.md("\n".join(f"- {line}" for line in prediction.assumptions)),
+        "step_seconds": dg.MetadataValue.float(round(summary["step_seconds"], 4)),
+        "steps_per_hour": dg.MetadataValue.float(round(summary["steps_per_hour"], 1)),
+        "bound": dg.MetadataValue.text(summary["bound"]),
+        "cluster": dg.MetadataValue.text(config.cluster or summary["nodes"]),
+        "costs": dg.MetadataValue.text(summary["costs"]),
+        "staleness": dg.MetadataValue.json({str(k): v for k, v in sorted(summary["staleness"].items())}),
+        "placement": dg.MetadataValue.json(summary["placement"]),
+        "busy": images_markdown({"predicted busy share": busy_png(summary["busy"])}),
+        "assumptions": dg.MetadataValue.md("\n".join(f"- {line}" for line in summary["assumptions"])),
+        **extra,
     })

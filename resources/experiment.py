@@ -47,7 +47,15 @@ class ExperimentResource(dg.ConfigurableResource):
 
     def load(self):
         """The validated ``ExperimentConfig``; raises ``ConfigError`` naming the bad field."""
-        from marl_pipeline.config import ConfigError, apply_overrides, parse_config, read_config_data
+        from marl_pipeline.config import parse_config
+
+        data, source = self.data()
+        return parse_config(data, source=source)
+
+    def data(self) -> tuple[dict[str, Any], str]:
+        """The experiment's mapping as its file nests it, overrides applied, not yet validated, and where it came
+        from (what a search of allocations varies); raises ``ConfigError`` where it is no mapping."""
+        from marl_pipeline.config import ConfigError, apply_overrides, read_config_data
 
         if self.experiment is not None and self.config_path is not None:
             raise ConfigError("experiment resource: give `config_path` or `experiment` (inline), not both")
@@ -61,4 +69,4 @@ class ExperimentResource(dg.ConfigurableResource):
         overrides = override_data(self.overrides, agents=list(data.get("agents") or {}))
         if overrides:
             data, source = apply_overrides(data, overrides), f"{source} with the run config's overrides"
-        return parse_config(data, source=source)
+        return data, source

@@ -90,10 +90,13 @@ def test_a_stored_launch_calibrates_the_simulation_which_replays_it(local_ray, d
     experiment = ExperimentResource(config_path=str(config_path))
     result = dg.materialize([capacity_plan], resources={"experiment": experiment,
                                                         "store": ExperienceStoreResource(experiment=experiment)},
-                            run_config={"ops": {"capacity_plan": {"config": {"cluster": "2", "steps": 3}}}})
+                            run_config={"ops": {"capacity_plan": {"config": {"cluster": "2", "steps": 3,
+                                                                             "search": True}}}})
     metadata = result.asset_materializations_for_node("capacity_plan")[0].metadata
     assert metadata["step_seconds"].value == pytest.approx(prediction.mean_step_seconds, abs=1e-4)  # one simulation
     assert metadata["bound"].value == prediction.bound and "data:image/png;base64," in metadata["busy"].value
+    found = metadata["search"].value  # the CLI's options, through the same plan_capacity
+    assert found and found[0]["step_seconds"] <= metadata["step_seconds"].value + 1e-9
 
     refused = subprocess.run(
         [sys.executable, "-m", "assets.cli", "plan", str(ROOT / "configs" / "demo.yaml"), "--calibrate",
