@@ -197,5 +197,5 @@ def test_a_sleeping_engine_refuses_requests_until_the_next_version_wakes_it(loca
     local_ray.get(engine.load_weights.remote(local_ray.put(trainer.named_weights()), version + 1))
     woken = local_ray.get(engine.generate_one.remote("woken", GenerationRequest(PROMPT, 1, 4, 1.0)))
     assert woken.version == version + 1
-    ((slept, woke),) = local_ray.get(engine.turns.remote())
+    ((slept, woke),) = local_ray.get(engine.handovers.remote())
     assert slept < woke

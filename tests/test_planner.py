@@ -196,7 +196,7 @@ def test_the_calibration_counts_the_cores_a_trainer_call_had_and_a_swapped_worke
     import pyarrow as pa
 
     from marl_pipeline.planner.costs import _train_overhead
-    from marl_pipeline.planner.threads import Layout, ThreadScaling, core_shares
+    from marl_pipeline.planner.threads import AgentThreads, ThreadScaling, core_shares
 
     def updates(rows: list[tuple]) -> pa.Table:
         step, mb, agent, started, ended, seconds = zip(*rows)
@@ -205,19 +205,19 @@ def test_the_calibration_counts_the_cores_a_trainer_call_had_and_a_swapped_worke
                          "stage_started": pa.array([int(t * 1e6) for t in started], stamp),
                          "stage_ended": pa.array([int(t * 1e6) for t in ended], stamp), "compute_seconds": seconds})
 
-    resident = {agent: Layout(1, 1, 1, f"{agent}/trainer", True) for agent in ("a", "b", "c")}
+    resident = {agent: AgentThreads(1, 1, 1, f"{agent}/trainer", True) for agent in ("a", "b", "c")}
     table = updates([(0, 0, agent, 10.0, 10.5, 0.3) for agent in "abc"] + [(0, 1, "a", 11.0, 11.2, 0.1)])
     assert core_shares(table, resident, cores=2.0) == {(0, 0): pytest.approx(2 / 3), (0, 1): 1.0}
     assert core_shares(table, resident, cores=None) == {}
     crowded = core_shares(table, resident, cores=2.0, scaling=ThreadScaling(crowding=0.5))  # as the cores charge it
     assert crowded == {(0, 0): pytest.approx((2 / 3) ** 1.5), (0, 1): 1.0}
-    on_gpus = {agent: Layout(1, 1, 1, f"{agent}/trainer", False) for agent in "abc"}
+    on_gpus = {agent: AgentThreads(1, 1, 1, f"{agent}/trainer", False) for agent in "abc"}
     assert core_shares(table, on_gpus, cores=2.0) == {}  # a GPU trainer's call does not share the node's cores
-    swapped = {agent: Layout(1, 1, 1, "trainer-worker-0", True) for agent in "ab"}
+    swapped = {agent: AgentThreads(1, 1, 1, "trainer-worker-0", True) for agent in "ab"}
     two = updates([(0, 0, "a", 10.0, 10.5, 0.2), (0, 0, "b", 10.0, 10.5, 0.2)])
     assert core_shares(two, swapped, cores=2.0) == {(0, 0): 1.0}  # one worker: one thread set
     assert _train_overhead(two, swapped) == pytest.approx(0.1, abs=1e-6)
-    assert _train_overhead(two, {agent: Layout(1, 1, 1, f"{agent}/trainer", True) for agent in "ab"}) == (
+    assert _train_overhead(two, {agent: AgentThreads(1, 1, 1, f"{agent}/trainer", True) for agent in "ab"}) == (
         pytest.approx(0.3, abs=1e-6))
 
 

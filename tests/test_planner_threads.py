@@ -12,7 +12,7 @@ import pytest
 import simpy
 
 from marl_pipeline.planner.cores import SharedCores
-from marl_pipeline.planner.threads import Layout, ThreadScaling, thread_profile
+from marl_pipeline.planner.threads import AgentThreads, ThreadScaling, thread_profile
 
 
 def _run(jobs: list[tuple[float, int, float | None]], cores: float,
@@ -100,7 +100,7 @@ def test_a_calls_measured_seconds_come_back_on_its_threads_and_its_work_follows_
                         "stage_ended": pa.array([10_600_000, 11_600_000], stamp),
                         "compute_seconds": [seconds[(0, 0)], seconds[(0, 1)]]})
     computed = {(0, 0, "a"): 100, (0, 1, "a"): 300}
-    layout = Layout(1, 2, 1, "a/trainer", True)
+    layout = AgentThreads(1, 2, 1, "a/trainer", True)
     for scaling in (ThreadScaling(), ThreadScaling((1.0, 1.5))):
         costs = _trainer_costs(updates, "a", layout, computed, [], [], {}, scaling.speedup(2))
         for (_, mb), measured in seconds.items():

@@ -1,4 +1,4 @@
-"""An agent's engine and trainer sharing its GPUs and taking turns (``agents.<a>.colocated``): FlexMARL's
+"""An agent's engine and trainer handing its GPUs over to each other (``agents.<a>.colocated``): FlexMARL's
 agent-centric allocation, what verl's hybrid engine and OpenRLHF's colocated mode do for one policy.
 
 Placement (the specs' ``colocation_group``, cluster/specs.py): one placement group per such agent, G one-GPU bundles
@@ -6,9 +6,9 @@ on one node (``STRICT_PACK``), G being its ``trainer.workers`` and its engine's 
 k reserves half of bundle k's GPU; the engine half of bundle 0's, or, split over G GPUs, its vLLM workers half of
 each (vLLM's ``VLLM_RAY_PER_WORKER_GPUS`` and ``VLLM_RAY_BUNDLE_INDICES``, which OpenRLHF sets the same way). Ray
 then shows engine rank k and trainer rank k the same GPU. The halves are Ray's bookkeeping: the memory is shared by
-taking turns.
+handing it over.
 
-Turns, with ``pipeline.mode: synchronous`` (a whole step's rollout, then its training; the config refuses
+Hand-overs, with ``pipeline.mode: synchronous`` (a whole step's rollout, then its training; the config refuses
 streaming): before the agent's first training call of a step its engine sleeps (vLLM's sleep level 1 on a GPU:
 KV cache freed, weights to host memory; on a CPU level 0, its scheduler paused) and its trainer moves its state
 back onto the GPUs; after the step's optimizer step, weight export and checkpoint, the trainer moves its weights,
@@ -24,7 +24,7 @@ import ray
 from marl_pipeline.config import ExperimentConfig
 
 
-class Turns:
+class GpuHandover:
     """The orchestrator's side: the calls that hand a colocated agent's GPUs from its engine to its trainer and
     back (nothing for the other agents)."""
 
@@ -48,10 +48,10 @@ class Turns:
         if agent in self.agents:
             self.trainers[agent].offload.remote()
 
-    def last_turn(self, agent: str) -> tuple[float, float] | None:
+    def last(self, agent: str) -> tuple[float, float] | None:
         """When a colocated agent's engine last slept and woke (its GPUs lent to the trainer for the version just
         served), as its policy's timing record keeps it; None for the other agents."""
         if agent not in self.agents:
             return None
-        turns = ray.get(self.engines[agent].primary().turns.remote())
-        return turns[-1] if turns else None
+        handovers = ray.get(self.engines[agent].primary().handovers.remote())
+        return handovers[-1] if handovers else None

@@ -63,7 +63,7 @@ class AsyncRolloutEngine:
         self._receiver: Endpoint | None = None  # this replica's side of its agent's weight broadcasts
         self._received: tuple[int, list] | None = None  # (version, named tensors) received, until served
         self._asleep_since: float | None = None  # engine thread only: when it last slept, while asleep
-        self._turns: list[tuple[float, float]] = []  # (slept, woke) times: the GPUs lent to its trainer
+        self._handovers: list[tuple[float, float]] = []  # (slept, woke) times: the GPUs lent to its trainer
         # The engine is built (and warmed up, as the batched RolloutEngine builds it) on the thread that steps it:
         # OpenMP's thread count is per thread, and vLLM's CPU attention fails a step computed with another count
         # than the one it was set up with ("Check failed: input->metadata->thread_num == thread_num (1 vs. 2)").
@@ -163,9 +163,9 @@ class AsyncRolloutEngine:
         if isinstance(result, BaseException):
             raise result
 
-    async def turns(self) -> list[tuple[float, float]]:
+    async def handovers(self) -> list[tuple[float, float]]:
         """When it slept and woke (``time.time()``), each time, for the run's timing and its tests."""
-        return list(self._turns)
+        return list(self._handovers)
 
     async def receive_weights(self, group: SyncGroup, rank: int, layout: Layout, version: int) -> int:
         """Receive ``version``'s weights from the agent's trainer as ``rank`` of ``group`` (policy/transfer.py) while
@@ -369,7 +369,7 @@ class AsyncRolloutEngine:
         try:
             if self._asleep_since is not None:  # woken by the version its trainer made meanwhile
                 self._core.wake_up(None if self._engine.sleep_level else ["scheduling"])
-                self._turns.append((self._asleep_since, time.time()))
+                self._handovers.append((self._asleep_since, time.time()))
                 self._asleep_since = None
             self._engine.load_weights(reload.named_tensors, reload.version)
         except Exception as error:

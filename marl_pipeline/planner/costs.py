@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from marl_pipeline.planner.cpu import driver_rates, nonnegative_fit
-from marl_pipeline.planner.threads import Layout, ThreadScaling, core_shares, worker_of
+from marl_pipeline.planner.threads import AgentThreads, ThreadScaling, core_shares, worker_of
 from marl_pipeline.run.pipeline_metrics import Span, spans_from_store, version_timings
 from marl_pipeline.store import ExperienceStore
 
@@ -104,7 +104,7 @@ def epoch_seconds(column) -> np.ndarray:
     return pc.cast(column, "int64").to_numpy(zero_copy_only=False) / 1e6
 
 
-def calibrate(store: ExperienceStore, run: str, layouts: dict[str, Layout], cores: float | None = None,
+def calibrate(store: ExperienceStore, run: str, layouts: dict[str, AgentThreads], cores: float | None = None,
               threads: ThreadScaling | None = None) -> Costs:
     """Fit the costs from run ``run``'s stored partitions and policy versions; ``layouts``: each agent's threads and
     replicas in that run, which turn stored seconds into core-seconds and a sync into a sync per replica; ``cores``:
@@ -261,7 +261,7 @@ def _overlaps(start: float, end: float, intervals: list[tuple[float, float]]) ->
     return any(begin < end and start < finish for begin, finish in intervals)
 
 
-def _trainer_costs(updates, agent: str, layout: Layout, computed: dict[tuple, int],
+def _trainer_costs(updates, agent: str, layout: AgentThreads, computed: dict[tuple, int],
                    rollout_spans: list[tuple[float, float]], timings: list[dict],
                    shares: dict[tuple, float], speedup: float) -> TrainerCosts:
     """``computed``: the tokens a trainer computes for each (step, micro-batch, agent): its turns' prompts and
@@ -340,7 +340,7 @@ def _rollout_overhead(rollouts) -> float:
     return float(np.median([max((e - b) - (te - ts), 0.0) for b, e, ts, te in spans.values()]))
 
 
-def _train_overhead(updates, layouts: dict[str, Layout]) -> float:
+def _train_overhead(updates, layouts: dict[str, AgentThreads]) -> float:
     """Median over micro-batches of the train stage's span less its calls': the longest trainer's, where a trainer
     serving several agents (swapped) takes their calls one after another."""
     spans: dict[tuple, list] = {}

@@ -14,7 +14,7 @@ from marl_pipeline.cluster.placement import PlacementPlan, plan_placement
 from marl_pipeline.config import ExperimentConfig, parse_config
 from marl_pipeline.planner.costs import Costs, calibrate, pooled
 from marl_pipeline.planner.simulate import Prediction, simulate
-from marl_pipeline.planner.threads import Layout, ThreadScaling
+from marl_pipeline.planner.threads import AgentThreads, ThreadScaling
 from marl_pipeline.run.launches import launch_history
 from marl_pipeline.store import ExperienceStore
 
@@ -66,7 +66,7 @@ def describe_nodes(nodes: list[dict[str, float]]) -> str:
                       for (cpus, gpus), count in kinds.items())
 
 
-def layouts(plan: PlacementPlan) -> dict[str, Layout]:
+def agent_threads(plan: PlacementPlan) -> dict[str, AgentThreads]:
     """Each agent's engine and trainer threads and engine replicas, as the plan's specs give them."""
     result = {}
     for agent in plan.engine_sets:
@@ -75,7 +75,7 @@ def layouts(plan: PlacementPlan) -> dict[str, Layout]:
         trainer = next((spec.parts[1] if spec.parts else spec for spec in plan.agent_specs(agent, "trainer")), None)
         if trainer is None:  # swapped: the worker that serves it
             trainer = next(spec for spec in plan.specs if spec.role == "trainer-worker" and agent in spec.loads)
-        result[agent] = Layout(first.threads, trainer.threads, len(engines), trainer.name, trainer.gpus == 0)
+        result[agent] = AgentThreads(first.threads, trainer.threads, len(engines), trainer.name, trainer.gpus == 0)
     return result
 
 
@@ -94,7 +94,7 @@ def calibration(store: ExperienceStore, run: str | list[str], nodes: list[dict[s
         raise ValueError(f"run {run!r} has no recorded launch in {store.config.uri}")
     config = parse_config(configs[launches[-1]["config"]])
     cores = nodes[0].get("CPU") if len(nodes) == 1 else None  # on several nodes: as many as asked for (stated)
-    return calibrate(store, run, layouts(plan_placement(config, nodes)), cores, threads)
+    return calibrate(store, run, agent_threads(plan_placement(config, nodes)), cores, threads)
 
 
 def predict(config: ExperimentConfig, nodes: list[dict[str, float]], costs: Costs,

@@ -1,5 +1,5 @@
-"""An actor's threads: those the calibration run gave it (``Layout``), the share of the node's cores its trainer calls
-had (``core_shares``), and what more threads buy a trainer (``ThreadScaling``), measured by
+"""An actor's threads: those the calibration run gave it (``AgentThreads``), the share of the node's cores its trainer
+calls had (``core_shares``), and what more threads buy a trainer (``ThreadScaling``), measured by
 ``bench/trainer_threads.py --out`` rather than taken as linear: work of W seconds on one thread takes
 ``W / speedup(T)`` on T free cores and keeps all T busy meanwhile (the threads spin while the ops divide badly). On the
 planner bench's tiny model a second thread buys 1.5x, not 2x (BENCHMARKS.md, planner-error).
@@ -90,7 +90,7 @@ def thread_profile(path: str | Path) -> ThreadScaling:
 
 
 @dataclass(frozen=True)
-class Layout:
+class AgentThreads:
     """What the calibration run gave an agent: its engine's and trainer's threads (its specs'), its replicas, the
     trainer actor its calls ran on (a swapped worker serves several agents' calls one at a time), and whether that
     trainer computed on the node's cores (not a GPU)."""
@@ -102,13 +102,13 @@ class Layout:
     trainer_on_cores: bool = False
 
 
-def worker_of(layouts: dict[str, Layout], agent: str) -> str:
+def worker_of(layouts: dict[str, AgentThreads], agent: str) -> str:
     """The trainer actor an agent's calls ran on (a swapped worker is shared; unknown: the agent's own)."""
     layout = layouts.get(agent)
     return layout.trainer if layout is not None and layout.trainer else agent
 
 
-def core_shares(updates, layouts: dict[str, Layout], cores: float | None,
+def core_shares(updates, layouts: dict[str, AgentThreads], cores: float | None,
                 scaling: ThreadScaling | None = None) -> dict[tuple, float]:
     """Per (step, micro-batch): the share of its threads each trainer call on the node's cores had, with the other
     trainers' calls of the micro-batch at once (those of one actor run one after another: one thread set). The train

@@ -32,7 +32,7 @@ from functools import partial
 import pyarrow as pa
 import ray
 
-from marl_pipeline.cluster.colocation import Turns
+from marl_pipeline.cluster.colocation import GpuHandover
 from marl_pipeline.cluster.cores import cpu_seconds
 from marl_pipeline.cluster.spawn import Workers
 from marl_pipeline.config import ExperimentConfig
@@ -131,7 +131,7 @@ class Orchestrator:
         self._last_step_end: float | None = None  # when the previous StepFinished was put (None: none yet)
         # Per step, per agent stepped here: its trainer's figures of the optimizer step (health's TRAINER_SIGNALS).
         self._trained: dict[int, dict[str, dict[str, float]]] = defaultdict(dict)
-        self.turns = Turns(config, workers.engines, workers.trainers)  # agents whose engine and trainer share GPUs
+        self.handover = GpuHandover(config, workers.engines, workers.trainers)  # engine and trainer sharing GPUs
         for agent, replicas in workers.engines.items():  # a replica's death and restart, to the caller's log
             replicas.listener = partial(self._replica_changed, agent)
 
@@ -266,7 +266,7 @@ class Orchestrator:
                         arrived.add(item)
                     arrived.discard(key)
                     if key.micro_batch == 0:  # the step's whole rollout is done (synchronous, for colocated agents)
-                        self.turns.to_trainer(learners)
+                        self.handover.to_trainer(learners)
                     # A committed partition (resumed launch) is not re-committed, but agents still on this
                     # step rebuild its gradient: gradients are not checkpointed.
                     if not self._run_stage(
@@ -284,7 +284,7 @@ class Orchestrator:
                     weights = (trainer.stage_weights if self._broadcast else trainer.named_weights).remote()
                     saved = (trainer.save_version.remote(step + 1)
                              if self.config.pipeline.checkpoint_due(step, self.last_step) else None)
-                    self.turns.to_engine(agent)
+                    self.handover.to_engine(agent)
                     publish[agent].put(PendingStep(step, applied, weights, saved, time.time(), settings))
                     version[agent] = step + 1
         finally:
@@ -315,7 +315,7 @@ class Orchestrator:
                 upload = ray.get(pending.saved)
                 timing = StageTiming(pending.enqueued, started, time.time())
                 record = json.dumps({"step": pending.step, **asdict(timing), "apply_seconds": applied - started,
-                                     "sync_seconds": synced - applied, "engine_asleep": self.turns.last_turn(agent),
+                                     "sync_seconds": synced - applied, "engine_asleep": self.handover.last(agent),
                                      "driver_messages": rollout_messages(), **asdict(result),
                                      **cpu_seconds(replicas.handles(), self.workers.trainers[agent])}).encode()
                 self.recent.flush()  # the step's partitions are durable before the version that trained on them
