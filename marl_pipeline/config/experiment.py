@@ -263,7 +263,7 @@ def validated_overrides(overrides: Mapping[str, Any], config: ExperimentConfig) 
 
 def _held(overrides: Any, held: Any) -> Any:
     if isinstance(overrides, Mapping) and isinstance(held, Mapping):
-        return {key: _held(value, held[key]) for key, value in overrides.items()}
+        return {key: _held(value, held[key]) if key in held else value for key, value in overrides.items()}
     if isinstance(held, Mapping):  # a value the models read as a mapping: its set fields
         return {key: _held(value, value) for key, value in held.items() if value is not None}
     return held
