@@ -20,7 +20,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from assets.plan_cli import plan
-from marl_pipeline.config import ConfigError, load_with_settings
+from marl_pipeline.config import ConfigError, apply_settings, read_config_data
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train teams of LLM agents with RL.")
 console = Console()
@@ -70,7 +70,7 @@ def _dagster_home() -> Path:
 def train_run_config(config_path: Path, settings: list[str]):
     """The experiment CONFIG with ``--set`` KEY=VALUE settings, validated, and the train job's ``experiment``
     resource config that gives a run the same: the file and the settings as the launchpad's ``overrides``."""
-    config, overrides = load_with_settings(config_path, settings)
+    config, overrides = apply_settings(read_config_data(config_path), str(config_path), settings)
     return config, {"config_path": str(config_path), **({"overrides": overrides} if overrides else {})}
 
 

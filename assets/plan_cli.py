@@ -43,14 +43,15 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
     """Predict an experiment's step time, each actor's busy share and the staleness of its turns, by simulating
     this orchestrator on its placement plan with costs fitted from a stored run. A projection, not a measurement."""
     from marl_pipeline.cluster.placement import PlacementError
-    from marl_pipeline.config import ConfigError, apply_overrides, load_with_settings, read_config_data
+    from marl_pipeline.config import ConfigError, apply_overrides, apply_settings, read_config_data
     from marl_pipeline.planner.capacity import plan_capacity
     from marl_pipeline.store import ExperienceStore, StoreError
 
     try:
-        config, overrides = load_with_settings(config_path, settings)
+        data = read_config_data(config_path)  # once: the search varies the mapping the config was made from
+        config, overrides = apply_settings(data, str(config_path), settings)
         summary = plan_capacity(
-            config, apply_overrides(read_config_data(config_path), overrides), ExperienceStore(calibrate), run,
+            config, apply_overrides(data, overrides), ExperienceStore(calibrate), run,
             cluster=cluster, steps=steps, gpu=gpu, profile=profile, threads_profile=threads_profile,
             engine_profiles=dict(_agent_file(setting) for setting in engine_profiles), by_length=by_length,
             search=search)

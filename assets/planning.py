@@ -40,10 +40,12 @@ def capacity_plan(context: dg.AssetExecutionContext, config: CapacityPlanConfig,
     what bounds the step, by a simulation of this orchestrator on its placement plan (a projection, not a
     measurement: the simulation's assumptions are in the metadata)."""
     from assets.plots import busy_png, images_markdown
+    from marl_pipeline.config import parse_config
     from marl_pipeline.planner.capacity import plan_capacity
 
-    settings = experiment.load()
-    summary = plan_capacity(settings, experiment.data()[0], store.open(), config.calibrate_runs or settings.run,
+    data, source = experiment.data()  # read once: the search varies the mapping the config is made from
+    settings = parse_config(data, source=source)
+    summary = plan_capacity(settings, data, store.open(), config.calibrate_runs or settings.run,
                             cluster=config.cluster or None, steps=config.steps, gpu=config.gpu or None,
                             profile=config.profile or None, threads_profile=config.threads_profile or None,
                             engine_profiles=config.engine_profiles, by_length=config.by_length, search=config.search)

@@ -240,17 +240,16 @@ def dotted_overrides(settings: list[str], agents: list[str]) -> dict[str, Any]:
     return overrides
 
 
-def load_with_settings(path: str | Path, settings: list[str]) -> tuple[ExperimentConfig, dict[str, Any]]:
-    """The experiment file at ``path`` with ``KEY=VALUE`` settings (``marl train --set``) applied, validated, and the
-    settings as overrides nested like the file, each value as the validated experiment holds it
+def apply_settings(data: Any, source: str, settings: list[str]) -> tuple[ExperimentConfig, dict[str, Any]]:
+    """Experiment ``data`` (read from ``source``) with ``KEY=VALUE`` settings (``marl train --set``) applied,
+    validated, and the settings as overrides nested like the file, each value as the validated experiment holds it
     (:func:`validated_overrides`); ``{}`` when there are none."""
-    data = read_config_data(path)
     if not settings:
-        return parse_config(data, source=str(path)), {}
+        return parse_config(data, source=source), {}
     if not isinstance(data, dict):
-        raise ConfigError(f"invalid config {path}: expected a mapping at the top level")
+        raise ConfigError(f"invalid config {source}: expected a mapping at the top level")
     overrides = dotted_overrides(settings, list(data.get("agents") or {}))
-    config = parse_config(apply_overrides(data, overrides), source=f"{path} with --set {' '.join(settings)}")
+    config = parse_config(apply_overrides(data, overrides), source=f"{source} with --set {' '.join(settings)}")
     return config, validated_overrides(overrides, config)
 
 
