@@ -39,10 +39,33 @@ LAUNCH_FIXTURES = {"local_ray", "smollm2_dir"}
 markers), marked or not."""
 
 
+_RAY_MODULES: set[str] = set()
+"""The modules with a test on the shared ``local_ray`` (as a parameter, or asked for by name): they run one after
+another, on one Ray while it stays clean (see ``local_ray``)."""
+_SHARED_RAY: list = []  # the ray module while the shared local Ray runs
+
+
+def _stop_shared_ray() -> None:
+    if _SHARED_RAY:
+        _SHARED_RAY.pop().shutdown()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if LAUNCH_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if LAUNCH_FIXTURES & fixtures:
             item.add_marker(pytest.mark.launch)
+        if "local_ray" in fixtures:
+            _RAY_MODULES.add(item.module.__name__)
+    # A stable sort keeps each module's tests together and in order; the modules on the shared Ray come last.
+    items.sort(key=lambda item: item.module.__name__ in _RAY_MODULES)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A module that does not use ``local_ray`` runs without it: it may start a Ray of its own, in-process or in
+    the CLI, or assert that none is running."""
+    if item.module.__name__ not in _RAY_MODULES:
+        _stop_shared_ray()
 
 
 _TORCH_THREADS: list[int] = []  # torch's intra-op threads as the first test found them
@@ -121,16 +144,44 @@ def smollm2_dir(tmp_path_factory) -> Path:
     return Path(resolve_model_source("smollm2-135m-instruct", tmp_path_factory.mktemp("models")))
 
 
+def _ray_is_idle(ray, wait_s: float = 10.0) -> bool:
+    """Every CPU of the cluster free again, as a fresh ``ray.init`` has them (killed actors give theirs back
+    within a second or two): no actor, placement group or task of one module is left to the next."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while ray.available_resources().get("CPU") != ray.cluster_resources().get("CPU"):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 @pytest.fixture(scope="module")
-def local_ray():
+def local_ray(request):
+    """A real local Ray of 2 CPUs. The modules that use it run one after another (``pytest_collection_modifyitems``)
+    and share one Ray while each leaves it idle: starting and stopping it was 5 s a module. One that leaves an actor
+    or a reservation behind stops it, and the next module starts a fresh one."""
     import ray
 
     from marl_pipeline.cluster import warm_actors
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    _RAY_MODULES.add(request.module.__name__)  # asked for by name in a test, it serves the rest of the module too
+    if not _SHARED_RAY:
+        if ray.is_initialized():
+            ray.shutdown()
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        _SHARED_RAY.append(ray)
     yield ray
     warm_actors.stop_idle()
-    ray.shutdown()
+    if not ray.is_initialized():
+        _SHARED_RAY.clear()
+    elif not _ray_is_idle(ray):
+        _stop_shared_ray()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _stop_shared_ray()
 
 
 @pytest.fixture(scope="session")
