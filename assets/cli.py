@@ -135,7 +135,10 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
         console.print(f"[red]train job failed[/red] (run {run_id}); see `dagster dev -w workspace.yaml`")
         for event in result.all_events:
             if event.is_step_failure and event.step_failure_data:
-                console.print(event.step_failure_data.error.to_string() if event.step_failure_data.error else "")
+                failure, told = event.step_failure_data, event.step_failure_data.user_failure_data
+                # a dg.Failure the op raised says what happened (health.on_collapse: stop); an error shows its trace
+                console.print(told.description if told is not None and told.description else
+                              failure.error.to_string() if failure.error else "")
         raise typer.Exit(1)
     from marl_pipeline.store import ExperienceStore
 

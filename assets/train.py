@@ -47,6 +47,7 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
     with collector_paused():  # torch's import, among others (marl_pipeline/cluster/heap.py)
         from marl_pipeline.run.cards import card_summary
         from marl_pipeline.run.events import (
+            CollapseStopped,
             EvaluationCommitted,
             LayoutChanged,
             PolicyCommitted,
@@ -146,6 +147,9 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
             launches = launch_history(store, config.run)[0]  # planned: this launch is in it
             _fail_dead_predecessors(context, config.run, event.plan.resumed)
             _log_start(context, config, event)
+        elif isinstance(event, CollapseStopped):  # the Dagster run fails with the reason; the launch resumes later
+            raise dg.Failure(description=event.reason(), metadata={"step": event.step, "agents": ", ".join(
+                event.agents)})
         elif isinstance(event, RunFinished):
             launch = timeline.timeline()
             report, metadata = run_report(event, launch)

@@ -1,4 +1,4 @@
-"""Fit the planner's crowding exponent (planner/cores.py) on finished runs of bench/planner.py.
+"""Fit the planner's crowding exponent (planner/shared_cores.py) on finished runs of bench/planner.py.
 
 The simulation shares a node's cores fairly among the threads that want them; on this 2-core host the launches with
 most processes (two replicas an agent, staleness 1) ran slower than that predicts, their trainer calls and turns

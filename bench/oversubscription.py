@@ -1,5 +1,5 @@
 """What a node's cores deliver when more single-threaded processes compute than it has cores: the planner's
-simulation shares them by processor sharing with nothing lost (planner/cores.py); this measures what is lost.
+simulation shares them by processor sharing with nothing lost (planner/shared_cores.py); this measures what is lost.
 
     .venv/bin/python bench/oversubscription.py --seconds 8
     .venv/bin/python bench/oversubscription.py --workload train --seconds 10 --processes 2 3 4 5 6 8 10

@@ -353,7 +353,7 @@ def main() -> None:
                                                               "--replay the run's own, where it has one).")
     parser.add_argument("--linear-threads", action="store_true", help="No thread profile: T threads T times as "
                                                                       "fast (the model before 2026-11-28).")
-    parser.add_argument("--crowding", type=float, help="The host's crowding exponent (planner/cores.py; "
+    parser.add_argument("--crowding", type=float, help="The host's crowding exponent (planner/shared_cores.py; "
                         "bench/crowding.py fits it from finished runs) in place of the thread profile's (none: 0).")
     args = parser.parse_args()
     if args.crowding is not None and not 0 <= args.crowding <= 2:

@@ -227,7 +227,8 @@ def long_tail(ray, model_dir: str, args) -> dict[str, float]:
         cap=args.max_model_len // 2)
     ray.get(actor.policy_version.remote())
     engines = {"writer": actor, "checker": actor}
-    settings = RolloutSettings(SEED, args.tail_prompts, args.tail_samples, args.max_tokens, 1.0)
+    settings = RolloutSettings(SEED, args.tail_prompts, args.tail_samples, dict.fromkeys(engines, args.max_tokens),
+                               dict.fromkeys(engines, 1.0))
     episodes = args.tail_prompts * args.tail_samples
     modes = {"turn-batched": lambda env, key: rollout_micro_batch(env, engines, key, settings),
              "trajectory": lambda env, key: rollout_trajectories(env, engines, key, settings, RolloutConfig())}

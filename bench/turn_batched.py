@@ -44,7 +44,7 @@ def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHand
         seeds = turn_seeds(settings.seed, key, turn, len(episodes))
         start = datetime.now(UTC)
         version, completions = ray.get(engines[role].generate.remote(
-            [settings.request(request, seed, adapters[turn]) for request, seed in zip(requests, seeds)]))
+            [settings.request(role, request, seed, adapters[turn]) for request, seed in zip(requests, seeds)]))
         for e, ((p, trajectory, task), request, completion) in enumerate(zip(episodes, requests, completions)):
             chats.record(e, role, completion.text, completion.response_ids)
             asked = time.perf_counter()

@@ -55,7 +55,8 @@ def _drift(model, base, chat: ChatTokenizer, questions, settings: EvaluationSett
     prompts = [chat.first_ids(messages) for messages in questions]
     eos = chat.tokenizer.eos_token_id
     torch.manual_seed(2)
-    replies = sample_replies(base, prompts, max_new_tokens=settings.max_new_tokens, temperature=1.0, eos=eos, pad=eos)
+    replies = sample_replies(base, prompts, max_new_tokens=settings.max_new_tokens["verifier"], temperature=1.0,
+                             eos=eos, pad=eos)
     input_ids, attention_mask, mask = pad_sequences(prompts, replies, eos)
     return float(((token_logprobs(base, input_ids, attention_mask) - token_logprobs(model, input_ids, attention_mask))
                   * mask).sum() / mask.sum())
@@ -66,14 +67,14 @@ def measure(model, env, chat: ChatTokenizer, settings: EvaluationSettings, sampl
     model.eval()
     cases = evaluation_cases(env, "verifier", settings)
     questions = [env.render_prompt("verifier", case.task, list(case.transcript)) for case in cases]
-    workings = _replies(model, chat, questions, greedy=True, max_new_tokens=settings.max_new_tokens)
+    workings = _replies(model, chat, questions, greedy=True, max_new_tokens=settings.max_new_tokens["verifier"])
     played = [replace(case, transcript=[*case.transcript, Turn("verifier", working)])
               for case, working in zip(cases, workings)]
     asks = [env.render_prompt("verifier", case.task, case.transcript) for case in played]
-    verdicts = _replies(model, chat, asks, greedy=True, max_new_tokens=settings.max_new_tokens)
+    verdicts = _replies(model, chat, asks, greedy=True, max_new_tokens=settings.max_new_tokens["verifier"])
     metrics = env.evaluate("verifier", played, verdicts)
     sampled = _replies(model, chat, [q for q in questions for _ in range(samples)], greedy=False,
-                       max_new_tokens=settings.max_new_tokens)
+                       max_new_tokens=settings.max_new_tokens["verifier"])
     tasks = [case.task for case in cases for _ in range(samples)]
     metrics["working_accuracy_t1"] = float(np.mean([env.grade(task, text) >= 1 for task, text in zip(tasks, sampled)]))
     metrics["working_drift"] = _drift(model, base, chat, questions, settings) if base is not None else 0.0
@@ -96,7 +97,8 @@ def _own_working_examples(model, env, chat: ChatTokenizer, config, *, count: int
     tasks = env.sample_tasks(rng, count)
     episodes = [env.episode_task(task, index) for index, task in enumerate(tasks)]
     questions = [env.render_prompt("verifier", episode, []) for episode in episodes]
-    workings = _replies(model, chat, questions, greedy=False, max_new_tokens=config.algorithm.max_new_tokens)
+    workings = _replies(model, chat, questions, greedy=False,
+                        max_new_tokens=config.algorithm_of("verifier").max_new_tokens)
     examples = []
     for episode, question, working in zip(episodes, questions, workings):
         if rng.random() < share:
@@ -141,8 +143,8 @@ def main() -> None:
         examples = (_own_working_examples(model, env, chat, config, count=600, share=share) if args.own_workings
                     else env.warmup_examples("verifier", np.random.default_rng(1), 4000))
         losses = supervised_warmup(trainer, examples, steps=args.steps, batch_size=args.batch_size, seed=1,
-                                   max_new_tokens=config.algorithm.max_new_tokens,
-                                   temperature=config.algorithm.temperature)
+                                   max_new_tokens=config.algorithm_of("verifier").max_new_tokens,
+                                   temperature=config.algorithm_of("verifier").temperature)
         seconds = time.perf_counter() - start
         print(f"rehearse {share}, lr {lr}: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {seconds:.0f} s", flush=True)
         rows.append((f"rehearse {share}, lr {lr}", measure(model, env, chat, settings, args.samples, base), seconds))

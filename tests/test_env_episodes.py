@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections import defaultdict
 
 import pytest
 
@@ -35,7 +36,8 @@ def engine(local_ray, tiny_model_dir):
     local_ray.kill(handle)
 
 
-SETTINGS = RolloutSettings(seed=0, prompts_per_micro_batch=2, samples_per_prompt=2, max_new_tokens=8, temperature=1.0)
+SETTINGS = RolloutSettings(seed=0, prompts_per_micro_batch=2, samples_per_prompt=2,  # every role of every env alike
+                           max_new_tokens=defaultdict(lambda: 8), temperature=defaultdict(lambda: 1.0))
 
 
 def _episode(env, engine, pool):

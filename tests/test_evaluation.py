@@ -27,7 +27,7 @@ from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from tests.conftest import small_config_data
 
 ENV = ArithmeticCheck(ArithmeticOptions(max_operand=9))
-SETTINGS = EvaluationSettings(seed=0, cases_per_agent=40, max_new_tokens=4)
+SETTINGS = EvaluationSettings(seed=0, cases_per_agent=40, max_new_tokens={"solver": 4, "verifier": 4})
 
 
 def test_answer_statistics_by_hand() -> None:

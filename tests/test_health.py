@@ -12,6 +12,8 @@ import pytest
 
 from marl_pipeline.config import HealthConfig
 from marl_pipeline.stages.health import (
+    COLLAPSING,
+    ONE_ANSWER_PAID,
     PERF_SIGNALS,
     collapse_warnings,
     groups_note,
@@ -262,3 +264,81 @@ def test_groups_short_of_n_and_dropped_episodes_by_hand(tmp_path: Path, capsys) 
         console.width = width
     shown = capsys.readouterr().out
     assert "…" not in shown and "step 0: over-sampling dropped 2 episodes, 1 group short of n by 1 episode" in shown
+
+
+def _one_answer_steps(answer: str, right: list[bool], steps: int = 3) -> list[pa.Table]:
+    """Steps of a verifier giving ``answer`` to every prompt (one sample each), rewarded 1 where ``right``; each turn
+    and its reward carry a ``sample_id``, as stored."""
+    tables = []
+    for step in range(steps):
+        rollouts = [{**_turn("verifier", f"s{step}-g{k}", answer, [-0.1]), "sample_id": f"s{step}-{k}"}
+                    for k in range(len(right))]
+        rewards = [{"agent": "verifier", "group_id": f"s{step}-g{k}", "sample_id": f"s{step}-{k}",
+                    "reward": float(ok)} for k, ok in enumerate(right)]
+        tables.append(health_table(rollouts, rewards, [], {"verifier": step + 1}, {}))
+    return tables
+
+
+def test_one_answer_to_everything_is_collapse_where_it_leaves_reward_and_convergence_where_it_is_right(
+        tmp_path: Path) -> None:
+    """The 3-agent plugin of issue 72: its checker said "no" to everything, right where the solver erred (60% here):
+    collapse. Its reporter said "none" to everything, right on 99% of its prompts because the checker said no:
+    convergence. A checker paid for "yes" whatever it is shown earns the best reward with one answer too."""
+    settings = HealthConfig()
+    checker = _one_answer_steps("no", [k < 60 for k in range(100)])
+    assert [row["top_answer_reward"] for table in checker for row in table.to_pylist()] == pytest.approx([0.6] * 3)
+    assert {row["reward_max"] for table in checker for row in table.to_pylist()} == {1.0}
+    (collapse,) = [w for w in collapse_warnings(recent_health(_stored(tmp_path / "c", "c", checker), "c", 2, 3),
+                                                settings) if "response" in w]
+    assert collapse.startswith(f"verifier {COLLAPSING}: the same response is 1.00, 1.00, 1.00")
+    assert "that response earns 0.60 where the best turns earned 1.00 (health.converged_margin: 0.05)" in collapse
+    reporter = _one_answer_steps("none", [k != 0 for k in range(100)])
+    (converged, flat) = collapse_warnings(recent_health(_stored(tmp_path / "r", "r", reporter), "r", 2, 3), settings)
+    assert converged.startswith(f"verifier {ONE_ANSWER_PAID}: the same response is 1.00, 1.00, 1.00")
+    assert "earns 0.99 where the best turns earned 1.00" in converged and COLLAPSING not in converged
+    assert "almost no learning signal" in flat  # every group of one sample: true, and only a warning
+    (paid,) = [w for w in collapse_warnings(recent_health(_stored(tmp_path / "p", "p", _one_answer_steps(
+        "yes", [True] * 100)), "p", 2, 3), settings) if "response" in w]
+    assert paid.startswith(f"verifier {ONE_ANSWER_PAID}")
+    # the margin is a setting: at 0.5 the checker's 0.4 untaken is convergence too
+    assert all(COLLAPSING not in w for w in collapse_warnings(
+        recent_health(_stored(tmp_path / "c2", "c", checker), "c", 2, 3), HealthConfig(converged_margin=0.5)))
+
+
+def test_a_stopping_launch_reads_collapse_before_the_steps_update_from_its_partitions(
+        tmp_path: Path, demo_config_data: dict) -> None:
+    """``health.on_collapse: stop`` decides at the train stage, before the step's update: the step's health comes
+    from its committed partitions (its own ``health`` is committed only after the update), the steps before from the
+    store, and only collapse stops, not one answer that is paid for."""
+    from marl_pipeline.config import parse_config
+    from marl_pipeline.stages.health import stopping_collapse
+
+    store = ExperienceStore(tmp_path / "store")
+    checker = _one_answer_steps("no", [k < 6 for k in range(10)])
+    for step, table in enumerate(checker[:2]):
+        store.commit("health", MicroBatchKey("demo", step, 0), table)
+    key = MicroBatchKey("demo", 2, 0)  # step 2: its partitions, not its health
+    rollouts = pa.Table.from_pylist([{**_turn("verifier", f"s2-g{k}", "no", [-0.1]), "sample_id": f"s2-{k}"}
+                                     for k in range(10)])
+    rewards = pa.Table.from_pylist([{"agent": "verifier", "group_id": f"s2-g{k}", "sample_id": f"s2-{k}",
+                                     "reward": float(k < 6)} for k in range(10)])
+
+    class Partitions:  # what the orchestrator's RecentCommits answers for step 2 (the rest: the store)
+        def is_committed(self, stage: str, at: MicroBatchKey) -> bool:
+            return (at == key and stage != "health") or store.is_committed(stage, at)
+
+        def read(self, stage: str, at: MicroBatchKey, columns: list[str] | None = None) -> pa.Table:
+            if at != key:
+                return store.read(stage, at, columns=columns)
+            table = {"rollouts": rollouts, "rewards": rewards}.get(stage)
+            if table is None:  # policy_updates: none yet
+                return pa.Table.from_pylist([], schema=pa.schema([(name, pa.float64()) for name in columns]))
+            return table.select([name for name in columns if name in table.column_names])
+
+    data = {**demo_config_data, "store": str(tmp_path / "store"), "pipeline": {
+        **demo_config_data["pipeline"], "micro_batches_per_step": 1}}
+    stop = parse_config({**data, "health": {"on_collapse": "stop"}})
+    (found,) = stopping_collapse(Partitions(), stop, 2)
+    assert found.startswith(f"verifier {COLLAPSING}") and "steps 0-2" in found
+    assert stopping_collapse(Partitions(), stop, 1) == []  # two steps: not yet a streak
+    assert stopping_collapse(Partitions(), parse_config(data), 2) == []  # warn: never stops

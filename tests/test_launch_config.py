@@ -37,6 +37,9 @@ def _leaf_paths(model: type[BaseModel], prefix: str = "") -> set[str]:
         while get_origin(kind) is Annotated:
             kind = get_args(kind)[0]
         args = [arg for arg in get_args(kind) if arg is not type(None)]
+        if len(args) == 1 and get_origin(args[0]) is Annotated:  # X | None where X is annotated (an agent's own)
+            kind = get_args(args[0])[0]
+            args = list(get_args(kind))
         if get_origin(kind) is list:  # a list is overridden whole (agents.*.parallelism_by_length)
             paths.add(prefix + name)
             continue

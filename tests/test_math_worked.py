@@ -263,7 +263,7 @@ def test_named_adapters_serve_the_episode_turns_of_the_own_turns_the_config_give
     the solver's turn has none."""
     env = build_environment("math_chat_worked", {"warmup_turns": "verdict"})
     for served, expected in (({"verdict": [1]}, [None, None, "verdict"]), ({"a": [0], "b": [1]}, [None, "a", "b"])):
-        settings = RolloutSettings(0, 1, 1, 8, 1.0, {"verifier": served})
+        settings = RolloutSettings(0, 1, 1, {}, {}, {"verifier": served})
         assert settings.episode_adapters(env.turn_order) == expected
 
 

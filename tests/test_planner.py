@@ -9,9 +9,9 @@ import simpy
 
 from marl_pipeline.cluster.placement import PlacementError, plan_placement
 from marl_pipeline.config import parse_config
-from marl_pipeline.planner.cores import SharedCores
 from marl_pipeline.planner.costs import Costs, EngineCosts, TrainerCosts, Turn, pooled
 from marl_pipeline.planner.plan import parse_cluster, predict
+from marl_pipeline.planner.shared_cores import SharedCores
 from marl_pipeline.planner.simulate import simulate
 
 ENGINE = EngineCosts(step=0.01, per_sequence=0.0005, per_prompt_token=0.00005)

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 import simpy
 
-from marl_pipeline.planner.cores import SharedCores
+from marl_pipeline.planner.shared_cores import SharedCores
 from marl_pipeline.planner.threads import AgentThreads, ThreadScaling, thread_profile
 
 

@@ -18,6 +18,7 @@ from marl_pipeline.config import parse_config
 from marl_pipeline.run.launches import RECORD, finish_launch, plan_launch, run_overview
 from marl_pipeline.run.provenance import ServedVersions
 from marl_pipeline.stages.evaluation import stored_metrics
+from marl_pipeline.stages.health import stored_collapse
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from tests.conftest import ROOT, small_config_data
 from tests.stored_run import write_run
@@ -136,6 +137,18 @@ def assert_release_matches_store(out: Path, store: ExperienceStore, run: str, ag
     assert provenance["config"] == record["configs"][made_by["config"]]
     assert provenance["config"]["run"] == run and provenance["base_model"] == provenance["config"]["agents"][agent][
         "model"]
+    # the settings the agent trained with, and those it set itself (agents.<a>.algorithm)
+    config = parse_config(provenance["config"])
+    own = {name for name, value in config.agents[agent].algorithm.model_dump().items() if value is not None}
+    assert provenance["algorithm"] == {"settings": config.algorithm_of(agent).model_dump(mode="json"),
+                                       "own": sorted(own)}
+    assert all(f"| {name} | " in card for name in provenance["algorithm"]["settings"])
+    assert card.count("| the agent |") == len(own)
+    # the warnings the version's training raised, as its launch's health settings read them
+    mine = [warning for warning in stored_collapse(store, run, version - 1, config.health)
+            if warning.startswith(f"{agent} ")]
+    assert provenance["warnings"] == mine and all(f"- {warning}" in card for warning in mine)
+    assert ("No warning was raised at that step" in card) == (not mine)
     front = yaml.safe_load(card.split("---\n")[1])
     assert front["marl_pipeline"] == {"run": run, "agent": agent, "version": version, "steps": version,
                                       "tokens": provenance["tokens"], "commit": _head(), "launches": launch_ids}

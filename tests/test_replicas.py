@@ -35,8 +35,8 @@ pytestmark = pytest.mark.launch
 
 LOGPROB_TOLERANCE = 1e-4
 STALENESS = 1
-SETTINGS = RolloutSettings(seed=5, prompts_per_micro_batch=4, samples_per_prompt=2, max_new_tokens=12,
-                           temperature=1.0)
+SETTINGS = RolloutSettings(seed=5, prompts_per_micro_batch=4, samples_per_prompt=2,
+                           max_new_tokens={"writer": 12, "checker": 12}, temperature={"writer": 1.0, "checker": 1.0})
 
 
 def _trainer(model_dir: Path) -> PolicyTrainer:

@@ -32,8 +32,11 @@ pytestmark = pytest.mark.launch
 STEPS, MICRO_BATCHES = 2, 2
 
 
-# The run is launched as from the launchpad: the YAML file says otherwise, the run config's overrides decide.
-OVERRIDES = {"run": "small", "pipeline": {"steps": STEPS, "micro_batches_per_step": MICRO_BATCHES}}
+# The run is launched as from the launchpad: the YAML file says otherwise, the run config's overrides decide. The
+# verifier samples, is scored and trains with settings of its own (agents.<a>.algorithm): one-token verdicts, RLOO.
+VERIFIER_ALGORITHM = {"max_new_tokens": 1, "temperature": 0.7, "advantage": {"type": "rloo"}, "entropy_coef": 0.01}
+OVERRIDES = {"run": "small", "pipeline": {"steps": STEPS, "micro_batches_per_step": MICRO_BATCHES},
+             "agents": {"verifier": {"algorithm": VERIFIER_ALGORITHM}}}
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +155,36 @@ def test_store_holds_every_turn_with_its_policy_version(trained) -> None:
     rewards_table = store.read_stage("small", "rewards")
     assert rewards_table.num_rows == rollouts_table.num_rows
     assert set(rewards_table.column("sample_id").to_pylist()) == set(rollouts_table.column("sample_id").to_pylist())
+
+
+def test_each_agent_samples_and_is_scored_by_its_own_algorithm(trained) -> None:
+    """The verifier's own settings (``VERIFIER_ALGORITHM``, from the run config) reached its engine and its
+    estimator; the solver kept the experiment's."""
+    from marl_pipeline.config import GRPOAdvantage, RLOOAdvantage, parse_config
+    from marl_pipeline.environment import build_environment
+    from marl_pipeline.run.launches import RECORD
+    from marl_pipeline.stages.reward import score_micro_batch
+
+    store = trained["store"]
+    lengths = {agent: pa.compute.list_value_length(store.read_stage("small", "rollouts", columns=["response_ids"],
+                                                                    filter=pa.compute.field("agent") == agent)
+                                                   .column("response_ids")).to_pylist()
+               for agent in ("solver", "verifier")}
+    assert set(lengths["verifier"]) == {1} and max(lengths["solver"]) > 1  # a verdict and no end token: cut at 1
+    record = store.read_record("small", RECORD)
+    [config_data] = record["configs"].values()
+    config = parse_config(config_data)
+    assert config.algorithm_of("verifier").advantage == RLOOAdvantage()
+    assert config.algorithm_of("solver") == config.algorithm
+    env = build_environment(config.environment.name, config.environment.options)
+    key = MicroBatchKey("small", 1, 0)
+    stored = store.read("rewards", key)
+    for agent, advantage in (("solver", GRPOAdvantage()), ("verifier", RLOOAdvantage())):
+        alone = score_micro_batch(env, store.read("rollouts", key), store.read("environment_results", key),
+                                  advantage=advantage)
+        mine = pa.compute.field("agent") == agent
+        assert (_sorted(alone.filter(mine)).column("advantage").equals(
+            _sorted(stored.filter(mine)).column("advantage"))), agent
 
 
 def _sorted(table: pa.Table) -> pa.Table:

@@ -27,7 +27,8 @@ from tests.timed_replies import ChosenReplies, TimedReplies
 SLOW_REPLY_S = 3.0
 
 
-SETTINGS = RolloutSettings(seed=3, prompts_per_micro_batch=4, samples_per_prompt=2, max_new_tokens=6, temperature=1.0)
+SETTINGS = RolloutSettings(seed=3, prompts_per_micro_batch=4, samples_per_prompt=2,
+                           max_new_tokens={"writer": 6, "checker": 6}, temperature={"writer": 1.0, "checker": 1.0})
 
 
 @pytest.fixture(scope="module")

@@ -128,7 +128,7 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store_config
     if not warmup.steps:
         model, tokenizer = load_policy(source)
     else:
-        algorithm = config.algorithm
+        algorithm = config.algorithm_of(agent)
         trainer = warmup_trainer(source, lr=warmup.lr, seed=seed,
                                  lora=None if warmup.lora is None else warmup.lora.model_dump(),
                                  dtype=agent_config.trainer.dtype, chunk_tokens=agent_config.trainer.chunk_tokens,

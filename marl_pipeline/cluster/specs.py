@@ -95,7 +95,7 @@ def trainer_options(config: ExperimentConfig, agent: str, threads: int | None = 
     run's actors and a recomputed partition's in-process trainer alike). The KL penalty's reference and a LoRA
     agent's base are :data:`BASE_POLICY` when used. ``threads``: the actor's (None: ``trainer.threads``, else the
     process's own)."""
-    trainer, algorithm = config.agents[agent].trainer, config.algorithm
+    trainer, algorithm = config.agents[agent].trainer, config.algorithm_of(agent)
     lora = config.agents[agent].lora
     return dict(lr=trainer.lr, weight_decay=trainer.weight_decay, max_grad_norm=trainer.max_grad_norm,
                 clip_eps=algorithm.clip_eps, seed=config.seed + list(config.agents).index(agent),

@@ -3,8 +3,9 @@
 Unknown keys are errors everywhere (``extra="forbid"``); cross-field checks (agents against the
 environment's roles) run in :func:`load_config` so a bad file fails before the store is touched.
 Modules: ``base`` (shared), ``agent`` (one agent's model, engine, trainer, warm-up), ``pipeline``
-(environment, micro-batches), ``algorithm`` (policy gradient, advantage estimator), ``services`` (reward
-model, evaluation, Ray, store), ``external`` (services outside the cluster, the judge reward) and
+(environment, micro-batches), ``algorithm`` (policy gradient, advantage estimator), ``run`` (what a run uses
+besides its agents: reward model, evaluation, health, Ray, store, tracking, retraining), ``services`` (services
+outside the cluster, the judge reward) and
 ``experiment`` (the whole file, its loading and cross-checks).
 """
 
@@ -28,14 +29,13 @@ from marl_pipeline.config.experiment import (
     read_config_data,
     validated_overrides,
 )
-from marl_pipeline.config.external import JudgeConfig, RewardConfig, ServiceConfig
 from marl_pipeline.config.pipeline import (
     EnvironmentConfig,
     PipelineConfig,
     PoolSettings,
     RolloutConfig,
 )
-from marl_pipeline.config.services import (
+from marl_pipeline.config.run import (
     EvaluationConfig,
     HealthConfig,
     RayConfig,
@@ -45,6 +45,7 @@ from marl_pipeline.config.services import (
     StoreConfig,
     TrackingConfig,
 )
+from marl_pipeline.config.services import JudgeConfig, RewardConfig, ServiceConfig
 
 __all__ = [
     "BUILTIN_TINY",

@@ -1,4 +1,4 @@
-"""One agent's settings: its model, rollout engine, trainer, warm-up and LoRA."""
+"""One agent's settings: its model, rollout engine, trainer, warm-up, LoRA and its own algorithm values."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from marl_pipeline.config.algorithm import AgentAlgorithm
 from marl_pipeline.config.base import BUILTIN_TINY, StrictModel
 
 ADAPTER_NAME = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"  # a folder name and peft adapter name ("default" is RL's own)
@@ -176,6 +177,10 @@ class AgentConfig(StrictModel):
     warmup: WarmupConfig = WarmupConfig()
     lora: LoraAdapterConfig | None = None
     """LoRA adapters trained over version 0 in place of the full weights (None: full fine-tuning)."""
+    algorithm: AgentAlgorithm = AgentAlgorithm()
+    """This agent's own values of ``algorithm:`` fields (temperature, max_new_tokens, clip_eps, kl_coef,
+    entropy_coef, advantage, loss_normalization, tis_cap, drop_zero_advantage_groups); a field not set (or null) is
+    the experiment's."""
     turn_adapters: dict[Annotated[str, Field(pattern=ADAPTER_NAME)], list[Annotated[int, Field(ge=0)]]] = Field(
         default_factory=dict)
     """Version 0's named frozen adapters and the agent's own turns (0: its first) each serves over the RL weights."""

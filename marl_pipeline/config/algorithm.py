@@ -1,11 +1,12 @@
-"""The algorithm: policy-gradient settings shared by every agent, and the advantage estimator chosen by ``type``
-(stages/advantages/ holds one module per estimator)."""
+"""The algorithm: policy-gradient settings of the experiment, each agent's own values over them
+(``agents.<a>.algorithm``), and the advantage estimator chosen by ``type`` (stages/advantages/ holds one module per
+estimator)."""
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, create_model
 
 from marl_pipeline.config.base import StrictModel
 
@@ -44,7 +45,8 @@ Advantage = Annotated[GRPOAdvantage | DrGRPOAdvantage | RLOOAdvantage | AgentNor
 
 
 class AlgorithmConfig(StrictModel):
-    """Policy-gradient settings shared by every agent."""
+    """Policy-gradient settings: the experiment's (``algorithm:``), and each agent's with its own values over them
+    (``ExperimentConfig.algorithm_of``)."""
 
     removed_keys: ClassVar[dict[str, str]] = {
         "advantage_eps": "algorithm.advantage_eps is now algorithm.advantage.eps (with advantage.type: grpo)"}
@@ -72,3 +74,22 @@ class AlgorithmConfig(StrictModel):
 
 
 
+
+
+def _unset_by_default(model: type[StrictModel]) -> dict[str, Any]:
+    """Each field of ``model`` with its type and checks, None by default: not set."""
+    fields = {}
+    for name, info in model.model_fields.items():
+        checks = [*info.metadata, *([Field(discriminator=info.discriminator)] if info.discriminator else [])]
+        fields[name] = ((Annotated[info.annotation, *checks] if checks else info.annotation) | None,
+                        Field(None, description=info.description))
+    return fields
+
+
+AgentAlgorithm = create_model(
+    "AgentAlgorithm", __base__=StrictModel, __module__=__name__,
+    __doc__="One agent's own values of ``algorithm:`` fields (``agents.<a>.algorithm``): each field set replaces the "
+            "experiment's for that agent's sampling, advantages and loss; a field not set is the experiment's. A "
+            "yes/no verifier and a solver writing a sum want different temperatures, entropy bonuses, estimators "
+            "and response lengths (Dr. MAS trains each agent with its own settings).",
+    **_unset_by_default(AlgorithmConfig))

@@ -12,11 +12,10 @@ import yaml
 from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 
 from marl_pipeline.config.agent import AgentConfig
-from marl_pipeline.config.algorithm import AlgorithmConfig
+from marl_pipeline.config.algorithm import Advantage, AlgorithmConfig
 from marl_pipeline.config.base import BUILTIN_TINY, ConfigError, StrictModel
-from marl_pipeline.config.external import RewardConfig, ServiceConfig
 from marl_pipeline.config.pipeline import EnvironmentConfig, PipelineConfig
-from marl_pipeline.config.services import (
+from marl_pipeline.config.run import (
     EvaluationConfig,
     HealthConfig,
     RayConfig,
@@ -26,6 +25,7 @@ from marl_pipeline.config.services import (
     TrackingConfig,
     _store_from_uri,
 )
+from marl_pipeline.config.services import RewardConfig, ServiceConfig
 
 
 class ExperimentConfig(StrictModel):
@@ -79,6 +79,34 @@ class ExperimentConfig(StrictModel):
             raise ValueError("reward.judge and reward_model are both set: a run mixes one model's score into its "
                              "reward; keep one")
         return self
+
+    @model_validator(mode="after")
+    def validate_agent_algorithms(self) -> ExperimentConfig:
+        for agent in self.agents:
+            try:
+                self.algorithm_of(agent)
+            except ValidationError as error:
+                item = error.errors()[0]
+                field = ".".join(str(part) for part in item["loc"])
+                raise ValueError(f"agents.{agent}.algorithm.{field}: {item['msg']} (over the experiment's "
+                                 f"algorithm)") from None
+        return self
+
+    def algorithm_of(self, agent: str) -> AlgorithmConfig:
+        """The algorithm settings ``agent`` samples, scores and trains with: the experiment's ``algorithm:`` with
+        the agent's own values (``agents.<a>.algorithm``) in place of those it sets."""
+        own = self.agents[agent].algorithm.model_dump(exclude_none=True)
+        if not own:
+            return self.algorithm
+        return AlgorithmConfig.model_validate({**self.algorithm.model_dump(), **own})
+
+    def advantages(self) -> dict[str, Advantage]:
+        """Per agent, the advantage estimator its rewards become advantages by."""
+        return {agent: self.algorithm_of(agent).advantage for agent in self.agents}
+
+    def dropping_zero_advantage_groups(self) -> frozenset[str]:
+        """The agents whose trainers leave out groups that all earned the same reward (DAPO's filter)."""
+        return frozenset(agent for agent in self.agents if self.algorithm_of(agent).drop_zero_advantage_groups)
 
     def laid_out(self, layouts: Mapping[str, int | None]) -> ExperimentConfig:
         """The experiment with each agent of ``layouts`` in its ``parallelism_by_length`` entry (None: as set)."""

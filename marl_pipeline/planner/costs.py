@@ -2,7 +2,7 @@
 and the workload it replays: the run's episodes, each a sequence of turns with their token counts.
 
 Costs are in core-seconds (seconds on one thread with the core to itself), so a layout with other threads, or
-more actors sharing a node's cores, is charged by the same figures (planner/cores.py). The calibration multiplies
+more actors sharing a node's cores, is charged by the same figures (planner/shared_cores.py). The calibration multiplies
 the stored seconds by the speed-up of the threads the run's specs gave each actor (a trainer's from a measured
 thread profile where given, planner/threads.py; else the thread count), and a trainer call's by the share of the
 node's cores it had beside the micro-batch's other calls; what it cannot see (threads moved during the run by the
@@ -104,10 +104,10 @@ def epoch_seconds(column) -> np.ndarray:
     return pc.cast(column, "int64").to_numpy(zero_copy_only=False) / 1e6
 
 
-def calibrate(store: ExperienceStore, run: str, layouts: dict[str, AgentThreads], cores: float | None = None,
+def calibrate(store: ExperienceStore, run: str, agent_threads: dict[str, AgentThreads], cores: float | None = None,
               threads: ThreadScaling | None = None) -> Costs:
-    """Fit the costs from run ``run``'s stored partitions and policy versions; ``layouts``: each agent's threads and
-    replicas in that run, which turn stored seconds into core-seconds and a sync into a sync per replica; ``cores``:
+    """Fit the costs from run ``run``'s stored partitions and policy versions; ``agent_threads``: each agent's threads
+    and replicas in that run, which turn stored seconds into core-seconds and a sync into a sync per replica; ``cores``:
     the node's cores the run's trainers shared (None: as many as they asked for); ``threads``: what a trainer's
     threads buy (None: linear).
 
@@ -128,22 +128,23 @@ def calibrate(store: ExperienceStore, run: str, layouts: dict[str, AgentThreads]
     busy = {stage: [(span.started, span.ended) for span in spans if span.stage == stage]
             for stage in ("rollouts", "policy_updates")}
     threads = threads or ThreadScaling()
-    computed, shares = _computed(rollouts), core_shares(updates, layouts, cores, threads)
+    computed, shares = _computed(rollouts), core_shares(updates, agent_threads, cores, threads)
     return Costs(
-        engines={agent: _engine_costs(rollouts, agent, layouts[agent].engine_threads, busy["policy_updates"])
+        engines={agent: _engine_costs(rollouts, agent, agent_threads[agent].engine_threads, busy["policy_updates"])
                  for agent in agents},
-        trainers={agent: _trainer_costs(updates, agent, layouts[agent], computed, busy["rollouts"],
+        trainers={agent: _trainer_costs(updates, agent, agent_threads[agent], computed, busy["rollouts"],
                                         [record for (owner, _), record in timings.items() if owner == agent], shares,
-                                        threads.speedup(layouts[agent].trainer_threads))
+                                        threads.speedup(agent_threads[agent].trainer_threads))
                   for agent in agents},
         environment=_median_span(spans, "environment_results"),
         reward=_median_span(spans, "rewards"),
         rollout_overhead=_rollout_overhead(rollouts),
-        train_overhead=_train_overhead(updates, layouts),
+        train_overhead=_train_overhead(updates, agent_threads),
         handoff=_handoff(spans),
         episodes=_episodes(rollouts),
         source=f"{store.config.uri} run {run}",
-        threads=threads, **driver_rates(rollouts, timings, np.mean([layouts[agent].replicas for agent in agents])))
+        threads=threads,
+        **driver_rates(rollouts, timings, np.mean([agent_threads[agent].replicas for agent in agents])))
 
 
 def pooled(calibrations: list[Costs]) -> Costs:
@@ -261,7 +262,7 @@ def _overlaps(start: float, end: float, intervals: list[tuple[float, float]]) ->
     return any(begin < end and start < finish for begin, finish in intervals)
 
 
-def _trainer_costs(updates, agent: str, layout: AgentThreads, computed: dict[tuple, int],
+def _trainer_costs(updates, agent: str, own: AgentThreads, computed: dict[tuple, int],
                    rollout_spans: list[tuple[float, float]], timings: list[dict],
                    shares: dict[tuple, float], speedup: float) -> TrainerCosts:
     """``computed``: the tokens a trainer computes for each (step, micro-batch, agent): its turns' prompts and
@@ -283,7 +284,7 @@ def _trainer_costs(updates, agent: str, layout: AgentThreads, computed: dict[tup
     for record in timings:
         applied = record.get("apply_seconds", 0.0)  # not recorded before 2026-11-27: counted in the commit
         apply.append(applied)
-        sync.append(record["sync_seconds"] / layout.replicas)
+        sync.append(record["sync_seconds"] / own.replicas)
         commit.append(max(record["ended"] - record["started"] - record["sync_seconds"] - applied, 0.0))
     return TrainerCosts(call, per_token, *(float(np.median(values)) if values else 0.0
                                            for values in (apply, sync, commit)))
@@ -340,7 +341,7 @@ def _rollout_overhead(rollouts) -> float:
     return float(np.median([max((e - b) - (te - ts), 0.0) for b, e, ts, te in spans.values()]))
 
 
-def _train_overhead(updates, layouts: dict[str, AgentThreads]) -> float:
+def _train_overhead(updates, agent_threads: dict[str, AgentThreads]) -> float:
     """Median over micro-batches of the train stage's span less its calls': the longest trainer's, where a trainer
     serving several agents (swapped) takes their calls one after another."""
     spans: dict[tuple, list] = {}
@@ -349,7 +350,7 @@ def _train_overhead(updates, layouts: dict[str, AgentThreads]) -> float:
             updates.column("agent").to_pylist(), epoch_seconds(updates.column("stage_started")),
             epoch_seconds(updates.column("stage_ended")), updates.column("compute_seconds").to_pylist()):
         entry = spans.setdefault((step, mb), [end - begin, defaultdict(float)])
-        entry[1][worker_of(layouts, agent)] += seconds or 0.0
+        entry[1][worker_of(agent_threads, agent)] += seconds or 0.0
     return float(np.median([max(span - max(calls.values(), default=0.0), 0.0) for span, calls in spans.values()]))
 
 

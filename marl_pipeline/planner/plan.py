@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
+from dataclasses import replace
 
 from marl_pipeline.cluster.placement import PlacementPlan, plan_placement
 from marl_pipeline.config import ExperimentConfig, parse_config
@@ -109,7 +110,17 @@ def predict(config: ExperimentConfig, nodes: list[dict[str, float]], costs: Cost
         raise ValueError(f"the costs ({costs.source}) have no figures for agents {missing}: calibrate from a run "
                          f"with the same agents ({sorted(costs.engines)} there)")
     plan = plan_placement(config, nodes)
-    return plan, simulate(plan, config.pipeline, costs, nodes, steps)
+    return plan, simulate(plan, config.pipeline, replies_capped(costs, config), nodes, steps)
+
+
+def replies_capped(costs: Costs, config: ExperimentConfig) -> Costs:
+    """The workload with no turn's reply longer than its agent's ``max_new_tokens`` (``algorithm_of``): a config
+    that shortens an agent's replies shortens its turns. A longer cap than the stored run's changes nothing, as its
+    replies show only where each stopped."""
+    caps = {agent: config.algorithm_of(agent).max_new_tokens for agent in config.agents}
+    episodes = [[replace(turn, response_tokens=min(turn.response_tokens, caps.get(turn.agent, turn.response_tokens)))
+                 for turn in episode] for episode in costs.episodes]
+    return replace(costs, episodes=episodes)
 
 
 def gpu_costs_for(config: ExperimentConfig, gpu_name: str, workload: Costs, profile: str | None = None,
@@ -125,7 +136,6 @@ def gpu_costs_for(config: ExperimentConfig, gpu_name: str, workload: Costs, prof
         ValueError: an agent's model has no ``config.json`` to read its shape from, or the GPU, a profile or an
             agent a profile names is unknown.
     """
-    from dataclasses import replace
     from pathlib import Path
 
     from marl_pipeline.planner.engine_profile import engine_profile

@@ -8,8 +8,8 @@ from __future__ import annotations
 import simpy
 
 from marl_pipeline.cluster.specs import ActorSpec
-from marl_pipeline.planner.cores import SharedCores
 from marl_pipeline.planner.costs import EngineCosts, Turn
+from marl_pipeline.planner.shared_cores import SharedCores
 
 
 class Busy:

@@ -5,7 +5,7 @@ staleness gate and the synchronous step barrier (``run/queues.py``), sticky leas
 agent's replicas (``inference/router.py``), one publisher per agent syncing its replicas one at a time (each
 draining while it loads: a reload waits for the requests in flight), the trainer worker serving swapped agents
 (its spec's ``loads``), the threads each spec computes on and the node's cores they share with each other and the
-driver process (planner/cores.py), and each hand-off of a micro-batch from stage to stage and to the publishers.
+driver process (planner/shared_cores.py), and each hand-off of a micro-batch from stage to stage and to the publishers.
 Work is charged from costs fitted to a stored run (planner/costs.py); its episodes are replayed as the workload.
 
 What it leaves out is said in ``Prediction.assumptions``.
@@ -22,9 +22,9 @@ from marl_pipeline.cluster.placement import PlacementPlan
 from marl_pipeline.cluster.specs import ActorSpec
 from marl_pipeline.config import PipelineConfig
 from marl_pipeline.inference.router import Router
-from marl_pipeline.planner.cores import SerialWork, SharedCores
 from marl_pipeline.planner.costs import Costs, Turn
 from marl_pipeline.planner.replica import Busy, EngineReplica
+from marl_pipeline.planner.shared_cores import SerialWork, SharedCores
 from marl_pipeline.run.queues import StepBarrier, gate_open
 from marl_pipeline.store import MicroBatchKey
 
@@ -308,7 +308,7 @@ def _place(plan: PlacementPlan, nodes: list[dict[str, float]], env: simpy.Enviro
     """Where each spec computes: an actor on GPUs on a device of its own (one a placement group: a colocated agent's
     engine and trainer share theirs), whose costs are device-seconds; any other on the cores of the node the plan
     put it on, whose costs are core-seconds. With whether it is a device (a job there runs on one thread); and the
-    nodes' cores, the first's where the driver runs (Ray's head); ``crowding``: the nodes' (planner/cores.py)."""
+    nodes' cores, the first's where the driver runs (Ray's head); ``crowding``: the nodes' (planner/shared_cores.py)."""
     shared = [SharedCores(env, node.get("CPU", 1.0), crowding) for node in nodes]
     devices: dict[str, SharedCores] = {}
     placed = {}

@@ -10,8 +10,8 @@ The format (JSON)::
 
 Thread counts beyond the profile's largest keep its efficiency (speed-up per thread); without a profile the speed-up
 is the thread count (the simulation's linear assumption, stated with the prediction). ``crowding`` (optional, 0 when
-absent): how much work a node's threads lose while more of them run than it has cores (planner/cores.py), a host's
-figure that bench/crowding.py fits from launches of several layouts.
+absent): how much work a node's threads lose while more of them run than it has cores (planner/shared_cores.py), a
+host's figure that bench/crowding.py fits from launches of several layouts.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from marl_pipeline.planner.cores import crowded
+from marl_pipeline.planner.shared_cores import crowded
 
 
 @dataclass(frozen=True)
@@ -102,19 +102,19 @@ class AgentThreads:
     trainer_on_cores: bool = False
 
 
-def worker_of(layouts: dict[str, AgentThreads], agent: str) -> str:
+def worker_of(agent_threads: dict[str, AgentThreads], agent: str) -> str:
     """The trainer actor an agent's calls ran on (a swapped worker is shared; unknown: the agent's own)."""
-    layout = layouts.get(agent)
-    return layout.trainer if layout is not None and layout.trainer else agent
+    own = agent_threads.get(agent)
+    return own.trainer if own is not None and own.trainer else agent
 
 
-def core_shares(updates, layouts: dict[str, AgentThreads], cores: float | None,
+def core_shares(updates, agent_threads: dict[str, AgentThreads], cores: float | None,
                 scaling: ThreadScaling | None = None) -> dict[tuple, float]:
     """Per (step, micro-batch): the share of its threads each trainer call on the node's cores had, with the other
     trainers' calls of the micro-batch at once (those of one actor run one after another: one thread set). The train
     stage issues a micro-batch's calls to every agent's trainer at once, so trainers on a node's cores that ask for
-    more threads than it has share them (as the simulation shares them, planner/cores.py, a crowded core-second doing
-    ``scaling``'s share of its work). The driver is not counted:
+    more threads than it has share them (as the simulation shares them, planner/shared_cores.py, a crowded core-second
+    doing ``scaling``'s share of its work). The driver is not counted:
     the simulation charges its CPU beside the turns, so a call fitted as if it shared the cores with the driver came
     back that much faster in the simulation of its own run."""
     if cores is None:
@@ -122,9 +122,9 @@ def core_shares(updates, layouts: dict[str, AgentThreads], cores: float | None,
     workers: dict[tuple, dict[str, int]] = defaultdict(dict)
     for step, mb, agent in zip(updates.column("step").to_pylist(), updates.column("micro_batch").to_pylist(),
                                updates.column("agent").to_pylist()):
-        layout = layouts.get(agent)
-        if layout is not None and layout.trainer_on_cores:
-            workers[(step, mb)][worker_of(layouts, agent)] = layout.trainer_threads
+        own = agent_threads.get(agent)
+        if own is not None and own.trainer_on_cores:
+            workers[(step, mb)][worker_of(agent_threads, agent)] = own.trainer_threads
     efficiency = (scaling or ThreadScaling()).efficiency  # the crowding the simulation charges, counted here alike
     return {key: (share := min(1.0, cores / sum(threads.values()))) * efficiency(share)
             for key, threads in workers.items()}

@@ -71,7 +71,8 @@ def model_card(provenance: dict) -> str:
              f"trained with RL by marl-pipeline from base model `{base or 'not recorded'}` (version 0: "
              f"the base after its warm-up). Weights: {_WEIGHTS.get(provenance.get('weights'), 'not exported')}. Store: "
              f"`{provenance['store']}`. Everything here is in `{PROVENANCE}` as data.", ""]
-    lines += _training(provenance) + _evaluation(provenance) + _health(provenance) + _launches(provenance)
+    lines += _training(provenance) + _algorithm(provenance) + _evaluation(provenance) + _health(provenance)
+    lines += _launches(provenance)
     lines += ["## Experiment config", "", "Of the launch that made this version, credentials removed."
               if provenance["config"] else "Not recorded (the run's launch record predates configs).", ""]
     if provenance["config"]:
@@ -96,6 +97,19 @@ def _training(provenance: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _algorithm(provenance: dict) -> list[str]:
+    algorithm = provenance.get("algorithm")
+    if not algorithm:
+        return []
+    lines = ["## Algorithm", "", "The settings this agent sampled and trained with: the experiment's `algorithm:`, and "
+             "the agent's own values where its `agents.<agent>.algorithm` sets them.", "",
+             "| setting | value | from |", "| --- | --- | --- |"]
+    for name, value in algorithm["settings"].items():
+        shown = json.dumps(value) if isinstance(value, dict) else value
+        lines.append(f"| {name} | {shown} | {'the agent' if name in algorithm['own'] else 'the experiment'} |")
+    return [*lines, ""]
+
+
 def _evaluation(provenance: dict) -> list[str]:
     evaluation = provenance["evaluation"]
     if evaluation is None:
@@ -112,8 +126,12 @@ def _health(provenance: dict) -> list[str]:
     if health is None:
         return []
     signals = {name: value for name, value in health.items() if name not in ("step", "policy_version")}
-    lines = ["## Training health", "", f"Of step {health['step']}, the update that made this version:", "",
-             "| signal | value |", "| --- | --- |"]
+    warnings = provenance.get("warnings") or []
+    lines = ["## Training health", "", f"Of step {health['step']}, the update that made this version. "
+             + ("Warnings raised at that step (the `health` settings of its launch):" if warnings
+                else "No warning was raised at that step (the `health` settings of its launch)."), ""]
+    lines += [*(f"- {warning}" for warning in warnings), *([""] if warnings else [])]
+    lines += ["| signal | value |", "| --- | --- |"]
     lines += [f"| {name} | {_number(value)} |" for name, value in signals.items()]
     return [*lines, ""]
 

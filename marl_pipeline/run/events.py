@@ -156,6 +156,30 @@ class RunFinished:
 
 
 @dataclass(frozen=True)
+class CollapseStopped:
+    """The launch ended after ``step`` because agents were seen collapsing (``health.on_collapse: stop``): every
+    agent's version ``step + 1`` is committed and the launch is left unfinished, for a relaunch to resume."""
+
+    run: str
+    step: int
+    warnings: list[str]
+
+    @property
+    def agents(self) -> list[str]:
+        return sorted({warning.split(" ", 1)[0] for warning in self.warnings})
+
+    def reason(self) -> str:
+        """What a user reads: what collapsed, what was kept, and how to go on after a change of settings."""
+        agent = self.agents[0]
+        return (f"run {self.run!r} stopped after step {self.step} (health.on_collapse: stop): "
+                f"{'; '.join(self.warnings)}. Every agent's version {self.step + 1} is committed and the launch is "
+                f"unfinished: change what lets {', '.join(self.agents)} collapse (for example --set "
+                f"agents.{agent}.algorithm.entropy_coef=0.01 or agents.{agent}.algorithm.kl_coef=0.05, or a "
+                f"class-balanced reward in the environment; docs/environments.md, \"When a verifier collapses\") and "
+                f"run the same command again: it resumes from version {self.step + 1}")
+
+
+@dataclass(frozen=True)
 class EvaluationCommitted:
     """Every agent's held-out evaluation of one policy version is committed (``evaluations``, step=version)."""
 
@@ -204,7 +228,7 @@ class LayoutChanged:
 Event = StageCommitted | PolicyCommitted | TrainerPasses | StepFinished | EvaluationCommitted | ReplicaChanged
 """What the orchestrator yields."""
 
-LaunchEvent = SetupPhase | RunStarted | Event | ThreadsChanged | LayoutChanged | RunFinished
+LaunchEvent = SetupPhase | RunStarted | Event | ThreadsChanged | LayoutChanged | RunFinished | CollapseStopped
 """What ``recipe.train`` yields."""
 
 

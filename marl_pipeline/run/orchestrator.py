@@ -52,10 +52,10 @@ from marl_pipeline.run.launches import LaunchPlan
 from marl_pipeline.run.layouts import changed_layouts
 from marl_pipeline.run.queues import StepBarrier, gate_open, get_until_stopped, put_until_stopped, start_threads
 from marl_pipeline.services.figures import commit_step_services
+from marl_pipeline.stages import health
 from marl_pipeline.stages.evaluation import EvaluationSettings, is_evaluated
 from marl_pipeline.stages.execution import execute_micro_batch
-from marl_pipeline.stages.health import commit_step_health, signals_by_agent, stored_collapse, trainer_signals
-from marl_pipeline.stages.reward import model_reward, score_micro_batch
+from marl_pipeline.stages.reward import mean_rewards, model_reward, score_micro_batch
 from marl_pipeline.stages.training import train_micro_batch
 from marl_pipeline.stages.trajectories import rollout_messages, sample_micro_batch, token_demand
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
@@ -103,6 +103,7 @@ class Orchestrator:
         self.relayout: dict[str, int | None] = {}  # agents whose next layout differs: the launch ends at last_step
         self.relayout_lengths: dict[str, int] = {}
         self.last_step = plan.last_step
+        self.collapsed: list[str] = []  # health.on_collapse: stop's warnings: the launch ends at last_step
         pipeline = config.pipeline
         self.micro_batches = pipeline.micro_batches_per_step
         self.synchronous = pipeline.mode == "synchronous"
@@ -193,8 +194,8 @@ class Orchestrator:
         """Rollout: each step's micro-batches once the staleness gate opens for the step."""
         barrier = StepBarrier(self.micro_batches, self.synchronous)
         for step in self.steps():
-            if not self._wait_until_served(step):
-                return  # the run stopped: the gate never opened, so this step must not be sampled
+            if not self._wait_until_served(step) or step > self.last_step:
+                return  # the run stopped (the gate never opened: this step must not be sampled), or ends before it
             self._step_started.setdefault(step, time.time())
             if self.config.pipeline.rollout.rebalance_replicas and step > 0:
                 self._rebalance_replicas(step - 1)
@@ -237,7 +238,7 @@ class Orchestrator:
 
     def _reward(self, key: MicroBatchKey) -> pa.Table:
         return score_micro_batch(self.env, self.recent.read("rollouts", key),
-                                 self.recent.read("environment_results", key), self.config.algorithm.advantage,
+                                 self.recent.read("environment_results", key), self.config.advantages(),
                                  model_reward=self._model_reward)
 
     def _map_loop(self, stage: Stage, inbox: queue.Queue, outbox: queue.Queue, next_stage: str,
@@ -256,8 +257,10 @@ class Orchestrator:
         told: set[str] = set()  # agents whose trainer's pass settings were asked for
         try:
             for step in self.steps():
-                if step > self.last_step:
-                    return  # the launch ends early for a new layout (_check_layouts)
+                if step > self.last_step:  # the launch ends early: a new layout, or a collapse (health.on_collapse)
+                    while self._get(inbox) is not None:
+                        pass  # what rollout began past it is committed (and trained by the launch that resumes)
+                    return
                 learners = [agent for agent in trainers if version[agent] == step]
                 for key in self.keys(step):
                     while key not in arrived:
@@ -272,9 +275,11 @@ class Orchestrator:
                     if not self._run_stage(
                             "policy_updates", key,
                             partial(train_micro_batch, self.recent, trainers={a: trainers[a] for a in learners},
-                                    drop_zero_advantage_groups=self.config.algorithm.drop_zero_advantage_groups),
+                                    dropping=self.config.dropping_zero_advantage_groups()),
                             recompute_if_committed=bool(learners)):
                         return  # no optimizer step on a partly accumulated gradient
+                if step < self.last_step and (found := health.stopping_collapse(self.recent, self.config, step)):
+                    self.collapsed, self.last_step = found, step  # this step's versions are the launch's last: saved
                 for agent in learners:
                     trainer = trainers[agent]
                     applied = trainer.apply_step.remote()  # issued in actor order: the next step's calls queue behind
@@ -325,7 +330,7 @@ class Orchestrator:
                 self._events.put(PolicyCommitted(agent, result.policy_version, pending.step, path, result.grad_norm,
                                                  result.tokens, timing, synced - applied, result.computed_tokens,
                                                  result.tokens_per_second, result.mfu))
-            self._trained[pending.step][agent] = trainer_signals(result)
+            self._trained[pending.step][agent] = health.trainer_signals(result)
             with self._served_changed:  # committed, or stepped past without a checkpoint
                 self._committed[agent] = result.policy_version
                 everyone_past = min(self._committed.values()) > pending.step
@@ -338,23 +343,18 @@ class Orchestrator:
             since = now - (self._last_step_end if self._last_step_end is not None else first_rollout)
             self._last_step_end = now
         versions = {agent: step + 1 for agent in self.config.agents}  # step s makes version s + 1
-        health = commit_step_health(self.recent, self.config.run, step, versions, self._trained.pop(step, {}),
-                                    self.micro_batches)
+        signals = health.commit_step_health(self.recent, self.config.run, step, versions, self._trained.pop(step, {}),
+                                            self.micro_batches)
         services = commit_step_services(self.recent, self.config.run, step, self.workers.services)
         self.recent.flush()  # the collapse check reads the store's health partitions
-        return StepFinished(step, self.step_rewards(step), since, now - first_rollout, signals_by_agent(health),
-                            stored_collapse(self.store, self.config.run, step, self.config.health), services)
+        return StepFinished(step, mean_rewards(self.recent, self.keys(step)), since, now - first_rollout,
+                            health.signals_by_agent(signals),
+                            health.stored_collapse(self.store, self.config.run, step, self.config.health), services)
 
     def _evaluate_if_due(self, agent: str, version: int) -> None:
         if self.evaluations is not None and self.evaluations.due(version):
             if (committed := self.evaluations.evaluate(agent, self.workers.engines, version)) is not None:
                 self._events.put(committed)
-
-    def step_rewards(self, step: int) -> dict[str, float]:
-        """Mean episode reward of each agent over a step's committed micro-batches."""
-        tables = [self.recent.read("rewards", key, columns=["agent", "reward"]) for key in self.keys(step)]
-        table = pa.concat_tables(tables).group_by("agent").aggregate([("reward", "mean")])
-        return dict(zip(table.column("agent").to_pylist(), table.column("reward_mean").to_pylist()))
 
     # -- plumbing ---------------------------------------------------------------------------------
     def _run_stage(self, stage: str, key: MicroBatchKey, compute: Callable[[MicroBatchKey], pa.Table],

@@ -14,11 +14,13 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.dataset as ds
 
+from marl_pipeline.config import HealthConfig
 from marl_pipeline.run.launches import launch_history, redact_url
 from marl_pipeline.stages.evaluation import stored_metrics
+from marl_pipeline.stages.health import stored_collapse
 from marl_pipeline.store import ExperienceStore, MicroBatchKey, StoreError
 
-PROVENANCE_FORMAT = 1
+PROVENANCE_FORMAT = 2
 """The layout of ``provenance.json``; a change to its keys bumps it."""
 
 
@@ -37,7 +39,11 @@ def policy_provenance(store: ExperienceStore, run: str, agent: str, version: int
         ``rows`` and ``tokens``, their totals, the ``teammates``' and the agent's own ``sampled_versions``;
         ``steps_missing``: steps of 0..v-1 without stored policy updates of the agent; ``rows`` and ``tokens`` over
         the steps; ``evaluation``: the agent's and the team's held-out metrics at the version (None: not evaluated);
-        ``health``: the agent's signals of step v-1 (None: version 0, or not stored); ``launches``: those whose
+        ``health``: the agent's signals of step v-1 (None: version 0, or not stored); ``warnings``: the agent's
+        collapse warnings at step v-1, as the launch's ``health`` settings read them (None: version 0, or no health
+        stored); ``algorithm``: the settings the
+        agent trained with, ``{"settings": ..., "own": [fields the agent set itself]}`` (None where the record holds
+        no config); ``launches``: those whose
         steps cover steps 0..v-1 (for version 0 the run's first); ``commit`` and ``config``: of the launch that made
         the version, credentials removed.
 
@@ -62,8 +68,29 @@ def policy_provenance(store: ExperienceStore, run: str, agent: str, version: int
         "rows": sum(step["rows"] for step in steps), "tokens": sum(step["tokens"] for step in steps),
         "evaluation": version_evaluation(store, run, agent, version),
         "health": step_health_row(store, run, agent, version - 1) if version else None,
+        "algorithm": agent_algorithm(config, agent) if config else None,
+        "warnings": version_warnings(store, run, agent, version, config),
         "launches": covering, "commit": made_by["commit"] if made_by else None, "config": config,
     }
+
+
+def agent_algorithm(config: dict, agent: str) -> dict:
+    """The algorithm settings ``agent`` trained with in a launch's recorded ``config``: the experiment's with the
+    agent's own values over them (as ``ExperimentConfig.algorithm_of`` makes them), and which fields it set."""
+    own = {name: value for name, value in ((config.get("agents") or {}).get(agent, {}).get("algorithm") or {}).items()
+           if value is not None}
+    return {"settings": {**(config.get("algorithm") or {}), **own}, "own": sorted(own)}
+
+
+def version_warnings(store: ExperienceStore, run: str, agent: str, version: int, config: dict | None
+                     ) -> list[str] | None:
+    """The agent's collapse warnings at the step that made ``version`` (the warnings of the version's training, as
+    the launch logged them), read with the making launch's ``health`` settings."""
+    if not version or not store.is_committed("health", MicroBatchKey(run, version - 1, 0)):
+        return None
+    settings = HealthConfig.model_validate((config or {}).get("health") or {})
+    return [warning for warning in stored_collapse(store, run, version - 1, settings)
+            if warning.split(" ", 1)[0] == agent]
 
 
 def trained_steps(store: ExperienceStore, run: str, agent: str, version: int) -> list[dict]:

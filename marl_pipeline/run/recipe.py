@@ -16,6 +16,7 @@ from marl_pipeline.cluster.spawn import plan_on_ray, start_workers
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.environment import build_environment
 from marl_pipeline.run.events import (
+    CollapseStopped,
     LaunchEvent,
     LayoutChanged,
     RunFinished,
@@ -124,6 +125,9 @@ def _launch(config: ExperimentConfig, launch_id: str | None, store: ExperienceSt
         if relaid := bool(orchestrator.relayout):  # its record stays unfinished: the next launch resumes it
             return (orchestrator.last_step, orchestrator.relayout, orchestrator.relayout_lengths,
                     began or (plan, streaming_started))
+        if orchestrator.collapsed:  # its record stays unfinished: a relaunch, settings changed, resumes it
+            yield CollapseStopped(config.run, orchestrator.last_step, orchestrator.collapsed)
+            return None
         finish_launch(store, config.run, plan.last_step)
         finished = True
         yield RunFinished(config.run, *(began or (plan, streaming_started)), time.time(), placement)

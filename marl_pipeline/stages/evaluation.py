@@ -46,23 +46,25 @@ class EvaluationSettings:
 
     seed: int
     cases_per_agent: int
-    max_new_tokens: int
+    max_new_tokens: dict[str, int]
+    """Per agent, the longest answer (``evaluation.max_new_tokens``, else the agent's ``algorithm.max_new_tokens``)."""
     turn_adapters: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     """Per agent, its ``turn_adapters``: named adapters and the own turns they serve."""
     team_samples: int = 0
     """Episodes per case when the team is measured (stages/team.py); 0: it is not."""
-    temperature: float = 1.0
-    """The team's episodes are sampled as training samples them."""
+    temperature: dict[str, float] = field(default_factory=dict)
+    """Per agent, the temperature of the team's episodes: they are sampled as training samples them."""
 
     @classmethod
     def from_config(cls, config: ExperimentConfig) -> EvaluationSettings:
         evaluation = config.evaluation
         team_samples = evaluation.team_samples
+        algorithms = {agent: config.algorithm_of(agent) for agent in config.agents}
         return cls(config.seed, evaluation.cases_per_agent,
-                   evaluation.max_new_tokens or config.algorithm.max_new_tokens,
+                   {agent: evaluation.max_new_tokens or a.max_new_tokens for agent, a in algorithms.items()},
                    config.turn_adapters(),
                    config.pipeline.samples_per_prompt if team_samples is None else team_samples,
-                   config.algorithm.temperature)
+                   {agent: a.temperature for agent, a in algorithms.items()})
 
 
 def is_evaluated(env: Environment) -> bool:
@@ -93,7 +95,7 @@ def evaluate_agent(env: Environment, role: str, engine: ray.actor.ActorHandle,
                                   env.render_prompt(role, cases[index].task, transcripts[index])) for index in playing]
         adapter = adapter_of_turn(served, turn)
         version, completions = ray.get(engine.generate.remote(
-            [GenerationRequest(request, 0, settings.max_new_tokens, 0.0, adapter) for request in requests]))
+            [GenerationRequest(request, 0, settings.max_new_tokens[role], 0.0, adapter) for request in requests]))
         versions.add(version)
         for index, request, completion in zip(playing, requests, completions):
             chats.record(index, role, completion.text, completion.response_ids)

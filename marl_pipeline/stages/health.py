@@ -4,7 +4,9 @@ evaluation hooks needed): what shows one agent collapsing while the team's mean 
 Per agent: the share of GRPO groups whose rewards are all equal (they carry no learning signal), answer diversity
 (the share of distinct responses to one prompt and of its most frequent one, averaged over the prompts of its
 turns, and the share of its most frequent response over the whole step, in the turn where it is highest), the mean
--log p of the sampled tokens (an unbiased estimate of the policy's token entropy at temperature 1), response length
+-log p of the sampled tokens (an unbiased estimate of the policy's token entropy at temperature 1), what the most
+frequent response earned beside the best reward any turn earned (its base rate: whether one answer to everything
+leaves reward untaken, or is simply right), response length
 and the share cut at the token limit, the update's loss per token, clip fraction and engine-vs-trainer mismatch
 (token-weighted over the step's micro-batches) and its gradient norm; beside them, the trainer's throughput at the
 update (real tokens a second, and MFU: 6 x parameters x real tokens / seconds over the measured matmul peak,
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from marl_pipeline.config import HealthConfig
+from marl_pipeline.config import ExperimentConfig, HealthConfig
 from marl_pipeline.stages.episodes import DROPPED
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.recent import RecentCommits
@@ -29,9 +31,9 @@ from marl_pipeline.store.schema import HEALTH
 if TYPE_CHECKING:
     from marl_pipeline.training.batches import StepResult
 
-ROLLOUT_COLUMNS = ["agent", "group_id", "turn", "response_text", "response_ids", "logprobs", "finish_reason", "status",
-                   "group_shortfall", "group_dropped"]
-REWARD_COLUMNS = ["agent", "group_id", "reward"]
+ROLLOUT_COLUMNS = ["agent", "sample_id", "group_id", "turn", "response_text", "response_ids", "logprobs",
+                   "finish_reason", "status", "group_shortfall", "group_dropped"]
+REWARD_COLUMNS = ["agent", "sample_id", "group_id", "reward"]
 UPDATE_COLUMNS = ["agent", "tokens", "loss_sum", "clip_fraction", "mismatch_abs_logprob"]
 HEALTH_SIGNALS = [field.name for field in HEALTH if field.name not in ("policy_version", "groups")]
 """The signals proper (not the row's version and group count), as events, logs and plots show them."""
@@ -39,6 +41,12 @@ TRAINER_SIGNALS = ("grad_norm", "trainer_tokens_per_s", "mfu")
 """The signals the trainer reports with its optimizer step: known only to the launch that stepped (a step recomputed
 from the store has them null)."""
 PERF_SIGNALS = ("trainer_tokens_per_s", "mfu")
+COLLAPSING = "may be collapsing"
+"""The sign of the warnings that ``health.on_collapse: stop`` ends a launch on: the same answer to everything while
+it earns less than the agent's best turns (the base rate taken, the rest left)."""
+ONE_ANSWER_PAID = "gives one answer that earns the best reward"
+"""The sign of the same answer to everything where it earns (nearly) the best reward: convergence, or a reward one
+answer satisfies. Warned, never stopped on; nor is "almost no learning signal", which a converged agent has too."""
 """Throughput rather than health: tracked under ``perf/``, left out of ``marl inspect``'s health table."""
 
 
@@ -86,6 +94,8 @@ def health_table(rollouts: list[dict], rewards: list[dict], updates: list[dict],
             if row["agent"] == agent:
                 groups[row["group_id"]].append(row["reward"])
         tokens = sum(len(row["response_ids"]) for row in sampled)
+        earned = {row["sample_id"]: row["reward"] for row in rewards
+                  if row["agent"] == agent and row.get("sample_id") is not None}
         trained = [row for row in updates if row["agent"] == agent]
         trained_tokens = sum(row["tokens"] for row in trained)
         loss = sum(row["loss_sum"] or 0.0 for row in trained)
@@ -99,6 +109,8 @@ def health_table(rollouts: list[dict], rewards: list[dict], updates: list[dict],
             # everything has it over the step. Per turn, the highest: a collapsed verdict turn beside varied workings
             # would be diluted over both (docs/ARCHITECTURE.md, "Dagster").
             "top_answer_share": max((_top_share(texts) for texts in _by_turn(sampled).values()), default=None),
+            "top_answer_reward": _top_answer_reward(sampled, earned),
+            "reward_max": max(earned.values(), default=None),
             "token_entropy": -sum(sum(row["logprobs"]) for row in sampled) / tokens if tokens else None,
             "response_length": tokens / len(sampled) if sampled else None,
             "truncated_share": _mean([row["finish_reason"] == "length" for row in sampled]),
@@ -115,8 +127,10 @@ def collapse_warnings(history: list[dict], settings: HealthConfig) -> list[str]:
     show collapsing, one message per agent and sign, naming the agent, the steps and the figures: the same answer
     to every prompt (``top_answer_share`` above its threshold for ``settings.steps`` steps in a row, or on average
     above ``window_share`` over the last ``window`` steps while the agent's mean reward did not rise by
-    ``window_gain``), or no learning signal (``zero_variance_groups`` above its threshold for ``settings.steps``
-    steps). Empty when too few steps."""
+    ``window_gain``), told apart by what that answer earns: less than the best reward a turn earned by more than
+    ``converged_margin`` is collapse (:data:`COLLAPSING`, the base rate taken and the rest left), within it is
+    :data:`ONE_ANSWER_PAID` (right nearly everywhere, or a reward one answer satisfies); or no learning signal
+    (``zero_variance_groups`` above its threshold for ``settings.steps`` steps). Empty when too few steps."""
     warnings = []
     for agent in sorted({row["agent"] for row in history}):
         rows = sorted((row for row in history if row["agent"] == agent), key=lambda row: row["step"])
@@ -127,15 +141,53 @@ def collapse_warnings(history: list[dict], settings: HealthConfig) -> list[str]:
         shares = [row["top_answer_share"] for row in last]
         # Above the threshold alone, not also rising: real shares jitter near 1 (docs/ARCHITECTURE.md, "Dagster")
         if None not in shares and min(shares) > settings.top_answer_share:
-            warnings.append(f"{agent} may be collapsing: the same response is {_figures(shares)} of its responses "
-                            f"in one turn over {steps} (health.top_answer_share: {settings.top_answer_share:g})")
+            sign, earned = _what_it_earns(last, settings)
+            warnings.append(f"{agent} {sign}: the same response is {_figures(shares)} of its responses in one turn "
+                            f"over {steps} (health.top_answer_share: {settings.top_answer_share:g}){earned}")
         elif (hovering := _hovering(rows[-settings.window:], settings)) is not None:
-            warnings.append(f"{agent} may be collapsing: {hovering}")
+            sign, earned = _what_it_earns(rows[-settings.window:], settings)
+            warnings.append(f"{agent} {sign}: {hovering}{earned}")
         flat = [row["zero_variance_groups"] for row in last]
         if None not in flat and min(flat) > settings.zero_variance_groups:
             warnings.append(f"{agent} has almost no learning signal: {_figures(flat)} of its GRPO groups have equal "
                             f"rewards over {steps} (health.zero_variance_groups: {settings.zero_variance_groups:g})")
     return warnings
+
+
+def _what_it_earns(rows: list[dict], settings: HealthConfig) -> tuple[str, str]:
+    """The sign of one answer to everything over ``rows``, and the warning's end: what the turns that gave it earned
+    on average (the answer's base rate) against the best reward a turn earned. More than ``converged_margin`` short
+    of it: :data:`COLLAPSING` (a checker saying "no" to everything, right where its solver erred, 55-77%). Within it:
+    :data:`ONE_ANSWER_PAID` (a reporter saying "none" where its checker said no, right on 99% of its prompts; or a
+    checker paid for "yes" whatever it is shown). Rows stored without the figures (older): collapsing, unqualified."""
+    earned, best = [row.get("top_answer_reward") for row in rows], [row.get("reward_max") for row in rows]
+    if None in earned or None in best:
+        return COLLAPSING, ""
+    earned_mean, best_mean = sum(earned) / len(earned), sum(best) / len(best)
+    sign = COLLAPSING if best_mean - earned_mean > settings.converged_margin else ONE_ANSWER_PAID
+    return sign, (f"; that response earns {earned_mean:.2f} where the best turns earned {best_mean:.2f} "
+                  f"(health.converged_margin: {settings.converged_margin:g})")
+
+
+def stopping_collapse(store: ExperienceStore | RecentCommits, config: ExperimentConfig, step: int) -> list[str]:
+    """With ``health.on_collapse: stop``, the :data:`COLLAPSING` warnings at ``step`` once its partitions are
+    committed and before its update is applied, so that the step's versions can be the launch's last (and be
+    checkpointed); empty with ``warn``. The health of ``step`` and of earlier steps whose ``health`` is not committed
+    yet comes from their partitions (without trainer figures, which the rules do not read)."""
+    settings, run, micro_batches = config.health, config.run, config.pipeline.micro_batches_per_step
+    if settings.on_collapse != "stop":
+        return []
+    agents, history = list(config.agents), []
+    for earlier in range(max(0, step - max(settings.steps, settings.window) + 1), step + 1):
+        key = MicroBatchKey(run, earlier, 0)
+        if earlier < step and store.is_committed("health", key):
+            rows = store.read("health", key).to_pylist()
+        elif all(store.is_committed("rewards", MicroBatchKey(run, earlier, mb)) for mb in range(micro_batches)):
+            rows = step_health(store, run, earlier, dict.fromkeys(agents, earlier + 1), {}, micro_batches).to_pylist()
+        else:
+            continue
+        history += [{"step": earlier, **row} for row in rows]
+    return [warning for warning in collapse_warnings(history, settings) if COLLAPSING in warning]
 
 
 def _hovering(window: list[dict], settings: HealthConfig) -> str | None:
@@ -233,6 +285,18 @@ def _by_turn(rows: list[dict]) -> dict[int, list[str]]:
 
 def _top_share(texts: list[str]) -> float:
     return Counter(texts).most_common(1)[0][1] / len(texts)
+
+
+def _top_answer_reward(turns: list[dict], earned: dict[str, float]) -> float | None:
+    """The mean reward of the turns that gave the most frequent response, in the turn where it is most frequent:
+    what that answer alone earns on these prompts (None: no turn, or rewards stored without ``sample_id``)."""
+    by_turn = _by_turn(turns)
+    if not by_turn or not earned:
+        return None
+    turn = max(by_turn, key=lambda index: _top_share(by_turn[index]))
+    answer = Counter(by_turn[turn]).most_common(1)[0][0]
+    return _mean([earned[row["sample_id"]] for row in turns if row["turn"] == turn and row["response_text"] == answer
+                  and row.get("sample_id") in earned])
 
 
 def _figures(values: list[float]) -> str:

@@ -61,7 +61,7 @@ def _recompute(stage: str, config: ExperimentConfig, env, store: ExperienceStore
         table = execute_micro_batch(env, store.read("rollouts", key), pool=_action_pool(config, env))
     elif stage == "rewards":
         table = score_micro_batch(env, store.read("rollouts", key), store.read("environment_results", key),
-                                  config.algorithm.advantage, model_reward=_model_reward(config, env, store))
+                                  config.advantages(), model_reward=_model_reward(config, env, store))
     elif stage == "policy_updates":
         table = _policy_updates(config, env, store, key)
     elif stage == "evaluations":
@@ -155,6 +155,6 @@ def _policy_updates(config: ExperimentConfig, env, store: ExperienceStore, key: 
         trainer = PolicyTrainer(str(store.require_policy(config.run, agent, version)), version,
                                 **with_local_base(store, config.run, agent, trainer_options(config, agent)))
         stats[agent] = trainer.accumulate(train_batch_for(store, key, agent,
-                                                          config.algorithm.drop_zero_advantage_groups))
+                                                          agent in config.dropping_zero_advantage_groups()))
         trainer.discard_gradients()
     return updates_table(stats)

@@ -25,7 +25,7 @@ is not sent to the model.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
@@ -39,6 +39,8 @@ from marl_pipeline.hooks import hooks_of
 from marl_pipeline.services.judge import JudgeScorer
 from marl_pipeline.stages import advantages, credit
 from marl_pipeline.stages.episodes import TURN_KEYS, episodes_of, kept_turns, transcript_of
+from marl_pipeline.store import ExperienceStore, MicroBatchKey
+from marl_pipeline.store.recent import RecentCommits
 from marl_pipeline.store.schema import REWARDS, with_agent
 
 if TYPE_CHECKING:
@@ -79,10 +81,10 @@ def model_reward(config: ExperimentConfig, pool: RewardModelPool | None = None) 
 
 
 def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table,
-                      advantage: Advantage = GRPOAdvantage(), team_weight: float | None = None,
-                      model_reward: ModelReward | None = None) -> pa.Table:
+                      advantage: Advantage | Mapping[str, Advantage] = GRPOAdvantage(),
+                      team_weight: float | None = None, model_reward: ModelReward | None = None) -> pa.Table:
     """One row per turn: the turn's agent's episode reward and its group-relative advantage (``advantage``'s
-    estimator).
+    estimator, or per agent its own: ``ExperimentConfig.advantages``).
 
     ``team_weight`` None takes the environment's ``team_reward_weight`` (0 if it has none).
     """
@@ -141,13 +143,33 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table,
                          for row in keyed_rows])
     scored = advantages.ScoredRows(rewards_array, groups, np.asarray([row["agent"] for row in keyed_rows]),
                                    np.asarray([row["episode"] for row in keyed_rows]))
-    relative = (advantages.estimator(advantage)(scored) * np.asarray(weights, dtype=np.float64)
+    relative = (_relative(scored, advantage) * np.asarray(weights, dtype=np.float64)
                 if keyed_rows else rewards_array)
     columns = {name: [row[name] for row in keyed_rows] for name in TURN_KEYS}
     columns.update(reward=rewards_array.astype(np.float32), advantage=relative.astype(np.float32),
                    model_score=pa.array([model_scores.get(row["sample_id"]) for row in keyed_rows], pa.float32()),
                    reward_start=starts, reward_end=ends, status=statuses, error=[None] * len(keyed_rows))
     return pa.table(columns, schema=with_agent(REWARDS))
+
+
+def mean_rewards(store: ExperienceStore | RecentCommits, keys: list[MicroBatchKey]) -> dict[str, float]:
+    """Mean episode reward of each agent over committed micro-batches (a step's ``keys``)."""
+    tables = [store.read("rewards", key, columns=["agent", "reward"]) for key in keys]
+    table = pa.concat_tables(tables).group_by("agent").aggregate([("reward", "mean")])
+    return dict(zip(table.column("agent").to_pylist(), table.column("reward_mean").to_pylist()))
+
+
+def _relative(scored: advantages.ScoredRows, advantage: Advantage | Mapping[str, Advantage]) -> np.ndarray:
+    """Each row's advantage by its agent's estimator. Every estimator compares a row within its agent's rows only
+    (groups are per agent, the agent-normalized scale is the agent's), so each agent's rows are estimated apart."""
+    if not isinstance(advantage, Mapping):
+        return advantages.estimator(advantage)(scored)
+    relative = np.zeros_like(scored.rewards)
+    for agent in np.unique(scored.agents):
+        rows = scored.agents == agent
+        relative[rows] = advantages.estimator(advantage[str(agent)])(advantages.ScoredRows(
+            scored.rewards[rows], scored.groups[rows], scored.agents[rows], scored.episodes[rows]))
+    return relative
 
 
 def _model_scores(episodes: list[list[dict]], outcomes: dict[str, dict], model_reward: ModelReward

@@ -41,22 +41,27 @@ class RolloutSettings:
     seed: int
     prompts_per_micro_batch: int
     samples_per_prompt: int
-    max_new_tokens: int
-    temperature: float
+    max_new_tokens: dict[str, int]
+    """Per agent, the longest reply of one of its turns, in tokens (its ``algorithm.max_new_tokens``)."""
+    temperature: dict[str, float]
+    """Per agent, its sampling temperature (its ``algorithm.temperature``)."""
     turn_adapters: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     """Per agent, its ``turn_adapters``: named adapters and the own turns they serve."""
 
     @classmethod
     def from_config(cls, config: ExperimentConfig) -> RolloutSettings:
         """The one place the rollout settings are cut from the config (the train job and recomputation alike)."""
-        pipeline, algorithm = config.pipeline, config.algorithm
+        pipeline = config.pipeline
+        algorithms = {agent: config.algorithm_of(agent) for agent in config.agents}
         return cls(config.seed, pipeline.prompts_per_micro_batch, pipeline.samples_per_prompt,
-                   algorithm.max_new_tokens, algorithm.temperature,
+                   {agent: a.max_new_tokens for agent, a in algorithms.items()},
+                   {agent: a.temperature for agent, a in algorithms.items()},
                    config.turn_adapters())
 
-    def request(self, prompt: str | list[int], seed: int, adapter: str | None = None) -> GenerationRequest:
-        """A turn's sampling request."""
-        return GenerationRequest(prompt, seed, self.max_new_tokens, self.temperature, adapter)
+    def request(self, role: str, prompt: str | list[int], seed: int, adapter: str | None = None
+                ) -> GenerationRequest:
+        """A turn of ``role``'s sampling request."""
+        return GenerationRequest(prompt, seed, self.max_new_tokens[role], self.temperature[role], adapter)
 
     def episode_adapters(self, turn_order: list[str]) -> list[str | None]:
         """The named adapter that serves each turn of an episode (None: the policy's weights alone)."""

@@ -65,7 +65,8 @@ def evaluate_team(env: Environment, engines: dict[str, ray.actor.ActorHandle], s
         requests = [chats.request(e, role, turn, env.render_prompt(role, cases[e // n].task, episode))
                     for e, episode in enumerate(episodes)]
         version, completions = ray.get(engines[role].generate.remote(
-            [GenerationRequest(request, int(seed), settings.max_new_tokens, settings.temperature, adapters[turn])
+            [GenerationRequest(request, int(seed), settings.max_new_tokens[role], settings.temperature[role],
+                               adapters[turn])
              for request, seed in zip(requests, seeds)]))
         versions.add(version)
         for e, completion in enumerate(completions):

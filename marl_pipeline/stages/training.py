@@ -3,7 +3,7 @@
 A trainer receives only its agent's rows: the stage reads that agent's rollout and reward files
 (partition pruning by directory, column projection) and joins them on ``sample_id``.
 
-Dynamic sampling (``algorithm.drop_zero_advantage_groups``, DAPO's filter without its re-sampling): a group
+Dynamic sampling (an agent's ``algorithm.drop_zero_advantage_groups``, DAPO's filter without its re-sampling): a group
 whose episodes all earned the agent the same reward has zero advantage everywhere, so its rows add nothing to
 the policy gradient but still count in the step's token (or sequence) total and dilute the others'. Dropped,
 the step's gradient is the informative groups' alone. The filter is per agent: a group can teach the solver
@@ -11,6 +11,8 @@ and not the verifier.
 """
 
 from __future__ import annotations
+
+from collections.abc import Container
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -69,9 +71,10 @@ def issue_order(agents: list[str], micro_batch: int) -> list[str]:
 
 
 def train_micro_batch(store: ExperienceStore | RecentCommits, key: MicroBatchKey,
-                      trainers: dict[str, ray.actor.ActorHandle], drop_zero_advantage_groups: bool = False) -> pa.Table:
-    """Accumulate every agent's gradient for one micro-batch (in parallel); one stats row per agent."""
-    refs = {agent: trainers[agent].accumulate.remote(train_batch_for(store, key, agent, drop_zero_advantage_groups))
+                      trainers: dict[str, ray.actor.ActorHandle], dropping: Container[str] = ()) -> pa.Table:
+    """Accumulate every agent's gradient for one micro-batch (in parallel); one stats row per agent. ``dropping``:
+    the agents that leave out their zero-advantage groups (``ExperimentConfig.dropping_zero_advantage_groups``)."""
+    refs = {agent: trainers[agent].accumulate.remote(train_batch_for(store, key, agent, agent in dropping))
             for agent in issue_order(list(trainers), key.micro_batch)}
     stats = dict(zip(refs, ray.get(list(refs.values()))))
     return updates_table({agent: stats[agent] for agent in trainers})  # rows in the agents' order, as before

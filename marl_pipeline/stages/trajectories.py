@@ -236,7 +236,7 @@ class _MicroBatch:
             request_id = f"{self.key.run}/{self.key.step}/{self.key.micro_batch}/{e}/{turn}"
             start = datetime.now(UTC)
             sampled, replica = await self._generate(
-                e, role, request_id, self.settings.request(request, self.seeds[turn][e], self.adapters[turn]))
+                e, role, request_id, self.settings.request(role, request, self.seeds[turn][e], self.adapters[turn]))
             completion = sampled.completion
             self.chats.record(e, role, completion.text, completion.response_ids)
             # Kept before the reply comes: a turn sampled and then cut while its reply ran is stored too.

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 SCHEMA_CHANGES = {
     1: "first version",
     2: "environment_start/environment_end and reward_start/reward_end: timestamps of every stage",
@@ -35,9 +35,11 @@ SCHEMA_CHANGES = {
        "(null: older); the services dataset (one row per external service and step)",
     10: "health.reward_mean: the agent's mean reward in the step, for the windowed collapse rule (null: older)",
     11: "rollouts.observe_seconds: how long the environment's reply to the turn took (null: no observe, or older)",
+    12: "health.top_answer_reward, health.reward_max: the most frequent response's base rate and the best reward, "
+        "to tell collapse from convergence (null: older)",
 }
 # Versions whose files this code reads: each change so far only added columns, null or derived in older files.
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 SCHEMA_VERSION_KEY = b"marl_pipeline.schema_version"
 
 PARTITION_SCHEMA = pa.schema(
@@ -258,6 +260,10 @@ HEALTH = pa.schema(
         pa.field("shortfall", pa.int32()),
         pa.field("dropped_episodes", pa.int32()),
         pa.field("reward_mean", pa.float32()),  # the agent's mean reward over its scored turns; null: older
+        # The mean reward of the turns giving the agent's most frequent response (in top_answer_share's turn): that
+        # answer's base rate; and the best reward any of its turns earned. Null: older
+        pa.field("top_answer_reward", pa.float32()),
+        pa.field("reward_max", pa.float32()),
     ]
 )
 
