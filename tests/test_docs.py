@@ -17,6 +17,9 @@ COMMAND = re.compile(r"`(?:\.venv/bin/|python3? |bash |make )[^`]+`")
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 WORK_LOG = re.compile(r"\bsessions? \d+|\.\./shared", re.I)
 COLUMNS = ["id", "figure", "compared against", "machine", "date", "command or section"]
+ROW_LIMIT = 300
+"""A results row's characters at most: its current figure, with the section telling the rest (issue 71.5); superseded
+figures live in git."""
 
 
 def anchor(heading: str) -> str:
@@ -49,9 +52,14 @@ def claim_problems(docs: dict[str, str], benchmarks: str) -> list[str]:
     rows = results_table(benchmarks)
     ids = [row["id"].strip("`") for row in rows]
     problems += [f"row {label} appears twice" for label in sorted({i for i in ids if ids.count(i) > 1})]
+    lengths = {line.split("|")[1].strip().strip("`"): len(line) for line in benchmarks.splitlines()
+               if line.startswith("| `")}
     for label, row in zip(ids, rows, strict=True):
         if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", label):
             problems.append(f"row id {label!r} is not a label")
+        if lengths.get(label, 0) >= ROW_LIMIT:
+            problems.append(f"row {label} is {lengths[label]} characters: give its current figure in under "
+                            f"{ROW_LIMIT}, the rest in its section")
         problems += [f"row {label} has no {column}" for column in COLUMNS[1:4] if not row[column]]
         if not DATE.search(row["date"]):
             problems.append(f"row {label} has no date")
@@ -111,6 +119,8 @@ def test_a_missing_row_or_section_fails() -> None:
     assert f"row {label} links to #{link}, which is no heading" in claim_problems(docs, without_section)
     undated = benchmarks.replace(row, re.sub(r"20\d\d-\d\d-\d\d", "once", row))
     assert f"row {label} has no date" in claim_problems(docs, undated)
+    padded = row.replace(" | ", " | " + "and more history " * 20, 1)
+    assert f"row {label} is {len(padded)} characters" in " ".join(claim_problems(docs, benchmarks.replace(row, padded)))
     unclaimed = {path: text.replace(f"[{label}][bench]", "") for path, text in docs.items()}
     assert f"row {label} is claimed by no document" in claim_problems(unclaimed, benchmarks)
 
