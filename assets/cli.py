@@ -19,12 +19,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from assets.evaluate_cli import evaluate, print_casts
 from assets.plan_cli import plan
 from marl_pipeline.config import ConfigError, apply_settings, read_config_data
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train teams of LLM agents with RL.")
 console = Console()
 app.command(name="plan")(plan)
+app.command(name="evaluate")(evaluate)
 
 
 _RAY_INIT = {"include_dashboard": False, "log_to_driver": False}
@@ -568,6 +570,7 @@ def _print_run(store, run: str, step: int | None, agent: str | None, sample: int
     if step is None and agent is None:
         _print_reward_table(store, run)
         _print_evaluation_table(store, run)
+        print_casts(store, run, console)
     _print_health_table(store, run, step, agent, wide)
     if step is None:
         _print_verdicts(store, run, report["agents"] if agent is None else [agent])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dagster as dg
 
 from assets.checks import STAGE_CHECKS
-from assets.evaluations import evaluations, no_collapsed_agent
+from assets.evaluations import evaluations, no_collapsed_agent, team_casts
 from assets.health import health, no_collapse_in_training
 from assets.planning import capacity_plan
 from assets.policies import base_policies, policies
@@ -22,7 +22,7 @@ from resources import ExperienceStoreResource, ExperimentResource, RayCluster
 experiment = ExperimentResource.configure_at_launch()
 
 defs = dg.Definitions(
-    assets=[base_policies, policies, *STAGE_ASSETS, evaluations, health, training_runs, capacity_plan],
+    assets=[base_policies, policies, *STAGE_ASSETS, evaluations, team_casts, health, training_runs, capacity_plan],
     asset_checks=[*STAGE_CHECKS, no_collapsed_agent, no_collapse_in_training],
     jobs=[train_job],
     schedules=[retrain_schedule],

@@ -7,6 +7,7 @@ it evaluates (``evaluation.every``); materializing a partition from the UI evalu
 import warnings
 
 import dagster as dg
+from pydantic import Field
 
 from assets.partitions import STEPS
 from resources import ExperienceStoreResource, ExperimentResource, RayCluster
@@ -51,6 +52,34 @@ def evaluations(context: dg.AssetExecutionContext, experiment: ExperimentResourc
     path, table, _ = recompute_stage("evaluations", config, experience, MicroBatchKey(run, version, 0))
     history = evaluation_history(experience, run)
     return dg.MaterializeResult(metadata=evaluation_metadata(stored_metrics(table), path, history))
+
+
+class CastsConfig(dg.Config):
+    casts: list[str] = Field(default_factory=list)
+    """Casts of your own, ``[NAME:]ROLE=AGENT@VERSION,...`` (as ``marl evaluate --cast``); none: trained, swapped
+    and each agent's version 0 beside its teammates' at the partition's version."""
+
+
+@dg.asset(partitions_def=STEPS, group_name="evaluation", deps=["policies"], kinds={"vllm"})
+def team_casts(context: dg.AssetExecutionContext, config: CastsConfig, experiment: ExperimentResource,
+               store: ExperienceStoreResource, ray: RayCluster) -> dg.MaterializeResult:
+    """The team on held-out cases with stored policies cast in its roles (run/casts.py): trained, swapped, each
+    agent's version 0 beside its teammates'; beside each, the first speaker alone (``first_sample``)."""
+    from marl_pipeline.environment import build_environment
+    from marl_pipeline.run.casts import evaluate_cast, parse_cast, standard_casts
+
+    run, version = parse_version_key(context.partition_key)
+    experiment_config = experiment.load().model_copy(update={"run": run})  # the partition's run
+    agents = list(experiment_config.agents)
+    casts = [parse_cast(text, agents) for text in config.casts] or standard_casts(agents, version)
+    env = build_environment(experiment_config.environment.name, experiment_config.environment.options)
+    experience, metadata = store.open(), {}
+    for cast in casts:
+        entry = evaluate_cast(experiment_config, env, experience, cast)
+        metadata[f"{cast.name}/roles"] = dg.MetadataValue.text(cast.describe())
+        for name, value in entry["metrics"].items():
+            metadata[f"{cast.name}/{name}"] = dg.MetadataValue.float(round(float(value), 4))
+    return dg.MaterializeResult(metadata=metadata)
 
 
 def _no_collapse(context: dg.AssetCheckExecutionContext, store: ExperienceStoreResource) -> dg.AssetCheckResult:

@@ -321,3 +321,59 @@ def test_step_metrics_reach_tensorboard_and_mlflow(evaluated) -> None:
         history.setdefault(name, {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)})
         assert history[name][step] == pytest.approx(value, rel=1e-12), (name, step)
     assert {"solver/top_response_share", "verifier/clip_fraction", "solver/grad_norm"} <= scalars.keys()
+
+
+def test_casts_are_parsed_with_every_role_and_named_errors() -> None:
+    from marl_pipeline.run.casts import Cast, parse_cast, standard_casts
+
+    agents = ["solver", "verifier"]
+    assert parse_cast("mixed:solver=solver@3,verifier=verifier@0", agents) == Cast(
+        "mixed", {"solver": ("solver", 3), "verifier": ("verifier", 0)})
+    assert parse_cast("verifier=solver@2,solver=verifier@2", agents).roles == {"solver": ("verifier", 2),
+                                                                                "verifier": ("solver", 2)}
+    for text, message in (("solver=solver@3", "roles \\['verifier'\\] are not cast"),
+                          ("solver=judge@1,verifier=verifier@1", "'judge' is no agent of the run"),
+                          ("solver=solver@1,solver=verifier@1,verifier=verifier@1", "role 'solver' is cast twice"),
+                          ("solver=solver,verifier=verifier@1", "is not ROLE=AGENT@VERSION")):
+        with pytest.raises(ValueError, match=message):
+            parse_cast(text, agents)
+    assert [(cast.name, cast.roles) for cast in standard_casts(agents, 5)] == [
+        ("trained", {"solver": ("solver", 5), "verifier": ("verifier", 5)}),
+        ("swapped", {"solver": ("verifier", 5), "verifier": ("solver", 5)}),
+        ("solver@0", {"solver": ("solver", 0), "verifier": ("verifier", 5)}),
+        ("verifier@0", {"solver": ("solver", 5), "verifier": ("verifier", 0)})]
+
+
+@pytest.mark.launch
+def test_a_cast_plays_the_team_with_any_stored_policy_in_any_role(evaluated) -> None:
+    """The trained cast at version 2 is the team's stored evaluation of version 2 again (same cases, seeds and
+    policies); the swapped cast and a version-0 cast are played and kept; `marl evaluate` and `marl inspect` show
+    them."""
+    from typer.testing import CliRunner
+
+    from assets.cli import app
+    from marl_pipeline.run.casts import evaluate_cast, parse_cast, stored_casts
+
+    config, _ = evaluated
+    store, env = ExperienceStore(config.store), _environment_of(config)
+    stored = stored_metrics(store.read("evaluations", MicroBatchKey(config.run, 2, 0)))["team"]
+    trained = evaluate_cast(config, env, store, parse_cast("trained:solver=solver@2,verifier=verifier@2",
+                                                           ["solver", "verifier"]))
+    assert trained["metrics"] == stored and trained["cases"] == config.evaluation.cases_per_agent
+    result = CliRunner().invoke(app, ["evaluate", str(store.root), "--run", config.run, "--cast",
+                                      "swapped:solver=verifier@2,verifier=solver@2", "--cast",
+                                      "solver=solver@0,verifier=verifier@3"])
+    assert result.exit_code == 0, result.output
+    casts = stored_casts(store, config.run)
+    assert list(casts) == ["trained", "swapped", "solver=solver@0,verifier=verifier@3"]
+    assert casts["swapped"]["roles"] == {"solver": {"agent": "verifier", "version": 2},
+                                         "verifier": {"agent": "solver", "version": 2}}
+    for entry in casts.values():
+        assert 0 <= entry["metrics"]["team_answer"] <= entry["metrics"]["any_sample"] <= 1
+    assert casts["swapped"]["metrics"] != stored  # the verifier's policy answering the sums
+    assert "the team by cast" in result.output and "swapped" in result.output
+    refused = CliRunner().invoke(app, ["evaluate", str(store.root), "--run", config.run, "--cast",
+                                       "solver=verifier,verifier=solver@1"])
+    assert refused.exit_code == 2 and "ROLE=AGENT@VERSION" in " ".join(refused.output.split())
+    inspected = CliRunner().invoke(app, ["inspect", str(store.root), "--run", config.run])
+    assert inspected.exit_code == 0 and "the team by cast" in inspected.output

@@ -109,31 +109,37 @@ def trainer_actor(trainer: TrainerConfig, resources: dict[str, float] | None = N
                                                resources=dict(resources or {}))
 
 
-def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int]) -> dict:
-    """One engine actor per agent serving the given policy version from the store, alone (a recomputation): one
-    replica, on GPUs of its own (no trainer to share them with)."""
+def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: dict[str, int],
+                  sources: dict[str, str] | None = None) -> dict:
+    """One engine actor per agent serving the given policy version from the store, alone (a recomputation, an
+    evaluation): one replica, on GPUs of its own (no trainer to share them with). ``sources``: the agents whose
+    stored policy serves another's role (a cast, run/casts.py); by default each its own."""
     agents = {agent: agent_config.model_copy(update={
         "engine": agent_config.engine.model_copy(update={"replicas": 1}), "colocated": False})
         for agent, agent_config in config.agents.items()}
     plan = plan_on_ray(config.model_copy(update={"agents": agents}))
-    engines = {agent: replicas.handle(0) for agent, replicas in start_engine_replicas(plan, store, versions).items()}
+    engines = {agent: replicas.handle(0)
+               for agent, replicas in start_engine_replicas(plan, store, versions, sources=sources).items()}
     warm_actors.stop_idle()  # kept actors not taken would hold CPUs the new engines wait for
     return engines
 
 
 def start_engine_replicas(plan: PlacementPlan, store: ExperienceStore, versions: dict[str, int],
                           after: dict[str, list] | None = None, groups: dict[str, PlacementGroup] | None = None,
-                          first: dict | None = None) -> dict[str, EngineReplicas]:
+                          first: dict | None = None, sources: dict[str, str] | None = None
+                          ) -> dict[str, EngineReplicas]:
     """Each agent's engine replicas as the plan's specs say, serving the given policy version from the store once
     ``after[agent]`` is ready (see ``StoreAsyncEngine``); a replica that dies is restarted from its spec
     (inference/replicas.py). ``groups``: the placement groups the agents' engines share with their trainers
-    (colocated); ``first``: replica 0 of the agents that have it started already (the hybrid agents' processes)."""
+    (colocated); ``first``: replica 0 of the agents that have it started already (the hybrid agents' processes);
+    ``sources``: per agent, the agent whose stored policy its engines serve (default: its own)."""
     after, groups, first = after or {}, groups or {}, first or {}
     sets = {}
     for agent, engine_set in plan.engine_sets.items():
         specs = plan.agent_specs(agent, "engine")
         own: dict = {}  # a split replica's actor id -> its placement group, removed with it
-        spawn = partial(_spawn_engine, specs, groups.get(agent), own, store.config, plan.run)
+        spawn = partial(_spawn_engine, specs, groups.get(agent), own, store.config, plan.run,
+                        (sources or {}).get(agent, agent))
         started = [first[agent]] if agent in first else []
         started += [spawn(k, versions[agent], after=after.get(agent)) for k in range(len(started), len(specs))]
         sets[agent] = EngineReplicas(agent, started, versions[agent], spawn, engine_set.max_outstanding,
@@ -142,13 +148,14 @@ def start_engine_replicas(plan: PlacementPlan, store: ExperienceStore, versions:
 
 
 def _spawn_engine(specs: list[ActorSpec], shared: PlacementGroup | None, own: dict, store: StoreConfig, run: str,
-                  replica: int, version: int, after: list | None = None):
+                  source: str, replica: int, version: int, after: list | None = None):
     """Replica slot ``replica`` from its spec (a slot beyond the planned ones, with rebalancing, as the last; a hybrid
-    process's slot as its engine alone): a kept one restarted at ``version``, else a new one."""
+    process's slot as its engine alone), serving ``source``'s stored policy at ``version``: a kept one restarted,
+    else a new one."""
     spec = specs[min(replica, len(specs) - 1)]
     spec = spec.parts[0] if spec.parts else spec
     actor = ray.remote(StoreAsyncEngine)
-    arguments = (store, run, spec.agent, version)
+    arguments = (store, run, source, version)
     if spec.group is None:
         # What a kept engine must have been started with to be taken instead of a new one (warm_actors.py).
         settings = ("engine", StoreAsyncEngine.__name__, spec.cpus, spec.gpus, tuple(sorted(spec.resources.items())),

@@ -48,17 +48,19 @@ def is_team_evaluated(env: Environment, settings: EvaluationSettings) -> bool:
     return is_evaluated(env) and hooks_of(env).team_choice is not None and settings.team_samples > 0
 
 
-def evaluate_team(env: Environment, engines: dict[str, ray.actor.ActorHandle], settings: EvaluationSettings
-                  ) -> pa.Table:
+def evaluate_team(env: Environment, engines: dict[str, ray.actor.ActorHandle], settings: EvaluationSettings,
+                  versions: dict[str, int] | None = None) -> pa.Table:
     """The team's rows: each held-out case of the first speaker played ``settings.team_samples`` times by the agents
-    ``engines`` serve (each at the same version), turn by turn, every episode's next turn in one batch per agent."""
+    ``engines`` serve (each at the same version; with ``versions``, each role at its own, a cast's: run/casts.py),
+    turn by turn, every episode's next turn in one batch per agent. The rows' ``policy_version`` is the first
+    speaker's."""
     first = env.turn_order[0]
     cases = evaluation_cases(env, first, settings)
     n = settings.team_samples
     episodes: list[list[Turn]] = [[] for _ in range(len(cases) * n)]  # episode e plays case e // n
     chats = engine_chat_session(env, engines)
     adapters = episode_adapters(settings.turn_adapters, env.turn_order)  # per turn: the named adapter serving it
-    versions = set()
+    served: dict[str, set[int]] = {}
     for turn, role in enumerate(env.turn_order):
         seeds = np.random.SeedSequence([settings.seed, EVALUATION_STREAM, TEAM_STREAM, turn]).generate_state(
             len(episodes))
@@ -68,15 +70,19 @@ def evaluate_team(env: Environment, engines: dict[str, ray.actor.ActorHandle], s
             [GenerationRequest(request, int(seed), settings.max_new_tokens[role], settings.temperature[role],
                                adapters[turn])
              for request, seed in zip(requests, seeds)]))
-        versions.add(version)
+        served.setdefault(role, set()).add(version)
         for e, completion in enumerate(completions):
             chats.record(e, role, completion.text, completion.response_ids)
             # a reply that fails leaves the turn without one and the episode goes on, as in rollout
             observation, _ = observe_reply(env, role, cases[e // n].task, [*episodes[e], Turn(role, completion.text)])
             episodes[e].append(Turn(role, completion.text, observation))
-    if len(versions) > 1:  # the team is measured at one version: every engine must serve it throughout
-        raise RuntimeError(f"the team's evaluation engines served several policy versions: {sorted(versions)}")
-    version = versions.pop() if versions else None
+    # every engine serves its one version throughout: the version evaluated, or each role's in a cast
+    wanted = versions or dict.fromkeys(served, min(set().union(*served.values()), default=None))
+    if any(found != {wanted[role]} for role, found in served.items()):
+        what = "the cast's versions" if versions else "one version"
+        shown = {role: sorted(found) for role, found in served.items()}
+        raise RuntimeError(f"the team's evaluation engines did not each serve {what} throughout: {shown}")
+    version = wanted.get(first)
     rows = []
     for c, case in enumerate(cases):
         played = episodes[c * n:(c + 1) * n]

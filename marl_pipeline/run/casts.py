@@ -1,0 +1,116 @@
+"""The team evaluated with any stored policy version in any role: a cast. What a team's training bought shows only
+beside other casts of the same roles (AT-GRPO's check: role policies 97%, the same policies with the roles swapped
+6%):
+
+- ``trained``: each role its own agent's policy at the version evaluated;
+- ``swapped``: each role the next agent's policy (a rotation of the roles; for two agents, the two exchanged);
+- ``<agent>@0``: that agent's version 0 beside its teammates' version evaluated: what its own training contributed.
+
+Beside each, the first speaker alone at the same number of samples (``first_sample``, ``majority_vote``): the
+single-agent baseline. A cast is played as the held-out evaluation plays the team (stages/team.py: the first
+speaker's held-out cases, ``evaluation.team_samples`` episodes each, seeded by turn and episode only), on engines
+serving the cast's policies, and its figures are kept in the run's ``casts.json`` record, which ``marl inspect``
+and the ``team_casts`` asset show.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+from marl_pipeline.cluster import warm_actors
+from marl_pipeline.cluster.spawn import start_engines
+from marl_pipeline.config import ExperimentConfig
+from marl_pipeline.environment import Environment
+from marl_pipeline.hooks import hooks_of
+from marl_pipeline.stages.evaluation import EvaluationSettings, is_evaluated, team_metrics
+from marl_pipeline.stages.team import evaluate_team
+from marl_pipeline.store import ExperienceStore
+
+RECORD = "casts.json"
+_PART = re.compile(r"^([A-Za-z0-9_.-]+)=([A-Za-z0-9_.-]+)@(\d+)$")
+
+
+@dataclass(frozen=True)
+class Cast:
+    """Which stored policy plays each role: role -> (agent whose policy, its version)."""
+
+    name: str
+    roles: dict[str, tuple[str, int]]
+
+    def describe(self) -> str:
+        return ", ".join(f"{role}={agent}@{version}" for role, (agent, version) in self.roles.items())
+
+
+def standard_casts(agents: list[str], version: int) -> list[Cast]:
+    """``trained``, ``swapped`` (with two agents or more) and each ``<agent>@0``, at ``version``."""
+    casts = [Cast("trained", {agent: (agent, version) for agent in agents})]
+    if len(agents) > 1:
+        casts.append(Cast("swapped", {agent: (agents[(i + 1) % len(agents)], version)
+                                      for i, agent in enumerate(agents)}))
+    if version > 0:
+        casts += [Cast(f"{own}@0", {agent: (agent, 0 if agent == own else version) for agent in agents})
+                  for own in agents]
+    return casts
+
+
+def parse_cast(text: str, agents: list[str]) -> Cast:
+    """``NAME:ROLE=AGENT@VERSION,...`` (every role once; the name optional) as a cast.
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
+    name, _, parts = text.rpartition(":")
+    roles = {}
+    for part in parts.split(","):
+        found = _PART.match(part.strip())
+        if found is None:
+            raise ValueError(f"cast {text!r}: {part.strip()!r} is not ROLE=AGENT@VERSION (solver=verifier@100)")
+        role, agent, version = found.group(1), found.group(2), int(found.group(3))
+        unknown = [name for name in (role, agent) if name not in agents]
+        if unknown:
+            raise ValueError(f"cast {text!r}: {unknown[0]!r} is no agent of the run ({', '.join(agents)})")
+        if role in roles:
+            raise ValueError(f"cast {text!r}: role {role!r} is cast twice")
+        roles[role] = (agent, version)
+    if missing := [agent for agent in agents if agent not in roles]:
+        raise ValueError(f"cast {text!r}: roles {missing} are not cast (every role needs a policy)")
+    return Cast(name or ",".join(parts.split(",")), {agent: roles[agent] for agent in agents})
+
+
+def evaluate_cast(config: ExperimentConfig, env: Environment, store: ExperienceStore, cast: Cast) -> dict:
+    """Play the team's held-out episodes with ``cast``'s policies (on engines started for it, on the Ray the caller
+    initialised) and keep its figures in the run's :data:`RECORD`; returns the record's entry: ``roles``,
+    ``metrics`` (``team_answer``, ``first_sample``, ``majority_vote``, ``any_sample``), ``cases`` and ``at``.
+
+    Raises:
+        ValueError: the plugin has no team to measure, a policy is not stored, or a cast moves a policy with named
+            adapters to another role (they serve their own agent's turns).
+    """
+    settings = EvaluationSettings.from_config(config)
+    if not is_evaluated(env) or hooks_of(env).team_choice is None or not settings.team_samples:
+        raise ValueError(f"environment {config.environment.name!r} has no team to measure: a cast needs "
+                         f"evaluation_cases, evaluate and team_choice, and evaluation.team_samples above 0")
+    for role, (agent, version) in cast.roles.items():
+        store.require_policy(config.run, agent, version)
+        if agent != role and (config.agents[agent].turn_adapters or config.agents[role].turn_adapters):
+            raise ValueError(f"cast {cast.name!r}: {agent}'s policy in role {role} with named adapters "
+                             f"(turn_adapters), which serve their own agent's turns only")
+    versions = {role: version for role, (_, version) in cast.roles.items()}
+    engines = start_engines(config, store, versions, sources={role: agent for role, (agent, _) in cast.roles.items()})
+    try:
+        rows = evaluate_team(env, engines, settings, versions).to_pylist()
+    finally:
+        for engine in engines.values():
+            warm_actors.release(engine, config.ray.keep_actors)
+    entry = {"roles": {role: {"agent": agent, "version": version} for role, (agent, version) in cast.roles.items()},
+             "metrics": team_metrics(env, rows), "cases": len(rows), "at": time.time()}
+    record = store.read_record(config.run, RECORD) or {}
+    store.write_record(config.run, RECORD, {**record, cast.name: entry})
+    return entry
+
+
+def stored_casts(store: ExperienceStore, run: str) -> dict[str, dict]:
+    """The run's evaluated casts, by name, as :func:`evaluate_cast` kept them (empty: none)."""
+    return store.read_record(run, RECORD) or {}
