@@ -318,7 +318,7 @@ HEALTH_HEADERS = {"zero_variance_groups": "zero-var groups", "distinct_responses
                   "response_length": "length", "truncated_share": "cut", "loss_per_token": "loss/token",
                   "clip_fraction": "clipped", "mismatch_abs_logprob": "mismatch", "grad_norm": "grad norm",
                   "short_groups": "short groups", "shortfall": "shortfall", "dropped_episodes": "dropped",
-                  "reward_mean": "reward"}
+                  "reward_mean": "reward", "top_answer_reward": "top earns", "reward_max": "best reward"}
 HEALTH_NARROW = {"top_answer_share": "top", "zero_variance_groups": "zero-var", "token_entropy": "entropy",
                  "response_length": "length", "clip_fraction": "clip", "grad_norm": "grad norm"}
 """The signals an 80-column terminal shows (the collapse rules' two first): ``--wide`` shows every one, ``--format
