@@ -51,7 +51,7 @@ def _finite(store, stage, key, config):
 def _staleness(store, stage, key, config):
     from marl_pipeline.store.validation import check_staleness
 
-    return check_staleness(store, key, config.pipeline.staleness)
+    return check_staleness(store, key, config.staleness_bounds())
 
 
 def _token_ids(store, stage, key, config):

@@ -131,3 +131,26 @@ def test_the_policy_card_says_which_settings_the_agent_set_itself(demo_config_da
                        "health": {"step": 2, "policy_version": 3, "top_answer_share": 1.0}, "warnings": [warning],
                        "algorithm": algorithm, "config": recorded})
     assert f"Warnings raised at that step (the `health` settings of its launch):\n\n- {warning}\n" in card
+
+
+def test_each_agent_has_its_own_staleness_bound_and_the_gate_holds_each_to_it(demo_config_data: dict,
+                                                                              tmp_path: Path) -> None:
+    from marl_pipeline.run.queues import gate_open
+
+    data = copy.deepcopy(demo_config_data)
+    data.update(store=str(tmp_path / "store"))
+    data["pipeline"].update(staleness=2)
+    data["agents"]["solver"]["staleness"] = 0
+    config = parse_config(data)
+    assert config.staleness_bounds() == {"solver": 0, "verifier": 2}  # the verifier: pipeline.staleness
+    bounds = config.staleness_bounds()
+    assert gate_open({"solver": 5, "verifier": 3}, 5, bounds)  # the verifier 2 behind: within its bound
+    assert not gate_open({"solver": 4, "verifier": 5}, 5, bounds)  # the solver 1 behind: not within 0
+    assert not gate_open({"solver": 5, "verifier": 2}, 5, bounds)
+    assert gate_open({"solver": 5, "verifier": 3}, 5, 2) and not gate_open({"solver": 5, "verifier": 3}, 5, 1)
+    data["pipeline"].update(mode="synchronous", staleness=0)
+    data["agents"]["solver"]["staleness"] = 1
+    with pytest.raises(ConfigError, match=r"agents\.solver\.staleness: synchronous mode"):
+        parse_config(data)
+    data["agents"]["solver"]["staleness"] = 0  # 0 is what synchronous mode is
+    assert parse_config(data).staleness_bounds() == {"solver": 0, "verifier": 0}

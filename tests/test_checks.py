@@ -42,6 +42,9 @@ def test_checks_pass_on_good_data_and_name_what_is_wrong(tmp_path: Path) -> None
                     check_token_ids(store, key)):
         assert outcome.passed, outcome.description
     assert not check_staleness(store, key, bound=0).passed  # step 1 sampled with version 0
+    # each agent held to its own bound (agents.<a>.staleness): only the agent at 0 fails
+    assert check_staleness(store, key, bound={"solver": 1, "verifier": 1}).passed
+    assert not check_staleness(store, key, bound={"solver": 1, "verifier": 0}).passed
     _damage_rollouts(store, key)
     finite = check_finite(store, "rollouts", key)
     assert not finite.passed and finite.metadata["non_finite/logprobs"] == 1

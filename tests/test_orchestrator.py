@@ -351,3 +351,19 @@ def test_synchronous_mode_rejects_staleness(demo_config_data, tmp_path: Path) ->
 
     with pytest.raises(ConfigError, match="mode 'synchronous' trains strictly on-policy"):
         parse_config(small_config_data(demo_config_data, tmp_path, mode="synchronous", staleness=1))
+
+
+def test_each_agent_is_sampled_within_its_own_staleness(local_ray, demo_config_data, tmp_path: Path) -> None:
+    """The solver held on-policy (``agents.solver.staleness: 0``) beside a verifier at the pipeline's 1: every
+    solver turn is sampled at its step's version, the verifier's within one; both train each step at its version."""
+    data = small_config_data(demo_config_data, tmp_path / "store", steps=4, micro_batches_per_step=2, staleness=1)
+    data["agents"]["solver"]["staleness"] = 0
+    config = parse_config(data)
+    assert isinstance(list(train(config))[-1], RunFinished)
+    store = ExperienceStore(config.store)
+    rollouts = store.read_stage("demo", "rollouts", columns=["step", "policy_version", "agent"]).to_pylist()
+    lag = {agent: {row["step"] - row["policy_version"] for row in rollouts if row["agent"] == agent}
+           for agent in ("solver", "verifier")}
+    assert lag["solver"] == {0} and lag["verifier"] <= {0, 1}, lag
+    updates = store.read_stage("demo", "policy_updates", columns=["step", "policy_version"])
+    assert pc.all(pc.equal(updates.column("step"), updates.column("policy_version"))).as_py()

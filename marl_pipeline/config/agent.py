@@ -177,6 +177,10 @@ class AgentConfig(StrictModel):
     warmup: WarmupConfig = WarmupConfig()
     lora: LoraAdapterConfig | None = None
     """LoRA adapters trained over version 0 in place of the full weights (None: full fine-tuning)."""
+    staleness: int | None = Field(None, ge=0)
+    """The most policy versions this agent's turns may lag the step that trains on them (None: ``pipeline.staleness``):
+    rollout of step s waits until this agent's engines serve a version of at least s - staleness, so a slow agent with
+    a looser bound does not hold its teammates' rollout, and one with 0 is always sampled on-policy."""
     algorithm: AgentAlgorithm = AgentAlgorithm()
     """This agent's own values of ``algorithm:`` fields (temperature, max_new_tokens, clip_eps, kl_coef,
     entropy_coef, advantage, loss_normalization, tis_cap, drop_zero_advantage_groups); a field not set (or null) is

@@ -81,6 +81,13 @@ class ExperimentConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def validate_agent_staleness(self) -> ExperimentConfig:
+        if self.pipeline.mode == "synchronous" and (loose := [a for a, s in self.agents.items() if s.staleness]):
+            raise ValueError(f"agents.{loose[0]}.staleness: synchronous mode samples each step from the versions "
+                             f"of the step before; set pipeline.mode: streaming for a bound above 0")
+        return self
+
+    @model_validator(mode="after")
     def validate_agent_algorithms(self) -> ExperimentConfig:
         for agent in self.agents:
             try:
@@ -99,6 +106,14 @@ class ExperimentConfig(StrictModel):
         if not own:
             return self.algorithm
         return AlgorithmConfig.model_validate({**self.algorithm.model_dump(), **own})
+
+    def staleness_bounds(self) -> dict[str, int]:
+        """Per agent, the most versions its turns may lag their step (``agents.<a>.staleness``, else
+        ``pipeline.staleness``; 0 in synchronous mode): what the staleness gate holds each agent to."""
+        if self.pipeline.mode == "synchronous":
+            return dict.fromkeys(self.agents, 0)
+        return {agent: self.pipeline.staleness if settings.staleness is None else settings.staleness
+                for agent, settings in self.agents.items()}
 
     def advantages(self) -> dict[str, Advantage]:
         """Per agent, the advantage estimator its rewards become advantages by."""

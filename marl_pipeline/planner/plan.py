@@ -110,7 +110,8 @@ def predict(config: ExperimentConfig, nodes: list[dict[str, float]], costs: Cost
         raise ValueError(f"the costs ({costs.source}) have no figures for agents {missing}: calibrate from a run "
                          f"with the same agents ({sorted(costs.engines)} there)")
     plan = plan_placement(config, nodes)
-    return plan, simulate(plan, config.pipeline, replies_capped(costs, config), nodes, steps)
+    return plan, simulate(plan, config.pipeline, replies_capped(costs, config), nodes, steps,
+                          config.staleness_bounds())
 
 
 def replies_capped(costs: Costs, config: ExperimentConfig) -> Costs:

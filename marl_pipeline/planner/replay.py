@@ -70,7 +70,8 @@ def replay_routing(store: ExperienceStore, run: str, replicas: dict[str, int],
     return Agreement(len(rows), len(rows) - len(differing), differing[:10])
 
 
-def replay_gate(store: ExperienceStore, run: str, staleness: int, tolerance_s: float = 0.25) -> Agreement:
+def replay_gate(store: ExperienceStore, run: str, staleness: int | dict[str, int], tolerance_s: float = 0.25
+                ) -> Agreement:
     """Each stored step's rollout release, decided again by the staleness gate over the times each agent's engines
     came to serve each version (its ``timing.json``: the publisher's start, its optimizer step and its sync) and the
     end of the step before's rollout, against the recorded release (the step's first rollout partition's
@@ -99,7 +100,8 @@ def replay_gate(store: ExperienceStore, run: str, staleness: int, tolerance_s: f
     return Agreement(equal + len(differing), equal, differing[:10])
 
 
-def _gate_times(served: dict[str, dict[int, float]], steps: list[int], staleness: int) -> dict[int, float | None]:
+def _gate_times(served: dict[str, dict[int, float]], steps: list[int], staleness: int | dict[str, int]
+                ) -> dict[int, float | None]:
     """When the gate opened for each step: the first recorded serve at which ``gate_open`` holds (None: open from
     the start). Steps whose versions went unrecorded (pruned by retention: keep every version to replay them all)
     are left out."""
@@ -112,7 +114,7 @@ def _gate_times(served: dict[str, dict[int, float]], steps: list[int], staleness
         if gate_open(versions_at(moments[0]), step, staleness):
             opened[step] = None
             continue
-        needed = step - staleness
-        if all(needed in versions for versions in served.values()):
+        bounds = staleness if isinstance(staleness, dict) else dict.fromkeys(served, staleness)
+        if all(step - bounds[agent] in versions for agent, versions in served.items()):
             opened[step] = next(t for t in moments if gate_open(versions_at(t), step, staleness))
     return opened

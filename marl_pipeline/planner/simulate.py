@@ -102,13 +102,13 @@ class Prediction:
 
 class _Simulation:
     def __init__(self, plan: PlacementPlan, pipeline: PipelineConfig, costs: Costs,
-                 nodes: list[dict[str, float]], steps: int) -> None:
+                 nodes: list[dict[str, float]], steps: int, staleness: dict[str, int] | None = None) -> None:
         self.env = env = simpy.Environment()
         self.plan, self.pipeline, self.costs, self.steps = plan, pipeline, costs, steps
         self.busy: dict[str, Busy] = defaultdict(lambda: Busy(env))
         self.synchronous = pipeline.mode == "synchronous"
-        self.staleness = 0 if self.synchronous else pipeline.staleness
         self.agents = list(plan.engine_sets)
+        self.staleness = staleness or dict.fromkeys(self.agents, 0 if self.synchronous else pipeline.staleness)
         self.served = dict.fromkeys(self.agents, 0)
         self.served_at: dict[str, dict[int, float]] = {agent: {0: 0.0} for agent in self.agents}
         self.committed = dict.fromkeys(self.agents, 0)
@@ -323,8 +323,9 @@ def _place(plan: PlacementPlan, nodes: list[dict[str, float]], env: simpy.Enviro
 
 
 def simulate(plan: PlacementPlan, pipeline: PipelineConfig, costs: Costs, nodes: list[dict[str, float]],
-             steps: int | None = None) -> Prediction:
+             steps: int | None = None, staleness: dict[str, int] | None = None) -> Prediction:
     """Simulate ``steps`` steps (default ``pipeline.steps``) of the plan's actors on ``nodes`` (each node's
-    resources, as the plan was made on them) with ``costs``."""
-    simulation = _Simulation(plan, pipeline, costs, nodes, steps or pipeline.steps)
+    resources, as the plan was made on them) with ``costs``; ``staleness``: each agent's bound
+    (``ExperimentConfig.staleness_bounds``; default: the pipeline's for all)."""
+    simulation = _Simulation(plan, pipeline, costs, nodes, steps or pipeline.steps, staleness)
     return simulation.run()

@@ -107,10 +107,10 @@ class Orchestrator:
         pipeline = config.pipeline
         self.micro_batches = pipeline.micro_batches_per_step
         self.synchronous = pipeline.mode == "synchronous"
-        self.staleness = 0 if self.synchronous else pipeline.staleness
+        self.staleness = config.staleness_bounds()  # per agent; the gate holds each to its own
         # Every stage's partitions from rollout to training: what the next stages read back, written behind the
         # stages by a thread of their own (store/recent.py).
-        self.recent = RecentCommits(store, 4 * self.micro_batches * (self.staleness + 2), behind=True)
+        self.recent = RecentCommits(store, 4 * self.micro_batches * (max(self.staleness.values()) + 2), behind=True)
         self._model_reward = model_reward(config, workers.reward_pool)
         self.stages = [
             Stage("rollouts", self._rollout, 1),

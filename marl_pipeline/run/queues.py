@@ -7,7 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from marl_pipeline.store import MicroBatchKey
 
@@ -35,10 +35,13 @@ def get_until_stopped(box: queue.Queue, stop: threading.Event):
     return None
 
 
-def gate_open(served: dict[str, int], step: int, staleness: int) -> bool:
+def gate_open(served: dict[str, int], step: int, staleness: int | Mapping[str, int]) -> bool:
     """The staleness gate: rollout of ``step`` may start once every agent's engines serve a version v with
-    ``step - v <= staleness`` (``served``: the version each agent's engines serve)."""
-    return min(served.values()) >= step - staleness
+    ``step - v <= staleness`` (``served``: the version each agent's engines serve; ``staleness``: one bound for all,
+    or each agent's, ``ExperimentConfig.staleness_bounds``)."""
+    if not isinstance(staleness, Mapping):
+        return min(served.values()) >= step - staleness
+    return all(version >= step - staleness[agent] for agent, version in served.items())
 
 
 class StepBarrier:

@@ -57,18 +57,23 @@ def check_finite(store: ExperienceStore, stage: str, key: MicroBatchKey) -> Chec
     return CheckOutcome(not found, description, {f"non_finite/{name}": count for name, count in bad.items()})
 
 
-def check_staleness(store: ExperienceStore, key: MicroBatchKey, bound: int) -> CheckOutcome:
-    """Every turn's staleness (step - policy_version) is within 0..bound."""
-    versions = store.read("rollouts", key, columns=["policy_version"]).column("policy_version")
-    if not len(versions):
-        return CheckOutcome(True, "no turns", {"max_staleness": 0, "bound": bound})
-    staleness = pc.subtract(pa.scalar(key.step, pa.int32()), versions)
+def check_staleness(store: ExperienceStore, key: MicroBatchKey, bound: int | dict[str, int]) -> CheckOutcome:
+    """Every turn's staleness (step - policy_version) is within 0..bound: one bound, or its agent's
+    (``ExperimentConfig.staleness_bounds``)."""
+    table = store.read("rollouts", key, columns=["policy_version", "agent"])
+    loosest = bound if isinstance(bound, int) else max(bound.values())
+    if not table.num_rows:
+        return CheckOutcome(True, "no turns", {"max_staleness": 0, "bound": loosest})
+    staleness = pc.subtract(pa.scalar(key.step, pa.int32()), table.column("policy_version"))
     low, high = pc.min_max(staleness).values()
-    passed = low.as_py() >= 0 and high.as_py() <= bound
+    bounds = pa.array([bound[agent] if isinstance(bound, dict) else bound
+                       for agent in table.column("agent").to_pylist()], pa.int32())
+    passed = low.as_py() >= 0 and pc.all(pc.less_equal(staleness, bounds)).as_py()
     description = (f"staleness {low.as_py()}..{high.as_py()} within the bound {bound}" if passed
-                   else f"staleness {low.as_py()}..{high.as_py()} outside 0..{bound} (pipeline.staleness)")
+                   else f"staleness {low.as_py()}..{high.as_py()} outside 0..{bound} (pipeline.staleness, "
+                        f"agents.<a>.staleness)")
     return CheckOutcome(passed, description, {"max_staleness": high.as_py(), "min_staleness": low.as_py(),
-                                              "bound": bound})
+                                              "bound": loosest})
 
 
 def check_token_ids(store: ExperienceStore, key: MicroBatchKey) -> CheckOutcome:
