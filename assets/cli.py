@@ -318,7 +318,8 @@ HEALTH_HEADERS = {"zero_variance_groups": "zero-var groups", "distinct_responses
                   "response_length": "length", "truncated_share": "cut", "loss_per_token": "loss/token",
                   "clip_fraction": "clipped", "mismatch_abs_logprob": "mismatch", "grad_norm": "grad norm",
                   "short_groups": "short groups", "shortfall": "shortfall", "dropped_episodes": "dropped",
-                  "reward_mean": "reward", "top_answer_reward": "top earns", "reward_max": "best reward"}
+                  "reward_mean": "reward", "top_answer_reward": "top earns", "reward_max": "best reward",
+                  "staleness_max": "max lag", "stale_share": "stale"}
 HEALTH_NARROW = {"top_answer_share": "top", "zero_variance_groups": "zero-var", "token_entropy": "entropy",
                  "response_length": "length", "clip_fraction": "clip", "grad_norm": "grad norm"}
 """The signals an 80-column terminal shows (the collapse rules' two first): ``--wide`` shows every one, ``--format
@@ -590,6 +591,9 @@ def _print_run(store, run: str, step: int | None, agent: str | None, sample: int
                 console.print(f"  {label:>16} {count:>6} {bar}")
     staleness = ", ".join(f"{k}: {v} turns" for k, v in report["staleness"].items()) or "no turns"
     console.print(f"policy staleness (step - policy_version): {staleness}")
+    if len(report["agents"]) > 1:
+        console.print("  per agent: " + "; ".join(f"{name} " + ", ".join(f"{k}: {v}" for k, v in figures.get(
+            "staleness", {}).items()) for name, figures in report["agents"].items()))
     if not report["failures"]:
         console.print("failures: none")
     for stage, failure in report["failures"].items():

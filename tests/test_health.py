@@ -342,3 +342,14 @@ def test_a_stopping_launch_reads_collapse_before_the_steps_update_from_its_parti
     assert found.startswith(f"verifier {COLLAPSING}") and "steps 0-2" in found
     assert stopping_collapse(Partitions(), stop, 1) == []  # two steps: not yet a streak
     assert stopping_collapse(Partitions(), parse_config(data), 2) == []  # warn: never stops
+
+
+def test_each_agents_lag_behind_the_step_by_hand() -> None:
+    """Step 4 (version 5 made): the solver sampled at versions 4, 4 and 3 (lags 0, 0, 1), the verifier at 4 only."""
+    rollouts = [{**_turn("solver", "g1", "4", [-1.0]), "policy_version": v} for v in (4, 4, 3)]
+    rollouts += [{**_turn("verifier", "g1", "yes", [-1.0]), "policy_version": 4}]
+    solver, verifier = health_table(rollouts, [], [], {"solver": 5, "verifier": 5}, {}).to_pylist()
+    assert (solver["staleness_max"], solver["stale_share"]) == (1, pytest.approx(1 / 3))
+    assert (verifier["staleness_max"], verifier["stale_share"]) == (0, 0.0)
+    (older,) = health_table([_turn("solver", "g1", "4", [-1.0])], [], [], {"solver": 1}, {}).to_pylist()
+    assert older["staleness_max"] is None and older["stale_share"] is None  # stored without the version

@@ -35,6 +35,7 @@ def test_inspect_prints_distributions_failures_and_sample_conversations(tmp_path
     assert "run r: 2 steps, 16 episodes, 32 turns, 96 response tokens" in out
     assert "mean reward per step" in out and "reward histogram, solver:" in out
     assert "policy staleness (step - policy_version): 0: 16 turns, 1: 16 turns" in out
+    assert "per agent: solver 0: 8, 1: 8; verifier 0: 8, 1: 8" in out
     assert "failures in environment_results: 2 rows" in out and "2 x ValueError: boom" in out
     assert "failures in rewards: 2 rows" in out
     assert out.count("micro-batch") == 2  # two sample episodes, each rendered as its agents' turns
@@ -47,6 +48,7 @@ def test_inspect_filters_by_step_and_agent(tmp_path: Path) -> None:
     report = inspect_run(store, "r", step=1, agent="solver")
     assert (report["steps"], report["episodes"], report["turns"]) == (1, 8, 8)
     assert list(report["agents"]) == ["solver"] and report["staleness"] == {1: 8}
+    assert report["agents"]["solver"]["staleness"] == {1: 8}
     assert report["agents"]["solver"]["reward"]["n"] == 8 and report["failures"] == {}
     episodes = sample_episodes(store, "r", 3, step=1, agent="solver")
     assert len(episodes) == 3 and all(e["step"] == 1 for e in episodes)

@@ -365,5 +365,8 @@ def test_each_agent_is_sampled_within_its_own_staleness(local_ray, demo_config_d
     lag = {agent: {row["step"] - row["policy_version"] for row in rollouts if row["agent"] == agent}
            for agent in ("solver", "verifier")}
     assert lag["solver"] == {0} and lag["verifier"] <= {0, 1}, lag
+    health = store.read_stage("demo", "health", columns=["agent", "staleness_max"]).to_pylist()
+    assert {row["staleness_max"] for row in health if row["agent"] == "solver"} == {0}  # as the health records it
+    assert {row["staleness_max"] for row in health if row["agent"] == "verifier"} <= lag["verifier"]
     updates = store.read_stage("demo", "policy_updates", columns=["step", "policy_version"])
     assert pc.all(pc.equal(updates.column("step"), updates.column("policy_version"))).as_py()

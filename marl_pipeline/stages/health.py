@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from marl_pipeline.training.batches import StepResult
 
 ROLLOUT_COLUMNS = ["agent", "sample_id", "group_id", "turn", "response_text", "response_ids", "logprobs",
-                   "finish_reason", "status", "group_shortfall", "group_dropped"]
+                   "finish_reason", "status", "group_shortfall", "group_dropped", "policy_version"]
 REWARD_COLUMNS = ["agent", "sample_id", "group_id", "reward"]
 UPDATE_COLUMNS = ["agent", "tokens", "loss_sum", "clip_fraction", "mismatch_abs_logprob"]
 HEALTH_SIGNALS = [field.name for field in HEALTH if field.name not in ("policy_version", "groups")]
@@ -110,6 +110,7 @@ def health_table(rollouts: list[dict], rewards: list[dict], updates: list[dict],
             # would be diluted over both (docs/ARCHITECTURE.md, "Dagster").
             "top_answer_share": max((_top_share(texts) for texts in _by_turn(sampled).values()), default=None),
             "top_answer_reward": _top_answer_reward(sampled, earned),
+            **_lags(sampled, version - 1),
             "reward_max": max(earned.values(), default=None),
             "token_entropy": -sum(sum(row["logprobs"]) for row in sampled) / tokens if tokens else None,
             "response_length": tokens / len(sampled) if sampled else None,
@@ -285,6 +286,13 @@ def _by_turn(rows: list[dict]) -> dict[int, list[str]]:
 
 def _top_share(texts: list[str]) -> float:
     return Counter(texts).most_common(1)[0][1] / len(texts)
+
+
+def _lags(turns: list[dict], step: int) -> dict[str, float | None]:
+    """How far the agent's turns of ``step`` lagged it (step - the version that sampled them): the largest lag, and
+    the share of turns sampled at an older version; None for rows stored without their version."""
+    lags = [step - row["policy_version"] for row in turns if row.get("policy_version") is not None]
+    return {"staleness_max": max(lags, default=None), "stale_share": _mean([lag > 0 for lag in lags])}
 
 
 def _top_answer_reward(turns: list[dict], earned: dict[str, float]) -> float | None:

@@ -64,6 +64,9 @@ def inspect_run(store, run: str, step: int | None = None, agent: str | None = No
                  - rollouts.column("policy_version").to_numpy(zero_copy_only=False).astype(np.int64))
     values, counts = np.unique(staleness, return_counts=True)
     report["staleness"] = {int(v): int(c) for v, c in zip(values, counts)}
+    for name, figures in report["agents"].items():  # each agent's own (agents.<a>.staleness bounds each apart)
+        values, counts = np.unique(staleness[rollout_agents == name], return_counts=True)
+        figures["staleness"] = {int(v): int(c) for v, c in zip(values, counts)}
     for stage in STAGES:
         statuses = store.read_stage(run, stage, columns=["status", "error"], filter=where)
         failed = statuses.filter(pc.not_equal(statuses.column("status"), "ok"))

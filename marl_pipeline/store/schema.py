@@ -36,7 +36,8 @@ SCHEMA_CHANGES = {
     10: "health.reward_mean: the agent's mean reward in the step, for the windowed collapse rule (null: older)",
     11: "rollouts.observe_seconds: how long the environment's reply to the turn took (null: no observe, or older)",
     12: "health.top_answer_reward, health.reward_max: the most frequent response's base rate and the best reward, "
-        "to tell collapse from convergence (null: older)",
+        "to tell collapse from convergence; health.staleness_max, health.stale_share: how far the agent's turns "
+        "lagged the step (null: older)",
 }
 # Versions whose files this code reads: each change so far only added columns, null or derived in older files.
 READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
@@ -264,6 +265,10 @@ HEALTH = pa.schema(
         # answer's base rate; and the best reward any of its turns earned. Null: older
         pa.field("top_answer_reward", pa.float32()),
         pa.field("reward_max", pa.float32()),
+        # How far the agent's turns lagged the step: the largest lag (step - policy_version) and the share sampled at
+        # an older version (each agent has its own bound, agents.<a>.staleness). Null: older
+        pa.field("staleness_max", pa.int32()),
+        pa.field("stale_share", pa.float32()),
     ]
 )
 
