@@ -87,7 +87,10 @@ def test_a_failed_write_stops_every_later_one_and_is_raised_to_the_next_commit(t
 
     monkeypatch.setattr(store, "commit_validated", failing)
     for step, key in enumerate(keys):
-        recent.commit("rewards", key, _rewards(["solver"], float(step)))
+        try:
+            recent.commit("rewards", key, _rewards(["solver"], float(step)))
+        except OSError:  # the writer failed key 1 before this commit was asked for (a loaded host): raised at once
+            assert step == 2
     with pytest.raises(OSError, match="No space left"):
         recent.flush()
     assert [store.is_committed("rewards", key) for key in keys] == [True, False, False]
