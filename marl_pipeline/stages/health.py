@@ -41,13 +41,13 @@ TRAINER_SIGNALS = ("grad_norm", "trainer_tokens_per_s", "mfu")
 """The signals the trainer reports with its optimizer step: known only to the launch that stepped (a step recomputed
 from the store has them null)."""
 PERF_SIGNALS = ("trainer_tokens_per_s", "mfu")
+"""Throughput rather than health: tracked under ``perf/``, left out of ``marl inspect``'s health table."""
 COLLAPSING = "may be collapsing"
 """The sign of the warnings that ``health.on_collapse: stop`` ends a launch on: the same answer to everything while
 it earns less than the agent's best turns (the base rate taken, the rest left)."""
 ONE_ANSWER_PAID = "gives one answer that earns the best reward"
 """The sign of the same answer to everything where it earns (nearly) the best reward: convergence, or a reward one
 answer satisfies. Warned, never stopped on; nor is "almost no learning signal", which a converged agent has too."""
-"""Throughput rather than health: tracked under ``perf/``, left out of ``marl inspect``'s health table."""
 
 
 def trainer_signals(result: StepResult) -> dict[str, float]:
