@@ -24,7 +24,7 @@ def evaluate(store_uri: str = typer.Argument(..., help="Experience store holding
 
     from marl_pipeline.config import ConfigError, parse_config
     from marl_pipeline.environment import build_environment
-    from marl_pipeline.run.casts import evaluate_cast, parse_cast, standard_casts
+    from marl_pipeline.run.casts import chosen_casts, evaluate_cast
     from marl_pipeline.run.launches import launch_history
     from marl_pipeline.store import ExperienceStore, StoreError
 
@@ -37,8 +37,7 @@ def evaluate(store_uri: str = typer.Argument(..., help="Experience store holding
                               source=f"run {run!r}'s last launch")
         agents = list(config.agents)
         newest = min(max(store.policy_versions(run, agent), default=0) for agent in agents)
-        casts = [parse_cast(text, agents) for text in cast] or standard_casts(agents, newest if version is None
-                                                                             else version)
+        casts = chosen_casts(cast, agents, newest if version is None else version)
     except (StoreError, ConfigError, ValueError) as error:
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(2) from None
@@ -46,9 +45,7 @@ def evaluate(store_uri: str = typer.Argument(..., help="Experience store holding
     started = not ray.is_initialized()  # a caller's Ray (a notebook, a test) is joined and left running
     if started:
         ray.init(address=config.ray.address, include_dashboard=False, log_to_driver=False)
-    table = Table(title=f"run {run}: the team by cast, on {config.evaluation.cases_per_agent} held-out cases")
-    for column in ("cast", "roles", *FIGURES):
-        table.add_column(column, justify="left" if column in ("cast", "roles") else "right")
+    table = _casts_table(f"run {run}: the team by cast, on {config.evaluation.cases_per_agent} held-out cases")
     try:
         for one in casts:
             entry = evaluate_cast(config, env, store, one)
@@ -71,10 +68,15 @@ def print_casts(store, run: str, out: Console) -> None:
     casts = stored_casts(store, run)
     if not casts:
         return
-    table = Table(title="the team by cast (marl evaluate)")
-    for column in ("cast", "roles", *FIGURES):
-        table.add_column(column, justify="left" if column in ("cast", "roles") else "right")
+    table = _casts_table("the team by cast (marl evaluate)")
     for name, entry in casts.items():
         roles = ", ".join(f"{role}={cast['agent']}@{cast['version']}" for role, cast in entry["roles"].items())
         table.add_row(name, roles, *(f"{entry['metrics'][figure]:.3f}" for figure in FIGURES))
     out.print(table)
+
+
+def _casts_table(title: str) -> Table:
+    table = Table(title=title)
+    for column in ("cast", "roles", *FIGURES):
+        table.add_column(column, justify="left" if column in ("cast", "roles") else "right")
+    return table

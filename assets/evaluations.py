@@ -66,12 +66,12 @@ def team_casts(context: dg.AssetExecutionContext, config: CastsConfig, experimen
     """The team on held-out cases with stored policies cast in its roles (run/casts.py): trained, swapped, each
     agent's version 0 beside its teammates'; beside each, the first speaker alone (``first_sample``)."""
     from marl_pipeline.environment import build_environment
-    from marl_pipeline.run.casts import evaluate_cast, parse_cast, standard_casts
+    from marl_pipeline.run.casts import chosen_casts, evaluate_cast
 
     run, version = parse_version_key(context.partition_key)
     experiment_config = experiment.load().model_copy(update={"run": run})  # the partition's run
     agents = list(experiment_config.agents)
-    casts = [parse_cast(text, agents) for text in config.casts] or standard_casts(agents, version)
+    casts = chosen_casts(config.casts, agents, version)
     env = build_environment(experiment_config.environment.name, experiment_config.environment.options)
     experience, metadata = store.open(), {}
     for cast in casts:

@@ -4,6 +4,7 @@ estimator)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, create_model
@@ -74,6 +75,13 @@ class AlgorithmConfig(StrictModel):
 
 
 
+
+
+def with_own_values(algorithm: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
+    """The experiment's ``algorithm:`` (as a mapping) with an agent's own values (``agents.<a>.algorithm``) in place
+    of those it sets; a null is not set. The one rule: ``ExperimentConfig.algorithm_of`` and a launch record's
+    reading of it (run/provenance.py) both apply it."""
+    return {**algorithm, **{name: value for name, value in own.items() if value is not None}}
 
 
 def _unset_by_default(model: type[StrictModel]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import yaml
 from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 
 from marl_pipeline.config.agent import AgentConfig
-from marl_pipeline.config.algorithm import Advantage, AlgorithmConfig
+from marl_pipeline.config.algorithm import Advantage, AlgorithmConfig, with_own_values
 from marl_pipeline.config.base import BUILTIN_TINY, ConfigError, StrictModel
 from marl_pipeline.config.pipeline import EnvironmentConfig, PipelineConfig
 from marl_pipeline.config.run import (
@@ -105,7 +105,7 @@ class ExperimentConfig(StrictModel):
         own = self.agents[agent].algorithm.model_dump(exclude_none=True)
         if not own:
             return self.algorithm
-        return AlgorithmConfig.model_validate({**self.algorithm.model_dump(), **own})
+        return AlgorithmConfig.model_validate(with_own_values(self.algorithm.model_dump(), own))
 
     def staleness_bounds(self) -> dict[str, int]:
         """Per agent, the most versions its turns may lag their step (``agents.<a>.staleness``, else

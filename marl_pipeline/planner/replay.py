@@ -110,11 +110,11 @@ def _gate_times(served: dict[str, dict[int, float]], steps: list[int], staleness
 
     opened: dict[int, float | None] = {}
     moments = sorted({t for versions in served.values() for t in versions.values()})
+    bounds = staleness if isinstance(staleness, dict) else dict.fromkeys(served, staleness)
     for step in steps:
         if gate_open(versions_at(moments[0]), step, staleness):
             opened[step] = None
             continue
-        bounds = staleness if isinstance(staleness, dict) else dict.fromkeys(served, staleness)
         if all(step - bounds[agent] in versions for agent, versions in served.items()):
             opened[step] = next(t for t in moments if gate_open(versions_at(t), step, staleness))
     return opened

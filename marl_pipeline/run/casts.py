@@ -76,7 +76,17 @@ def parse_cast(text: str, agents: list[str]) -> Cast:
         roles[role] = (agent, version)
     if missing := [agent for agent in agents if agent not in roles]:
         raise ValueError(f"cast {text!r}: roles {missing} are not cast (every role needs a policy)")
-    return Cast(name or ",".join(parts.split(",")), {agent: roles[agent] for agent in agents})
+    return Cast(name or parts, {agent: roles[agent] for agent in agents})
+
+
+def chosen_casts(texts: list[str], agents: list[str], version: int) -> list[Cast]:
+    """The user's casts (:func:`parse_cast` each), or without any the :func:`standard_casts` at ``version``: what
+    ``marl evaluate`` and the ``team_casts`` asset play.
+
+    Raises:
+        ValueError: a cast is malformed (naming it).
+    """
+    return [parse_cast(text, agents) for text in texts] or standard_casts(agents, version)
 
 
 def evaluate_cast(config: ExperimentConfig, env: Environment, store: ExperienceStore, cast: Cast) -> dict:

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 
 from marl_pipeline.config import HealthConfig
+from marl_pipeline.config.algorithm import with_own_values
 from marl_pipeline.run.launches import launch_history, redact_url
 from marl_pipeline.stages.evaluation import stored_metrics
 from marl_pipeline.stages.health import stored_collapse
@@ -77,9 +78,9 @@ def policy_provenance(store: ExperienceStore, run: str, agent: str, version: int
 def agent_algorithm(config: dict, agent: str) -> dict:
     """The algorithm settings ``agent`` trained with in a launch's recorded ``config``: the experiment's with the
     agent's own values over them (as ``ExperimentConfig.algorithm_of`` makes them), and which fields it set."""
-    own = {name: value for name, value in ((config.get("agents") or {}).get(agent, {}).get("algorithm") or {}).items()
-           if value is not None}
-    return {"settings": {**(config.get("algorithm") or {}), **own}, "own": sorted(own)}
+    own = (config.get("agents") or {}).get(agent, {}).get("algorithm") or {}
+    return {"settings": with_own_values(config.get("algorithm") or {}, own),
+            "own": sorted(name for name, value in own.items() if value is not None)}
 
 
 def version_warnings(store: ExperienceStore, run: str, agent: str, version: int, config: dict | None
