@@ -37,7 +37,7 @@ def evaluate(store_uri: str = typer.Argument(..., help="Experience store holding
                               source=f"run {run!r}'s last launch")
         agents = list(config.agents)
         newest = min(max(store.policy_versions(run, agent), default=0) for agent in agents)
-        casts = chosen_casts(cast, agents, newest if version is None else version)
+        casts = chosen_casts(cast, config.role_agents(), newest if version is None else version)
     except (StoreError, ConfigError, ValueError) as error:
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(2) from None

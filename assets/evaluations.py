@@ -70,8 +70,7 @@ def team_casts(context: dg.AssetExecutionContext, config: CastsConfig, experimen
 
     run, version = parse_version_key(context.partition_key)
     experiment_config = experiment.load().model_copy(update={"run": run})  # the partition's run
-    agents = list(experiment_config.agents)
-    casts = chosen_casts(config.casts, agents, version)
+    casts = chosen_casts(config.casts, experiment_config.role_agents(), version)
     env = build_environment(experiment_config.environment.name, experiment_config.environment.options)
     experience, metadata = store.open(), {}
     for cast in casts:

@@ -326,7 +326,7 @@ def test_step_metrics_reach_tensorboard_and_mlflow(evaluated) -> None:
 def test_casts_are_parsed_with_every_role_and_named_errors() -> None:
     from marl_pipeline.run.casts import Cast, parse_cast, standard_casts
 
-    agents = ["solver", "verifier"]
+    agents = {"solver": "solver", "verifier": "verifier"}
     assert parse_cast("mixed:solver=solver@3,verifier=verifier@0", agents) == Cast(
         "mixed", {"solver": ("solver", 3), "verifier": ("verifier", 0)})
     assert parse_cast("verifier=solver@2,solver=verifier@2", agents).roles == {"solver": ("verifier", 2),
@@ -358,7 +358,7 @@ def test_a_cast_plays_the_team_with_any_stored_policy_in_any_role(evaluated) -> 
     store, env = ExperienceStore(config.store), _environment_of(config)
     stored = stored_metrics(store.read("evaluations", MicroBatchKey(config.run, 2, 0)))["team"]
     trained = evaluate_cast(config, env, store, parse_cast("trained:solver=solver@2,verifier=verifier@2",
-                                                           ["solver", "verifier"]))
+                                                           config.role_agents()))
     assert trained["metrics"] == stored and trained["cases"] == config.evaluation.cases_per_agent
     result = CliRunner().invoke(app, ["evaluate", str(store.root), "--run", config.run, "--cast",
                                       "swapped:solver=verifier@2,verifier=solver@2", "--cast",

@@ -248,6 +248,17 @@ def _launch(config_path: Path, cwd: Path, *settings: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+def kill_after_commits(config_path: Path, cwd: Path, store: ExperienceStore, target: int, *settings: str) -> None:
+    """Launch ``marl train`` and kill its process group (SIGKILL) once ``target`` partitions are committed, at
+    whatever the run is doing then (or once it ended)."""
+    process = _launch(config_path, cwd, *settings)
+    deadline = time.monotonic() + 300
+    while _committed(store) < target and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
 def test_killed_twice_and_resumed_commits_every_micro_batch_once(uninterrupted, demo_config_data,
                                                                 tmp_path: Path) -> None:
     steps, micro_batches = 4, 2
@@ -261,13 +272,8 @@ def test_killed_twice_and_resumed_commits_every_micro_batch_once(uninterrupted, 
     # nothing to resume (seen once in CI: 32 of 32 committed after the third kill).
     # Twice: the second kill lands in a launch that resumed (a third did the same again, for 40 s of the suite).
     kill_points = sorted(random.Random(os.getpid()).sample(range(1, total - len(STAGES)), 2))
-    for target in kill_points:  # kill once `target` partitions are committed, at whatever the run is doing
-        process = _launch(config_path, tmp_path)
-        deadline = time.monotonic() + 300
-        while _committed(store) < target and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    for target in kill_points:
+        kill_after_commits(config_path, tmp_path, store, target)
     before = _committed(store)
     assert before < total
     # What a killed launch may leave half-written (whether these kills did depends on their timing), and another
@@ -320,12 +326,7 @@ def test_killed_with_oversampling_and_resumed_keeps_n_episodes_per_group_once(de
     store = ExperienceStore(str(tmp_path / "store"))
     total = steps * micro_batches * len(STAGES)
     target = random.Random(os.getpid()).randrange(1, total - len(STAGES))
-    process = _launch(config_path, tmp_path, store_setting)
-    deadline = time.monotonic() + 300
-    while _committed(store) < target and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    kill_after_commits(config_path, tmp_path, store, target, store_setting)
     assert _committed(store) < total
     process = _launch(config_path, tmp_path, store_setting)
     output, _ = process.communicate(timeout=600)

@@ -150,8 +150,9 @@ def assert_release_matches_store(out: Path, store: ExperienceStore, run: str, ag
     assert provenance["warnings"] == mine and all(f"- {warning}" in card for warning in mine)
     assert ("No warning was raised at that step" in card) == (not mine)
     front = yaml.safe_load(card.split("---\n")[1])
-    assert front["marl_pipeline"] == {"run": run, "agent": agent, "version": version, "steps": version,
-                                      "tokens": provenance["tokens"], "commit": _head(), "launches": launch_ids}
+    assert front["marl_pipeline"] == {"run": run, "agent": agent, "roles": [agent], "version": version,
+                                      "steps": version, "tokens": provenance["tokens"], "commit": _head(),
+                                      "launches": launch_ids}
     assert all(f"| {launch['id'] or '-'} | {launch['started_at']} |" in card for launch in provenance["launches"])
     return provenance
 

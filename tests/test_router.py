@@ -12,7 +12,7 @@ from bench.round_robin import RoundRobinRouter
 from marl_pipeline.cluster.placement import PlacementError, plan_placement
 from marl_pipeline.config import ConfigError, parse_config
 from marl_pipeline.inference.router import NoReplica, Router, split_replicas
-from marl_pipeline.stages.trajectories import token_demand
+from marl_pipeline.stages.rollout import token_demand
 
 
 def test_an_episode_stays_on_the_replica_that_served_its_first_turn() -> None:

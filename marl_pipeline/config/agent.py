@@ -168,10 +168,14 @@ class LengthLayout(StrictModel):
 
 
 class AgentConfig(StrictModel):
-    """One role of the workflow, with its own policy."""
+    """One policy of the team: the role of the workflow named as the agent, or the ``roles`` it lists."""
 
     model: str = BUILTIN_TINY
     """``builtin:tiny``, a HF directory or hub id, a ``.gguf`` file, or a packaged short name."""
+    roles: list[str] | None = Field(None, min_length=1)
+    """The environment's roles this agent plays with its one policy (None: the role named as the agent). Several
+    roles make a shared policy: one engine and one trainer serve them all, with one version line; each role's turns
+    keep their own rows, groups and advantages, and its own held-out evaluation (AT-GRPO's shared-policy mode)."""
     engine: EngineConfig = EngineConfig()
     trainer: TrainerConfig = TrainerConfig()
     warmup: WarmupConfig = WarmupConfig()
@@ -205,6 +209,14 @@ class AgentConfig(StrictModel):
     """The agent's trainer runs in the process of its engine's replica 0, as verl's hybrid engine (cluster/hybrid.py):
     one process imports torch, transformers and vLLM once, which shortens a CPU-bound start-up, and the two share
     one interpreter lock. On CPUs, with one trainer worker and one engine rank (``tensor_parallel_size: 1``)."""
+
+    @model_validator(mode="after")
+    def _roles_once_without_turn_adapters(self) -> AgentConfig:
+        if self.roles is not None and len(set(self.roles)) < len(self.roles):
+            raise ValueError(f"roles: {self.roles} names a role twice")
+        if self.roles is not None and len(self.roles) > 1 and self.turn_adapters:
+            raise ValueError("turn_adapters count one role's own turns; an agent playing several roles has none")
+        return self
 
     @model_validator(mode="after")
     def _hybrid_on_one_cpu_process(self) -> AgentConfig:

@@ -99,6 +99,26 @@ class ExperimentConfig(StrictModel):
                                  f"algorithm)") from None
         return self
 
+    @field_validator("agents")
+    @classmethod
+    def validate_roles_played_once(cls, agents: dict[str, AgentConfig]) -> dict[str, AgentConfig]:
+        players: dict[str, list[str]] = {}
+        for agent, settings in agents.items():
+            for role in settings.roles or [agent]:
+                players.setdefault(role, []).append(agent)
+        if twice := {role: names for role, names in players.items() if len(names) > 1}:
+            role, names = next(iter(twice.items()))
+            raise ValueError(f"agents {names} all play role {role!r}: each role has one agent (its policy)")
+        return agents
+
+    def role_agents(self) -> dict[str, str]:
+        """Each role and the agent that plays it (``agents.<a>.roles``, else the agent named as the role)."""
+        return {role: agent for agent, settings in self.agents.items() for role in settings.roles or [agent]}
+
+    def roles_played(self, agent: str) -> list[str]:
+        """The roles ``agent`` plays with its policy: its ``roles``, else the one named as it."""
+        return list(self.agents[agent].roles or [agent])
+
     def algorithm_of(self, agent: str) -> AlgorithmConfig:
         """The algorithm settings ``agent`` samples, scores and trains with: the experiment's ``algorithm:`` with
         the agent's own values (``agents.<a>.algorithm``) in place of those it sets."""
@@ -165,15 +185,19 @@ def parse_config(data: dict[str, Any], source: str = "<dict>", layouts: bool = T
     except KeyError as error:
         raise ConfigError(f"invalid config {source}:\n  environment.name: {error.args[0]}") from None
     roles = roles_of(env_class)
-    unknown = [name for name in config.agents if name not in roles]
-    if unknown:
-        raise ConfigError(
-            f"invalid config {source}:\n  agents.{unknown[0]}: unknown agent; "
-            f"environment {config.environment.name!r} has roles {list(roles)}"
-        )
-    missing = [role for role in roles if role not in config.agents]
+    for name, agent in config.agents.items():
+        if unknown := [role for role in config.roles_played(name) if role not in roles]:
+            where, what = (f"agents.{name}.roles", f"unknown role {unknown[0]!r}") if agent.roles else (
+                f"agents.{name}", "unknown agent (it plays the role named as it; `roles:` names others)")
+            raise ConfigError(f"invalid config {source}:\n  {where}: {what}; environment "
+                              f"{config.environment.name!r} has roles {list(roles)}")
+        if agent.roles and name in roles and name not in agent.roles:
+            raise ConfigError(f"invalid config {source}:\n  agents.{name}.roles: {agent.roles} leaves out the role "
+                              f"named as the agent; name the agent otherwise or play that role too")
+    missing = [role for role in roles if role not in config.role_agents()]
     if missing:
-        raise ConfigError(f"invalid config {source}:\n  agents: missing agent(s) {missing} required by the environment")
+        raise ConfigError(f"invalid config {source}:\n  agents: no agent plays role(s) {missing} of the environment "
+                          f"(an agent plays the role named as it, or those under its `roles:`)")
     if TEAM in roles:
         raise ConfigError(f"invalid config {source}:\n  environment: {config.environment.name!r} has a role named "
                           f"{TEAM!r}, the name the team's held-out evaluation is stored under; rename the role")

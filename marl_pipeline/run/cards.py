@@ -62,12 +62,14 @@ def model_card(provenance: dict) -> str:
              "pipeline_tag": "text-generation", "tags": ["marl-pipeline", "reinforcement-learning", "multi-agent"]}
     if base and _HUB_ID.match(base):
         front["base_model"] = base
-    front["marl_pipeline"] = {"run": run, "agent": agent, "version": version, "steps": version,
+    front["marl_pipeline"] = {"run": run, "agent": agent, "roles": provenance.get("roles") or [agent],
+                              "version": version, "steps": version,
                               "tokens": provenance["tokens"], "commit": provenance["commit"],
                               "launches": [launch["id"] for launch in provenance["launches"]]}
     lines = ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "",
              f"# {run} / {agent}, policy version {version}", "",
-             f"Agent `{agent}` of run `{run}` after {version} RL steps (step s makes version s + 1), "
+             f"Agent `{agent}` of run `{run}`{_roles(provenance)} after {version} RL steps (step s makes version "
+             f"s + 1), "
              f"trained with RL by marl-pipeline from base model `{base or 'not recorded'}` (version 0: "
              f"the base after its warm-up). Weights: {_WEIGHTS.get(provenance.get('weights'), 'not exported')}. Store: "
              f"`{provenance['store']}`. Everything here is in `{PROVENANCE}` as data.", ""]
@@ -110,14 +112,20 @@ def _algorithm(provenance: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _roles(provenance: dict) -> str:
+    roles = provenance.get("roles") or [provenance["agent"]]
+    return "" if roles == [provenance["agent"]] else f", one policy playing roles {', '.join(map(repr, roles))},"
+
+
 def _evaluation(provenance: dict) -> list[str]:
     evaluation = provenance["evaluation"]
     if evaluation is None:
         return ["## Held-out evaluation", "", f"Version {provenance['version']} was not evaluated.", ""]
     lines = ["## Held-out evaluation", "", "| of | metric | value |", "| --- | --- | --- |"]
-    for who in ("metrics", "team"):
-        for name, value in (evaluation[who] or {}).items():
-            lines.append(f"| {provenance['agent'] if who == 'metrics' else 'team'} | {name} | {_number(value)} |")
+    measured = evaluation.get("roles") or {provenance["agent"]: evaluation["metrics"]}  # per role: a shared policy
+    for who, metrics in [*measured.items(), ("team", evaluation["team"])]:
+        for name, value in (metrics or {}).items():
+            lines.append(f"| {who} | {name} | {_number(value)} |")
     return [*lines, ""]
 
 

@@ -3,7 +3,8 @@ beside other casts of the same roles (AT-GRPO's check: role policies 97%, the sa
 6%):
 
 - ``trained``: each role its own agent's policy at the version evaluated;
-- ``swapped``: each role the next agent's policy (a rotation of the roles; for two agents, the two exchanged);
+- ``swapped``: each role the next agent's policy (a rotation of the roles; for two agents, the two exchanged), where
+  each agent plays one role;
 - ``<agent>@0``: that agent's version 0 beside its teammates' version evaluated: what its own training contributed.
 
 Beside each, the first speaker alone at the same number of samples (``first_sample``, ``majority_vote``): the
@@ -43,20 +44,23 @@ class Cast:
         return ", ".join(f"{role}={agent}@{version}" for role, (agent, version) in self.roles.items())
 
 
-def standard_casts(agents: list[str], version: int) -> list[Cast]:
-    """``trained``, ``swapped`` (with two agents or more) and each ``<agent>@0``, at ``version``."""
-    casts = [Cast("trained", {agent: (agent, version) for agent in agents})]
-    if len(agents) > 1:
-        casts.append(Cast("swapped", {agent: (agents[(i + 1) % len(agents)], version)
-                                      for i, agent in enumerate(agents)}))
+def standard_casts(players: dict[str, str], version: int) -> list[Cast]:
+    """``trained``, ``swapped`` (with two agents or more, each playing one role) and each ``<agent>@0``, at
+    ``version``; ``players``: the agent playing each role (``ExperimentConfig.role_agents``)."""
+    casts = [Cast("trained", {role: (agent, version) for role, agent in players.items()})]
+    agents = list(dict.fromkeys(players.values()))
+    if 1 < len(agents) == len(players):
+        casts.append(Cast("swapped", {role: (agents[(agents.index(agent) + 1) % len(agents)], version)
+                                      for role, agent in players.items()}))
     if version > 0:
-        casts += [Cast(f"{own}@0", {agent: (agent, 0 if agent == own else version) for agent in agents})
+        casts += [Cast(f"{own}@0", {role: (agent, 0 if agent == own else version) for role, agent in players.items()})
                   for own in agents]
     return casts
 
 
-def parse_cast(text: str, agents: list[str]) -> Cast:
-    """``NAME:ROLE=AGENT@VERSION,...`` (every role once; the name optional) as a cast.
+def parse_cast(text: str, players: dict[str, str]) -> Cast:
+    """``NAME:ROLE=AGENT@VERSION,...`` (every role once; the name optional) as a cast; ``players``: the agent
+    playing each role.
 
     Raises:
         ValueError: naming what is wrong.
@@ -68,25 +72,32 @@ def parse_cast(text: str, agents: list[str]) -> Cast:
         if found is None:
             raise ValueError(f"cast {text!r}: {part.strip()!r} is not ROLE=AGENT@VERSION (solver=verifier@100)")
         role, agent, version = found.group(1), found.group(2), int(found.group(3))
-        unknown = [name for name in (role, agent) if name not in agents]
-        if unknown:
-            raise ValueError(f"cast {text!r}: {unknown[0]!r} is no agent of the run ({', '.join(agents)})")
+        if role not in players:
+            raise ValueError(f"cast {text!r}: {role!r} is no role of the run ({', '.join(players)})")
+        if agent not in players.values():
+            raise ValueError(f"cast {text!r}: {agent!r} is no agent of the run "
+                             f"({', '.join(dict.fromkeys(players.values()))})")
         if role in roles:
             raise ValueError(f"cast {text!r}: role {role!r} is cast twice")
         roles[role] = (agent, version)
-    if missing := [agent for agent in agents if agent not in roles]:
+    if missing := [role for role in players if role not in roles]:
         raise ValueError(f"cast {text!r}: roles {missing} are not cast (every role needs a policy)")
-    return Cast(name or parts, {agent: roles[agent] for agent in agents})
+    for role, agent in players.items():  # a shared policy's roles are served by its one engine
+        if (other := next(r for r, a in players.items() if a == agent)) != role and roles[other] != roles[role]:
+            raise ValueError(f"cast {text!r}: roles {other!r} and {role!r} share agent {agent!r}'s engine, so "
+                             f"they take one policy: {roles[other][0]}@{roles[other][1]} or "
+                             f"{roles[role][0]}@{roles[role][1]}")
+    return Cast(name or parts, {role: roles[role] for role in players})
 
 
-def chosen_casts(texts: list[str], agents: list[str], version: int) -> list[Cast]:
+def chosen_casts(texts: list[str], players: dict[str, str], version: int) -> list[Cast]:
     """The user's casts (:func:`parse_cast` each), or without any the :func:`standard_casts` at ``version``: what
     ``marl evaluate`` and the ``team_casts`` asset play.
 
     Raises:
         ValueError: a cast is malformed (naming it).
     """
-    return [parse_cast(text, agents) for text in texts] or standard_casts(agents, version)
+    return [parse_cast(text, players) for text in texts] or standard_casts(players, version)
 
 
 def evaluate_cast(config: ExperimentConfig, env: Environment, store: ExperienceStore, cast: Cast) -> dict:
@@ -104,13 +115,16 @@ def evaluate_cast(config: ExperimentConfig, env: Environment, store: ExperienceS
                          f"evaluation_cases, evaluate and team_choice, and evaluation.team_samples above 0")
     for role, (agent, version) in cast.roles.items():
         store.require_policy(config.run, agent, version)
-        if agent != role and (config.agents[agent].turn_adapters or config.agents[role].turn_adapters):
+        if agent != role and (config.agents[agent].turn_adapters or role in config.turn_adapters()):
             raise ValueError(f"cast {cast.name!r}: {agent}'s policy in role {role} with named adapters "
                              f"(turn_adapters), which serve their own agent's turns only")
-    versions = {role: version for role, (_, version) in cast.roles.items()}
-    engines = start_engines(config, store, versions, sources={role: agent for role, (agent, _) in cast.roles.items()})
+    players = config.role_agents()  # engines are the agents' (a shared policy's roles share one)
+    slots = {players[role]: policy for role, policy in cast.roles.items()}
+    engines = start_engines(config, store, {agent: version for agent, (_, version) in slots.items()},
+                            sources={agent: source for agent, (source, _) in slots.items()})
     try:
-        rows = evaluate_team(env, engines, settings, versions).to_pylist()
+        rows = evaluate_team(env, {role: engines[players[role]] for role in cast.roles}, settings,
+                             {role: version for role, (_, version) in cast.roles.items()}).to_pylist()
     finally:
         for engine in engines.values():
             warm_actors.release(engine, config.ray.keep_actors)

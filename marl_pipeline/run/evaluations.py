@@ -31,9 +31,12 @@ from marl_pipeline.store import ExperienceStore, MicroBatchKey
 class EvaluationRounds:
     """Evaluates versions 0, every, 2*every, ... and ``last_version`` of every agent of one launch."""
 
-    def __init__(self, env: Environment, store: ExperienceStore, run: str, agents: list[str], every: int,
+    def __init__(self, env: Environment, store: ExperienceStore, run: str, roles: dict[str, str], every: int,
                  last_version: int, settings: EvaluationSettings) -> None:
-        self.env, self.store, self.run, self.agents = env, store, run, agents
+        """``roles``: the agent playing each role (``ExperimentConfig.role_agents``): each role is evaluated, on the
+        engine of its agent."""
+        self.env, self.store, self.run, self.roles = env, store, run, roles
+        self.agents = list(dict.fromkeys(roles.values()))
         self.every, self.last_version, self.settings = every, last_version, settings
         self.team = is_team_evaluated(env, settings)
         self._lock = threading.Lock()
@@ -46,11 +49,13 @@ class EvaluationRounds:
         return wanted and not self.store.is_committed("evaluations", MicroBatchKey(self.run, version, 0))
 
     def evaluate(self, agent: str, replicas: dict[str, EngineReplicas], version: int) -> EvaluationCommitted | None:
-        """Evaluate ``agent`` at ``version`` (the version its engine serves now) on one of its replicas (``replicas``:
-        every agent's); returns the commit event when this was the last agent of the version, which measures the team
-        too (every engine serves ``version`` then: the others wait in :meth:`wait_until_measured`)."""
-        engines = {name: agent_replicas.primary() for name, agent_replicas in replicas.items()}
-        table = evaluate_agent(self.env, agent, engines[agent], self.settings)
+        """Evaluate each role ``agent`` plays at ``version`` (the version its engine serves now) on one of its
+        replicas (``replicas``: every agent's); returns the commit event when this was the last agent of the version,
+        which measures the team too (every engine serves ``version`` then: the others wait in
+        :meth:`wait_until_measured`)."""
+        engines = {role: replicas[player].primary() for role, player in self.roles.items()}
+        table = pa.concat_tables([evaluate_agent(self.env, role, engines[role], self.settings)
+                                  for role, player in self.roles.items() if player == agent])
         served = set(table.column("policy_version").to_pylist())
         if served - {version}:  # a bug, not a fault: the caller must hold the engine at this version
             raise RuntimeError(f"evaluation of {agent} v{version}: the engine served versions {served}")

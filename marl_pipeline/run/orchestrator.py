@@ -56,8 +56,9 @@ from marl_pipeline.stages import health
 from marl_pipeline.stages.evaluation import EvaluationSettings, is_evaluated
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.reward import mean_rewards, model_reward, score_micro_batch
+from marl_pipeline.stages.rollout import token_demand
 from marl_pipeline.stages.training import train_micro_batch
-from marl_pipeline.stages.trajectories import rollout_messages, sample_micro_batch, token_demand
+from marl_pipeline.stages.trajectories import rollout_messages, sample_micro_batch
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.recent import RecentCommits
 from marl_pipeline.store.schema import with_stage_timing
@@ -118,7 +119,7 @@ class Orchestrator:
             Stage("rewards", self._reward, pipeline.reward_concurrency),
         ]
         every = config.evaluation.every
-        self.evaluations = (EvaluationRounds(env, store, config.run, list(config.agents), every, plan.last_step + 1,
+        self.evaluations = (EvaluationRounds(env, store, config.run, config.role_agents(), every, plan.last_step + 1,
                                              EvaluationSettings.from_config(config))
                             if every is not None and is_evaluated(env) else None)
         self._events: queue.Queue = queue.Queue()
@@ -272,8 +273,7 @@ class Orchestrator:
                         self.handover.to_trainer(learners)
                     # A committed partition (resumed launch) is not re-committed, but agents still on this
                     # step rebuild its gradient: gradients are not checkpointed.
-                    if not self._run_stage(
-                            "policy_updates", key,
+                    if not self._run_stage("policy_updates", key,
                             partial(train_micro_batch, self.recent, trainers={a: trainers[a] for a in learners},
                                     dropping=self.config.dropping_zero_advantage_groups()),
                             recompute_if_committed=bool(learners)):

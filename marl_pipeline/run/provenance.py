@@ -21,7 +21,7 @@ from marl_pipeline.stages.evaluation import stored_metrics
 from marl_pipeline.stages.health import stored_collapse
 from marl_pipeline.store import ExperienceStore, MicroBatchKey, StoreError
 
-PROVENANCE_FORMAT = 2
+PROVENANCE_FORMAT = 3
 """The layout of ``provenance.json``; a change to its keys bumps it."""
 
 
@@ -35,18 +35,18 @@ def policy_provenance(store: ExperienceStore, run: str, agent: str, version: int
         version: a committed policy version of ``agent``.
 
     Returns:
-        ``run``, ``agent``, ``version``; ``base_model``: the agent's ``model`` in the config of the launch that made
-        the version (None where the record holds no config); ``steps``: each step that trained it, its micro-batches'
-        ``rows`` and ``tokens``, their totals, the ``teammates``' and the agent's own ``sampled_versions``;
-        ``steps_missing``: steps of 0..v-1 without stored policy updates of the agent; ``rows`` and ``tokens`` over
-        the steps; ``evaluation``: the agent's and the team's held-out metrics at the version (None: not evaluated);
-        ``health``: the agent's signals of step v-1 (None: version 0, or not stored); ``warnings``: the agent's
-        collapse warnings at step v-1, as the launch's ``health`` settings read them (None: version 0, or no health
-        stored); ``algorithm``: the settings the
-        agent trained with, ``{"settings": ..., "own": [fields the agent set itself]}`` (None where the record holds
-        no config); ``launches``: those whose
-        steps cover steps 0..v-1 (for version 0 the run's first); ``commit`` and ``config``: of the launch that made
-        the version, credentials removed.
+        ``run``, ``agent``, ``version``; ``roles``: the roles the agent's policy played (several: a shared policy; from
+        the launch's config, else the agent's own); ``base_model``: the agent's ``model`` in the config of the launch
+        that made the version (None where the record holds no config); ``steps``: each step that trained it, its
+        micro-batches' ``rows`` and ``tokens``, their totals, the ``teammates``' and the agent's own
+        ``sampled_versions``; ``steps_missing``: steps of 0..v-1 without stored policy updates of the agent; ``rows``
+        and ``tokens`` over the steps; ``evaluation``: the agent's and the team's held-out metrics at the version, and
+        each role's under ``roles`` where the policy is shared (None: not evaluated); ``health``: the agent's signals of
+        step v-1 (None: version 0, or not stored); ``warnings``: the agent's collapse warnings at step v-1, as the
+        launch's ``health`` settings read them (None: version 0, or no health stored); ``algorithm``: the settings the
+        agent trained with, ``{"settings": ..., "own": [fields the agent set itself]}`` (None where the record holds no
+        config); ``launches``: those whose steps cover steps 0..v-1 (for version 0 the run's first); ``commit`` and
+        ``config``: of the launch that made the version, credentials removed.
 
     Raises:
         StoreError: the agent has no such version in the run.
@@ -61,13 +61,14 @@ def policy_provenance(store: ExperienceStore, run: str, agent: str, version: int
     making = [launch for launch in covering if version == 0 or launch["last_step"] >= version - 1]
     made_by = making[-1] if making else None
     config = configs.get(made_by["config"]) if made_by else None
+    roles = (config or {}).get("agents", {}).get(agent, {}).get("roles") or [agent]
     return {
-        "format": PROVENANCE_FORMAT, "run": run, "agent": agent, "version": version,
+        "format": PROVENANCE_FORMAT, "run": run, "agent": agent, "version": version, "roles": roles,
         "base_model": (config or {}).get("agents", {}).get(agent, {}).get("model"),
         "store": redact_url(store.uri),
         "steps": steps, "steps_missing": sorted(set(range(version)) - {step["step"] for step in steps}),
         "rows": sum(step["rows"] for step in steps), "tokens": sum(step["tokens"] for step in steps),
-        "evaluation": version_evaluation(store, run, agent, version),
+        "evaluation": version_evaluation(store, run, agent, version, roles),
         "health": step_health_row(store, run, agent, version - 1) if version else None,
         "algorithm": agent_algorithm(config, agent) if config else None,
         "warnings": version_warnings(store, run, agent, version, config),
@@ -127,13 +128,15 @@ def served_versions(rollouts: pa.Table) -> dict[int, dict[str, list[int]]]:
     return {step: {name: sorted(versions) for name, versions in agents.items()} for step, agents in found.items()}
 
 
-def version_evaluation(store: ExperienceStore, run: str, agent: str, version: int) -> dict | None:
-    """The agent's and the team's held-out metrics stored with the version's evaluation; None: not evaluated."""
+def version_evaluation(store: ExperienceStore, run: str, agent: str, version: int, roles: list[str]) -> dict | None:
+    """The agent's and the team's held-out metrics stored with the version's evaluation, and each of ``roles``'
+    where the agent plays several (a shared policy: evaluated per role); None: not evaluated."""
     key = MicroBatchKey(run, version, 0)
     if not store.is_committed("evaluations", key):
         return None
     metrics = stored_metrics(store.read("evaluations", key, columns=["agent", "metrics"]))
-    return {"metrics": metrics.get(agent), "team": metrics.get("team")}
+    shared = {"roles": {role: metrics.get(role) for role in roles}} if roles != [agent] else {}
+    return {"metrics": metrics.get(agent), "team": metrics.get("team"), **shared}
 
 
 def step_health_row(store: ExperienceStore, run: str, agent: str, step: int) -> dict | None:

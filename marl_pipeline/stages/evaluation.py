@@ -47,24 +47,24 @@ class EvaluationSettings:
     seed: int
     cases_per_agent: int
     max_new_tokens: dict[str, int]
-    """Per agent, the longest answer (``evaluation.max_new_tokens``, else the agent's ``algorithm.max_new_tokens``)."""
+    """Per role, the longest answer (``evaluation.max_new_tokens``, else its agent's ``algorithm.max_new_tokens``)."""
     turn_adapters: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     """Per agent, its ``turn_adapters``: named adapters and the own turns they serve."""
     team_samples: int = 0
     """Episodes per case when the team is measured (stages/team.py); 0: it is not."""
     temperature: dict[str, float] = field(default_factory=dict)
-    """Per agent, the temperature of the team's episodes: they are sampled as training samples them."""
+    """Per role, the temperature of the team's episodes: they are sampled as training samples them."""
 
     @classmethod
     def from_config(cls, config: ExperimentConfig) -> EvaluationSettings:
         evaluation = config.evaluation
         team_samples = evaluation.team_samples
-        algorithms = {agent: config.algorithm_of(agent) for agent in config.agents}
+        algorithms = {role: config.algorithm_of(agent) for role, agent in config.role_agents().items()}
         return cls(config.seed, evaluation.cases_per_agent,
-                   {agent: evaluation.max_new_tokens or a.max_new_tokens for agent, a in algorithms.items()},
+                   {role: evaluation.max_new_tokens or a.max_new_tokens for role, a in algorithms.items()},
                    config.turn_adapters(),
                    config.pipeline.samples_per_prompt if team_samples is None else team_samples,
-                   {agent: a.temperature for agent, a in algorithms.items()})
+                   {role: a.temperature for role, a in algorithms.items()})
 
 
 def is_evaluated(env: Environment) -> bool:

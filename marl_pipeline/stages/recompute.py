@@ -142,8 +142,9 @@ def _evaluations(config: ExperimentConfig, env, store: ExperienceStore, version:
         store.require_policy(config.run, agent, version)
     settings = EvaluationSettings.from_config(config)
     with _engines(config, store, {agent: version for agent in config.agents}) as engines:
-        tables = [evaluate_agent(env, agent, engine, settings) for agent, engine in engines.items()]
-        table = pa.concat_tables(tables + ([evaluate_team(env, engines, settings)]
+        by_role = {role: engines[agent] for role, agent in config.role_agents().items()}
+        tables = [evaluate_agent(env, role, engine, settings) for role, engine in by_role.items()]
+        table = pa.concat_tables(tables + ([evaluate_team(env, by_role, settings)]
                                            if is_team_evaluated(env, settings) else []))
     return with_metrics(env, table)[0]
 

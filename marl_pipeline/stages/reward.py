@@ -135,10 +135,11 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table,
             starts.append(start)
             ends.append(end)
     rewards_array = np.asarray(rewards, dtype=np.float64)
-    # Advantages are relative within one task prompt's n episodes, per agent: one label per (group, agent), or per
-    # (group, agent, turn) where the plugin scores turns (each turn against the same turn of the other episodes).
+    # Advantages are relative within one task prompt's n episodes, per agent and role (a shared policy's roles apart,
+    # as AT-GRPO groups them): one label per (group, agent, role), or per (group, agent, role, turn) where the plugin
+    # scores turns (each turn against the same turn of the other episodes).
     labels: dict[tuple, int] = {}
-    groups = np.asarray([labels.setdefault((row["group_id"], row["agent"])
+    groups = np.asarray([labels.setdefault((row["group_id"], row["agent"], row["role"])
                                            + ((row["turn"],) if per_turn_credit else ()), len(labels))
                          for row in keyed_rows])
     scored = advantages.ScoredRows(rewards_array, groups, np.asarray([row["agent"] for row in keyed_rows]),

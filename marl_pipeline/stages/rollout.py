@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import ray
 
 from marl_pipeline.config import ExperimentConfig
@@ -42,21 +44,29 @@ class RolloutSettings:
     prompts_per_micro_batch: int
     samples_per_prompt: int
     max_new_tokens: dict[str, int]
-    """Per agent, the longest reply of one of its turns, in tokens (its ``algorithm.max_new_tokens``)."""
+    """Per role, the longest reply of one of its turns, in tokens (its agent's ``algorithm.max_new_tokens``)."""
     temperature: dict[str, float]
-    """Per agent, its sampling temperature (its ``algorithm.temperature``)."""
+    """Per role, its sampling temperature (its agent's ``algorithm.temperature``)."""
     turn_adapters: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     """Per agent, its ``turn_adapters``: named adapters and the own turns they serve."""
+    agents: dict[str, str] = field(default_factory=dict)
+    """The agent playing each role (``ExperimentConfig.role_agents``), whose engines sample its turns and whose
+    rows they are; a role not here is played by the agent named as it."""
 
     @classmethod
     def from_config(cls, config: ExperimentConfig) -> RolloutSettings:
         """The one place the rollout settings are cut from the config (the train job and recomputation alike)."""
         pipeline = config.pipeline
-        algorithms = {agent: config.algorithm_of(agent) for agent in config.agents}
+        agents = config.role_agents()
+        algorithms = {role: config.algorithm_of(agent) for role, agent in agents.items()}
         return cls(config.seed, pipeline.prompts_per_micro_batch, pipeline.samples_per_prompt,
-                   {agent: a.max_new_tokens for agent, a in algorithms.items()},
-                   {agent: a.temperature for agent, a in algorithms.items()},
-                   config.turn_adapters())
+                   {role: a.max_new_tokens for role, a in algorithms.items()},
+                   {role: a.temperature for role, a in algorithms.items()},
+                   config.turn_adapters(), agents)
+
+    def agent_of(self, role: str) -> str:
+        """The agent that plays ``role``."""
+        return self.agents.get(role, role)
 
     def request(self, role: str, prompt: str | list[int], seed: int, adapter: str | None = None
                 ) -> GenerationRequest:
@@ -66,6 +76,17 @@ class RolloutSettings:
     def episode_adapters(self, turn_order: list[str]) -> list[str | None]:
         """The named adapter that serves each turn of an episode (None: the policy's weights alone)."""
         return episode_adapters(self.turn_adapters, turn_order)
+
+
+def token_demand(rollouts: pa.Table, agents: list[str]) -> dict[str, int]:
+    """Each agent's tokens (prompt + response, what its engines computed) in a rollouts table; 0 for an agent
+    with no turn in it."""
+    prompt = pc.list_value_length(rollouts.column("prompt_ids"))
+    response = pc.list_value_length(rollouts.column("response_ids"))
+    table = pa.table({"agent": rollouts.column("agent"), "tokens": pc.add(prompt, response)})
+    sums = table.group_by("agent").aggregate([("tokens", "sum")]).to_pydict()
+    found = dict(zip(sums["agent"], sums["tokens_sum"]))
+    return {agent: int(found.get(agent, 0)) for agent in agents}
 
 
 def plan_tasks(env: Environment, key: MicroBatchKey, seed: int, count: int) -> list[Task]:
@@ -123,15 +144,18 @@ def append_turn(columns: dict[str, list], key: MicroBatchKey, task: Task, prompt
                 episode: int, turn: int, role: str, prompt: str, completion: Completion, version: int,
                 start: datetime, end: datetime, observation: str | None, error: str | None,
                 status: str | None = None, engine: str | None = None, adapter: str | None = None,
-                group: tuple[int, int] = (0, 0), observe_seconds: float | None = None) -> None:
+                group: tuple[int, int] = (0, 0), observe_seconds: float | None = None, agent: str | None = None
+                ) -> None:
     """One turn's row; ``status`` defaults to ``ok``, or ``observe_failed`` when there is an ``error``; ``engine``
-    names the replica that served it (default ``<role>/0``), ``adapter`` the named adapter it used, ``group`` its
-    group's (shortfall, dropped episodes), ``observe_seconds`` how long the environment's reply took."""
+    names the replica that served it (default ``<agent>/0``), ``adapter`` the named adapter it used, ``group`` its
+    group's (shortfall, dropped episodes), ``observe_seconds`` how long the environment's reply took, ``agent`` who
+    played the role (default: the agent named as it)."""
+    agent = agent or role
     input_id = f"{key.step}-{key.micro_batch}-{prompt_index}"  # the prompt's n episodes are its GRPO group
     row = {
         "sample_id": f"{input_id}_{turn}_{trajectory}", "episode": episode, "task_id": str(task["id"]),
         "group_id": input_id, "trajectory": trajectory, "role": role, "turn": turn, "task": json.dumps(task),
-        "policy_version": version, "engine": engine or f"{role}/0", "adapter": adapter, "prompt_text": prompt,
+        "policy_version": version, "engine": engine or f"{agent}/0", "adapter": adapter, "prompt_text": prompt,
         "response_text": completion.text,
         "prompt_ids": completion.prompt_ids, "response_ids": completion.response_ids,
         "logprobs": completion.logprobs, "finish_reason": completion.finish_reason, "observation": observation,
@@ -139,7 +163,7 @@ def append_turn(columns: dict[str, list], key: MicroBatchKey, task: Task, prompt
         "observe_seconds": observe_seconds,
         "group_shortfall": group[0], "group_dropped": group[1],
         "status": status or ("ok" if error is None else "observe_failed"),
-        "error": error, "agent": role,
+        "error": error, "agent": agent,
     }
     for name, value in row.items():
         columns[name].append(value)

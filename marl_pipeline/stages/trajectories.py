@@ -33,7 +33,7 @@ and dropped episodes, which the step's health sums. Which episodes a group keeps
 
 Replicas (``agents.<name>.engine.replicas``): each turn's request goes to the replica the agent's router picks
 (inference/router.py: the episode's own replica for its later turns), and the row names it (``engine``:
-``<role>/<replica>``). A request whose replica dies (Ray's ``RayActorError``) is sent again, same id and seed, to
+``<agent>/<replica>``). A request whose replica dies (Ray's ``RayActorError``) is sent again, same id and seed, to
 another replica; the replica set restarts the dead one (inference/replicas.py). Only finished turns become rows, so
 a retried turn is stored once, and the episode's earlier turns are kept: nothing is lost or duplicated.
 """
@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import ray
 
 from marl_pipeline.actions.pool import ActionPool
@@ -81,17 +80,6 @@ def sample_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHandl
                        key: MicroBatchKey, config: ExperimentConfig, pool: ActionPool | None = None) -> pa.Table:
     """The rollouts table of one micro-batch (the train job and recomputation)."""
     return rollout_trajectories(env, engines, key, RolloutSettings.from_config(config), config.pipeline.rollout, pool)
-
-
-def token_demand(rollouts: pa.Table, agents: list[str]) -> dict[str, int]:
-    """Each agent's tokens (prompt + response, what its engines computed) in a rollouts table; 0 for an agent
-    with no turn in it."""
-    prompt = pc.list_value_length(rollouts.column("prompt_ids"))
-    response = pc.list_value_length(rollouts.column("response_ids"))
-    table = pa.table({"agent": rollouts.column("agent"), "tokens": pc.add(prompt, response)})
-    sums = table.group_by("agent").aggregate([("tokens", "sum")]).to_pydict()
-    found = dict(zip(sums["agent"], sums["tokens_sum"]))
-    return {agent: int(found.get(agent, 0)) for agent in agents}
 
 
 def rollout_trajectories(env: Environment, engines: dict[str, ray.actor.ActorHandle | EngineReplicas],
@@ -130,7 +118,8 @@ class _MicroBatch:
                  key: MicroBatchKey, settings: RolloutSettings, options: RolloutConfig,
                  pool: ActionPool | None) -> None:
         self.env, self.key, self.settings, self.options, self.pool = env, key, settings, options, pool
-        self.engines = as_replicas(engines)
+        replicas = as_replicas(engines)  # per agent; per role below (a shared policy's roles share its replicas)
+        self.engines = {role: replicas[settings.agent_of(role)] for role in dict.fromkeys(env.turn_order)}
         self.n = settings.samples_per_prompt
         tasks = plan_tasks(env, key, settings.seed, settings.prompts_per_micro_batch)
         # per episode: (prompt, trajectory, task); n + k per prompt with over-sampling, the k after every prompt's n
@@ -141,7 +130,7 @@ class _MicroBatch:
         self.tasks: list[asyncio.Task] = []
         self.seeds = [turn_seeds(settings.seed, key, turn, len(self.episodes)) for turn in range(len(env.turn_order))]
         self.adapters = settings.episode_adapters(env.turn_order)  # per turn: the named adapter serving it
-        self.chats = engine_chat_session(env, {agent: r.primary() for agent, r in self.engines.items()})
+        self.chats = engine_chat_session(env, {role: r.primary() for role, r in self.engines.items()})
         self.finished: list[list[_Sampled]] = [[] for _ in self.episodes]  # per episode: its sampled turns
         self.in_flight: dict[int, tuple[ray.actor.ActorHandle, str]] = {}  # per episode: (engine, request id)
         self.replied = [0] * len(self.episodes)  # per episode: turns whose reply came back
@@ -225,7 +214,7 @@ class _MicroBatch:
         try:
             await self._turns(e)
         finally:
-            for replicas in self.engines.values():
+            for replicas in {id(r): r for r in self.engines.values()}.values():
                 replicas.router.forget((self.key, e))
 
     async def _turns(self, e: int) -> None:
@@ -241,7 +230,7 @@ class _MicroBatch:
             self.chats.record(e, role, completion.text, completion.response_ids)
             # Kept before the reply comes: a turn sampled and then cut while its reply ran is stored too.
             kept = _Sampled(turn, role, self.chats.prompt_text(role, request), completion, sampled.version, start,
-                            f"{role}/{replica}", datetime.now(UTC))
+                            f"{self.settings.agent_of(role)}/{replica}", datetime.now(UTC))
             self.finished[e].append(kept)
             kept.observation, kept.error = await self._observe(role, task, [*transcript, Turn(role, completion.text)])
             transcript.append(Turn(role, completion.text, kept.observation))
@@ -264,7 +253,7 @@ class _MicroBatch:
                 # an unreachable replica is treated as lost, replaced, and the request goes elsewhere.
                 self.in_flight.pop(e, None)
                 replicas.replica_died(replica, handle)
-                failures.append(f"{role}/{replica}: {type(error).__name__}")
+                failures.append(f"{replicas.agent}/{replica}: {type(error).__name__}")
                 if len(failures) >= MAX_ATTEMPTS:
                     raise RuntimeError(f"request {request_id!r} failed on {len(failures)} replicas in turn "
                                        f"({'; '.join(failures)})") from error
@@ -327,7 +316,8 @@ class _MicroBatch:
             append_turn(columns, self.key, task, p, trajectory, e, turn, kept.role, kept.prompt, kept.completion,
                         kept.version, kept.start, kept.end, kept.observation, dropped or kept.error or timed_out,
                         status=status, engine=kept.engine, adapter=self.adapters[turn], group=groups[p],
-                        observe_seconds=kept.observe_seconds if replies else None)
+                        observe_seconds=kept.observe_seconds if replies else None,
+                        agent=self.settings.agent_of(kept.role))
         return pa.table(columns, schema=with_agent(ROLLOUTS))
 
 

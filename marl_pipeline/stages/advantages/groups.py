@@ -16,8 +16,8 @@ class ScoredRows:
     rewards: np.ndarray
     """float64: the row's reward (its agent's, or its turn's where the plugin scores turns)."""
     groups: np.ndarray
-    """The label of the group the row is compared within: a task prompt's episodes, per agent (and per turn where
-    the plugin scores turns)."""
+    """The label of the group the row is compared within: a task prompt's episodes, per agent and role (and per
+    turn where the plugin scores turns)."""
     agents: np.ndarray
     """The row's agent."""
     episodes: np.ndarray
