@@ -216,7 +216,7 @@ def test_a_new_layout_by_length_resumes_the_launch_in_it_after_the_step_once(uni
 
 
 def assert_every_micro_batch_once(store: ExperienceStore, steps: int, micro_batches: int,
-                                  checkpoint_every: int = 1) -> None:
+                                  checkpoint_every: int = 1, agents: tuple[str, ...] = ("solver", "verifier")) -> None:
     """A resumed run of the small demo holds exactly an uninterrupted one's partitions, versions and record."""
     expected = [MicroBatchKey("demo", s, m) for s in range(steps) for m in range(micro_batches)]
     for stage in STAGES:
@@ -226,7 +226,8 @@ def assert_every_micro_batch_once(store: ExperienceStore, steps: int, micro_batc
     kept = [sample_id for sample_id, status in zip(sample_ids, rollouts.column("status").to_pylist())
             if status != "dropped"]  # over-sampling's dropped turns are stored too
     assert len(sample_ids) == len(set(sample_ids)) and len(kept) == steps * micro_batches * 4 * 4 * 2
-    for agent in ("solver", "verifier"):  # retention: 0 and the last 2 committed
+    assert store.checkpoints.agents("demo") == sorted(agents)
+    for agent in agents:  # retention: 0 and the last 2 committed
         assert store.policy_versions("demo", agent) == [0, steps - checkpoint_every, steps]
     record = store.read_record("demo", "launch.json")
     assert (record["last_step"], record["finished"]) == (steps - 1, True)
@@ -311,15 +312,17 @@ def test_killed_twice_and_resumed_commits_every_micro_batch_once(uninterrupted, 
         assert max((straight[n] - killed[n]).abs().max().item() for n in straight) <= PARAMETER_TOLERANCE, agent
 
 
-def test_killed_with_oversampling_and_resumed_keeps_n_episodes_per_group_once(demo_config_data,
-                                                                              tmp_path: Path) -> None:
-    """With over-sampling on, a launch killed at a random commit and resumed still commits every micro-batch once,
-    and every group trains on its n episodes, never on a dropped one (which episodes a group keeps depends on
-    timing, so the parameters are not compared). Both launches take their store from ``--set`` (the file names
-    another): a run config Dagster refused once, when `marl train` then hung on Ray."""
+def test_killed_with_oversampling_and_a_shared_policy_resumed_keeps_n_episodes_per_group_once(
+        demo_config_data, tmp_path: Path) -> None:
+    """With over-sampling on and one shared policy playing both roles (``agents.team.roles``), a launch killed at a
+    random commit and resumed still commits every micro-batch once, with one version line, and every group trains on
+    its n episodes, never on a dropped one (which episodes a group keeps depends on timing, so the parameters are not
+    compared). Both launches take their store from ``--set`` (the file names another): a run config Dagster refused
+    once, when `marl train` then hung on Ray."""
     steps, micro_batches = 2, 2
     data = small_config_data(demo_config_data, tmp_path / "unused", steps=steps, micro_batches_per_step=micro_batches)
     data["pipeline"]["rollout"] = {"oversample": 2}
+    data["agents"] = {"team": {**data["agents"]["solver"], "roles": ["solver", "verifier"]}}
     config_path = tmp_path / "experiment.yaml"
     config_path.write_text(yaml.safe_dump(data))
     store_setting = f"store={tmp_path / 'store'}"
@@ -333,7 +336,7 @@ def test_killed_with_oversampling_and_resumed_keeps_n_episodes_per_group_once(de
     assert process.returncode == 0, output
     assert not (tmp_path / "unused").exists()
 
-    assert_every_micro_batch_once(store, steps, micro_batches)
+    assert_every_micro_batch_once(store, steps, micro_batches, agents=("team",))
     rollouts = store.read_stage("demo", "rollouts", columns=["group_id", "episode", "status", "group_dropped"])
     dropped = {(row["group_id"], row["episode"]) for row in rollouts.to_pylist() if row["status"] == "dropped"}
     assert dropped and set(rollouts.column("group_dropped").to_pylist()) == {2}  # each group cut its 2 slowest
