@@ -50,6 +50,14 @@ def _stop_shared_ray() -> None:
         _SHARED_RAY.pop().shutdown()
 
 
+def shares_warm_actors(module) -> bool:
+    """Whether a module on the shared Ray sets ``SHARES_WARM_ACTORS = True``: every test in it starts its actors
+    through a launch or ``start_engines`` (cluster/spawn.py), which take the engines and trainers kept idle with
+    the same settings (cluster/warm_actors.py) and stop the others before waiting for new ones. Such a module takes
+    what the one before it kept, and keeps its own for the next: starting them was most of a small launch."""
+    return getattr(module, "SHARES_WARM_ACTORS", False)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
@@ -57,8 +65,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.launch)
         if "local_ray" in fixtures:
             _RAY_MODULES.add(item.module.__name__)
-    # A stable sort keeps each module's tests together and in order; the modules on the shared Ray come last.
-    items.sort(key=lambda item: item.module.__name__ in _RAY_MODULES)
+    # A stable sort keeps each module's tests together and in order; the modules on the shared Ray come last, those
+    # sharing kept actors last of all, one after another.
+    items.sort(key=lambda item: (item.module.__name__ in _RAY_MODULES, shares_warm_actors(item.module)))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -161,18 +170,26 @@ def _ray_is_idle(ray, wait_s: float = 10.0) -> bool:
 def local_ray(request):
     """A real local Ray of 2 CPUs. The modules that use it run one after another (``pytest_collection_modifyitems``)
     and share one Ray while each leaves it idle: starting and stopping it was 5 s a module. One that leaves an actor
-    or a reservation behind stops it, and the next module starts a fresh one."""
+    or a reservation behind stops it, and the next module starts a fresh one. A module that shares kept actors
+    (:func:`shares_warm_actors`) leaves the next one its launches' idle engines and trainers, and nothing else: it
+    must have released every actor it started (``warm_actors.in_use``), and the next module that does not share
+    them stops them and checks the Ray idle."""
     import ray
 
     from marl_pipeline.cluster import warm_actors
 
     _RAY_MODULES.add(request.module.__name__)  # asked for by name in a test, it serves the rest of the module too
+    sharing = shares_warm_actors(request.module)
+    if _SHARED_RAY and not sharing and warm_actors.stop_idle() and not _ray_is_idle(ray):
+        _stop_shared_ray()
     if not _SHARED_RAY:
         if ray.is_initialized():
             ray.shutdown()
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         _SHARED_RAY.append(ray)
     yield ray
+    if sharing and ray.is_initialized() and warm_actors.in_use() == 0 and warm_actors.idle_count():
+        return  # the kept actors hold the CPUs a check for idleness would count
     warm_actors.stop_idle()
     if not ray.is_initialized():
         _SHARED_RAY.clear()

@@ -154,3 +154,48 @@ def test_each_agent_has_its_own_staleness_bound_and_the_gate_holds_each_to_it(de
         parse_config(data)
     data["agents"]["solver"]["staleness"] = 0  # 0 is what synchronous mode is
     assert parse_config(data).staleness_bounds() == {"solver": 0, "verifier": 0}
+
+
+def test_an_agent_syncing_every_k_versions_needs_a_bound_of_k_minus_1_and_is_planned_so(demo_config_data: dict,
+                                                                                          tmp_path: Path) -> None:
+    """``agents.<a>.sync_every``: its engines load every k-th version (and the launch's last), so its turns lag up
+    to k - 1 versions, which its staleness bound must allow; the planner's simulation loads the same versions."""
+    from marl_pipeline.cluster.placement import plan_placement
+    from marl_pipeline.planner.simulate import simulate
+    from marl_pipeline.run.queues import sync_due
+    from tests.test_planner import _costs
+
+    assert [v for v in range(1, 8) if sync_due(v, 3, 7)] == [3, 6, 7]
+    data = copy.deepcopy(demo_config_data)
+    data.update(store=str(tmp_path / "store"))
+    data["pipeline"].update(staleness=1, steps=7)
+    data["agents"]["verifier"]["sync_every"] = 3
+    with pytest.raises(ConfigError, match=r"agents\.verifier\.sync_every: 3 lets its turns be sampled up to 2 "
+                                          r"versions behind, and its staleness bound is 1"):
+        parse_config(data)
+    data["agents"]["verifier"]["staleness"] = 2
+    config = parse_config(data)
+    nodes = [{"CPU": 2.0}]
+    prediction = simulate(plan_placement(config, nodes), config.pipeline, _costs(), nodes, None,
+                          config.staleness_bounds(), {"verifier": 3})
+    assert sorted(prediction.served["verifier"]) == [0, 3, 6, 7] and sorted(prediction.served["solver"]) == [
+        *range(8)]
+    lags = {agent: {d.step - d.version for d in prediction.decisions if d.agent == agent}
+            for agent in ("solver", "verifier")}
+    assert lags == {"solver": {0, 1}, "verifier": {0, 1, 2}}
+    data["pipeline"].update(mode="synchronous", staleness=0)
+    data["agents"]["verifier"]["staleness"] = 0
+    with pytest.raises(ConfigError, match="synchronous mode samples each step from the versions of the step before"):
+        parse_config(data)
+
+
+def test_the_gate_replay_waits_for_the_versions_an_agent_syncing_every_k_served() -> None:
+    """A stored version its engines did not load (``served: false`` in its record, ``sync_every``) opens no gate in
+    the replay: the verifier at bound 2 syncing every 3 lets step 3 go only once version 3 is served."""
+    from marl_pipeline.planner.replay import _gate_times
+
+    served = {"solver": {0: float("-inf"), 1: 1.0, 2: 2.0, 3: 3.0}, "verifier": {0: float("-inf"), 3: 3.5}}
+    recorded = {"solver": {0, 1, 2, 3}, "verifier": {0, 1, 2, 3}}
+    opened = _gate_times(served, recorded, [2, 3], {"solver": 0, "verifier": 2})
+    assert opened == {2: 2.0, 3: 3.5}  # step 2 on the solver's version 2, step 3 on the verifier's 3
+    assert _gate_times(served, {**recorded, "verifier": {0, 3}}, [3], {"solver": 0, "verifier": 2}) == {}

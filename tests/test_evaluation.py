@@ -26,6 +26,8 @@ from marl_pipeline.stages.recompute import recompute_stage
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from tests.conftest import small_config_data
 
+SHARES_WARM_ACTORS = True  # its launches take the engines and trainers the module before kept (conftest)
+
 ENV = ArithmeticCheck(ArithmeticOptions(max_operand=9))
 SETTINGS = EvaluationSettings(seed=0, cases_per_agent=40, max_new_tokens={"solver": 4, "verifier": 4})
 

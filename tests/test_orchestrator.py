@@ -37,6 +37,7 @@ from marl_pipeline.store.schema import STAGES
 from tests.conftest import small_config_data
 
 pytestmark = pytest.mark.launch
+SHARES_WARM_ACTORS = True  # its launches take the engines and trainers the module before kept (conftest)
 
 # Streaming with staleness 0 and the synchronous pipeline see the same samples (seeded per request)
 # and accumulate them in the same order, so their parameters agree to float32 rounding.
@@ -243,6 +244,7 @@ def _committed(store: ExperienceStore) -> int:
 
 
 def _launch(config_path: Path, cwd: Path, *settings: str) -> subprocess.Popen:
+    warm_actors.stop_idle()  # a launch of its own process and Ray: the kept actors would only hold memory
     env = {**os.environ, "DAGSTER_HOME": str(cwd / "dagster_home")}
     command = [sys.executable, "-m", "assets.cli", "train", str(config_path), *[f"--set={s}" for s in settings]]
     return subprocess.Popen(command, cwd=cwd, env=env,
@@ -357,18 +359,35 @@ def test_synchronous_mode_rejects_staleness(demo_config_data, tmp_path: Path) ->
         parse_config(small_config_data(demo_config_data, tmp_path, mode="synchronous", staleness=1))
 
 
-def test_each_agent_is_sampled_within_its_own_staleness(local_ray, demo_config_data, tmp_path: Path) -> None:
-    """The solver held on-policy (``agents.solver.staleness: 0``) beside a verifier at the pipeline's 1: every
-    solver turn is sampled at its step's version, the verifier's within one; both train each step at its version."""
-    data = small_config_data(demo_config_data, tmp_path / "store", steps=4, micro_batches_per_step=2, staleness=1)
+def test_each_agent_keeps_its_own_pace_and_a_kill_9_resumes_every_micro_batch_once(demo_config_data,
+                                                                                   tmp_path: Path) -> None:
+    """Mixed pace (issue 73.1): the solver held on-policy (``agents.solver.staleness: 0``) beside a verifier at
+    staleness 2 whose engines load every third version (``sync_every: 3``), launched from the CLI, killed with
+    SIGKILL at a random commit and resumed: every micro-batch once; every solver turn sampled at its step's version,
+    the verifier's within 2 and from fewer versions than the solver's (its engines skipped some); both train each
+    step at its version. (A resumed launch's engines start at the newest committed version, so which versions the
+    verifier sampled depends on where the kill fell.)"""
+    steps, micro_batches = 4, 2
+    data = small_config_data(demo_config_data, tmp_path / "store", steps=steps, micro_batches_per_step=micro_batches,
+                             staleness=1)
     data["agents"]["solver"]["staleness"] = 0
-    config = parse_config(data)
-    assert isinstance(list(train(config))[-1], RunFinished)
-    store = ExperienceStore(config.store)
+    data["agents"]["verifier"].update(staleness=2, sync_every=3)
+    config_path = tmp_path / "experiment.yaml"
+    config_path.write_text(yaml.safe_dump(data))
+    store = ExperienceStore(data["store"])
+    kill_after_commits(config_path, tmp_path, store,
+                       random.Random(os.getpid()).randrange(1, steps * micro_batches * len(STAGES) - len(STAGES)))
+    process = _launch(config_path, tmp_path)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output
+    assert_every_micro_batch_once(store, steps, micro_batches)
     rollouts = store.read_stage("demo", "rollouts", columns=["step", "policy_version", "agent"]).to_pylist()
     lag = {agent: {row["step"] - row["policy_version"] for row in rollouts if row["agent"] == agent}
            for agent in ("solver", "verifier")}
-    assert lag["solver"] == {0} and lag["verifier"] <= {0, 1}, lag
+    assert lag["solver"] == {0} and lag["verifier"] <= {0, 1, 2}, lag
+    sampled = {agent: {row["policy_version"] for row in rollouts if row["agent"] == agent}
+               for agent in ("solver", "verifier")}
+    assert len(sampled["verifier"]) < len(sampled["solver"]) == steps, sampled
     health = store.read_stage("demo", "health", columns=["agent", "staleness_max"]).to_pylist()
     assert {row["staleness_max"] for row in health if row["agent"] == "solver"} == {0}  # as the health records it
     assert {row["staleness_max"] for row in health if row["agent"] == "verifier"} <= lag["verifier"]

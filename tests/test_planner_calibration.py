@@ -18,6 +18,8 @@ from marl_pipeline.run.recipe import train
 from marl_pipeline.store import ExperienceStore
 from tests.conftest import small_config_data
 
+SHARES_WARM_ACTORS = True  # its launches take the engines and trainers the module before kept (conftest)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -22,6 +22,7 @@ from tests.conftest import small_config_data
 from tests.test_credit_and_actions import rollouts_of
 
 ROLES = ["solver", "verifier"]
+SHARES_WARM_ACTORS = True  # its launches take the engines and trainers the module before kept (conftest)
 
 
 def _shared(demo_config_data: dict, store: Path, **pipeline) -> dict:

@@ -14,6 +14,7 @@ from marl_pipeline.store import ExperienceStore
 from tests.conftest import small_config_data
 
 pytestmark = pytest.mark.launch
+SHARES_WARM_ACTORS = True  # its launches take the engines and trainers the module before kept (conftest)
 
 
 def test_spans_recomputed_from_the_store_equal_the_live_ones(local_ray, demo_config_data, tmp_path: Path) -> None:

@@ -185,6 +185,10 @@ class AgentConfig(StrictModel):
     """The most policy versions this agent's turns may lag the step that trains on them (None: ``pipeline.staleness``):
     rollout of step s waits until this agent's engines serve a version of at least s - staleness, so a slow agent with
     a looser bound does not hold its teammates' rollout, and one with 0 is always sampled on-policy."""
+    sync_every: int = Field(1, ge=1)
+    """The agent's engines load its weights every this many of its versions (and the versions evaluated or ending a
+    launch); its trainer still steps every step, so its turns may be sampled up to ``sync_every - 1`` versions
+    behind, which its staleness bound must allow. For an agent whose weight sync costs more than the lag does."""
     algorithm: AgentAlgorithm = AgentAlgorithm()
     """This agent's own values of ``algorithm:`` fields (temperature, max_new_tokens, clip_eps, kl_coef,
     entropy_coef, advantage, loss_normalization, tis_cap, drop_zero_advantage_groups); a field not set (or null) is

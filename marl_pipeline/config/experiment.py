@@ -88,6 +88,19 @@ class ExperimentConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def validate_agent_sync(self) -> ExperimentConfig:
+        bounds = self.staleness_bounds()
+        for agent, settings in self.agents.items():
+            if settings.sync_every > 1 and bounds[agent] < settings.sync_every - 1:
+                where = ("synchronous mode samples each step from the versions of the step before"
+                         if self.pipeline.mode == "synchronous" else f"its staleness bound is {bounds[agent]}")
+                raise ValueError(f"agents.{agent}.sync_every: {settings.sync_every} lets its turns be sampled up to "
+                                 f"{settings.sync_every - 1} versions behind, and {where}: set "
+                                 f"agents.{agent}.staleness (or pipeline.staleness) to at least "
+                                 f"{settings.sync_every - 1} in streaming mode")
+        return self
+
+    @model_validator(mode="after")
     def validate_agent_algorithms(self) -> ExperimentConfig:
         for agent in self.agents:
             try:

@@ -111,7 +111,7 @@ def predict(config: ExperimentConfig, nodes: list[dict[str, float]], costs: Cost
                          f"with the same agents ({sorted(costs.engines)} there)")
     plan = plan_placement(config, nodes)
     return plan, simulate(plan, config.pipeline, replies_capped(costs, config), nodes, steps,
-                          config.staleness_bounds())
+                          config.staleness_bounds(), {agent: a.sync_every for agent, a in config.agents.items()})
 
 
 def replies_capped(costs: Costs, config: ExperimentConfig) -> Costs:

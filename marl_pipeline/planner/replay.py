@@ -73,7 +73,8 @@ def replay_routing(store: ExperienceStore, run: str, replicas: dict[str, int],
 def replay_gate(store: ExperienceStore, run: str, staleness: int | dict[str, int], tolerance_s: float = 0.25
                 ) -> Agreement:
     """Each stored step's rollout release, decided again by the staleness gate over the times each agent's engines
-    came to serve each version (its ``timing.json``: the publisher's start, its optimizer step and its sync) and the
+    came to serve each version they loaded (its ``timing.json``: the publisher's start, its optimizer step and its
+    sync; a version not loaded, under ``sync_every``, is never served) and the
     end of the step before's rollout, against the recorded release (the step's first rollout partition's
     ``stage_enqueued``), equal within ``tolerance_s`` (the publisher's own bookkeeping between the two stamps)."""
     released: dict[int, float] = {}
@@ -85,9 +86,12 @@ def replay_gate(store: ExperienceStore, run: str, staleness: int | dict[str, int
             ended[span.step] = max(ended.get(span.step, span.ended), span.ended)
     agents = set(store.read_stage(run, "policy_updates", columns=["agent"]).column("agent").to_pylist())
     served: dict[str, dict[int, float]] = {agent: {0: float("-inf")} for agent in agents}  # served 0 at the start
+    recorded: dict[str, set[int]] = {agent: {0} for agent in agents}
     for (agent, version), record in timings.items():
-        served[agent][version] = record["started"] + record.get("apply_seconds", 0.0) + record["sync_seconds"]
-    opened = _gate_times(served, sorted(released), staleness)
+        recorded[agent].add(version)
+        if record.get("served", True):  # else its engines kept an older version (agents.<a>.sync_every)
+            served[agent][version] = record["started"] + record.get("apply_seconds", 0.0) + record["sync_seconds"]
+    opened = _gate_times(served, recorded, sorted(released), staleness)
     differing, equal = [], 0
     for step in sorted(released)[1:]:
         if opened.get(step) is None:
@@ -100,11 +104,11 @@ def replay_gate(store: ExperienceStore, run: str, staleness: int | dict[str, int
     return Agreement(equal + len(differing), equal, differing[:10])
 
 
-def _gate_times(served: dict[str, dict[int, float]], steps: list[int], staleness: int | dict[str, int]
-                ) -> dict[int, float | None]:
+def _gate_times(served: dict[str, dict[int, float]], recorded: dict[str, set[int]], steps: list[int],
+                staleness: int | dict[str, int]) -> dict[int, float | None]:
     """When the gate opened for each step: the first recorded serve at which ``gate_open`` holds (None: open from
     the start). Steps whose versions went unrecorded (pruned by retention: keep every version to replay them all)
-    are left out."""
+    are left out; ``recorded``: each agent's versions with a record, served or not."""
     def versions_at(time: float) -> dict[str, int]:
         return {agent: max(v for v, t in versions.items() if t <= time) for agent, versions in served.items()}
 
@@ -115,6 +119,7 @@ def _gate_times(served: dict[str, dict[int, float]], steps: list[int], staleness
         if gate_open(versions_at(moments[0]), step, staleness):
             opened[step] = None
             continue
-        if all(step - bounds[agent] in versions for agent, versions in served.items()):
+        if all(step - bounds[agent] in recorded[agent] and max(versions) >= step - bounds[agent]
+               for agent, versions in served.items()):
             opened[step] = next(t for t in moments if gate_open(versions_at(t), step, staleness))
     return opened

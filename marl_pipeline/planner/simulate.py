@@ -25,7 +25,7 @@ from marl_pipeline.inference.router import Router
 from marl_pipeline.planner.costs import Costs, Turn
 from marl_pipeline.planner.replica import Busy, EngineReplica
 from marl_pipeline.planner.shared_cores import SerialWork, SharedCores
-from marl_pipeline.run.queues import StepBarrier, gate_open
+from marl_pipeline.run.queues import StepBarrier, gate_open, sync_due
 from marl_pipeline.store import MicroBatchKey
 
 ASSUMPTIONS = (
@@ -102,13 +102,15 @@ class Prediction:
 
 class _Simulation:
     def __init__(self, plan: PlacementPlan, pipeline: PipelineConfig, costs: Costs,
-                 nodes: list[dict[str, float]], steps: int, staleness: dict[str, int] | None = None) -> None:
+                 nodes: list[dict[str, float]], steps: int, staleness: dict[str, int] | None = None,
+                 sync_every: dict[str, int] | None = None) -> None:
         self.env = env = simpy.Environment()
         self.plan, self.pipeline, self.costs, self.steps = plan, pipeline, costs, steps
         self.busy: dict[str, Busy] = defaultdict(lambda: Busy(env))
         self.synchronous = pipeline.mode == "synchronous"
         self.agents = list(plan.engine_sets)
         self.staleness = staleness or dict.fromkeys(self.agents, 0 if self.synchronous else pipeline.staleness)
+        self.sync_every = {agent: (sync_every or {}).get(agent, 1) for agent in self.agents}
         self.served = dict.fromkeys(self.agents, 0)
         self.served_at: dict[str, dict[int, float]] = {agent: {0: 0.0} for agent in self.agents}
         self.committed = dict.fromkeys(self.agents, 0)
@@ -271,13 +273,14 @@ class _Simulation:
                 self.busy[spec.name].start()
                 yield self.env.timeout(costs.apply)
                 self.busy[spec.name].stop()
-            for replica, engine in enumerate(self.engines[agent]):  # one replica at a time, the others serving
-                self.routers[agent].set_draining(replica, True)
-                yield engine.sync(costs.sync_per_replica, step + 1)
-                self.routers[agent].set_draining(replica, False)
-            self.served[agent] = step + 1
-            self.served_at[agent][step + 1] = self.env.now
-            self._served_changed()
+            if sync_due(step + 1, self.sync_every[agent], self.steps):  # else the engines keep their version
+                for replica, engine in enumerate(self.engines[agent]):  # one replica at a time, the others serving
+                    self.routers[agent].set_draining(replica, True)
+                    yield engine.sync(costs.sync_per_replica, step + 1)
+                    self.routers[agent].set_draining(replica, False)
+                self.served[agent] = step + 1
+                self.served_at[agent][step + 1] = self.env.now
+                self._served_changed()
             yield self.env.timeout(costs.commit)  # the save the trainer ran meanwhile, the commit after it
             self.committed[agent] = step + 1
             if min(self.committed.values()) > step and len(self.step_seconds) == step:
@@ -323,9 +326,11 @@ def _place(plan: PlacementPlan, nodes: list[dict[str, float]], env: simpy.Enviro
 
 
 def simulate(plan: PlacementPlan, pipeline: PipelineConfig, costs: Costs, nodes: list[dict[str, float]],
-             steps: int | None = None, staleness: dict[str, int] | None = None) -> Prediction:
+             steps: int | None = None, staleness: dict[str, int] | None = None,
+             sync_every: dict[str, int] | None = None) -> Prediction:
     """Simulate ``steps`` steps (default ``pipeline.steps``) of the plan's actors on ``nodes`` (each node's
     resources, as the plan was made on them) with ``costs``; ``staleness``: each agent's bound
-    (``ExperimentConfig.staleness_bounds``; default: the pipeline's for all)."""
-    simulation = _Simulation(plan, pipeline, costs, nodes, steps or pipeline.steps, staleness)
+    (``ExperimentConfig.staleness_bounds``; default: the pipeline's for all); ``sync_every``: each agent's
+    ``agents.<a>.sync_every`` (default 1: its engines load every version)."""
+    simulation = _Simulation(plan, pipeline, costs, nodes, steps or pipeline.steps, staleness, sync_every)
     return simulation.run()

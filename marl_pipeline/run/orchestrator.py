@@ -26,7 +26,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
 
 import pyarrow as pa
@@ -50,7 +50,16 @@ from marl_pipeline.run.events import (
 )
 from marl_pipeline.run.launches import LaunchPlan
 from marl_pipeline.run.layouts import changed_layouts
-from marl_pipeline.run.queues import StepBarrier, gate_open, get_until_stopped, put_until_stopped, start_threads
+from marl_pipeline.run.queues import (
+    PendingStep,
+    Stage,
+    StepBarrier,
+    gate_open,
+    get_until_stopped,
+    put_until_stopped,
+    start_threads,
+    sync_due,
+)
 from marl_pipeline.services.figures import commit_step_services
 from marl_pipeline.stages import health
 from marl_pipeline.stages.evaluation import EvaluationSettings, is_evaluated
@@ -62,34 +71,6 @@ from marl_pipeline.stages.trajectories import rollout_messages, sample_micro_bat
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.recent import RecentCommits
 from marl_pipeline.store.schema import with_stage_timing
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One stage of the micro-batch pipeline as the orchestrator runs it: ``workers`` threads compute and
-    commit ``name`` for each micro-batch key that reaches them."""
-
-    name: str
-    """The stored stage (``rollouts``, ``environment_results``, ``rewards``)."""
-    compute: Callable[[MicroBatchKey], pa.Table]
-    workers: int
-
-
-@dataclass(frozen=True)
-class PendingStep:
-    """One agent's optimizer step, issued by the train thread and finished by that agent's publisher."""
-
-    step: int
-    applied: ray.ObjectRef
-    """-> ``StepResult`` of the optimizer step."""
-    weights: ray.ObjectRef
-    """-> the new parameters for the engines (``ray.weight_sync: broadcast``: their layout, staged in the trainer)."""
-    saved: ray.ObjectRef | None
-    """-> the ``PolicyUpload`` of the new version: saved and uploaded by the trainer (None: not due a checkpoint)."""
-    enqueued: float
-    settings: ray.ObjectRef | None = None
-    """-> the trainer's ``pass_settings()`` after the agent's first step of the launch (None: told already)."""
-
 
 _DONE = object()
 
@@ -286,7 +267,8 @@ class Orchestrator:
                     # Asked now, while a swapped agent's state is loaded: its first pass has sized the budget.
                     settings = trainer.pass_settings.remote() if agent not in told else None
                     told.add(agent)
-                    weights = (trainer.stage_weights if self._broadcast else trainer.named_weights).remote()
+                    weights = ((trainer.stage_weights if self._broadcast else trainer.named_weights).remote()
+                               if self._sync_due(agent, step + 1) else None)
                     saved = (trainer.save_version.remote(step + 1)
                              if self.config.pipeline.checkpoint_due(step, self.last_step) else None)
                     self.handover.to_engine(agent)
@@ -303,24 +285,17 @@ class Orchestrator:
             started = time.time()
             result = ray.get(pending.applied)
             applied = time.time()
-            if self.evaluations is not None:  # the team may still be measured at the version the engine serves
-                self.evaluations.wait_until_measured(self._served[agent], self._stop.is_set)
-            # One replica at a time (the others keep serving); the trainer saves the version meanwhile.
-            replicas.sync_from(self.workers.trainers[agent], pending.weights, result.policy_version, self._broadcast)
+            if pending.weights is not None:  # else its engines keep their version (agents.<a>.sync_every)
+                self._serve(agent, pending.weights, result.policy_version)
             synced = time.time()
-            if pending.settings is not None:  # done before the weights the sync waited for
+            if pending.settings is not None:  # asked after the step: done once it is
                 self._events.put(TrainerPasses(agent, pending.step, ray.get(pending.settings)))
-            self._evaluate_if_due(agent, result.policy_version)  # before rollout can ask this engine for more
-            # Rollout goes on once the engines serve the version; its checkpoint (if due) is committed meanwhile. A
-            # launch killed before resumes from an older version, retraining from the committed partitions.
-            with self._served_changed:
-                self._served[agent] = result.policy_version
-                self._served_changed.notify_all()
             if pending.saved is not None:
                 upload = ray.get(pending.saved)
                 timing = StageTiming(pending.enqueued, started, time.time())
                 record = json.dumps({"step": pending.step, **asdict(timing), "apply_seconds": applied - started,
-                                     "sync_seconds": synced - applied, "engine_asleep": self.handover.last(agent),
+                                     "sync_seconds": synced - applied, "served": pending.weights is not None,
+                                     "engine_asleep": self.handover.last(agent),
                                      "driver_messages": rollout_messages(), **asdict(result),
                                      **cpu_seconds(replicas.handles(), self.workers.trainers[agent])}).encode()
                 self.recent.flush()  # the step's partitions are durable before the version that trained on them
@@ -336,6 +311,25 @@ class Orchestrator:
                 everyone_past = min(self._committed.values()) > pending.step
             if everyone_past:
                 self._events.put(self._step_finished(pending.step, started))
+
+    def _serve(self, agent: str, weights: ray.ObjectRef, version: int) -> None:
+        """``agent``'s engines load ``version``, one replica at a time (the others keep serving; the trainer saves the
+        version meanwhile), are evaluated at it if due, and rollout may then sample from it; its checkpoint (if due)
+        is committed after. A launch killed before resumes from an older version, retraining from the committed
+        partitions."""
+        if self.evaluations is not None:  # the team may still be measured at the version the engine serves
+            self.evaluations.wait_until_measured(self._served[agent], self._stop.is_set)
+        self.workers.engines[agent].sync_from(self.workers.trainers[agent], weights, version, self._broadcast)
+        self._evaluate_if_due(agent, version)  # before rollout can ask this engine for more
+        with self._served_changed:
+            self._served[agent] = version
+            self._served_changed.notify_all()
+
+    def _sync_due(self, agent: str, version: int) -> bool:
+        """Whether ``agent``'s engines load ``version``: every ``sync_every`` versions, and the versions evaluated
+        or ending the launch."""
+        return (sync_due(version, self.config.agents[agent].sync_every, self.last_step + 1)
+                or (self.evaluations is not None and self.evaluations.due(version)))
 
     def _step_finished(self, step: int, fallback_start: float) -> StepFinished:
         with self._served_changed:  # publishers of several agents may finish steps at once

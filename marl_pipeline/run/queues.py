@@ -1,5 +1,6 @@
-"""The queues between the orchestrator's stages: blocking puts and gets that give up once the run stops (a stage
-that failed elsewhere must not leave the others blocked for ever), the step barrier of synchronous mode and the
+"""The queues between the orchestrator's stages and what crosses them: blocking puts and gets that give up once the
+run stops (a stage that failed elsewhere must not leave the others blocked for ever), a stage as the orchestrator
+runs it, an agent's step from the train thread to its publisher, the step barrier of synchronous mode and the
 staleness gate. The planner's simulation (marl_pipeline/planner/) runs the same barrier and gate."""
 
 from __future__ import annotations
@@ -8,12 +9,46 @@ import queue
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from marl_pipeline.store import MicroBatchKey
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import ray
 
 POLL_S = 0.2
 """How often a blocked put or get looks at the stop flag."""
 
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the micro-batch pipeline as the orchestrator runs it: ``workers`` threads compute and
+    commit ``name`` for each micro-batch key that reaches them."""
+
+    name: str
+    """The stored stage (``rollouts``, ``environment_results``, ``rewards``)."""
+    compute: Callable[[MicroBatchKey], pa.Table]
+    workers: int
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """One agent's optimizer step, issued by the train thread and finished by that agent's publisher."""
+
+    step: int
+    applied: ray.ObjectRef
+    """-> ``StepResult`` of the optimizer step."""
+    weights: ray.ObjectRef | None
+    """-> the new parameters for the engines (``ray.weight_sync: broadcast``: their layout, staged in the trainer);
+    None: the engines do not load this version (``agents.<a>.sync_every``)."""
+    saved: ray.ObjectRef | None
+    """-> the ``PolicyUpload`` of the new version: saved and uploaded by the trainer (None: not due a checkpoint)."""
+    enqueued: float
+    settings: ray.ObjectRef | None = None
+    """-> the trainer's ``pass_settings()`` after the agent's first step of the launch (None: told already)."""
 
 def put_until_stopped(box: queue.Queue, item: object, stop: threading.Event) -> None:
     """``box.put(item)``, blocking until there is room or ``stop`` is set (then the item is dropped)."""
@@ -42,6 +77,12 @@ def gate_open(served: dict[str, int], step: int, staleness: int | Mapping[str, i
     if not isinstance(staleness, Mapping):
         return min(served.values()) >= step - staleness
     return all(version >= step - staleness[agent] for agent, version in served.items())
+
+
+def sync_due(version: int, every: int, last_version: int) -> bool:
+    """Whether an agent's engines load its ``version``: every ``every`` versions (``agents.<a>.sync_every``) and
+    the launch's last (the orchestrator adds the versions it evaluates)."""
+    return version % every == 0 or version == last_version
 
 
 class StepBarrier:
