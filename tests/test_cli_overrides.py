@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from assets.cli import app, train_run_config
+from assets.cli import app
+from assets.cli.train import train_run_config
 from marl_pipeline.config import ConfigError, dotted_overrides
 from resources.experiment import ExperimentResource
 
@@ -71,7 +72,7 @@ def test_rays_start_notices_are_dropped_and_its_other_warnings_kept() -> None:
     """The ``ray.init`` notices that ask nothing of a ``marl`` user, filtered on Ray's own loggers."""
     import logging
 
-    from assets.cli import _RayStartNotices
+    from assets.cli.train import _RayStartNotices
 
     _RayStartNotices.install()
     _RayStartNotices.install()  # once per logger, however often the command runs in a process

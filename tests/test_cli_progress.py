@@ -10,7 +10,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from assets.cli import _PolicyProgress
+from assets.cli.train import _PolicyProgress
 from assets.partitions import agent_key, stage_partition
 from assets.train import SETUP_PREFIX, STEP_PREFIX, launch_line, plan_observations
 from marl_pipeline.run.launches import LaunchPlan

@@ -203,7 +203,8 @@ def _as_version_7(store: ExperienceStore, key: MicroBatchKey) -> None:
 def test_health_stored_before_the_trainer_throughput_reads_with_it_null(tmp_path: Path, capsys) -> None:
     """A run stored before schema 8 keeps its health readable: collapse is read from it, ``marl inspect`` shows it,
     and the new columns come back null. The inspect table leaves the throughput out (it is wide already)."""
-    from assets.cli import _print_health_table, console
+    from assets.cli.output import console
+    from assets.cli.tables import print_health_table
 
     store = _stored(tmp_path, "old", [_step(s, share) for s, share in enumerate([0.95, 0.95, 1.0])])
     trained = {"solver": {"grad_norm": 1.5, "trainer_tokens_per_s": 900.0, "mfu": 0.125}}
@@ -219,7 +220,7 @@ def test_health_stored_before_the_trainer_throughput_reads_with_it_null(tmp_path
     width = console.width
     console.width = 200
     try:
-        _print_health_table(store, "old", None, None)
+        print_health_table(store, "old", None, None)
     finally:
         console.width = width
     shown = capsys.readouterr().out
@@ -231,7 +232,8 @@ def test_groups_short_of_n_and_dropped_episodes_by_hand(tmp_path: Path, capsys) 
     """Each row carries its group's shortfall and dropped episodes (over-sampling): the health sums them over the
     agent's groups, leaves the dropped turns out of the other signals, and the log line and ``marl inspect`` show
     them."""
-    from assets.cli import _print_health_table, console
+    from assets.cli.output import console
+    from assets.cli.tables import print_health_table
 
     def row(agent: str, group: str, text: str, shortfall: int, dropped: int, status: str = "ok") -> dict:
         return {**_turn(agent, group, text, [-1.0]), "status": status, "group_shortfall": shortfall,
@@ -259,7 +261,7 @@ def test_groups_short_of_n_and_dropped_episodes_by_hand(tmp_path: Path, capsys) 
     width = console.width
     console.width = 80
     try:
-        _print_health_table(store, "over", None, None)
+        print_health_table(store, "over", None, None)
     finally:
         console.width = width
     shown = capsys.readouterr().out

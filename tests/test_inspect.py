@@ -146,7 +146,8 @@ def test_inspect_and_runs_fit_80_columns_and_give_scripts_every_column(tmp_path:
 
     from typer.testing import CliRunner
 
-    from assets.cli import HEALTH_NARROW, app
+    from assets.cli import app
+    from assets.cli.tables import HEALTH_NARROW
 
     store = ExperienceStore(tmp_path)
     write_run(store)

@@ -6,7 +6,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-console = Console()
+from assets.cli.output import console
+
 FIGURES = ("team_answer", "first_sample", "majority_vote", "any_sample")
 
 

@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-console = Console()
+from assets.cli.output import console
 
 
 def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", metavar="CONFIG"),
