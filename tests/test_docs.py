@@ -1,5 +1,6 @@
-"""The docs stand alone: every figure README.md and docs/ claim is a row of BENCHMARKS.md's results table, each row
-says where and how it was measured, and no tracked file cites a work log or a path outside the repository."""
+"""The docs stand alone: every figure README.md and docs/ claim is a row of BENCHMARKS.md's results table, with the
+figures that row gives, each row says where and how it was measured, and no tracked file cites a work log or a path
+outside the repository."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ COMMAND = re.compile(r"`(?:\.venv/bin/|python3? |bash |make )[^`]+`")
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 WORK_LOG = re.compile(r"\bsessions? \d+|\.\./shared", re.I)
 COLUMNS = ["id", "figure", "compared against", "machine", "date", "command or section"]
+FIGURE = re.compile(r"(?<![\w.`])[+-]?\d+\.\d+(?![\w.`])")  # a decimal figure (not a version, path or name)
+CLAUSE_ENDS = (". ", ".\n", "; ", ";\n", "\n\n", "[bench]")
+"""Where the clause that claims a row's figures begins, looking back from its link."""
 ROW_LIMIT = 300
 """A results row's characters at most: its current figure, with the section telling the rest (issue 71.5); superseded
 figures live in git."""
@@ -74,12 +78,30 @@ def claim_problems(docs: dict[str, str], benchmarks: str) -> list[str]:
         claimed.update(labels)
         problems += [f"{path} claims {label}, which is no row of BENCHMARKS.md's results" for label in labels
                      if label not in ids]
+        problems += figure_problems(path, text, {label: row for label, row in zip(ids, rows, strict=True)})
         target = ("../" * path.count("/")) + "BENCHMARKS.md#results"
         if labels and f"\n[bench]: {target}\n" not in f"\n{text}\n":
             problems.append(f"{path} claims figures but does not define [bench]: {target}")
     problems += [f"row {label} is claimed by no document" for label in ids if label not in claimed]
     if not CLAIM.search(docs.get("README.md", "")):
         problems.append("README.md claims no figure")
+    return problems
+
+
+def figure_problems(path: str, text: str, rows: dict[str, dict[str, str]]) -> list[str]:
+    """Decimal figures a document states in the clause that links a row but that the row does not give (its figure
+    or what it is compared against), to the claim's precision: a claim that drifted from its measurement."""
+    problems = []
+    for claim in CLAIM.finditer(text):
+        row = rows.get(claim.group(1))
+        if row is None:
+            continue
+        start = max(text.rfind(end, 0, claim.start()) + len(end) for end in CLAUSE_ENDS)
+        given = [float(value) for value in FIGURE.findall(row["figure"] + " " + row["compared against"])]
+        for figure in FIGURE.findall(text[start:claim.start()]):
+            digits = len(figure.split(".")[1])
+            if not any(round(abs(value), digits) == abs(float(figure)) for value in given):
+                problems.append(f"{path} claims {figure} beside [{claim.group(1)}], which its row does not give")
     return problems
 
 
@@ -121,6 +143,9 @@ def test_a_missing_row_or_section_fails() -> None:
     assert f"row {label} has no date" in claim_problems(docs, undated)
     padded = row.replace(" | ", " | " + "and more history " * 20, 1)
     assert f"row {label} is {len(padded)} characters" in " ".join(claim_problems(docs, benchmarks.replace(row, padded)))
+    drifted = {**docs, "README.md": docs["README.md"].replace(f"[{label}][bench]", f"99.25 [{label}][bench]", 1)}
+    assert f"README.md claims 99.25 beside [{label}], which its row does not give" in claim_problems(drifted,
+                                                                                                    benchmarks)
     unclaimed = {path: text.replace(f"[{label}][bench]", "") for path, text in docs.items()}
     assert f"row {label} is claimed by no document" in claim_problems(unclaimed, benchmarks)
 
