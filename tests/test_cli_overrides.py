@@ -72,10 +72,10 @@ def test_rays_start_notices_are_dropped_and_its_other_warnings_kept() -> None:
     """The ``ray.init`` notices that ask nothing of a ``marl`` user, filtered on Ray's own loggers."""
     import logging
 
-    from assets.cli.train import _RayStartNotices
+    from assets.cli.output import RayStartNotices
 
-    _RayStartNotices.install()
-    _RayStartNotices.install()  # once per logger, however often the command runs in a process
+    RayStartNotices.install()
+    RayStartNotices.install()  # once per logger, however often the command runs in a process
     records = []
 
     class Keep(logging.Handler):
@@ -94,4 +94,4 @@ def test_rays_start_notices_are_dropped_and_its_other_warnings_kept() -> None:
     finally:
         ray_logger.removeHandler(handler)
     assert records == ["Some other warning a user should see"]
-    assert sum(isinstance(f, _RayStartNotices) for f in worker.filters) == 1
+    assert sum(isinstance(f, RayStartNotices) for f in worker.filters) == 1

@@ -6,7 +6,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from assets.cli.output import console
+from assets.cli.output import RAY_INIT, console, quiet_libraries
 
 FIGURES = ("team_answer", "first_sample", "majority_vote", "any_sample")
 
@@ -45,7 +45,8 @@ def evaluate(store_uri: str = typer.Argument(..., help="Experience store holding
     env = build_environment(config.environment.name, config.environment.options)
     started = not ray.is_initialized()  # a caller's Ray (a notebook, a test) is joined and left running
     if started:
-        ray.init(address=config.ray.address, include_dashboard=False, log_to_driver=False)
+        quiet_libraries()
+        ray.init(address=config.ray.address, **RAY_INIT)
     table = _casts_table(f"run {run}: the team by cast, on {config.evaluation.cases_per_agent} held-out cases")
     try:
         for one in casts:

@@ -4,7 +4,6 @@ the config validated."""
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -14,37 +13,9 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from assets.cli.output import console
+from assets.cli.output import RAY_INIT, console, quiet_libraries
 from assets.cli.tables import print_evaluation_table, print_reward_table
 from marl_pipeline.config import ConfigError, apply_settings, read_config_data
-
-_RAY_INIT = {"include_dashboard": False, "log_to_driver": False}
-"""The CLI's ``ray.init`` options for the job's Ray resource (its UI is Dagster's; the workers' logs stay theirs)."""
-
-_QUIET_ENV = {"TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-              "VLLM_LOGGING_LEVEL": "ERROR", "RAY_DEDUP_LOGS": "1", "PYTHONWARNINGS": "ignore"}
-
-
-class _RayStartNotices(logging.Filter):
-    """Drops what ``ray.init`` logs that asks nothing of a ``marl`` user: that Ray set no SIGTERM handler (the CLI
-    starts Ray on a thread of its own, for start-up time, and handles the signals itself), that Ray enabled token
-    authentication by default (it stays enabled; the notice only says how to turn it off) and, the first time on a
-    host, that it saved a new token for it, that it started a local instance, and that the job's Ray resource joined
-    the one the CLI started (the set-up lines say both)."""
-
-    NOTICES = ("SIGTERM handler is not set", "Token authentication is enabled for this Ray cluster",
-               "Generated new authentication token", "Started a local Ray instance", "Calling ray.init() again")
-    LOGGERS = ("ray._private.worker", "ray._private.authentication.authentication_token_setup")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.NOTICES)
-
-    @classmethod
-    def install(cls) -> None:
-        for name in cls.LOGGERS:
-            logger = logging.getLogger(name)
-            if not any(isinstance(existing, cls) for existing in logger.filters):
-                logger.addFilter(cls())
 
 
 def _dagster_home() -> Path:
@@ -80,9 +51,7 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     home = _dagster_home()
     # The progress bar and the reward table are the CLI's output: quiet the libraries' own bars and chatter
     # (set before Ray starts, so the engine and trainer actors inherit them). Errors still propagate.
-    for name, value in _QUIET_ENV.items():
-        os.environ.setdefault(name, value)
-    _RayStartNotices.install()
+    quiet_libraries()
     local_ray = _LocalRay(config) if config.ray.address is None else None
     from marl_pipeline.cluster.heap import collector_paused
 
@@ -98,7 +67,7 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     # address and local CPU count come from the YAML's `ray:` through the resource, as in `dagster dev`.
     run_config = {"resources": {
         "experiment": {"config": experiment},
-        "ray": {"config": {"ray_init_options": _RAY_INIT}},
+        "ray": {"config": {"ray_init_options": RAY_INIT}},
     }, "loggers": {"console": {"config": {"log_level": "WARNING"}}}}  # the event log keeps everything
     outcome: dict = {}
 
@@ -157,9 +126,7 @@ def prepare(config_path: Path = typer.Argument(..., help="Experiment YAML file."
     if not missing:
         console.print(f"run {config.run}: every agent has its version 0 in {store.uri}")
         return
-    for name, value in _QUIET_ENV.items():
-        os.environ.setdefault(name, value)
-    _RayStartNotices.install()
+    quiet_libraries()
     started = time.perf_counter()
     with console.status(f"run {config.run}: making version 0 of {', '.join(missing)} (built-in model, warm-ups)"):
         import ray
@@ -168,8 +135,8 @@ def prepare(config_path: Path = typer.Argument(..., help="Experiment YAML file."
         from marl_pipeline.environment import build_environment
 
         if not ray.is_initialized():
-            ray.init(**(config.ray.local_init_options(_RAY_INIT) if config.ray.address is None
-                        else {"address": config.ray.address, **_RAY_INIT}))
+            ray.init(**(config.ray.local_init_options(RAY_INIT) if config.ray.address is None
+                        else {"address": config.ray.address, **RAY_INIT}))
         try:
             made = prepare_base_policies(config, build_environment(config.environment.name,
                                                                    config.environment.options), store, on_ray=True)
@@ -191,7 +158,7 @@ class _LocalRay:
     which reports it."""
 
     def __init__(self, config) -> None:
-        self.options = config.ray.local_init_options(_RAY_INIT)
+        self.options = config.ray.local_init_options(RAY_INIT)
         self.ready, self._done = threading.Event(), threading.Event()
         threading.Thread(target=self._run, name="marl-ray-start", daemon=True).start()
 
