@@ -12,7 +12,7 @@ import pytest
 
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
 from marl_pipeline.config import ConfigError, parse_config
-from marl_pipeline.config.algorithm import GRPOAdvantage
+from marl_pipeline.config.algorithm import AgentNormalizedAdvantage, GRPOAdvantage
 from marl_pipeline.run.casts import parse_cast, standard_casts
 from marl_pipeline.run.recipe import train
 from marl_pipeline.stages.execution import execute_micro_batch
@@ -62,19 +62,20 @@ def test_a_shared_policys_roles_are_compared_within_their_own_role() -> None:
     the same advantages as two agents of one role each get."""
     env = ArithmeticCheck(ArithmeticOptions(decoy_share=0, right_share=0))
     task = {"id": "1+2", "a": 1, "b": 2}
-    episodes = [["3", "yes"], ["4", "yes"], ["3", "no"], ["5", "no"]]
+    episodes = [["3", "yes"], ["3", "no"], ["3", "no"], ["5", "no"]]  # rewards of unlike spread per role
     apart = rollouts_of(env, task, episodes)
     shared = apart.set_column(apart.column_names.index("agent"), apart.schema.field("agent"),
                               pa.array(["team"] * apart.num_rows, apart.schema.field("agent").type))
 
-    def advantages(rollouts):
-        scored = score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), advantage=GRPOAdvantage(),
+    def advantages(rollouts, estimator):
+        scored = score_micro_batch(env, rollouts, execute_micro_batch(env, rollouts), advantage=estimator,
                                    team_weight=0.0).sort_by([("sample_id", "ascending")])
         return scored.column("advantage").to_pylist(), set(scored.column("agent").to_pylist())
 
-    (separate, agents), (together, shared_agents) = advantages(apart), advantages(shared)
-    assert together == separate and agents == set(ROLES) and shared_agents == {"team"}
-    assert any(value != 0 for value in together)
+    for estimator in (GRPOAdvantage(), AgentNormalizedAdvantage()):  # the second scales by each role's own spread
+        (separate, agents), (together, shared_agents) = advantages(apart, estimator), advantages(shared, estimator)
+        assert together == pytest.approx(separate) and agents == set(ROLES) and shared_agents == {"team"}
+        assert any(value != 0 for value in together)
 
 
 @pytest.mark.launch

@@ -142,8 +142,9 @@ def score_micro_batch(env: Environment, rollouts: pa.Table, results: pa.Table,
     groups = np.asarray([labels.setdefault((row["group_id"], row["agent"], row["role"])
                                            + ((row["turn"],) if per_turn_credit else ()), len(labels))
                          for row in keyed_rows])
-    scored = advantages.ScoredRows(rewards_array, groups, np.asarray([row["agent"] for row in keyed_rows]),
-                                   np.asarray([row["episode"] for row in keyed_rows]))
+    agents, roles = (np.asarray([row[name] for row in keyed_rows]) for name in ("agent", "role"))
+    scored = advantages.ScoredRows(rewards_array, groups, agents, np.asarray([row["episode"] for row in keyed_rows]),
+                                   None if np.array_equal(agents, roles) else roles)
     relative = (_relative(scored, advantage) * np.asarray(weights, dtype=np.float64)
                 if keyed_rows else rewards_array)
     columns = {name: [row[name] for row in keyed_rows] for name in TURN_KEYS}
@@ -169,7 +170,8 @@ def _relative(scored: advantages.ScoredRows, advantage: Advantage | Mapping[str,
     for agent in np.unique(scored.agents):
         rows = scored.agents == agent
         relative[rows] = advantages.estimator(advantage[str(agent)])(advantages.ScoredRows(
-            scored.rewards[rows], scored.groups[rows], scored.agents[rows], scored.episodes[rows]))
+            scored.rewards[rows], scored.groups[rows], scored.agents[rows], scored.episodes[rows],
+            None if scored.roles is None else scored.roles[rows]))
     return relative
 
 

@@ -16,6 +16,7 @@ from marl_pipeline.stages.advantages.groups import ScoredRows, group_mean, group
 
 
 def advantages(rows: ScoredRows, settings: AgentNormalizedAdvantage) -> np.ndarray:
-    """(reward - group mean) / (std over the agent's rows of (reward - group mean) + eps)."""
+    """(reward - group mean) / (std over the agent's rows of (reward - group mean) + eps), per role of a shared
+    policy."""
     centred = rows.rewards - group_mean(rows.rewards, rows.groups)
-    return centred / (group_std(centred, rows.agents) + settings.eps)
+    return centred / (group_std(centred, rows.players()) + settings.eps)

@@ -22,6 +22,13 @@ class ScoredRows:
     """The row's agent."""
     episodes: np.ndarray
     """The row's episode: an agent that speaks several times has several rows of one episode in a group."""
+    roles: np.ndarray | None = None
+    """The row's role, where an agent plays several (a shared policy; None: each agent its own role): an estimator
+    that scales by an agent's rewards scales each role's apart, as AT-GRPO normalizes per role."""
+
+    def players(self) -> np.ndarray:
+        """The label of the rows an agent-wide statistic spans: the agent's, per role where it plays several."""
+        return self.agents if self.roles is None else labels(self.agents, self.roles)
 
 
 def labels(*columns: np.ndarray) -> np.ndarray:
