@@ -285,9 +285,9 @@ class Orchestrator:
             started = time.time()
             result = ray.get(pending.applied)
             applied = time.time()
-            if pending.weights is not None:  # else its engines keep their version (agents.<a>.sync_every)
-                self._serve(agent, pending.weights, result.policy_version)
-            synced = time.time()
+            # its engines load the version, or keep theirs where none was exported (agents.<a>.sync_every)
+            synced = time.time() if pending.weights is None else self._serve(agent, pending.weights,
+                                                                              result.policy_version)
             if pending.settings is not None:  # asked after the step: done once it is
                 self._events.put(TrainerPasses(agent, pending.step, ray.get(pending.settings)))
             if pending.saved is not None:
@@ -312,18 +312,20 @@ class Orchestrator:
             if everyone_past:
                 self._events.put(self._step_finished(pending.step, started))
 
-    def _serve(self, agent: str, weights: ray.ObjectRef, version: int) -> None:
+    def _serve(self, agent: str, weights: ray.ObjectRef, version: int) -> float:
         """``agent``'s engines load ``version``, one replica at a time (the others keep serving; the trainer saves the
         version meanwhile), are evaluated at it if due, and rollout may then sample from it; its checkpoint (if due)
         is committed after. A launch killed before resumes from an older version, retraining from the committed
-        partitions."""
+        partitions. Returns when the sync ended (the version's ``sync_seconds`` stop there, before an evaluation)."""
         if self.evaluations is not None:  # the team may still be measured at the version the engine serves
             self.evaluations.wait_until_measured(self._served[agent], self._stop.is_set)
         self.workers.engines[agent].sync_from(self.workers.trainers[agent], weights, version, self._broadcast)
+        synced = time.time()
         self._evaluate_if_due(agent, version)  # before rollout can ask this engine for more
         with self._served_changed:
             self._served[agent] = version
             self._served_changed.notify_all()
+        return synced
 
     def _sync_due(self, agent: str, version: int) -> bool:
         """Whether ``agent``'s engines load ``version``: every ``sync_every`` versions, and the versions evaluated
