@@ -22,6 +22,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import statistics
 import subprocess
 from pathlib import Path
@@ -105,8 +106,6 @@ def main() -> None:
     tokens: dict[str, list[int]] = {}
     for arm in args.arms:
         work = args.work / arm
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
         for seed in args.seeds:
             history = train(arms[arm], seed, work)

@@ -135,12 +135,11 @@ def _create_base_policy(config: ExperimentConfig, env: Environment, store_config
                                  activation_checkpointing=agent_config.trainer.activation_checkpointing)
         model, tokenizer = trainer.model, trainer.tokenizer
         rng, examples = np.random.default_rng(seed), []
+        replies = functools.partial(policy_replies, model, tokenizer, source=f"agent {agent!r}",
+                                    max_new_tokens=algorithm.max_new_tokens, temperature=algorithm.temperature)
         for role in config.roles_played(agent):  # each role's examples (one role unless the policy is shared)
             role_examples = None
             if hooks_of(env).own_reply_warmup_examples is not None:
-                replies = functools.partial(policy_replies, model, tokenizer, source=f"agent {agent!r}",
-                                            max_new_tokens=algorithm.max_new_tokens,
-                                            temperature=algorithm.temperature)
                 role_examples = env.own_reply_warmup_examples(role, rng, warmup.steps * warmup.batch_size, replies)
             examples += env.warmup_examples(role, rng, 4000) if role_examples is None else role_examples
         losses = supervised_warmup(trainer, examples, steps=warmup.steps, batch_size=warmup.batch_size, seed=seed,

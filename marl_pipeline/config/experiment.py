@@ -207,7 +207,8 @@ def parse_config(data: dict[str, Any], source: str = "<dict>", layouts: bool = T
         if agent.roles and name in roles and name not in agent.roles:
             raise ConfigError(f"invalid config {source}:\n  agents.{name}.roles: {agent.roles} leaves out the role "
                               f"named as the agent; name the agent otherwise or play that role too")
-    missing = [role for role in roles if role not in config.role_agents()]
+    played = config.role_agents()
+    missing = [role for role in roles if role not in played]
     if missing:
         raise ConfigError(f"invalid config {source}:\n  agents: no agent plays role(s) {missing} of the environment "
                           f"(an agent plays the role named as it, or those under its `roles:`)")

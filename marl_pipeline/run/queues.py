@@ -22,7 +22,6 @@ POLL_S = 0.2
 """How often a blocked put or get looks at the stop flag."""
 
 
-
 @dataclass(frozen=True)
 class Stage:
     """One stage of the micro-batch pipeline as the orchestrator runs it: ``workers`` threads compute and
@@ -49,6 +48,7 @@ class PendingStep:
     enqueued: float
     settings: ray.ObjectRef | None = None
     """-> the trainer's ``pass_settings()`` after the agent's first step of the launch (None: told already)."""
+
 
 def put_until_stopped(box: queue.Queue, item: object, stop: threading.Event) -> None:
     """``box.put(item)``, blocking until there is room or ``stop`` is set (then the item is dropped)."""
