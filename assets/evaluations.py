@@ -64,7 +64,7 @@ class CastsConfig(dg.Config):
 def team_casts(context: dg.AssetExecutionContext, config: CastsConfig, experiment: ExperimentResource,
                store: ExperienceStoreResource, ray: RayCluster) -> dg.MaterializeResult:
     """The team on held-out cases with stored policies cast in its roles (run/casts.py): trained, swapped, each
-    agent's version 0 beside its teammates'; beside each, the first speaker alone (``first_sample``)."""
+    agent's version 0 beside its teammates'; beside each, the answering role alone (``first_sample``)."""
     from marl_pipeline.environment import build_environment
     from marl_pipeline.run.casts import chosen_casts, evaluate_cast
 

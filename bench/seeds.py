@@ -77,7 +77,7 @@ def main() -> None:
         print(f"{agent}: gain mean {summary[agent]['mean_gain']:+.3f}, min {summary[agent]['min_gain']:+.3f} "
               f"over seeds {args.seeds}")
     team = [(seed, history) for seed, history in histories.items() if any("team" in m for m in history.values())]
-    if team:  # the team measured as a team (stages/team.py): its answer against the first speaker alone
+    if team:  # the team measured as a team (stages/team.py): its answer against the answering role alone
         print("\n| seed | version | team's answer | first sample alone | majority vote alone | best of n |")
         print("| ---: | ---: | ---: | ---: | ---: | ---: |")
         for seed, history in team:

@@ -2,7 +2,8 @@
 comparison as four arms of one task, each arm one ``marl train`` per seed (bench/seeds.py), one after the other:
 
 - ``single``: one agent doing the whole task (``--single CONFIG``: the task's one-role environment, as
-  configs/demo_solver_alone.yaml is the demo's); its held-out headline metric (greedy) is its answer;
+  configs/demo_solver_alone.yaml is the demo's and configs/chain_solo.yaml the chain's); its team answer where its
+  environment chooses one (``arithmetic_chain_solo``: the majority of its n answers), else its greedy headline metric;
 - ``shared``: one policy playing every role (``agents.team.roles``: all of CONFIG's roles, with the first agent's
   settings), one engine, one trainer, the same steps;
 - ``separate``: a policy per role, CONFIG as it is;
@@ -12,8 +13,8 @@ The team's accuracy is the held-out ``team_answer`` (stages/team.py: the answer 
 episodes per case). Per arm: the peak over the evaluated versions and the last version's, each as mean and minimum
 over the seeds, and the generated tokens of its training::
 
-    .venv/bin/python bench/team.py configs/demo.yaml --single configs/demo_solver_alone.yaml --seeds 0 1 2 \\
-        --out /tmp/team.json
+    .venv/bin/python bench/team.py configs/chain.yaml --single configs/chain_solo.yaml --seeds 0 1 2 \\
+        --set evaluation.cases_per_agent=200 --out /tmp/team.json
 """
 
 from __future__ import annotations
@@ -44,13 +45,13 @@ def shared_arm(data: dict, roles: list[str]) -> dict:
     return shared
 
 
-def team_accuracy(history: dict[int, dict[str, dict[str, float]]], single: bool) -> dict[int, float]:
-    """Version -> the team's held-out accuracy (the one agent's headline metric for the single arm)."""
+def team_accuracy(history: dict[int, dict[str, dict[str, float]]]) -> dict[int, float]:
+    """Version -> the team's held-out accuracy: its ``team_answer``; for a single agent whose environment has no
+    ``team_choice`` (``arithmetic_solo``), its greedy headline metric."""
     from marl_pipeline.stages.evaluation import headline_metric
 
-    if single:
-        return {version: headline_metric(next(iter(m.values())))[1] for version, m in history.items()}
-    return {version: m["team"]["team_answer"] for version, m in history.items() if "team" in m}
+    return {version: m["team"]["team_answer"] if "team" in m else headline_metric(next(iter(m.values())))[1]
+            for version, m in history.items()}
 
 
 def generated_tokens(store: Path, run: str) -> int:
@@ -109,7 +110,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
         for seed in args.seeds:
             history = train(arms[arm], seed, work)
-            curves.setdefault(arm, {})[seed] = team_accuracy(history, arm == "single")
+            curves.setdefault(arm, {})[seed] = team_accuracy(history)
             tokens.setdefault(arm, []).append(generated_tokens(work / f"seed{seed}" / "store", arms[arm]["run"]))
             if arm == "separate":
                 last = max(history)

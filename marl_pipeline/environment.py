@@ -173,12 +173,14 @@ name."""
 
 
 class TeamEnvironment(EvaluatedEnvironment, Protocol):
-    """An environment whose agents are also measured as a team: each of the first speaker's held-out cases is played
+    """An environment whose agents are also measured as a team: each of the answering role's held-out cases is played
     as ``n`` sampled episodes of the whole workflow, and the plugin says which episode's answer the team returns
-    (stages/team.py compares it with the first speaker alone: its first sample, and the majority of its n)."""
+    (stages/team.py compares it with the answering role alone: its first sample, and the majority of its n). The
+    answering role is the first speaker, unless the plugin names another (``answering_role``: the last step of a
+    task the roles split)."""
 
     def team_choice(self, task: Task, episodes: list[list[Turn]]) -> int:
-        """The index of the episode whose first speaker's answer the team returns (a verifier's pick: see
+        """The index of the episode whose answering role's answer the team returns (a verifier's pick: see
         :func:`accepted_majority`)."""
 
 

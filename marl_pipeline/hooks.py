@@ -45,6 +45,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook("evaluate", "evaluate(role, cases, responses) -> dict[str, float]", "evaluation"),
     Hook("answer_of", "answer_of(role, response) -> str", "evaluation"),
     Hook("team_choice", "team_choice(task, episodes) -> int", "optional"),
+    Hook("answering_role", "answering_role: str", "optional"),
     Hook("episode_task", "episode_task(task, trajectory) -> Task", "optional"),
     Hook("observe", "observe(role, task, transcript) -> str | None", "optional"),
     Hook("score_turns", "score_turns(task, transcript, results) -> list[float] | None", "optional"),
@@ -83,6 +84,9 @@ class PluginHooks:
     team_choice: Callable | None
     """Which of a held-out task's sampled episodes gives the team's answer (stages/team.py), or None: the team is
     not evaluated as a team."""
+    answering_role: str
+    """The role whose answer is the team's (``answering_role``; by default the first speaker): its held-out cases
+    are the team's, its headline metric scores the team's answer."""
     team_reward_weight: float
     pool_settings: Any
     """The plugin's ``PoolSettings`` for its action pool, or None."""
@@ -111,6 +115,7 @@ def hooks_of(env: object) -> PluginHooks:
         **{name: getattr(env, name, None) for name in ("episode_task", "observe", "score_turns", "turn_weights",
                                                         "own_reply_warmup_examples",
                                                         "team_choice", "pool_settings")},
+        answering_role=str(getattr(env, "answering_role", env.turn_order[0])),
         team_reward_weight=float(getattr(env, "team_reward_weight", 0.0)),
         max_action_bytes=int(getattr(env, "max_action_bytes", MAX_ACTION_BYTES)),
         uses_actions=_has(env, "with actions"), evaluated=_has(env, "evaluation"))

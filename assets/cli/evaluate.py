@@ -59,7 +59,7 @@ def evaluate(store_uri: str = typer.Argument(..., help="Experience store holding
         if started:
             ray.shutdown()
     console.print(table)
-    console.print("first_sample and majority_vote: the first speaker alone on the same episodes (the single-agent "
+    console.print("first_sample and majority_vote: the answering role alone on the same episodes (the single-agent "
                   "baseline); any_sample: a right answer among them. Kept in the run's casts.json.")
 
 

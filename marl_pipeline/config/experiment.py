@@ -185,7 +185,7 @@ def parse_config(data: dict[str, Any], source: str = "<dict>", layouts: bool = T
         ConfigError: naming each offending field.
     """
     from marl_pipeline.environment import TEAM, get_environment_class, roles_of
-    from marl_pipeline.hooks import missing_hooks
+    from marl_pipeline.hooks import hooks_of, missing_hooks
 
     if not isinstance(data, dict):
         raise ConfigError(f"invalid config {source}: expected a mapping at the top level")
@@ -215,6 +215,10 @@ def parse_config(data: dict[str, Any], source: str = "<dict>", layouts: bool = T
     if TEAM in roles:
         raise ConfigError(f"invalid config {source}:\n  environment: {config.environment.name!r} has a role named "
                           f"{TEAM!r}, the name the team's held-out evaluation is stored under; rename the role")
+    answering = hooks_of(env_class).answering_role
+    if answering not in roles:
+        raise ConfigError(f"invalid config {source}:\n  environment: {config.environment.name!r} gives the team's "
+                          f"answer to role {answering!r} (answering_role), which it does not have; roles {list(roles)}")
     if config.pipeline.rollout.rebalance_replicas:
         asks = {name: (agent.engine.num_cpus, agent.engine.num_gpus) for name, agent in config.agents.items()}
         if len(set(asks.values())) > 1:

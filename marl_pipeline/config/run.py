@@ -78,7 +78,7 @@ class EvaluationConfig(StrictModel):
     max_new_tokens: int | None = Field(None, ge=1)
     """Longest answer (None: ``algorithm.max_new_tokens``)."""
     team_samples: int | None = Field(None, ge=0)
-    """Episodes sampled per held-out case of the first speaker to measure the team (a plugin with ``team_choice``,
+    """Episodes sampled per held-out case of the answering role to measure the team (a plugin with ``team_choice``,
     stages/team.py); None: ``pipeline.samples_per_prompt``, as in training; 0: the team is not measured."""
 
 

@@ -7,9 +7,9 @@ beside other casts of the same roles (AT-GRPO's check: role policies 97%, the sa
   each agent plays one role;
 - ``<agent>@0``: that agent's version 0 beside its teammates' version evaluated: what its own training contributed.
 
-Beside each, the first speaker alone at the same number of samples (``first_sample``, ``majority_vote``): the
-single-agent baseline. A cast is played as the held-out evaluation plays the team (stages/team.py: the first
-speaker's held-out cases, ``evaluation.team_samples`` episodes each, seeded by turn and episode only), on engines
+Beside each, the answering role alone at the same number of samples (``first_sample``, ``majority_vote``): the
+single-agent baseline. A cast is played as the held-out evaluation plays the team (stages/team.py: the answering
+role's held-out cases, ``evaluation.team_samples`` episodes each, seeded by turn and episode only), on engines
 serving the cast's policies, and its figures are kept in the run's ``casts.json`` record, which ``marl inspect``
 and the ``team_casts`` asset show.
 """

@@ -181,17 +181,17 @@ def answer_text(role: str, episode: list[Turn]) -> str:
 
 def team_metrics(env: Environment, rows: list[dict]) -> dict[str, float]:
     """The team's figures from its stored rows (one per case, by case): ``team_answer`` (the plugin's choice),
-    ``first_sample`` and ``majority_vote`` (the first speaker alone, same episodes), ``any_sample`` (a right answer
-    among them), each the first speaker's headline metric; then the statistics of the team's answers."""
-    first = env.turn_order[0]
+    ``first_sample`` and ``majority_vote`` (the answering role alone, same episodes), ``any_sample`` (a right answer
+    among them), each the answering role's headline metric; then the statistics of the team's answers."""
+    answering = hooks_of(env).answering_role
     cases = [EvaluationCase(json.loads(row["task"]), [], row["label"]) for row in rows]
     played = [[[Turn(**turn) for turn in episode] for episode in json.loads(row["transcript"])] for row in rows]
 
     def score(chosen: list[int]) -> float:
-        responses = [answer_text(first, episodes[i]) for episodes, i in zip(played, chosen)]
-        return headline_metric(env.evaluate(first, cases, responses))[1]  # type: ignore[attr-defined]
+        responses = [answer_text(answering, episodes[i]) for episodes, i in zip(played, chosen)]
+        return headline_metric(env.evaluate(answering, cases, responses))[1]  # type: ignore[attr-defined]
 
-    answers = [[env.answer_of(first, answer_text(first, e)) for e in episodes]  # type: ignore[attr-defined]
+    answers = [[env.answer_of(answering, answer_text(answering, e)) for e in episodes]  # type: ignore[attr-defined]
                for episodes in played]
     everyone = [accepted_majority(case_answers, [True] * len(case_answers)) for case_answers in answers]
     figures = {
@@ -199,7 +199,7 @@ def team_metrics(env: Environment, rows: list[dict]) -> dict[str, float]:
         "first_sample": score([0] * len(cases)),
         "majority_vote": score(everyone),
         "any_sample": float(np.mean([max(  # a case's best episode, the most any choice could reach
-            headline_metric(env.evaluate(first, [case], [answer_text(first, e)]))[1]  # type: ignore[attr-defined]
+            headline_metric(env.evaluate(answering, [case], [answer_text(answering, e)]))[1]  # type: ignore[attr-defined]
             for e in episodes) for case, episodes in zip(cases, played)])) if cases else 0.0,
     }
     figures.update(answer_statistics([row["answer"] for row in rows], [row["label"] for row in rows]))

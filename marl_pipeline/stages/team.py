@@ -1,13 +1,14 @@
-"""The team measured as a team, on held-out cases: what the agents achieve together against the first speaker alone.
+"""The team measured as a team, on held-out cases: what the agents achieve together against the answering role alone.
 
-Each of the first speaker's held-out cases (``evaluation_cases``, the same ones its own evaluation answers greedily)
-is played as ``team_samples`` sampled episodes of the whole workflow, every agent at one policy version, seeded by
-(run seed, turn, episode) only, so versions compare. The plugin's ``team_choice`` says which episode's answer the
-team returns (for a solver and a verifier: the solver's answer the verifier's verdicts choose). Beside it, from the
-same episodes, what the first speaker achieves alone: its first sample, and the majority of its answers (the same
-n); and ``any_sample``, the share of cases where one of the n is right, the most any choice could reach. Every score
-is the plugin's own: the headline metric of the first speaker's ``evaluate`` over the chosen responses
-(stages/evaluation.py: ``team_metrics``).
+The answering role gives the team's answer: the first speaker, or the role the plugin names (``answering_role``, the
+last step of a task the roles split). Each of its held-out cases (``evaluation_cases``, the same ones its own
+evaluation answers greedily) is played from the task as ``team_samples`` sampled episodes of the whole workflow,
+every agent at one policy version, seeded by (run seed, turn, episode) only, so versions compare. The plugin's
+``team_choice`` says which episode's answer the team returns (for a solver and a verifier: the solver's answer the
+verifier's verdicts choose). Beside it, from the same episodes, what the answering role achieves alone: its first
+sample, and the majority of its answers (the same n); and ``any_sample``, the share of cases where one of the n is
+right, the most any choice could reach. Every score is the plugin's own: the headline metric of the answering role's
+``evaluate`` over the chosen responses (stages/evaluation.py: ``team_metrics``).
 
 Stored as rows of the version's evaluations partition with agent ``team`` (``environment.TEAM``): one per case, its
 episodes as the transcript (JSON: a list of episodes, each a list of turns), the chosen response as the response;
@@ -50,12 +51,12 @@ def is_team_evaluated(env: Environment, settings: EvaluationSettings) -> bool:
 
 def evaluate_team(env: Environment, engines: dict[str, ray.actor.ActorHandle], settings: EvaluationSettings,
                   versions: dict[str, int] | None = None) -> pa.Table:
-    """The team's rows: each held-out case of the first speaker played ``settings.team_samples`` times by the agents
+    """The team's rows: each held-out case of the answering role played ``settings.team_samples`` times by the agents
     ``engines`` serve (each at the same version; with ``versions``, each role at its own, a cast's: run/casts.py),
-    turn by turn, every episode's next turn in one batch per agent. The rows' ``policy_version`` is the first
-    speaker's."""
-    first = env.turn_order[0]
-    cases = evaluation_cases(env, first, settings)
+    turn by turn, every episode's next turn in one batch per agent. The rows' ``policy_version`` is the answering
+    role's."""
+    answering = hooks_of(env).answering_role
+    cases = evaluation_cases(env, answering, settings)
     n = settings.team_samples
     episodes: list[list[Turn]] = [[] for _ in range(len(cases) * n)]  # episode e plays case e // n
     chats = engine_chat_session(env, engines)
@@ -82,15 +83,15 @@ def evaluate_team(env: Environment, engines: dict[str, ray.actor.ActorHandle], s
         what = "the cast's versions" if versions else "one version"
         shown = {role: sorted(found) for role, found in served.items()}
         raise RuntimeError(f"the team's evaluation engines did not each serve {what} throughout: {shown}")
-    version = wanted.get(first)
+    version = wanted.get(answering)
     rows = []
     for c, case in enumerate(cases):
         played = episodes[c * n:(c + 1) * n]
-        response = answer_text(first, played[chosen_episode(env, case, played)])
+        response = answer_text(answering, played[chosen_episode(env, case, played)])
         rows.append({
             "policy_version": version, "case": c, "task_id": str(case.task["id"]), "task": json.dumps(case.task),
             "transcript": json.dumps([[asdict(turn) for turn in episode] for episode in played]),
             "label": case.label, "prompt_text": None, "response_text": response,
-            "answer": env.answer_of(first, response),  # type: ignore[attr-defined]
+            "answer": env.answer_of(answering, response),  # type: ignore[attr-defined]
             "metrics": None, "status": "ok", "error": None, "agent": TEAM})
     return pa.Table.from_pylist(rows, schema=with_agent(EVALUATIONS))

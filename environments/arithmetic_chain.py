@@ -1,0 +1,178 @@
+"""A task the roles split between them (``arithmetic_chain``): ``(a+b)*c``, an adder and a multiplier.
+
+Turns: adder (``a+b=``: the sum), multiplier (``s*c=``, with ``s`` the adder's answer: the product). The multiplier
+sees only its own step, as AT-GRPO's tool agent runs the plan it is given: the roles do different jobs, and neither
+can do the other's. Each is rewarded for its own job on what it was given (the adder for the right sum, the
+multiplier for the right product of the sum it was shown), and the team's answer is the multiplier's
+(``answering_role``): the most frequent of its answers over the episodes of a case.
+
+``arithmetic_chain_solo`` is the one agent doing the whole task (``(a+b)*c=``: the product, in one answer), with
+the same tasks, the same kind of warm-up teacher and the same held-out cases, and its own majority over the same
+number of episodes as its team answer: bench/team.py's single arm (issue 72.4).
+
+Warm-up, as the demo's (environments/arithmetic.py): a teacher that knows a fixed half of each table (by a hash of
+the question) and guesses on the rest, so that version 0 knows the format and part of the answers and RL finds the
+others by sampling. The adder's table has (max_operand + 1)^2 questions, the multiplier's (2 * max_operand + 1) x
+(max_factor + 1), the one agent's (max_operand + 1)^2 x (max_factor + 1): the split is what the team has over one
+agent, at the price of an error in either step spoiling the answer.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from marl_pipeline.environment import ActionResult, EvaluationCase, Task, Turn, accepted_majority
+
+
+class ChainOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_operand: int = Field(3, ge=1, le=9)
+    """``a`` and ``b`` are drawn uniformly from 0..max_operand."""
+    max_factor: int = Field(3, ge=1, le=9)
+    """``c`` is drawn uniformly from 0..max_factor."""
+    warmup_known_share: float = Field(0.5, ge=0, le=1)
+    """Share of each table's questions the warm-up teacher answers right (a fixed set, by a hash of the question);
+    on the others it guesses uniformly."""
+
+
+class ArithmeticChain:
+    """Adder + multiplier on ``(a+b)*c``."""
+
+    name = "arithmetic_chain"
+    turn_order = ("adder", "multiplier")
+    answering_role = "multiplier"
+    Options = ChainOptions
+
+    def __init__(self, options: ChainOptions) -> None:
+        self.options = options
+
+    # -- episodes ---------------------------------------------------------------------------------
+    def sample_tasks(self, rng: np.random.Generator, count: int) -> list[Task]:
+        a, b = rng.integers(0, self.options.max_operand + 1, size=(2, count))
+        c = rng.integers(0, self.options.max_factor + 1, size=count)
+        return [{"id": f"({x}+{y})*{z}", "a": int(x), "b": int(y), "c": int(z)} for x, y, z in zip(a, b, c)]
+
+    def render_prompt(self, role: str, task: Task, transcript: list[Turn]) -> str:
+        if role == "adder":
+            return f"{task['a']}+{task['b']}="
+        if role == "multiplier":
+            return f"{_shown_sum(transcript)}*{task['c']}="
+        raise ValueError(f"{self.name} has no role {role!r}")
+
+    def execute(self, task: Task, transcript: list[Turn]) -> list[ActionResult]:
+        total = task["a"] + task["b"]
+        added = _parse_int(transcript[0].text)
+        adder = ActionResult("unparsable" if added is None else "correct" if added == total else "wrong",
+                             added == total, info={"answer": added, "expected": total})
+        shown = _parse_int(_shown_sum(transcript))
+        product = _parse_int(transcript[1].text)
+        # its own job on what it was shown; with nothing it could multiply, the team's answer
+        expected = shown * task["c"] if shown is not None else total * task["c"]
+        multiplier = ActionResult("unparsable" if product is None else "correct" if product == expected else "wrong",
+                                  product == expected,
+                                  info={"answer": product, "expected": expected, "team_right": product == total
+                                        * task["c"]})
+        return [adder, multiplier]
+
+    def score(self, task: Task, transcript: list[Turn], results: list[ActionResult]) -> dict[str, float]:
+        return {"adder": float(results[0].success), "multiplier": float(results[1].success)}
+
+    # -- held-out evaluation ----------------------------------------------------------------------
+    def evaluation_cases(self, role: str, rng: np.random.Generator, count: int) -> list[EvaluationCase]:
+        """The adder's cases are labelled with the sum; the multiplier's with the product, given the right sum (its
+        own skill), and they are the team's cases too: played whole, their answer is the product."""
+        cases = []
+        for task in self.sample_tasks(rng, count):
+            total = task["a"] + task["b"]
+            if role == "adder":
+                cases.append(EvaluationCase(task, [], str(total)))
+            else:
+                cases.append(EvaluationCase(task, [Turn("adder", str(total))], str(total * task["c"])))
+        return cases
+
+    def evaluate(self, role: str, cases: list[EvaluationCase], responses: list[str]) -> dict[str, float]:
+        right = [_parse_int(response) == int(case.label) for case, response in zip(cases, responses)]
+        return {"accuracy": float(np.mean(right)) if right else 0.0}
+
+    def answer_of(self, role: str, response: str) -> str:
+        return _first_line(response)
+
+    def team_choice(self, task: Task, episodes: list[list[Turn]]) -> int:
+        """The team's answer: the multiplier's most frequent answer among the episodes."""
+        answers = [self.answer_of("multiplier", episode[-1].text) for episode in episodes]
+        return accepted_majority(answers, [True] * len(answers))
+
+    # -- base policies ----------------------------------------------------------------------------
+    def text_corpus(self, rng: np.random.Generator, count: int) -> list[str]:
+        return [prompt + completion for role in self.turn_order
+                for prompt, completion in self.warmup_examples(role, rng, count)]
+
+    def warmup_examples(self, role: str, rng: np.random.Generator, count: int) -> list[tuple[str, str]]:
+        top_sum, top_product = 2 * self.options.max_operand, 2 * self.options.max_operand * self.options.max_factor
+        examples = []
+        for task in self.sample_tasks(rng, count):
+            if role == "adder":
+                prompt, right, top = self.render_prompt(role, task, []), task["a"] + task["b"], top_sum
+            elif role == "multiplier":  # shown any sum the adder may give, not only the right one
+                shown = int(rng.integers(0, top_sum + 1))
+                prompt = self.render_prompt(role, task, [Turn("adder", str(shown))])
+                right, top = shown * task["c"], top_product
+            else:  # the one agent of arithmetic_chain_solo
+                prompt = self.render_prompt(role, task, [])
+                right, top = (task["a"] + task["b"]) * task["c"], top_product
+            answer = right if self._teacher_knows(prompt) else int(rng.integers(0, top + 1))
+            examples.append((prompt, str(answer)))
+        return examples
+
+    def _teacher_knows(self, question: str) -> bool:
+        return zlib.crc32(question.encode()) / 2**32 < self.options.warmup_known_share
+
+
+class ArithmeticChainSolo(ArithmeticChain):
+    """One agent doing ``arithmetic_chain``'s whole task: ``(a+b)*c=`` answered with the product."""
+
+    name = "arithmetic_chain_solo"
+    turn_order = ("solver",)
+    answering_role = "solver"
+
+    def render_prompt(self, role: str, task: Task, transcript: list[Turn]) -> str:
+        if role == "solver":
+            return f"({task['a']}+{task['b']})*{task['c']}="
+        raise ValueError(f"{self.name} has no role {role!r}")
+
+    def execute(self, task: Task, transcript: list[Turn]) -> list[ActionResult]:
+        expected = (task["a"] + task["b"]) * task["c"]
+        product = _parse_int(transcript[0].text)
+        return [ActionResult("unparsable" if product is None else "correct" if product == expected else "wrong",
+                             product == expected, info={"answer": product, "expected": expected})]
+
+    def score(self, task: Task, transcript: list[Turn], results: list[ActionResult]) -> dict[str, float]:
+        return {"solver": float(results[0].success)}
+
+    def evaluation_cases(self, role: str, rng: np.random.Generator, count: int) -> list[EvaluationCase]:
+        """The team's cases (the same tasks, drawn alike), labelled with the product."""
+        return [EvaluationCase(task, [], str((task["a"] + task["b"]) * task["c"]))
+                for task in self.sample_tasks(rng, count)]
+
+    def team_choice(self, task: Task, episodes: list[list[Turn]]) -> int:
+        """Its answer as a team's: the most frequent among its episodes, at the team's number of samples."""
+        answers = [self.answer_of("solver", episode[0].text) for episode in episodes]
+        return accepted_majority(answers, [True] * len(answers))
+
+
+def _shown_sum(transcript: list[Turn]) -> str:
+    """The adder's answer as the multiplier is shown it: its first line, at most 4 characters."""
+    return _first_line(transcript[0].text)[:4]
+
+
+def _first_line(text: str) -> str:
+    return text.strip().split("\n", 1)[0].strip()
+
+
+def _parse_int(text: str) -> int | None:
+    token = _first_line(text)
+    return int(token) if token.isdigit() and len(token) <= 6 else None
