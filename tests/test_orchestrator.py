@@ -34,10 +34,12 @@ from marl_pipeline.run.recipe import train
 from marl_pipeline.stages.health import collapse_warnings, recent_health
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import STAGES
-from tests.conftest import small_config_data
+from tests.conftest import ROOT, small_config_data
+from tests.three_agents import CLI
 
 pytestmark = pytest.mark.launch
 SHARES_WARM_ACTORS = True  # its launches take the engines and trainers the module before kept (conftest)
+MARL = (sys.executable, "-m", "assets.cli")  # the `marl` command of this environment
 
 # Streaming with staleness 0 and the synchronous pipeline see the same samples (seeded per request)
 # and accumulate them in the same order, so their parameters agree to float32 rounding.
@@ -217,7 +219,8 @@ def test_a_new_layout_by_length_resumes_the_launch_in_it_after_the_step_once(uni
 
 
 def assert_every_micro_batch_once(store: ExperienceStore, steps: int, micro_batches: int,
-                                  checkpoint_every: int = 1, agents: tuple[str, ...] = ("solver", "verifier")) -> None:
+                                  checkpoint_every: int = 1, agents: tuple[str, ...] = ("solver", "verifier"),
+                                  turns: int = 2) -> None:
     """A resumed run of the small demo holds exactly an uninterrupted one's partitions, versions and record."""
     expected = [MicroBatchKey("demo", s, m) for s in range(steps) for m in range(micro_batches)]
     for stage in STAGES:
@@ -226,7 +229,7 @@ def assert_every_micro_batch_once(store: ExperienceStore, steps: int, micro_batc
     sample_ids = rollouts.column("sample_id").to_pylist()
     kept = [sample_id for sample_id, status in zip(sample_ids, rollouts.column("status").to_pylist())
             if status != "dropped"]  # over-sampling's dropped turns are stored too
-    assert len(sample_ids) == len(set(sample_ids)) and len(kept) == steps * micro_batches * 4 * 4 * 2
+    assert len(sample_ids) == len(set(sample_ids)) and len(kept) == steps * micro_batches * 4 * 4 * turns
     assert store.checkpoints.agents("demo") == sorted(agents)
     for agent in agents:  # retention: 0 and the last 2 committed
         assert store.policy_versions("demo", agent) == [0, steps - checkpoint_every, steps]
@@ -243,18 +246,19 @@ def _committed(store: ExperienceStore) -> int:
     return sum(len(store.committed_keys("demo", stage)) for stage in STAGES)
 
 
-def _launch(config_path: Path, cwd: Path, *settings: str) -> subprocess.Popen:
+def _launch(config_path: Path, cwd: Path, *settings: str, marl: tuple[str, ...] = MARL) -> subprocess.Popen:
     warm_actors.stop_idle()  # a launch of its own process and Ray: the kept actors would only hold memory
-    env = {**os.environ, "DAGSTER_HOME": str(cwd / "dagster_home")}
-    command = [sys.executable, "-m", "assets.cli", "train", str(config_path), *[f"--set={s}" for s in settings]]
+    env = {**os.environ, "DAGSTER_HOME": str(cwd / "dagster_home"), "PYTHONPATH": str(ROOT)}
+    command = [*marl, "train", str(config_path), *[f"--set={s}" for s in settings]]
     return subprocess.Popen(command, cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def kill_after_commits(config_path: Path, cwd: Path, store: ExperienceStore, target: int, *settings: str) -> None:
+def kill_after_commits(config_path: Path, cwd: Path, store: ExperienceStore, target: int, *settings: str,
+                       marl: tuple[str, ...] = MARL) -> None:
     """Launch ``marl train`` and kill its process group (SIGKILL) once ``target`` partitions are committed, at
     whatever the run is doing then (or once it ended)."""
-    process = _launch(config_path, cwd, *settings)
+    process = _launch(config_path, cwd, *settings, marl=marl)
     deadline = time.monotonic() + 300
     while _committed(store) < target and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -361,35 +365,41 @@ def test_synchronous_mode_rejects_staleness(demo_config_data, tmp_path: Path) ->
 
 def test_each_agent_keeps_its_own_pace_and_a_kill_9_resumes_every_micro_batch_once(demo_config_data,
                                                                                    tmp_path: Path) -> None:
-    """Mixed pace (issue 73.1): the solver held on-policy (``agents.solver.staleness: 0``) beside a verifier at
-    staleness 2 whose engines load every third version (``sync_every: 3``), launched from the CLI, killed with
-    SIGKILL at a random commit and resumed: every micro-batch once; every solver turn sampled at its step's version,
-    the verifier's within 2 and from fewer versions than the solver's (its engines skipped some); both train each
-    step at its version. (A resumed launch's engines start at the newest committed version, so which versions the
-    verifier sampled depends on where the kill fell.)"""
+    """Mixed pace (issue 73.1), three agents (tests/three_agents.py: the demo's two and a reporter): the solver held
+    on-policy (``agents.solver.staleness: 0``), the verifier at staleness 2, the reporter at staleness 2 with
+    engines that load every third version (``sync_every: 3``); launched from the CLI, killed with SIGKILL at a random
+    commit and resumed: every micro-batch once; every solver turn sampled at its step's version, the others' within
+    2, the reporter's from fewer versions than the solver's (its engines skipped some); each trains every step at its
+    version. (A resumed launch's engines start at the newest committed version, so which versions the reporter
+    sampled depends on where the kill fell.)"""
     steps, micro_batches = 4, 2
+    agents = ("reporter", "solver", "verifier")
     data = small_config_data(demo_config_data, tmp_path / "store", steps=steps, micro_batches_per_step=micro_batches,
                              staleness=1)
+    data["environment"] = {"name": "arithmetic_report", "options": data["environment"].get("options", {})}
+    data["agents"]["reporter"] = {**data["agents"]["verifier"], "staleness": 2, "sync_every": 3}
     data["agents"]["solver"]["staleness"] = 0
-    data["agents"]["verifier"].update(staleness=2, sync_every=3)
+    data["agents"]["verifier"]["staleness"] = 2
     config_path = tmp_path / "experiment.yaml"
     config_path.write_text(yaml.safe_dump(data))
     store = ExperienceStore(data["store"])
     kill_after_commits(config_path, tmp_path, store,
-                       random.Random(os.getpid()).randrange(1, steps * micro_batches * len(STAGES) - len(STAGES)))
-    process = _launch(config_path, tmp_path)
+                       random.Random(os.getpid()).randrange(1, steps * micro_batches * len(STAGES) - len(STAGES)),
+                       marl=CLI)
+    process = _launch(config_path, tmp_path, marl=CLI)
     output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output
-    assert_every_micro_batch_once(store, steps, micro_batches)
+    assert_every_micro_batch_once(store, steps, micro_batches, agents=agents, turns=3)
     rollouts = store.read_stage("demo", "rollouts", columns=["step", "policy_version", "agent"]).to_pylist()
     lag = {agent: {row["step"] - row["policy_version"] for row in rollouts if row["agent"] == agent}
-           for agent in ("solver", "verifier")}
-    assert lag["solver"] == {0} and lag["verifier"] <= {0, 1, 2}, lag
-    sampled = {agent: {row["policy_version"] for row in rollouts if row["agent"] == agent}
-               for agent in ("solver", "verifier")}
-    assert len(sampled["verifier"]) < len(sampled["solver"]) == steps, sampled
+           for agent in agents}
+    assert lag["solver"] == {0} and lag["verifier"] <= {0, 1, 2} and lag["reporter"] <= {0, 1, 2}, lag
+    sampled = {agent: {row["policy_version"] for row in rollouts if row["agent"] == agent} for agent in agents}
+    assert len(sampled["reporter"]) < len(sampled["solver"]) == steps, sampled
     health = store.read_stage("demo", "health", columns=["agent", "staleness_max"]).to_pylist()
     assert {row["staleness_max"] for row in health if row["agent"] == "solver"} == {0}  # as the health records it
-    assert {row["staleness_max"] for row in health if row["agent"] == "verifier"} <= lag["verifier"]
-    updates = store.read_stage("demo", "policy_updates", columns=["step", "policy_version"])
+    for agent in ("verifier", "reporter"):
+        assert {row["staleness_max"] for row in health if row["agent"] == agent} <= lag[agent]
+    updates = store.read_stage("demo", "policy_updates", columns=["step", "policy_version", "agent"])
     assert pc.all(pc.equal(updates.column("step"), updates.column("policy_version"))).as_py()
+    assert sorted(set(updates.column("agent").to_pylist())) == list(agents)
