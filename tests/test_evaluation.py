@@ -4,6 +4,7 @@ step metrics as TensorBoard and MLflow receive them (``tracking``)."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -74,11 +75,13 @@ def test_evaluation_needs_a_plugin_that_evaluates(demo_config_data: dict, tmp_pa
 
 @pytest.fixture(scope="module")
 def evaluated(local_ray, demo_config_data: dict, tmp_path_factory) -> tuple:
-    """A 3-step launch evaluating every 2 versions, its metrics sent to TensorBoard and MLflow; its events."""
+    """A 3-step launch evaluating every 2 versions, its metrics sent to TensorBoard, MLflow and wandb (offline);
+    its events."""
     work = tmp_path_factory.mktemp("evaluated")
     data = small_config_data(demo_config_data, work / "store", steps=3)
     data["evaluation"] = {"every": 2, "cases_per_agent": 16}
-    data["tracking"] = {"tensorboard": str(work / "tensorboard"), "mlflow": f"sqlite:///{work / 'mlflow.db'}"}
+    data["tracking"] = {"tensorboard": str(work / "tensorboard"), "mlflow": f"sqlite:///{work / 'mlflow.db'}",
+                        "wandb": {"dir": str(work / "wandb"), "project": "marl-tests", "tags": ["suite"]}}
     config = parse_config(data)
     return config, list(train(config))
 
@@ -271,10 +274,36 @@ def test_the_collapse_check_flags_an_agent_that_always_gives_one_answer(tmp_path
     assert "solver" not in verdicts[5][1]
 
 
-def test_step_metrics_reach_tensorboard_and_mlflow(evaluated) -> None:
+def wandb_records(path: Path):
+    """The records of a wandb run file (``run-<id>.wandb``), read as wandb writes it: a 7-byte header (``:W&B``),
+    then 32 KiB blocks of chunks, each with a 7-byte header (CRC-32, length, kind: 1 whole, 2 first, 3 middle, 4
+    last), each record a ``wandb_internal_pb2.Record``."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    position, pending = 7, b""
+    while position + 7 <= len(data):
+        if (space := 32768 - position % 32768) < 7:  # a block's tail too short for a header is padding
+            position += space
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        chunk, position = data[position + 7:position + 7 + length], position + 7 + length
+        if kind == 0:
+            break
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def test_step_metrics_reach_tensorboard_mlflow_and_wandb(evaluated) -> None:
     """Every step's rewards, health signals (as the store's ``health`` partition holds them) and times, and every
     evaluation, as the launch reported them; the share of GRPO groups without reward variance as the store's
-    rewards give it."""
+    rewards give it. Wandb's from the files of its offline run, as ``wandb sync`` would upload them."""
     from mlflow import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -323,6 +352,25 @@ def test_step_metrics_reach_tensorboard_and_mlflow(evaluated) -> None:
         history.setdefault(name, {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)})
         assert history[name][step] == pytest.approx(value, rel=1e-12), (name, step)
     assert {"solver/top_response_share", "verifier/clip_fraction", "solver/grad_norm"} <= scalars.keys()
+
+    from marl_pipeline.run.tracking import wandb_run_id
+
+    settings = config.tracking.wandb
+    [file] = (Path(settings.dir) / "wandb").glob(f"offline-run-*-{wandb_run_id(config.run)}/run-*.wandb")
+    logged, runs, exits = {}, [], []
+    for record in wandb_records(file):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            assert "step" in row, row
+            logged |= {(name, row["step"]): value for name, value in row.items() if not name.startswith("_")}
+        runs += [record.run] if kind == "run" else []
+        exits += [record.exit.exit_code] if kind == "exit" else []
+    [run] = runs
+    assert (run.display_name, run.project, exits) == (config.run, "marl-tests", [0])
+    assert list(run.tags) == ["arithmetic_check", "solver", "verifier", "suite"]
+    for (name, step), value in expected.items():  # every figure at its step, evaluations at their versions'
+        assert logged[(name, step)] == pytest.approx(value, rel=1e-12), (name, step)
 
 
 def test_casts_are_parsed_with_every_role_and_named_errors() -> None:

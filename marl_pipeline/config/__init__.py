@@ -44,6 +44,7 @@ from marl_pipeline.config.run import (
     RewardModelConfig,
     StoreConfig,
     TrackingConfig,
+    WandbConfig,
 )
 from marl_pipeline.config.services import JudgeConfig, RewardConfig, ServiceConfig
 
@@ -77,6 +78,7 @@ __all__ = [
     "StrictModel",
     "TrackingConfig",
     "TrainerConfig",
+    "WandbConfig",
     "WarmupConfig",
     "apply_overrides",
     "apply_settings",

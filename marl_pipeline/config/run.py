@@ -113,6 +113,18 @@ class HealthConfig(StrictModel):
     resume after a change of settings."""
 
 
+class WandbConfig(StrictModel):
+    """Weights & Biases (``tracking.wandb``): one wandb run per run, named after it, continued by its later
+    launches. Offline by default: files under ``dir`` that ``wandb sync`` uploads later, no network."""
+
+    project: str = "marl-pipeline"
+    mode: Literal["offline", "online"] = "offline"
+    dir: str = ".marl/wandb"
+    """Where wandb writes its files (a ``wandb/`` folder in it)."""
+    tags: list[str] = Field(default_factory=list)
+    """Besides the run's own: its environment and its agents' names."""
+
+
 class TrackingConfig(StrictModel):
     """Step metrics sent besides the Dagster UI, where ML engineers follow training (off by default)."""
 
@@ -123,6 +135,8 @@ class TrackingConfig(StrictModel):
     continued by its later launches."""
     mlflow_experiment: str = "marl-pipeline"
     """The MLflow experiment the runs go to (created when missing)."""
+    wandb: WandbConfig | None = None
+    """Weights & Biases (``wandb: {}``: offline, project ``marl-pipeline``)."""
 
 
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")

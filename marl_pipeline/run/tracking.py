@@ -1,24 +1,31 @@
 """Step metrics sent where ML engineers follow training (``tracking`` in the experiment file): TensorBoard event
-files and MLflow. The Dagster UI stays the primary view; this is a copy of the figures as the launch makes them.
+files, MLflow and Weights & Biases. The Dagster UI stays the primary view; this is a copy of the figures as the
+launch makes them.
 
 Per step (the run's global step, so the launches of a run continue one curve), per agent: its mean reward, its
 training-health signals (stages/health.py) and its trainer's throughput (``perf/<agent>/tokens_per_s``, real tokens a
 second, and ``perf/<agent>/mfu``, a fraction, as verl's ``perf/mfu/actor``); for the team, the mean reward and the
 step's time (between step ends) and span (first rollout to commit). Held-out evaluations go in at the evaluated
-version's step. One MLflow run per run (tagged ``marl.run``), taken up again by its later launches.
+version's step. One MLflow run per run (tagged ``marl.run``), taken up again by its later launches; one wandb run
+per run likewise (its id made from the run's name), every metric on the run's step (``step``, wandb's
+``define_metric``), so that an evaluation written after its step's metrics lands where it belongs.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 import time
 import warnings
 from pathlib import Path
 
-from marl_pipeline.config import ExperimentConfig
+from marl_pipeline.config import ExperimentConfig, WandbConfig
 from marl_pipeline.run.events import EvaluationCommitted, StepFinished, mean_reward
 from marl_pipeline.stages.health import PERF_SIGNALS
 
 RUN_TAG = "marl.run"
+STEP = "step"
+"""The wandb metric every other is plotted against: the run's global step."""
 
 
 def signal_metric(agent: str, signal: str) -> str:
@@ -35,6 +42,8 @@ class MetricsExport:
             self.sinks.append(_TensorBoard(Path(tracking.tensorboard) / config.run))
         if tracking.mlflow is not None:
             self.sinks.append(_MLflow(tracking.mlflow, tracking.mlflow_experiment, config))
+        if tracking.wandb is not None:
+            self.sinks.append(_Wandb(tracking.wandb, config))
 
     def add(self, event) -> None:
         if isinstance(event, EvaluationCommitted):
@@ -106,6 +115,34 @@ class _MLflow:
 
     def close(self, finished: bool) -> None:
         self.client.set_terminated(self.run_id, status="FINISHED" if finished else "FAILED")
+
+
+def wandb_run_id(run: str) -> str:
+    """The wandb run id of a run: its name in the characters wandb allows, and a hash of the name itself, so that
+    two names alike after that differ."""
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '-', run)[:48]}-{hashlib.sha256(run.encode()).hexdigest()[:8]}"
+
+
+class _Wandb:
+    def __init__(self, settings: WandbConfig, config: ExperimentConfig) -> None:
+        import wandb
+
+        Path(settings.dir).mkdir(parents=True, exist_ok=True)
+        tags = list(dict.fromkeys([config.environment.name, *config.agents, *settings.tags]))
+        self.run = wandb.init(
+            project=settings.project, name=config.run, id=wandb_run_id(config.run), resume="allow",
+            mode=settings.mode, dir=settings.dir, tags=tags, config=config.model_dump(mode="json"),
+            reinit="create_new",  # its own run beside any other of the process (a notebook's, a second launch's)
+            # no console capture, no system-metrics sampler, no banner: the launch's own output stays as it is
+            settings=wandb.Settings(console="off", x_disable_stats=True, silent=True))
+        self.run.define_metric(STEP)
+        self.run.define_metric("*", step_metric=STEP)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log({**metrics, STEP: step})
+
+    def close(self, finished: bool) -> None:
+        self.run.finish(exit_code=0 if finished else 1)
 
 
 def _flat(data: dict, prefix: str = "") -> dict[str, object]:
