@@ -4,13 +4,12 @@ runs STORE`` lists a store's runs."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import typer
 from rich.table import Table
 
 from assets.cli.evaluate import print_casts
-from assets.cli.output import check_format, console, open_store, write_rows
+from assets.cli.output import check_format, console, dagster_home, open_store, write_rows
 from assets.cli.tables import health_rows, print_evaluation_table, print_health_table, print_reward_table
 
 
@@ -82,14 +81,14 @@ def runs(store_uri: str = typer.Argument(".marl/store", help="Experience store: 
 def _mark_dead_launches(quiet: bool) -> None:
     """Launches of this host whose process died, shown as started in Dagster: marked failed, as the
     `mark_dead_launches` sensor does (for a Dagster home that has runs: DAGSTER_HOME or ./.dagster_home)."""
-    home = Path(os.environ.get("DAGSTER_HOME") or Path.cwd() / ".dagster_home")
+    home = dagster_home()
     if not (home / "dagster.yaml").is_file():
         return
     import dagster as dg
 
     from assets.train import fail_dead_launches
 
-    os.environ["DAGSTER_HOME"] = str(home.absolute())
+    os.environ["DAGSTER_HOME"] = str(home)
     with dg.DagsterInstance.get() as instance:
         failed = fail_dead_launches(instance)
     if failed and not quiet:

@@ -1,10 +1,12 @@
 """What every ``marl`` command prints through, and what it keeps the libraries from printing: the console, Ray's and
-the libraries' notices silenced, the formats a table may be written in for scripts, and opening a store with its
-error said."""
+the libraries' notices silenced, the formats a table may be written in for scripts, opening a store with its
+error said, and the Dagster home the commands share."""
 
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -83,3 +85,9 @@ def open_store(store_uri: str):
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(2) from None
 
+
+
+def dagster_home() -> Path:
+    """The commands' Dagster home: DAGSTER_HOME, else .dagster_home in the working directory (what `dagster dev`
+    then shows), as an absolute path."""
+    return Path(os.environ.get("DAGSTER_HOME") or Path.cwd() / ".dagster_home").absolute()

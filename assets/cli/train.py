@@ -13,14 +13,14 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from assets.cli.output import RAY_INIT, console, quiet_libraries
+from assets.cli.output import RAY_INIT, console, dagster_home, quiet_libraries
 from assets.cli.tables import print_evaluation_table, print_reward_table
 from marl_pipeline.config import ConfigError, apply_settings, read_config_data
 
 
-def _dagster_home() -> Path:
-    """DAGSTER_HOME, defaulting to .dagster_home in the working directory (what `dagster dev` then shows)."""
-    home = Path(os.environ.get("DAGSTER_HOME") or Path.cwd() / ".dagster_home").absolute()
+def _prepared_dagster_home() -> Path:
+    """The Dagster home (output.dagster_home), made and set as DAGSTER_HOME, with telemetry off in a new one."""
+    home = dagster_home()
     home.mkdir(parents=True, exist_ok=True)
     settings = home / "dagster.yaml"
     if not settings.exists():
@@ -48,7 +48,7 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     except ConfigError as error:
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(2) from None
-    home = _dagster_home()
+    home = _prepared_dagster_home()
     # The progress bar and the reward table are the CLI's output: quiet the libraries' own bars and chatter
     # (set before Ray starts, so the engine and trainer actors inherit them). Errors still propagate.
     quiet_libraries()

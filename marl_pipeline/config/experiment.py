@@ -28,6 +28,11 @@ from marl_pipeline.config.run import (
 from marl_pipeline.config.services import RewardConfig, ServiceConfig
 
 
+def _roles(agent: str, settings: AgentConfig) -> list[str]:
+    """The roles an agent plays: its ``roles``, else the one named as it."""
+    return list(settings.roles or [agent])
+
+
 class ExperimentConfig(StrictModel):
     """A whole experiment: what the ``marl train`` command and the Dagster ``train`` job take."""
 
@@ -117,7 +122,7 @@ class ExperimentConfig(StrictModel):
     def validate_roles_played_once(cls, agents: dict[str, AgentConfig]) -> dict[str, AgentConfig]:
         players: dict[str, list[str]] = {}
         for agent, settings in agents.items():
-            for role in settings.roles or [agent]:
+            for role in _roles(agent, settings):
                 players.setdefault(role, []).append(agent)
         if twice := {role: names for role, names in players.items() if len(names) > 1}:
             role, names = next(iter(twice.items()))
@@ -126,11 +131,11 @@ class ExperimentConfig(StrictModel):
 
     def role_agents(self) -> dict[str, str]:
         """Each role and the agent that plays it (``agents.<a>.roles``, else the agent named as the role)."""
-        return {role: agent for agent, settings in self.agents.items() for role in settings.roles or [agent]}
+        return {role: agent for agent, settings in self.agents.items() for role in _roles(agent, settings)}
 
     def roles_played(self, agent: str) -> list[str]:
         """The roles ``agent`` plays with its policy: its ``roles``, else the one named as it."""
-        return list(self.agents[agent].roles or [agent])
+        return _roles(agent, self.agents[agent])
 
     def algorithm_of(self, agent: str) -> AlgorithmConfig:
         """The algorithm settings ``agent`` samples, scores and trains with: the experiment's ``algorithm:`` with
