@@ -42,7 +42,7 @@ from marl_pipeline.inference.engine_handoff import (
     settle,
     settle_all,
 )
-from marl_pipeline.policy.transfer import Endpoint, Layout, SyncGroup
+from marl_pipeline.policy.transfer import Endpoint, Manifest, SyncGroup
 
 
 class AsyncRolloutEngine:
@@ -167,13 +167,13 @@ class AsyncRolloutEngine:
         """When it slept and woke (``time.time()``), each time, for the run's timing and its tests."""
         return list(self._handovers)
 
-    async def receive_weights(self, group: SyncGroup, rank: int, layout: Layout, version: int) -> int:
+    async def receive_weights(self, group: SyncGroup, rank: int, manifest: Manifest, version: int) -> int:
         """Receive ``version``'s weights from the agent's trainer as ``rank`` of ``group`` (policy/transfer.py) while
         the engine keeps serving; :meth:`load_received` then serves them."""
         if self._receiver is None:
             self._receiver = Endpoint()
         try:
-            received = await asyncio.to_thread(self._receiver.receive, group, rank, layout)
+            received = await asyncio.to_thread(self._receiver.receive, group, rank, manifest)
         except BaseException:
             self._receiver.close()  # the members may be half-way: the retry names a new group
             raise

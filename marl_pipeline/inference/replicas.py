@@ -149,7 +149,7 @@ class EngineReplicas:
         return self.broadcast_weights(self._sender_address, partial(trainer.send_weights.remote, version=version),
                                       ray.get(weights), version, trainer.staged_weights.remote)
 
-    def broadcast_weights(self, address: str, send: Send, layout, version: int,
+    def broadcast_weights(self, address: str, send: Send, manifest, version: int,
                           fetch: Callable[[int], ray.ObjectRef]) -> int:
         """Sync ``version`` by broadcast (policy/transfer.py): every live replica receives it from the trainer at once
         while serving, over a group hosted at ``address`` (the trainer's); ``send(group)`` starts the trainer's side
@@ -169,7 +169,7 @@ class EngineReplicas:
                     self._group = (members, SyncGroup(address, f"{self.agent}-{uuid.uuid4().hex[:12]}",
                                                       len(live) + 1))
                 group = self._group[1]
-                receiving = [(slot, handle, handle.receive_weights.remote(group, rank, layout, version))
+                receiving = [(slot, handle, handle.receive_weights.remote(group, rank, manifest, version))
                              for rank, (slot, handle) in enumerate(live, start=1)]
                 sending = send(group)
                 failed = []

@@ -31,7 +31,7 @@ _ALIGN = 64  # bytes: every tensor starts where a view of its dtype may
 
 
 @dataclass(frozen=True)
-class Layout:
+class Manifest:
     """The tensors of one policy's weights, in order: what a receiver allocates before the bytes arrive."""
 
     names: tuple[str, ...]
@@ -63,34 +63,35 @@ class Layout:
         return offset + self.nbytes(index)
 
 
-def layout_of(named_tensors: list[tuple[str, torch.Tensor]], backend: str = "gloo") -> Layout:
-    return Layout(tuple(name for name, _ in named_tensors), tuple(tuple(t.shape) for _, t in named_tensors),
+def manifest_of(named_tensors: list[tuple[str, torch.Tensor]], backend: str = "gloo") -> Manifest:
+    return Manifest(tuple(name for name, _ in named_tensors), tuple(tuple(t.shape) for _, t in named_tensors),
                   tuple(str(t.dtype) for _, t in named_tensors), backend)
 
 
 def pack(named_tensors: list[tuple[str, torch.Tensor]], device: torch.device,
-         bucket_bytes: int = BUCKET_BYTES) -> tuple[Layout, list[torch.Tensor]]:
+         bucket_bytes: int = BUCKET_BYTES) -> tuple[Manifest, list[torch.Tensor]]:
     """A snapshot of the tensors as the buckets a sender broadcasts (one copy, on ``device``)."""
-    layout = layout_of(named_tensors, "nccl" if device.type == "cuda" else "gloo")
+    manifest = manifest_of(named_tensors, "nccl" if device.type == "cuda" else "gloo")
     buckets = []
-    for plan in layout.buckets(bucket_bytes):
-        buffer = torch.empty(layout.bucket_size(plan), dtype=torch.uint8, device=device)
+    for plan in manifest.buckets(bucket_bytes):
+        buffer = torch.empty(manifest.bucket_size(plan), dtype=torch.uint8, device=device)
         for index, offset in plan:
             tensor = named_tensors[index][1].detach()
-            _view(buffer, layout, index, offset).copy_(tensor)
+            _view(buffer, manifest, index, offset).copy_(tensor)
         buckets.append(buffer)
-    return layout, buckets
+    return manifest, buckets
 
 
-def unpack(layout: Layout, buckets: list[torch.Tensor],
+def unpack(manifest: Manifest, buckets: list[torch.Tensor],
            bucket_bytes: int = BUCKET_BYTES) -> list[tuple[str, torch.Tensor]]:
     """The named tensors of received buckets, as views of them."""
-    return [(layout.names[index], _view(buffer, layout, index, offset))
-            for plan, buffer in zip(layout.buckets(bucket_bytes), buckets) for index, offset in plan]
+    return [(manifest.names[index], _view(buffer, manifest, index, offset))
+            for plan, buffer in zip(manifest.buckets(bucket_bytes), buckets) for index, offset in plan]
 
 
-def _view(buffer: torch.Tensor, layout: Layout, index: int, offset: int) -> torch.Tensor:
-    return buffer[offset:offset + layout.nbytes(index)].view(_dtype(layout.dtypes[index])).view(layout.shapes[index])
+def _view(buffer: torch.Tensor, manifest: Manifest, index: int, offset: int) -> torch.Tensor:
+    part = buffer[offset:offset + manifest.nbytes(index)]
+    return part.view(_dtype(manifest.dtypes[index])).view(manifest.shapes[index])
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -142,18 +143,18 @@ class Endpoint:
         for buffer in buckets:
             process_group.broadcast(buffer, 0).wait()
 
-    def receive(self, group: SyncGroup, rank: int, layout: Layout,
+    def receive(self, group: SyncGroup, rank: int, manifest: Manifest,
                 bucket_bytes: int = BUCKET_BYTES) -> list[tuple[str, torch.Tensor]]:
-        if layout.backend == "nccl" and not torch.cuda.is_available():
+        if manifest.backend == "nccl" and not torch.cuda.is_available():
             raise RuntimeError("the trainer sends its weights from a GPU (NCCL) and this replica's process sees none: "
                                "give the engine a GPU, or use ray.weight_sync: object_store")
-        process_group = self.group(group, rank, layout.backend)
-        device = torch.device("cuda" if layout.backend == "nccl" else "cpu")
-        buckets = [torch.empty(layout.bucket_size(plan), dtype=torch.uint8, device=device)
-                   for plan in layout.buckets(bucket_bytes)]
+        process_group = self.group(group, rank, manifest.backend)
+        device = torch.device("cuda" if manifest.backend == "nccl" else "cpu")
+        buckets = [torch.empty(manifest.bucket_size(plan), dtype=torch.uint8, device=device)
+                   for plan in manifest.buckets(bucket_bytes)]
         for buffer in buckets:
             process_group.broadcast(buffer, 0).wait()
-        return unpack(layout, buckets, bucket_bytes)
+        return unpack(manifest, buckets, bucket_bytes)
 
     def close(self) -> None:
         """Leave the group (a failed transfer: the next call names a new membership)."""
@@ -166,17 +167,18 @@ class Outbox:
 
     def __init__(self) -> None:
         self.endpoint = Endpoint()
-        self._staged: dict[int, tuple[Layout, list[torch.Tensor]]] = {}
+        self._staged: dict[int, tuple[Manifest, list[torch.Tensor]]] = {}
         self._lock = threading.Lock()  # staged in the trainer's call order, sent from its broadcast thread
 
-    def stage(self, version: int, named_tensors: list[tuple[str, torch.Tensor]], device: torch.device) -> Layout | None:
+    def stage(self, version: int, named_tensors: list[tuple[str, torch.Tensor]],
+              device: torch.device) -> Manifest | None:
         """A snapshot of ``version``'s tensors, packed on ``device``; None where there are none (no copy to send)."""
         if not named_tensors:
             return None
-        layout, buckets = pack(named_tensors, device)
+        manifest, buckets = pack(named_tensors, device)
         with self._lock:
-            self._staged[version] = (layout, buckets)
-        return layout
+            self._staged[version] = (manifest, buckets)
+        return manifest
 
     def send(self, group: SyncGroup, version: int) -> int:
         """Broadcast a staged version to ``group``; the versions staged before it are dropped once it is sent."""
@@ -195,7 +197,7 @@ class Outbox:
         """A staged version's tensors copied to host memory (a view of a bucket would pickle the whole bucket)."""
         return [(name, tensor.to("cpu", copy=True)) for name, tensor in unpack(*self._get(version))]
 
-    def _get(self, version: int) -> tuple[Layout, list[torch.Tensor]]:
+    def _get(self, version: int) -> tuple[Manifest, list[torch.Tensor]]:
         with self._lock:
             staged = self._staged.get(version)
             if staged is None:

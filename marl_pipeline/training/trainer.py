@@ -324,9 +324,9 @@ class PolicyTrainer:
             return list(merged_weights(self.model))
         return [(name, tensor.detach()) for name, tensor in self.model.state_dict().items()]
 
-    def stage_weights(self) -> transfer.Layout | None:
+    def stage_weights(self) -> transfer.Manifest | None:
         """Snapshot the version just stepped to for :meth:`send_weights` (in call order, so a later step cannot change
-        what is sent) and return the layout its receivers allocate; None on a sharded trainer's other ranks."""
+        what is sent) and return the manifest its receivers allocate; None on a sharded trainer's other ranks."""
         return self._outbox.stage(self.version, self._exported(), self.device)
 
     def weights_address(self) -> str:
