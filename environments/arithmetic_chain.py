@@ -15,6 +15,10 @@ the question) and guesses on the rest, so that version 0 knows the format and pa
 others by sampling. The adder's table has (max_operand + 1)^2 questions, the multiplier's (2 * max_operand + 1) x
 max_factor, the one agent's (max_operand + 1)^2 x max_factor: the split is what the team has over one
 agent, at the price of an error in either step spoiling the answer.
+
+Held out (``heldout_share``): a fixed share of the whole questions is never trained on, nor shown in warm-up, and
+the held-out cases ask only those. Every step of them is still trained (their sums and products come up in other
+questions), so the team meets an unseen question as two seen steps, and the one agent as an unseen question.
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ class ChainOptions(BaseModel):
     warmup_known_share: float = Field(0.5, ge=0, le=1)
     """Share of each table's questions the warm-up teacher answers right (a fixed set, by a hash of the question);
     on the others it guesses uniformly."""
+    heldout_share: float = Field(0.0, ge=0, lt=1)
+    """Share of the whole questions ``(a+b)*c`` kept out of training and warm-up (a fixed set, by a hash of the
+    question) and asked only at held-out evaluation: unseen compositions of seen steps. 0: the held-out cases are
+    fresh draws of the same questions as training's."""
 
 
 class ArithmeticChain:
@@ -54,9 +62,20 @@ class ArithmeticChain:
 
     # -- episodes ---------------------------------------------------------------------------------
     def sample_tasks(self, rng: np.random.Generator, count: int) -> list[Task]:
-        a, b = rng.integers(0, self.options.max_operand + 1, size=(2, count))
-        c = rng.integers(1, self.options.max_factor + 1, size=count)
-        return [{"id": f"({x}+{y})*{z}", "a": int(x), "b": int(y), "c": int(z)} for x, y, z in zip(a, b, c)]
+        """Training's (and warm-up's) questions: any but the held-out ones."""
+        return self._draw(rng, count, held_out=False)
+
+    def _draw(self, rng: np.random.Generator, count: int, held_out: bool) -> list[Task]:
+        tasks: list[Task] = []
+        while len(tasks) < count:
+            a, b = rng.integers(0, self.options.max_operand + 1, size=(2, count))
+            c = rng.integers(1, self.options.max_factor + 1, size=count)
+            drawn = [{"id": f"({x}+{y})*{z}", "a": int(x), "b": int(y), "c": int(z)} for x, y, z in zip(a, b, c)]
+            tasks += [task for task in drawn if self._held_out(task) == held_out][:count - len(tasks)]
+        return tasks
+
+    def _held_out(self, task: Task) -> bool:
+        return zlib.crc32(f"held out {task['id']}".encode()) / 2**32 < self.options.heldout_share
 
     def render_prompt(self, role: str, task: Task, transcript: list[Turn]) -> str:
         if role == "adder":
@@ -88,7 +107,7 @@ class ArithmeticChain:
         """The adder's cases are labelled with the sum; the multiplier's with the product, given the right sum (its
         own skill), and they are the team's cases too: played whole, their answer is the product."""
         cases = []
-        for task in self.sample_tasks(rng, count):
+        for task in self._draw(rng, count, held_out=self.options.heldout_share > 0):
             total = task["a"] + task["b"]
             if role == "adder":
                 cases.append(EvaluationCase(task, [], str(total)))
@@ -158,7 +177,7 @@ class ArithmeticChainSolo(ArithmeticChain):
     def evaluation_cases(self, role: str, rng: np.random.Generator, count: int) -> list[EvaluationCase]:
         """The team's cases (the same tasks, drawn alike), labelled with the product."""
         return [EvaluationCase(task, [], str((task["a"] + task["b"]) * task["c"]))
-                for task in self.sample_tasks(rng, count)]
+                for task in self._draw(rng, count, held_out=self.options.heldout_share > 0)]
 
     def team_choice(self, task: Task, episodes: list[list[Turn]]) -> int:
         """Its answer as a team's: the most frequent among its episodes, at the team's number of samples."""

@@ -90,3 +90,20 @@ def test_an_answering_role_the_environment_lacks_is_refused(tmp_path: Path) -> N
     with pytest.raises(ConfigError, match=r"gives the team's answer to role 'checker' \(answering_role\), which it "
                                           r"does not have; roles \['adder', 'multiplier'\]"):
         parse_config({**data, "environment": {**data["environment"], "name": "misnamed_chain"}})
+
+
+def test_held_out_questions_are_never_trained_on_and_their_steps_are() -> None:
+    options = ChainOptions(max_operand=5, max_factor=4, heldout_share=0.25)
+    team, solo = ArithmeticChain(options), ArithmeticChainSolo(options)
+    trained = {task["id"] for task in team.sample_tasks(np.random.default_rng(0), 4000)}
+    warmed = {prompt[:-1] for prompt, _ in solo.warmup_examples("solver", np.random.default_rng(1), 4000)}
+    asked = {case.task["id"] for case in solo.evaluation_cases("solver", np.random.default_rng(2), 400)}
+    assert asked and not asked & (trained | warmed), asked & (trained | warmed)
+    assert len(trained) + len(asked) == 6 * 6 * 4  # every question is one or the other
+    assert {case.task["id"] for case in team.evaluation_cases("multiplier", np.random.default_rng(2), 400)} == asked
+    sums = {(task.split(")")[0][1:]) for task in trained}
+    assert all(task.split(")")[0][1:] in sums for task in asked)  # every held-out question's sum is trained
+    # at 0, the held-out cases are fresh draws of training's questions
+    fresh = ArithmeticChain(ChainOptions(max_operand=5, max_factor=4))
+    assert {c.task["id"] for c in fresh.evaluation_cases("adder", np.random.default_rng(2), 400)} <= {
+        task["id"] for task in fresh.sample_tasks(np.random.default_rng(0), 4000)}
