@@ -86,3 +86,18 @@ def test_the_architecture_page_lists_every_launch_event() -> None:
     paragraph = section.split("\n\n")[1]  # the one that says what a launch yields
     documented = {name for name in re.findall(r"`(\w+)`", paragraph) if name[0].isupper()}
     assert documented == {kind.__name__ for kind in typing.get_args(events.LaunchEvent)}
+
+
+ACTOR_NAME = re.compile(r"""f["'][^"'\n]*\}/(engine|trainer)|engine\+trainer["']|["']trainer-worker-""")
+"""An actor's name spelled out: ``f"{agent}/trainer"``, ``f"{agent}/engine/{k}"``, ``"...engine+trainer"``,
+``"trainer-worker-..."``."""
+
+
+def test_an_actors_name_is_spelled_in_one_place() -> None:
+    """cluster/specs.py names every actor (``trainer_name``, ``engine_names``, ``process_name``, ``WORKER``); any
+    other module asks it, so the plan, the placement, the core split and the summaries agree on each name."""
+    spelled = [f"{path.relative_to(ROOT)}:{number}" for path in sorted((ROOT / "marl_pipeline").rglob("*.py"))
+               for number, line in enumerate(path.read_text().splitlines(), 1)
+               if ACTOR_NAME.search(line) and path != ROOT / "marl_pipeline" / "cluster" / "specs.py"]
+    assert spelled == []
+    assert ACTOR_NAME.search('names = [f"{agent}/engine/{k}" for k in range(2)]')  # what it catches

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import ray
 
+from marl_pipeline.cluster.specs import engine_names, trainer_name
 from marl_pipeline.config import ExperimentConfig
 
 REPORT_TIMEOUT_S = 10.0
@@ -147,11 +148,11 @@ class CoreSplit:
     def for_run(cls, config: ExperimentConfig, engines: dict, trainers: dict) -> CoreSplit:
         """Over the run's engine replicas and trainers (actors, or in a hybrid agent's process; a swapped trainer's
         worker does not report), moving the trainers it may (none in ``synchronous`` mode)."""
-        reporting = {f"{agent}/trainer": handle for agent, handle in trainers.items() if reports_cpu(handle)}
-        movable = {f"{agent}/trainer" for agent, settings in config.agents.items()
+        reporting = {trainer_name(agent): handle for agent, handle in trainers.items() if reports_cpu(handle)}
+        movable = {trainer_name(agent) for agent, settings in config.agents.items()
                    if config.pipeline.mode == "streaming" and settings.trainer.threads is None
                    and settings.trainer.num_gpus == 0 and settings.trainer.workers == 1
-                   and f"{agent}/trainer" in reporting}
+                   and trainer_name(agent) in reporting}
         nodes = {node["NodeID"]: node["Resources"].get("CPU", 1.0) for node in ray.nodes() if node["Alive"]}
         split = cls(reporting, movable, nodes, engines if movable else None)
         split.after_step()  # the reports the first step is measured from
@@ -163,8 +164,9 @@ class CoreSplit:
         for those that changed, {actor: cores used})."""
         if not self.movable:
             return {}, {}
-        actors = self.actors | {f"{agent}/engine/{k}": handle for agent, replicas in self.engines.items()
-                                for k, handle in enumerate(replicas.handles())}
+        actors = self.actors | {name: handle for agent, replicas in self.engines.items()
+                                for name, handle in zip(engine_names(agent, len(replicas.handles())),
+                                                        replicas.handles())}
         try:  # answered at once: a trainer reports from a thread of its own, beside its calls
             reports = dict(zip(actors, ray.get([handle.cpu_report.remote() for handle in actors.values()],
                                                timeout=REPORT_TIMEOUT_S)))

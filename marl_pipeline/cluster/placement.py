@@ -23,19 +23,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from marl_pipeline.cluster.specs import ActorSpec, EngineSet, actor_specs, engine_sets
+from marl_pipeline.cluster.specs import (
+    WORKER,
+    ActorSpec,
+    EngineSet,
+    actor_specs,
+    engine_names,
+    engine_sets,
+    process_name,
+    trainer_name,
+)
 from marl_pipeline.config import ExperimentConfig
 
 RESOURCES = ("CPU", "GPU")
 DECIMALS = 4
 """Ray rounds fractional resources to 4 decimals; a fitted request is rounded down to stay within the total."""
-WORKER = "trainer-worker-{}"
-
-
-def trainer_name(agent: str, rank: int = 0) -> str:
-    """A resident trainer actor's name in the plan: ``<agent>/trainer``, and ``<agent>/trainer.<rank>`` for the
-    other ranks of a trainer on several workers."""
-    return f"{agent}/trainer" + (f".{rank}" if rank else "")
 
 
 class PlacementError(RuntimeError):
@@ -60,11 +62,6 @@ class ActorRequest:
     process: str | None = None
     """The hybrid agent (``agents.<a>.hybrid``) whose engine replica 0 and trainer this is: one actor on one node,
     reserving the two requests (cluster/hybrid.py)."""
-
-
-def engine_names(agent: str, replicas: int) -> list[str]:
-    """The placement names of an agent's engine replicas: ``<agent>/engine`` alone, else ``<agent>/engine/<k>``."""
-    return [f"{agent}/engine"] if replicas == 1 else [f"{agent}/engine/{k}" for k in range(replicas)]
 
 
 def assign_workers(agents: list[str], workers: int) -> dict[str, int]:
@@ -107,8 +104,8 @@ class PlacementPlan:
 
     def trainer_request(self, agent: str) -> ActorRequest:
         """What ``agent``'s trainer runs in: its own actor, or the worker that serves it."""
-        if f"{agent}/trainer" in self.resident_trainers:
-            return self.request(f"{agent}/trainer")
+        if trainer_name(agent) in self.resident_trainers:
+            return self.request(trainer_name(agent))
         agents = [name.split("/")[0] for name in self.swapped_trainers]
         return self.request(WORKER.format(assign_workers(agents, self.trainer_workers)[agent]))
 
@@ -216,7 +213,7 @@ def _plan(config: ExperimentConfig, nodes: list[dict[str, float]], workers: int)
     _check_totals(config, actors, cluster, workers)
     _check_custom(actors, nodes)
     node_of = _check_nodes(actors, nodes)
-    trainers = [f"{agent}/trainer" for agent in config.agents]
+    trainers = [trainer_name(agent) for agent in config.agents]
     node_cpus = max((node.get("CPU", 0.0) for node in nodes), default=1.0)
     specs = actor_specs(config, {a.name: (a.cpus, a.gpus, a.fitted) for a in actors}, 0 if resident else workers,
                         cluster["CPU"] or 1.0, node_cpus or 1.0)
@@ -306,7 +303,7 @@ def _check_nodes(actors: list[ActorRequest], nodes: list[dict[str, float]]) -> d
     members = {actor.name: [actor] for actor in units}  # the actors each unit places
     for agent in dict.fromkeys(together(actor) for actor in actors if together(actor) is not None):
         shared = [actor for actor in actors if together(actor) == agent]
-        units.append(ActorRequest(f"{agent}/engine+trainer", sum(a.cpus for a in shared), sum(a.gpus for a in shared),
+        units.append(ActorRequest(process_name(agent), sum(a.cpus for a in shared), sum(a.gpus for a in shared),
                                   resources={name: sum(a.resources.get(name, 0.0) for a in shared)
                                              for a in shared for name in a.resources}))
         members[units[-1].name] = shared

@@ -24,6 +24,27 @@ BASE_POLICY = "version 0"
 trainer is built on (cluster/trainers.py, ``with_local_base``)."""
 
 
+WORKER = "trainer-worker-{}"
+"""A trainer worker's name (``WORKER.format(k)``): it serves several agents' trainers, swapping them."""
+
+
+def trainer_name(agent: str, rank: int = 0) -> str:
+    """A trainer rank's name: ``<agent>/trainer``, and ``<agent>/trainer.<rank>`` for the other ranks of a trainer
+    on several workers. The one place an actor's name is spelled, with :func:`engine_names` and
+    :func:`process_name` (tests/test_architecture.py fails on a second)."""
+    return f"{agent}/trainer" + (f".{rank}" if rank else "")
+
+
+def engine_names(agent: str, replicas: int) -> list[str]:
+    """The names of an agent's engine replicas: ``<agent>/engine`` alone, else ``<agent>/engine/<k>``."""
+    return [f"{agent}/engine"] if replicas == 1 else [f"{agent}/engine/{k}" for k in range(replicas)]
+
+
+def process_name(agent: str) -> str:
+    """A hybrid agent's process (its engine replica 0 with its trainer inside)."""
+    return f"{agent}/engine+trainer"
+
+
 def bundle(cpus: float, gpus: float, resources: dict[str, float]) -> dict[str, float]:
     """A placement group bundle: what one actor in it reserves, zero amounts left out (Ray refuses them)."""
     return {name: amount for name, amount in {"CPU": cpus, "GPU": gpus, **resources}.items() if amount > 0}
@@ -179,7 +200,7 @@ def actor_specs(config: ExperimentConfig, reserved: dict[str, tuple[float, float
     specs = []
     for agent, agent_config in config.agents.items():
         engine, trainer = agent_config.engine, agent_config.trainer
-        names = [f"{agent}/engine"] if engine.replicas == 1 else [f"{agent}/engine/{k}" for k in range(engine.replicas)]
+        names = engine_names(agent, engine.replicas)
         engine_threads = engine.threads or shares[names[0]]
         options = engine_options(config, agent, engine_threads)
         split = engine.tensor_parallel_size > 1
@@ -201,25 +222,25 @@ def actor_specs(config: ExperimentConfig, reserved: dict[str, tuple[float, float
                 specs.append(ActorSpec(**common, gpus=0, env=dict(ENGINE_ENV), group=own, bundle=0,
                                        capture_children=True))
             elif agent_config.hybrid and k == 0:  # replica 0 and the trainer in one process, reserving the two
-                trainer_cpus, trainer_gpus, _ = reserved[f"{agent}/trainer"]
-                threads = trainer.threads or shares[f"{agent}/trainer"]
+                trainer_cpus, trainer_gpus, _ = reserved[trainer_name(agent)]
+                threads = trainer.threads or shares[trainer_name(agent)]
                 parts = (ActorSpec(**common, gpus=gpus, env=dict(ENGINE_ENV), keep=True),
-                         ActorSpec(f"{agent}/trainer", "trainer", agent, 0, trainer_cpus, trainer_gpus,
+                         ActorSpec(trainer_name(agent), "trainer", agent, 0, trainer_cpus, trainer_gpus,
                                    custom["trainer"], threads, loads=(agent,),
                                    options=trainer_options(config, agent, threads)))
                 both = {r: custom["engine"].get(r, 0.0) + custom["trainer"].get(r, 0.0)
                         for r in {*custom["engine"], *custom["trainer"]}}
-                specs.append(ActorSpec(f"{agent}/engine+trainer", "agent-process", agent, 0, cpus + trainer_cpus,
+                specs.append(ActorSpec(process_name(agent), "agent-process", agent, 0, cpus + trainer_cpus,
                                        gpus, both, engine_threads, dict(ENGINE_ENV), loads=(agent,), parts=parts,
                                        fitted=fitted))
             else:
                 specs.append(ActorSpec(**common, gpus=gpus, env=dict(ENGINE_ENV), keep=True))
         if workers or agent_config.hybrid:
             continue
-        ranks = [f"{agent}/trainer"] + [f"{agent}/trainer.{rank}" for rank in range(1, trainer.workers)]
+        ranks = [trainer_name(agent, rank) for rank in range(trainer.workers)]
         threads = trainer.threads or shares[ranks[0]]
         if trainer.workers > 1 and not colocated:
-            group = GroupSpec(f"{agent}/trainer", "trainer", (bundle(*reserved[ranks[0]][:2], custom["trainer"]),)
+            group = GroupSpec(trainer_name(agent), "trainer", (bundle(*reserved[ranks[0]][:2], custom["trainer"]),)
                               * trainer.workers, "PACK")
         for rank, name in enumerate(ranks):
             cpus, gpus, fitted = reserved[name]
@@ -231,7 +252,7 @@ def actor_specs(config: ExperimentConfig, reserved: dict[str, tuple[float, float
     explicit = [a.trainer.threads for a in config.agents.values() if a.trainer.threads is not None]
     served = {agent: index % workers for index, agent in enumerate(config.agents)} if workers else {}
     for k in range(workers):  # each serves agents k, k + workers, ...: the largest request, the most threads asked
-        name = f"trainer-worker-{k}"
+        name = WORKER.format(k)
         cpus, gpus, fitted = reserved[name]
         threads = max(explicit) if explicit else shares[name]
         agents = tuple(agent for agent, worker in served.items() if worker == k)
