@@ -28,6 +28,7 @@ from marl_pipeline.cluster.specs import (
     ActorSpec,
     EngineSet,
     actor_specs,
+    assign_workers,
     engine_names,
     engine_sets,
     process_name,
@@ -62,12 +63,6 @@ class ActorRequest:
     process: str | None = None
     """The hybrid agent (``agents.<a>.hybrid``) whose engine replica 0 and trainer this is: one actor on one node,
     reserving the two requests (cluster/hybrid.py)."""
-
-
-def assign_workers(agents: list[str], workers: int) -> dict[str, int]:
-    """Which trainer worker serves each agent: agent i by worker i mod ``workers`` (the one rule, used by the plan
-    and by ``cluster/spawn.py``)."""
-    return {agent: index % workers for index, agent in enumerate(agents)}
 
 
 def swapping(config: ExperimentConfig) -> bool:

@@ -28,6 +28,12 @@ WORKER = "trainer-worker-{}"
 """A trainer worker's name (``WORKER.format(k)``): it serves several agents' trainers, swapping them."""
 
 
+def assign_workers(agents: list[str], workers: int) -> dict[str, int]:
+    """Which trainer worker serves each agent: agent i by worker i mod ``workers``. The one rule, for the specs
+    below and the placement's requests and summary."""
+    return {agent: index % workers for index, agent in enumerate(agents)}
+
+
 def trainer_name(agent: str, rank: int = 0) -> str:
     """A trainer rank's name: ``<agent>/trainer``, and ``<agent>/trainer.<rank>`` for the other ranks of a trainer
     on several workers. The one place an actor's name is spelled, with :func:`engine_names` and
@@ -250,7 +256,7 @@ def actor_specs(config: ExperimentConfig, reserved: dict[str, tuple[float, float
                                    loads=(agent,), options=trainer_options(config, agent, threads),
                                    keep=group is None, fitted=fitted))
     explicit = [a.trainer.threads for a in config.agents.values() if a.trainer.threads is not None]
-    served = {agent: index % workers for index, agent in enumerate(config.agents)} if workers else {}
+    served = assign_workers(list(config.agents), workers) if workers else {}
     for k in range(workers):  # each serves agents k, k + workers, ...: the largest request, the most threads asked
         name = WORKER.format(k)
         cpus, gpus, fitted = reserved[name]

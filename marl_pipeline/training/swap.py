@@ -1,7 +1,7 @@
 """Swapped trainers: a budget of N trainer worker actors serves every agent of a run, each agent's trainer state
 moved into a worker for its calls and out to the Ray object store when another agent needs that worker.
 
-An agent is served by one worker (agent i by worker i mod N, ``placement.assign_workers``), which keeps a
+An agent is served by one worker (agent i by worker i mod N, ``cluster/specs.assign_workers``), which keeps a
 ``PolicyTrainer`` shell per agent it serves: the modules, tokenizer and options, with no parameter storage while
 the agent is swapped out. What moves is every tensor the next call needs: the parameters, their gradients between
 the micro-batches of a step, AdamW's moments and step counts, the KL reference's frozen copy when the penalty is
