@@ -148,10 +148,7 @@ class ExperimentConfig(StrictModel):
     def staleness_bounds(self) -> dict[str, int]:
         """Per agent, the most versions its turns may lag their step (``agents.<a>.staleness``, else
         ``pipeline.staleness``; 0 in synchronous mode): what the staleness gate holds each agent to."""
-        if self.pipeline.mode == "synchronous":
-            return dict.fromkeys(self.agents, 0)
-        return {agent: self.pipeline.staleness if settings.staleness is None else settings.staleness
-                for agent, settings in self.agents.items()}
+        return {agent: self.pipeline.staleness_bound(settings.staleness) for agent, settings in self.agents.items()}
 
     def advantages(self) -> dict[str, Advantage]:
         """Per agent, the advantage estimator its rewards become advantages by."""

@@ -147,3 +147,10 @@ class PipelineConfig(StrictModel):
     def checkpoint_due(self, step: int, last_step: int) -> bool:
         """Whether the version step ``step`` makes is saved and committed (``checkpoint_every``, a launch's last)."""
         return (step + 1) % self.checkpoint_every == 0 or step == last_step
+
+    def staleness_bound(self, agent_staleness: int | None = None) -> int:
+        """An agent's staleness bound: its own (``agents.<a>.staleness``) or the pipeline's, and 0 in synchronous
+        mode, which trains strictly on-policy. The one rule, for the orchestrator's gate and the planner."""
+        if self.mode == "synchronous":
+            return 0
+        return self.staleness if agent_staleness is None else agent_staleness

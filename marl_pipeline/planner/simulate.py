@@ -109,7 +109,7 @@ class _Simulation:
         self.busy: dict[str, Busy] = defaultdict(lambda: Busy(env))
         self.synchronous = pipeline.mode == "synchronous"
         self.agents = list(plan.engine_sets)
-        self.staleness = staleness or dict.fromkeys(self.agents, 0 if self.synchronous else pipeline.staleness)
+        self.staleness = staleness or dict.fromkeys(self.agents, pipeline.staleness_bound())
         self.sync_every = {agent: (sync_every or {}).get(agent, 1) for agent in self.agents}
         self.served = dict.fromkeys(self.agents, 0)
         self.served_at: dict[str, dict[int, float]] = {agent: {0: 0.0} for agent in self.agents}
