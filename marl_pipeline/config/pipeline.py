@@ -154,3 +154,8 @@ class PipelineConfig(StrictModel):
         if self.mode == "synchronous":
             return 0
         return self.staleness if agent_staleness is None else agent_staleness
+
+    def queue_capacity(self) -> int:
+        """Micro-batches a stage's outbox holds: ``queue_size``, and in synchronous mode at least a step's, whose
+        barrier lets none on until all are in. The one rule, for the orchestrator and the planner."""
+        return max(self.queue_size, self.micro_batches_per_step if self.mode == "synchronous" else 1)

@@ -146,7 +146,7 @@ class _Simulation:
     # -- the recipe: the orchestrator's threads as processes --------------------------------------
     def run(self) -> Prediction:
         env, pipeline = self.env, self.pipeline
-        size = max(pipeline.queue_size, pipeline.micro_batches_per_step if self.synchronous else 1)
+        size = pipeline.queue_capacity()
         boxes = [simpy.Store(env, size) for _ in range(3)]
         env.process(self._source(boxes[0]))
         for index, (stage, workers, seconds) in enumerate(

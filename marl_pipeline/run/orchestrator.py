@@ -123,7 +123,7 @@ class Orchestrator:
         """Run every step of the launch; yields events as commits land. Raises the first stage error."""
         for agent, version in self.plan.versions.items():  # the versions the engines serve now (0 for a new run)
             self._evaluate_if_due(agent, version)
-        size = max(self.config.pipeline.queue_size, self.micro_batches if self.synchronous else 1)
+        size = self.config.pipeline.queue_capacity()
         # outboxes[i] carries the keys stages[i] committed to the next stage (the last one's go to training).
         outboxes = [queue.Queue(size) for _ in self.stages]
         consumers = [stage.workers for stage in self.stages[1:]] + [1]
