@@ -72,6 +72,32 @@ def test_the_launch_record_keeps_every_launch_and_its_config_without_credentials
     assert run_overview(store, "demo").target_step == 2
 
 
+def test_the_trackers_get_the_config_without_credentials(demo_config_data: dict, tmp_path: Path) -> None:
+    """MLflow's parameters and the wandb run's config, as each writes them (a sqlite MLflow store, wandb's offline
+    files), hold none of the store's credentials."""
+    from mlflow import MlflowClient
+
+    from marl_pipeline.run.tracking import MetricsExport, wandb_run_id
+    from tests.test_evaluation import wandb_records
+
+    data = small_config_data(demo_config_data, tmp_path / "unused")
+    data["store"] = {"uri": "s3://bucket/prefix", "endpoint_url": "https://minio:pw@minio.example:9000",
+                     "access_key_id": "AKIA-ID", "secret_access_key": "the-secret"}
+    data["tracking"] = {"mlflow": f"sqlite:///{tmp_path / 'mlflow.db'}", "wandb": {"dir": str(tmp_path / "wandb")}}
+    config = parse_config(data)
+    export = MetricsExport(config)
+    export.close(finished=True)
+    client = MlflowClient(config.tracking.mlflow)
+    [run] = client.search_runs([client.get_experiment_by_name("marl-pipeline").experiment_id])
+    assert run.data.params["store.secret_access_key"] == "***" and run.data.params["store.access_key_id"] == "***"
+    [file] = (tmp_path / "wandb" / "wandb").glob(f"offline-run-*-{wandb_run_id(config.run)}/run-*.wandb")
+    logged = b"".join(record.SerializeToString() for record in wandb_records(file))
+    assert b"AKIA-ID" not in logged and b"the-secret" not in logged and b"minio:pw" not in logged
+    assert b"s3://bucket/prefix" in logged  # the config is there, its secrets are not
+    params = json.dumps(run.data.params)
+    assert [word for word in ("the-secret", "AKIA-ID", "minio:pw") if word in params] == []
+
+
 def test_served_versions_read_only_what_the_launch_did_not_commit(tmp_path: Path) -> None:
     store = ExperienceStore(tmp_path / "store")
     write_run(store, "r", steps=3)  # step s served by version max(s - 1, 0)

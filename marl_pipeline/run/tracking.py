@@ -6,7 +6,8 @@ Per step (the run's global step, so the launches of a run continue one curve), p
 training-health signals (stages/health.py) and its trainer's throughput (``perf/<agent>/tokens_per_s``, real tokens a
 second, and ``perf/<agent>/mfu``, a fraction, as verl's ``perf/mfu/actor``); for the team, the mean reward and the
 step's time (between step ends) and span (first rollout to commit). Held-out evaluations go in at the evaluated
-version's step. One MLflow run per run (tagged ``marl.run``), taken up again by its later launches; one wandb run
+version's step. Each tracker gets the config without its secrets (``launches.public_config``), as the launch record
+does. One MLflow run per run (tagged ``marl.run``), taken up again by its later launches; one wandb run
 per run likewise (its id made from the run's name), every metric on the run's step (``step``, wandb's
 ``define_metric``), so that an evaluation written after its step's metrics lands where it belongs.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from marl_pipeline.config import ExperimentConfig, WandbConfig
 from marl_pipeline.run.events import EvaluationCommitted, StepFinished, mean_reward
+from marl_pipeline.run.launches import public_config
 from marl_pipeline.stages.health import PERF_SIGNALS
 
 RUN_TAG = "marl.run"
@@ -102,7 +104,7 @@ class _MLflow:
                                                  ).info.run_id
             from mlflow.entities import Param
 
-            params = [Param(name, str(value)[:6000]) for name, value in _flat(config.model_dump()).items()]
+            params = [Param(name, str(value)[:6000]) for name, value in _flat(public_config(config)).items()]
             for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters a batch
                 self.client.log_batch(self.run_id, params=params[start:start + 100])
 
@@ -131,7 +133,7 @@ class _Wandb:
         tags = list(dict.fromkeys([config.environment.name, *config.agents, *settings.tags]))
         self.run = wandb.init(
             project=settings.project, name=config.run, id=wandb_run_id(config.run), resume="allow",
-            mode=settings.mode, dir=settings.dir, tags=tags, config=config.model_dump(mode="json"),
+            mode=settings.mode, dir=settings.dir, tags=tags, config=public_config(config),
             reinit="create_new",  # its own run beside any other of the process (a notebook's, a second launch's)
             # no console capture, no system-metrics sampler, no banner: the launch's own output stays as it is
             settings=wandb.Settings(console="off", x_disable_stats=True, silent=True))
