@@ -25,7 +25,7 @@ from marl_pipeline.inference.router import Router
 from marl_pipeline.planner.costs import Costs, Turn
 from marl_pipeline.planner.replica import Busy, EngineReplica
 from marl_pipeline.planner.shared_cores import SerialWork, SharedCores
-from marl_pipeline.run.queues import StepBarrier, gate_open, sync_due
+from marl_pipeline.run.queues import StepBarrier, gate_open, learners, sync_due
 from marl_pipeline.store import MicroBatchKey
 
 ASSUMPTIONS = (
@@ -229,7 +229,7 @@ class _Simulation:
         version = dict.fromkeys(self.agents, 0)
         arrived: set = set()
         for step in range(self.steps):
-            learners = [agent for agent in self.agents if version[agent] == step]
+            learning = learners(version, step)
             for mb in range(self.pipeline.micro_batches_per_step):
                 key = MicroBatchKey(self.plan.run, step, mb)
                 while key not in arrived:
@@ -239,10 +239,10 @@ class _Simulation:
                 tokens = self.tokens[(step, mb)]
                 self.busy["policy_updates"].start()
                 yield simpy.AllOf(self.env, [self.env.process(self._trainer_call(agent, tokens[agent]))
-                                             for agent in learners])
+                                             for agent in learning])
                 yield self.env.timeout(self.costs.train_overhead)
                 self.busy["policy_updates"].stop()
-            for agent in learners:
+            for agent in learning:
                 publish[agent].put(step)
                 version[agent] = step + 1
         for box in publish.values():

@@ -56,6 +56,7 @@ from marl_pipeline.run.queues import (
     StepBarrier,
     gate_open,
     get_until_stopped,
+    learners,
     put_until_stopped,
     start_threads,
     sync_due,
@@ -243,7 +244,7 @@ class Orchestrator:
                     while self._get(inbox) is not None:
                         pass  # what rollout began past it is committed (and trained by the launch that resumes)
                     return
-                learners = [agent for agent in trainers if version[agent] == step]
+                learning = learners({agent: version[agent] for agent in trainers}, step)
                 for key in self.keys(step):
                     while key not in arrived:
                         if (item := self._get(inbox)) is None:
@@ -251,17 +252,17 @@ class Orchestrator:
                         arrived.add(item)
                     arrived.discard(key)
                     if key.micro_batch == 0:  # the step's whole rollout is done (synchronous, for colocated agents)
-                        self.handover.to_trainer(learners)
+                        self.handover.to_trainer(learning)
                     # A committed partition (resumed launch) is not re-committed, but agents still on this
                     # step rebuild its gradient: gradients are not checkpointed.
                     if not self._run_stage("policy_updates", key,
-                            partial(train_micro_batch, self.recent, trainers={a: trainers[a] for a in learners},
+                            partial(train_micro_batch, self.recent, trainers={a: trainers[a] for a in learning},
                                     dropping=self.config.dropping_zero_advantage_groups()),
-                            recompute_if_committed=bool(learners)):
+                            recompute_if_committed=bool(learning)):
                         return  # no optimizer step on a partly accumulated gradient
                 if step < self.last_step and (found := health.stopping_collapse(self.recent, self.config, step)):
                     self.collapsed, self.last_step = found, step  # this step's versions are the launch's last: saved
-                for agent in learners:
+                for agent in learning:
                     trainer = trainers[agent]
                     applied = trainer.apply_step.remote()  # issued in actor order: the next step's calls queue behind
                     # Asked now, while a swapped agent's state is loaded: its first pass has sized the budget.

@@ -85,6 +85,13 @@ def sync_due(version: int, every: int, last_version: int) -> bool:
     return version % every == 0 or version == last_version
 
 
+def learners(held: Mapping[str, int], step: int) -> list[str]:
+    """The agents that learn ``step``: those whose trainer holds the version the step starts from (``held``: the
+    version each agent's trainer holds; after a resume, an agent already past the step does not learn it again).
+    The one rule, for the orchestrator's training loop and the planner's."""
+    return [agent for agent, version in held.items() if version == step]
+
+
 class StepBarrier:
     """Forwards keys downstream: at once (streaming), or a whole step at a time (synchronous).
 
