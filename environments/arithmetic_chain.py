@@ -26,7 +26,7 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from marl_pipeline.environment import ActionResult, EvaluationCase, Task, Turn, accepted_majority
 
@@ -47,6 +47,16 @@ class ChainOptions(BaseModel):
     """Share of the whole questions ``(a+b)*c`` kept out of training and warm-up (a fixed set, by a hash of the
     question) and asked only at held-out evaluation: unseen compositions of seen steps. 0: the held-out cases are
     fresh draws of the same questions as training's."""
+
+    @model_validator(mode="after")
+    def validate_split(self) -> ChainOptions:
+        questions = [f"({a}+{b})*{c}" for a in range(self.max_operand + 1) for b in range(self.max_operand + 1)
+                     for c in range(1, self.max_factor + 1)]
+        held = sum(_held_out(question, self.heldout_share) for question in questions)
+        if self.heldout_share > 0 and held in (0, len(questions)):
+            raise ValueError(f"heldout_share {self.heldout_share:g} holds out {held} of the {len(questions)} "
+                             f"questions: training and the held-out cases each need some; change it or the sizes")
+        return self
 
 
 class ArithmeticChain:
@@ -75,7 +85,7 @@ class ArithmeticChain:
         return tasks
 
     def _held_out(self, task: Task) -> bool:
-        return zlib.crc32(f"held out {task['id']}".encode()) / 2**32 < self.options.heldout_share
+        return _held_out(task["id"], self.options.heldout_share)
 
     def render_prompt(self, role: str, task: Task, transcript: list[Turn]) -> str:
         if role == "adder":
@@ -183,6 +193,11 @@ class ArithmeticChainSolo(ArithmeticChain):
         """Its answer as a team's: the most frequent among its episodes, at the team's number of samples."""
         answers = [self.answer_of("solver", episode[0].text) for episode in episodes]
         return accepted_majority(answers, [True] * len(answers))
+
+
+def _held_out(question: str, share: float) -> bool:
+    """Whether ``question`` (``(a+b)*c``) is among the fixed ``share`` never trained on."""
+    return zlib.crc32(f"held out {question}".encode()) / 2**32 < share
 
 
 def _shown_sum(transcript: list[Turn]) -> str:

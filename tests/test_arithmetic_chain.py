@@ -107,3 +107,10 @@ def test_held_out_questions_are_never_trained_on_and_their_steps_are() -> None:
     fresh = ArithmeticChain(ChainOptions(max_operand=5, max_factor=4))
     assert {c.task["id"] for c in fresh.evaluation_cases("adder", np.random.default_rng(2), 400)} <= {
         task["id"] for task in fresh.sample_tasks(np.random.default_rng(0), 4000)}
+
+
+def test_a_split_with_nothing_on_one_side_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"heldout_share 0.001 holds out 0 of the 8 questions"):
+        ChainOptions(max_operand=1, max_factor=2, heldout_share=0.001)
+    with pytest.raises(ValueError, match=r"heldout_share 0.999 holds out 8 of the 8 questions"):
+        ChainOptions(max_operand=1, max_factor=2, heldout_share=0.999)
