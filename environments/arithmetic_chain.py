@@ -38,8 +38,7 @@ class ChainOptions(BaseModel):
     """``a`` and ``b`` are drawn uniformly from 0..max_operand."""
     max_factor: int = Field(3, ge=1, le=9)
     """``c`` is drawn uniformly from 1..max_factor: a factor of 0 would make "0" the right answer to a quarter of the
-    questions, whatever the sum, and a multiplier unsure of the rest settled on it (seed 0: "0" to 139 of 200
-    held-out cases)."""
+    questions whatever the sum, an answer a multiplier unsure of the rest settles on."""
     warmup_known_share: float = Field(0.5, ge=0, le=1)
     """Share of each table's questions the warm-up teacher answers right (a fixed set, by a hash of the question);
     on the others it guesses uniformly."""
@@ -97,17 +96,12 @@ class ArithmeticChain:
     def execute(self, task: Task, transcript: list[Turn]) -> list[ActionResult]:
         total = task["a"] + task["b"]
         added = _parse_int(transcript[0].text)
-        adder = ActionResult("unparsable" if added is None else "correct" if added == total else "wrong",
-                             added == total, info={"answer": added, "expected": total})
         shown = _parse_int(_shown_sum(transcript))
         product = _parse_int(transcript[1].text)
         # its own job on what it was shown; with nothing it could multiply, the team's answer
         expected = shown * task["c"] if shown is not None else total * task["c"]
-        multiplier = ActionResult("unparsable" if product is None else "correct" if product == expected else "wrong",
-                                  product == expected,
-                                  info={"answer": product, "expected": expected, "team_right": product == total
-                                        * task["c"]})
-        return [adder, multiplier]
+        return [_graded(added, total),
+                _graded(product, expected, team_right=product == total * task["c"])]
 
     def score(self, task: Task, transcript: list[Turn], results: list[ActionResult]) -> dict[str, float]:
         return {"adder": float(results[0].success), "multiplier": float(results[1].success)}
@@ -133,8 +127,9 @@ class ArithmeticChain:
         return _first_line(response)
 
     def team_choice(self, task: Task, episodes: list[list[Turn]]) -> int:
-        """The team's answer: the multiplier's most frequent answer among the episodes."""
-        answers = [self.answer_of("multiplier", episode[-1].text) for episode in episodes]
+        """The team's answer: the answering role's (the last turn's) most frequent answer among the episodes; for
+        the one agent, its own, at the team's number of samples."""
+        answers = [self.answer_of(self.answering_role, episode[-1].text) for episode in episodes]
         return accepted_majority(answers, [True] * len(answers))
 
     # -- base policies ----------------------------------------------------------------------------
@@ -177,9 +172,7 @@ class ArithmeticChainSolo(ArithmeticChain):
 
     def execute(self, task: Task, transcript: list[Turn]) -> list[ActionResult]:
         expected = (task["a"] + task["b"]) * task["c"]
-        product = _parse_int(transcript[0].text)
-        return [ActionResult("unparsable" if product is None else "correct" if product == expected else "wrong",
-                             product == expected, info={"answer": product, "expected": expected})]
+        return [_graded(_parse_int(transcript[0].text), expected)]
 
     def score(self, task: Task, transcript: list[Turn], results: list[ActionResult]) -> dict[str, float]:
         return {"solver": float(results[0].success)}
@@ -189,10 +182,11 @@ class ArithmeticChainSolo(ArithmeticChain):
         return [EvaluationCase(task, [], str((task["a"] + task["b"]) * task["c"]))
                 for task in self._draw(rng, count, held_out=self.options.heldout_share > 0)]
 
-    def team_choice(self, task: Task, episodes: list[list[Turn]]) -> int:
-        """Its answer as a team's: the most frequent among its episodes, at the team's number of samples."""
-        answers = [self.answer_of("solver", episode[0].text) for episode in episodes]
-        return accepted_majority(answers, [True] * len(answers))
+
+def _graded(answer: int | None, expected: int, **info) -> ActionResult:
+    """A step's result: unparsable, correct or wrong against ``expected``."""
+    outcome = "unparsable" if answer is None else "correct" if answer == expected else "wrong"
+    return ActionResult(outcome, answer == expected, info={"answer": answer, "expected": expected, **info})
 
 
 def _held_out(question: str, share: float) -> bool:
