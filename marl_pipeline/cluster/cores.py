@@ -164,9 +164,9 @@ class CoreSplit:
         for those that changed, {actor: cores used})."""
         if not self.movable:
             return {}, {}
-        actors = self.actors | {name: handle for agent, replicas in self.engines.items()
-                                for name, handle in zip(engine_names(agent, len(replicas.handles())),
-                                                        replicas.handles())}
+        replicas = {agent: engines.handles() for agent, engines in self.engines.items()}
+        actors = self.actors | {name: handle for agent, handles in replicas.items()
+                                for name, handle in zip(engine_names(agent, len(handles)), handles)}
         try:  # answered at once: a trainer reports from a thread of its own, beside its calls
             reports = dict(zip(actors, ray.get([handle.cpu_report.remote() for handle in actors.values()],
                                                timeout=REPORT_TIMEOUT_S)))
