@@ -82,6 +82,19 @@ def test_positive_advantage_raises_the_sampled_tokens_probability(tiny_model_dir
     assert torch.get_num_threads() >= 1
 
 
+def test_a_step_without_rows_advances_the_version_and_leaves_the_weights(tiny_model_dir: Path) -> None:
+    """An agent with no turn in a step (a game that ended before its seat moved) still publishes that step's version,
+    the weights unchanged; then the next step trains as usual."""
+    trainer = _trainer(tiny_model_dir)
+    before = [param.detach().clone() for param in trainer.model.parameters()]
+    stats = trainer.apply_step()
+    assert (stats.policy_version, stats.tokens, stats.sequences) == (1, 0, 0) and trainer.version == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    trainer.accumulate(TrainBatch([[5, 6, 7]], [[8, 9]], [[-1.0, -1.0]], [1.0]))
+    assert trainer.apply_step().policy_version == 2
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
 def test_length_chunks_sort_rows_and_keep_each_pass_within_the_budget() -> None:
     lengths = [9, 3, 30, 4, 9, 5, 3]
     chunks = length_chunks(lengths, budget=12)

@@ -266,9 +266,10 @@ class PolicyTrainer:
             self._step_tokens, self._step_sequences, computed = sharded.summed(
                 self._step_tokens, self._step_sequences, computed)
         units = self._step_tokens if self.loss_normalization == "token" else self._step_sequences
-        # One kernel for every gradient, not one a parameter (a GPU step is launch-bound at small batches).
-        torch._foreach_div_([param.grad for param in self.model.parameters() if param.grad is not None],
-                            float(max(units, 1)))
+        # One kernel for every gradient, not one a parameter (a GPU step is launch-bound at small batches). None at all:
+        # the agent had no turn this step (a game that ended before its seat moved); the version goes up unchanged.
+        if grads := [param.grad for param in self.model.parameters() if param.grad is not None]:
+            torch._foreach_div_(grads, float(max(units, 1)))
         grad_norm = sharded.full_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(self.version)
