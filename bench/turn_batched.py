@@ -30,7 +30,11 @@ from marl_pipeline.store.schema import ROLLOUTS, with_agent
 
 def rollout_micro_batch(env: Environment, engines: dict[str, ray.actor.ActorHandle], key: MicroBatchKey,
                         settings: RolloutSettings) -> pa.Table:
-    """Sample every episode of one micro-batch; returns the rollouts table (with an ``agent`` column)."""
+    """Sample every episode of one micro-batch; returns the rollouts table (with an ``agent`` column). Episodes in
+    ``turn_order`` only: a game's (``next_role``) have no common next turn to batch."""
+    if hooks_of(env).next_role is not None:
+        raise ValueError(f"{type(env).__name__} decides its turns (next_role); the turn-batched baseline plays "
+                         f"turn_order only")
     episodes = episode_tasks(env, plan_tasks(env, key, settings.seed, settings.prompts_per_micro_batch),
                              settings.samples_per_prompt)
     transcripts: list[list[Turn]] = [[] for _ in episodes]

@@ -48,6 +48,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook("answering_role", "answering_role: str", "optional"),
     Hook("episode_task", "episode_task(task, trajectory) -> Task", "optional"),
     Hook("observe", "observe(role, task, transcript) -> str | None", "optional"),
+    Hook("next_role", "next_role(task, transcript) -> str | None", "optional"),
+    Hook("max_turns", "max_turns: int", "optional"),
     Hook("score_turns", "score_turns(task, transcript, results) -> list[float] | None", "optional"),
     Hook("turn_weights", "turn_weights(task, transcript) -> list[float] | None", "optional"),
     Hook("team_reward_weight", "team_reward_weight: float", "optional"),
@@ -87,6 +89,12 @@ class PluginHooks:
     answering_role: str
     """The role whose answer is the team's (``answering_role``; by default the first speaker): its held-out cases
     are the team's, its headline metric scores the team's answer."""
+    next_role: Callable | None
+    """Who speaks next in an episode, None once it is over (a game whose moves decide whose turn it is and when it
+    ends), or None: the roles speak in ``turn_order``."""
+    max_turns: int
+    """The most turns an episode takes: ``len(turn_order)``, or with ``next_role`` the plugin's ``max_turns`` (by
+    default the same), where an episode is cut."""
     team_reward_weight: float
     pool_settings: Any
     """The plugin's ``PoolSettings`` for its action pool, or None."""
@@ -114,8 +122,10 @@ def hooks_of(env: object) -> PluginHooks:
     hooks = PluginHooks(
         **{name: getattr(env, name, None) for name in ("episode_task", "observe", "score_turns", "turn_weights",
                                                         "own_reply_warmup_examples",
-                                                        "team_choice", "pool_settings")},
+                                                        "team_choice", "pool_settings", "next_role")},
         answering_role=str(getattr(env, "answering_role", env.turn_order[0])),
+        max_turns=int(getattr(env, "max_turns", len(env.turn_order)) if hasattr(env, "next_role")
+                      else len(env.turn_order)),
         team_reward_weight=float(getattr(env, "team_reward_weight", 0.0)),
         max_action_bytes=int(getattr(env, "max_action_bytes", MAX_ACTION_BYTES)),
         uses_actions=_has(env, "with actions"), evaluated=_has(env, "evaluation"))

@@ -17,15 +17,15 @@ def adapter_of_turn(turn_adapters: dict[str, list[int]], own_turn: int) -> str |
     return next((name for name, turns in turn_adapters.items() if own_turn in turns), None)
 
 
+def turn_adapter(turn_adapters: dict[str, dict[str, list[int]]], role: str, earlier: list[str]) -> str | None:
+    """The named adapter that serves ``role``'s next turn (None: the policy's weights alone), after the turns of the
+    roles ``earlier`` in the episode, from every agent's ``turn_adapters``."""
+    return adapter_of_turn(turn_adapters.get(role, {}), earlier.count(role))
+
+
 def episode_adapters(turn_adapters: dict[str, dict[str, list[int]]], turn_order: list[str]) -> list[str | None]:
-    """The named adapter that serves each turn of an episode (None: the policy's weights alone), from every agent's
-    ``turn_adapters``."""
-    spoken: dict[str, int] = {}
-    adapters = []
-    for role in turn_order:
-        own = spoken[role] = spoken.get(role, -1) + 1
-        adapters.append(adapter_of_turn(turn_adapters.get(role, {}), own))
-    return adapters
+    """The named adapter that serves each turn of an episode whose roles speak in ``turn_order``."""
+    return [turn_adapter(turn_adapters, role, list(turn_order[:turn])) for turn, role in enumerate(turn_order)]
 
 
 class EngineConfig(StrictModel):

@@ -29,7 +29,7 @@ import ray
 
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.config.agent import episode_adapters
-from marl_pipeline.environment import Environment, Task, Turn
+from marl_pipeline.environment import Environment, Task, Turn, roles_of
 from marl_pipeline.hooks import hooks_of
 from marl_pipeline.inference.chat import ChatSession, ChatTokenizer, fetched_chat_tokenizer
 from marl_pipeline.inference.engine import Completion, GenerationRequest
@@ -104,6 +104,22 @@ def episode_tasks(env: Environment, tasks: list[Task], samples_per_prompt: int,
     places = [(p, t) for p in range(len(tasks)) for t in range(samples_per_prompt)]
     places += [(p, samples_per_prompt + t) for p in range(len(tasks)) for t in range(extra)]
     return [(p, trajectory, vary(tasks[p], trajectory) if vary is not None else tasks[p]) for p, trajectory in places]
+
+
+def next_turn(env: Environment, task: Task, transcript: list[Turn]) -> str | None:
+    """The role that speaks next in an episode, or None once it is over: the roles of ``turn_order`` in turn, or,
+    for a plugin with ``next_role`` (a game whose moves decide whose turn it is and when it ends), the role it
+    names, the episode cut at its ``max_turns``. The one rule of the rollout and the team's evaluation."""
+    hooks = hooks_of(env)
+    if len(transcript) >= hooks.max_turns:
+        return None
+    if hooks.next_role is None:
+        return env.turn_order[len(transcript)]
+    role = hooks.next_role(task, transcript)
+    if role is not None and role not in roles_of(type(env)):
+        raise ValueError(f"{type(env).__name__}.next_role named {role!r} after {len(transcript)} turns; the roles "
+                         f"are {list(roles_of(type(env)))}")
+    return role
 
 
 def turn_seeds(seed: int, key: MicroBatchKey, turn: int, episodes: int) -> list[int]:

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from marl_pipeline.config.agent import episode_adapters
+from marl_pipeline.config.agent import turn_adapter
 from marl_pipeline.environment import TEAM, Environment, Turn
 from marl_pipeline.hooks import hooks_of
 from marl_pipeline.inference.engine import GenerationRequest
@@ -36,7 +36,7 @@ from marl_pipeline.stages.evaluation import (
     evaluation_cases,
     is_evaluated,
 )
-from marl_pipeline.stages.rollout import engine_chat_session, observe_reply
+from marl_pipeline.stages.rollout import engine_chat_session, next_turn, observe_reply
 from marl_pipeline.store.schema import EVALUATIONS, with_agent
 
 TEAM_STREAM = 0x7EA3
@@ -60,23 +60,30 @@ def evaluate_team(env: Environment, engines: dict[str, ray.actor.ActorHandle], s
     n = settings.team_samples
     episodes: list[list[Turn]] = [[] for _ in range(len(cases) * n)]  # episode e plays case e // n
     chats = engine_chat_session(env, engines)
-    adapters = episode_adapters(settings.turn_adapters, env.turn_order)  # per turn: the named adapter serving it
     served: dict[str, set[int]] = {}
-    for turn, role in enumerate(env.turn_order):
+    for turn in range(hooks_of(env).max_turns):
         seeds = np.random.SeedSequence([settings.seed, EVALUATION_STREAM, TEAM_STREAM, turn]).generate_state(
             len(episodes))
-        requests = [chats.request(e, role, turn, env.render_prompt(role, cases[e // n].task, episode))
-                    for e, episode in enumerate(episodes)]
-        version, completions = ray.get(engines[role].generate.remote(
-            [GenerationRequest(request, int(seed), settings.max_new_tokens[role], settings.temperature[role],
-                               adapters[turn])
-             for request, seed in zip(requests, seeds)]))
-        served.setdefault(role, set()).add(version)
-        for e, completion in enumerate(completions):
-            chats.record(e, role, completion.text, completion.response_ids)
-            # a reply that fails leaves the turn without one and the episode goes on, as in rollout
-            observation, _ = observe_reply(env, role, cases[e // n].task, [*episodes[e], Turn(role, completion.text)])
-            episodes[e].append(Turn(role, completion.text, observation))
+        speakers: dict[str, list[int]] = {}  # per role: the episodes it speaks next in
+        for e, episode in enumerate(episodes):
+            if len(episode) == turn and (role := next_turn(env, cases[e // n].task, episode)) is not None:
+                speakers.setdefault(role, []).append(e)
+        if not speakers:
+            break
+        for role, playing in speakers.items():
+            requests = [GenerationRequest(
+                chats.request(e, role, turn, env.render_prompt(role, cases[e // n].task, episodes[e])),
+                int(seeds[e]), settings.max_new_tokens[role], settings.temperature[role],
+                turn_adapter(settings.turn_adapters, role, [earlier.role for earlier in episodes[e]]))
+                for e in playing]
+            version, completions = ray.get(engines[role].generate.remote(requests))
+            served.setdefault(role, set()).add(version)
+            for e, completion in zip(playing, completions):
+                chats.record(e, role, completion.text, completion.response_ids)
+                # a reply that fails leaves the turn without one and the episode goes on, as in rollout
+                observation, _ = observe_reply(env, role, cases[e // n].task,
+                                               [*episodes[e], Turn(role, completion.text)])
+                episodes[e].append(Turn(role, completion.text, observation))
     # every engine serves its one version throughout: the version evaluated, or each role's in a cast
     wanted = versions or dict.fromkeys(served, min(set().union(*served.values()), default=None))
     if any(found != {wanted[role]} for role, found in served.items()):

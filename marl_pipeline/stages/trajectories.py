@@ -52,6 +52,7 @@ import ray
 from marl_pipeline.actions.pool import ActionPool
 from marl_pipeline.actions.worker import Job
 from marl_pipeline.config import ExperimentConfig, RolloutConfig
+from marl_pipeline.config.agent import turn_adapter
 from marl_pipeline.environment import Environment, Turn
 from marl_pipeline.hooks import hooks_of
 from marl_pipeline.inference.engine import GenerationRequest
@@ -62,6 +63,7 @@ from marl_pipeline.stages.rollout import (
     append_turn,
     engine_chat_session,
     episode_tasks,
+    next_turn,
     observe_reply,
     plan_tasks,
     turn_seeds,
@@ -106,6 +108,7 @@ class _Sampled:
     start: datetime
     engine: str
     end: datetime
+    adapter: str | None = None
     observation: str | None = None
     error: str | None = None
     observe_seconds: float | None = None
@@ -128,8 +131,8 @@ class _MicroBatch:
         self.done: list[list[int]] = [[] for _ in tasks]  # per prompt: its episodes that finished, in that order
         self.dropped: dict[int, str] = {}  # per episode over-sampling dropped: why
         self.tasks: list[asyncio.Task] = []
-        self.seeds = [turn_seeds(settings.seed, key, turn, len(self.episodes)) for turn in range(len(env.turn_order))]
-        self.adapters = settings.episode_adapters(env.turn_order)  # per turn: the named adapter serving it
+        self.max_turns = hooks_of(env).max_turns
+        self.seeds = [turn_seeds(settings.seed, key, turn, len(self.episodes)) for turn in range(self.max_turns)]
         self.chats = engine_chat_session(env, {role: r.primary() for role, r in self.engines.items()})
         self.finished: list[list[_Sampled]] = [[] for _ in self.episodes]  # per episode: its sampled turns
         self.in_flight: dict[int, tuple[ray.actor.ActorHandle, str]] = {}  # per episode: (engine, request id)
@@ -178,7 +181,7 @@ class _MicroBatch:
                                  f"with {self._progress(e)}")
 
     def _progress(self, e: int) -> str:
-        return f"{self.replied[e]} of {len(self.env.turn_order)} turns and their replies done"
+        return f"{self.replied[e]} of {self.max_turns} turns and their replies done"
 
     def _failure(self, e: int) -> str | None:
         """Why an ended episode failed (its time limit, or a reply that raised); None: it finished."""
@@ -220,17 +223,19 @@ class _MicroBatch:
     async def _turns(self, e: int) -> None:
         _, _, task = self.episodes[e]
         transcript: list[Turn] = []
-        for turn, role in enumerate(self.env.turn_order):
+        while (role := next_turn(self.env, task, transcript)) is not None:
+            turn = len(transcript)
             request = self.chats.request(e, role, turn, self.env.render_prompt(role, task, transcript))
             request_id = f"{self.key.run}/{self.key.step}/{self.key.micro_batch}/{e}/{turn}"
             start = datetime.now(UTC)
+            adapter = turn_adapter(self.settings.turn_adapters, role, [earlier.role for earlier in transcript])
             sampled, replica = await self._generate(
-                e, role, request_id, self.settings.request(role, request, self.seeds[turn][e], self.adapters[turn]))
+                e, role, request_id, self.settings.request(role, request, self.seeds[turn][e], adapter))
             completion = sampled.completion
             self.chats.record(e, role, completion.text, completion.response_ids)
             # Kept before the reply comes: a turn sampled and then cut while its reply ran is stored too.
             kept = _Sampled(turn, role, self.chats.prompt_text(role, request), completion, sampled.version, start,
-                            f"{self.settings.agent_of(role)}/{replica}", datetime.now(UTC))
+                            f"{self.settings.agent_of(role)}/{replica}", datetime.now(UTC), adapter)
             self.finished[e].append(kept)
             kept.observation, kept.error = await self._observe(role, task, [*transcript, Turn(role, completion.text)])
             transcript.append(Turn(role, completion.text, kept.observation))
@@ -315,7 +320,7 @@ class _MicroBatch:
             status = "dropped" if dropped else "timeout" if timed_out else None
             append_turn(columns, self.key, task, p, trajectory, e, turn, kept.role, kept.prompt, kept.completion,
                         kept.version, kept.start, kept.end, kept.observation, dropped or kept.error or timed_out,
-                        status=status, engine=kept.engine, adapter=self.adapters[turn], group=groups[p],
+                        status=status, engine=kept.engine, adapter=kept.adapter, group=groups[p],
                         observe_seconds=kept.observe_seconds if replies else None,
                         agent=self.settings.agent_of(kept.role))
         return pa.table(columns, schema=with_agent(ROLLOUTS))
