@@ -100,13 +100,13 @@ def test_a_game_that_is_not_there_needs_a_network_or_other_seats_is_refused_when
 def test_a_three_player_game_trains_two_seats_on_one_policy_and_the_third_on_its_own(local_ray,
                                                                                    tmp_path: Path) -> None:
     register_environment(ThreePlayerTicTacToe)  # shipped through the entry point too; this keeps the test explicit
-    small = {"warmup": {"steps": 20}, "engine": {"num_cpus": 0.25, "max_model_len": 512},
+    small = {"warmup": {"steps": 30}, "engine": {"num_cpus": 0.25, "max_model_len": 512},
              "trainer": {"num_cpus": 0.25}, "algorithm": {"max_new_tokens": 4}}
     data = {"run": "arena", "store": str(tmp_path / "store"),
             "environment": {"name": "textarena_three_player_tictactoe"},
             "agents": {"player_0": {**small, "roles": ["player_0", "player_1"]}, "player_2": small},
-            "pipeline": {"steps": 1, "prompts_per_micro_batch": 2, "samples_per_prompt": 2,
-                         "micro_batches_per_step": 2},
+            "pipeline": {"steps": 1, "prompts_per_micro_batch": 2, "samples_per_prompt": 4,
+                         "micro_batches_per_step": 1},
             "evaluation": {"every": 1, "cases_per_agent": 6}}
     config = parse_config(data)
     evaluated = {event.version: event.metrics for event in train(config) if isinstance(event, EvaluationCommitted)}
@@ -118,7 +118,7 @@ def test_a_three_player_game_trains_two_seats_on_one_policy_and_the_third_on_its
     episodes: dict[tuple, list[dict]] = {}
     for row in sorted(rollouts, key=lambda r: r["turn"]):
         episodes.setdefault((row["group_id"], row["trajectory"]), []).append(row)
-    assert len(episodes) == 2 * 2 * 2
+    assert len(episodes) == 2 * 4
     for turns in episodes.values():
         task, transcript = json.loads(turns[0]["task"]), []
         for row in turns:  # each turn was the seat the game asked for, played by that seat's agent
