@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from environments.games import outcome_reward
 from marl_pipeline.environment import ActionResult, EvaluationCase, Turn
 
 EVALUATION_SEEDS = 1 << 40
@@ -164,8 +165,7 @@ class TextArenaGame:
         rewards = final.get("rewards") if final.get("finished") else None
         if not rewards:  # cut at max_turns before the game ended: a draw
             return dict.fromkeys(self.turn_order, 0.5)
-        return {f"player_{seat}": float(np.clip((rewards.get(str(seat), 0.0) + 1) / 2, 0, 1))
-                for seat in range(self.players)}
+        return {f"player_{seat}": outcome_reward(rewards.get(str(seat), 0.0)) for seat in range(self.players)}
 
     # -- the built-in model and held-out cases ----------------------------------------------------------------------
 

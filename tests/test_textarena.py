@@ -17,24 +17,15 @@ from marl_pipeline.run.events import EvaluationCommitted
 from marl_pipeline.run.recipe import train
 from marl_pipeline.stages.rollout import next_turn
 from marl_pipeline.store import ExperienceStore
+from tests.games import play
 
 TASK = {"id": "game-7", "seed": 7}
-
-
-def play(env, moves: list[str]) -> list[Turn]:
-    """The moves in the order the game asks for them, each by the seat whose turn it is."""
-    transcript: list[Turn] = []
-    for move in moves:
-        role = next_turn(env, TASK, transcript)
-        assert role is not None, f"the game ended before {move}"
-        transcript.append(Turn(role, move))
-    return transcript
 
 
 def test_the_game_says_who_moves_a_refused_move_is_tried_again_and_a_second_one_loses() -> None:
     env = TicTacToe(TicTacToe.Options())
     assert env.turn_order == ("player_0", "player_1")
-    transcript = play(env, ["[4]", "[4]", "[0]", "[8]"])  # player_1's first [4] is taken: it moves again
+    transcript = play(env, TASK, ["[4]", "[4]", "[0]", "[8]"])  # player_1's first [4] is taken: it moves again
     assert [turn.role for turn in transcript] == ["player_0", "player_1", "player_1", "player_0"]
     assert "Available Moves: '[1]', '[2]', '[3]', '[5]', '[6]', '[7]'" in env.render_prompt("player_1", TASK,
                                                                                                 transcript)
@@ -45,7 +36,7 @@ def test_the_game_says_who_moves_a_refused_move_is_tried_again_and_a_second_one_
     assert not results[-1].info["finished"]
 
     # the second refused move in a row ends the game, lost by the seat that made it
-    lost = play(env, ["[4]", "x", "[9]"])
+    lost = play(env, TASK, ["[4]", "x", "[9]"])
     assert next_turn(env, TASK, lost) is None
     results = env.execute(TASK, lost)
     assert [r.outcome for r in results] == ["move", "invalid", "invalid"] and results[-1].info["finished"]
@@ -54,20 +45,20 @@ def test_the_game_says_who_moves_a_refused_move_is_tried_again_and_a_second_one_
 
 def test_a_won_game_scores_its_outcome_and_an_unfinished_one_is_a_draw() -> None:
     env = TicTacToe(TicTacToe.Options())
-    won = play(env, ["[0]", "[3]", "[1]", "[4]", "[2]"])  # player_0: the top row
+    won = play(env, TASK, ["[0]", "[3]", "[1]", "[4]", "[2]"])  # player_0: the top row
     assert next_turn(env, TASK, won) is None
     results = env.execute(TASK, won)
     assert results[-1].info["rewards"] == {"0": 1.0, "1": -1.0} and "won" in results[-1].info["reason"]
     assert env.score(TASK, won, results) == {"player_0": 1.0, "player_1": 0.0}
     short = textarena_game("tictactoe_cut", "TicTacToe-v0", 2, max_turns=3)(TicTacToe.Options())
-    cut = play(short, ["[0]", "[3]", "[1]"])
+    cut = play(short, TASK, ["[0]", "[3]", "[1]"])
     assert next_turn(short, TASK, cut) is None  # cut at max_turns, the game unfinished
     assert short.score(TASK, cut, short.execute(TASK, cut)) == {"player_0": 0.5, "player_1": 0.5}
 
 
 def test_three_seats_move_in_turn_and_held_out_positions_grade_legal_moves() -> None:
     env = ThreePlayerTicTacToe(ThreePlayerTicTacToe.Options())
-    assert [turn.role for turn in play(env, ["[0]", "[1]", "[2]", "[3]"])] == \
+    assert [turn.role for turn in play(env, TASK, ["[0]", "[1]", "[2]", "[3]"])] == \
         ["player_0", "player_1", "player_2", "player_0"]
     cases = env.evaluation_cases("player_2", np.random.default_rng(0), 6)
     assert len(cases) == 6 and all(len(case.transcript) % 3 == 2 for case in cases)  # player_2's move next
