@@ -95,6 +95,15 @@ def test_a_step_without_rows_advances_the_version_and_leaves_the_weights(tiny_mo
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 
+def test_a_learning_rate_of_0_keeps_version_0s_weights(tiny_model_dir: Path) -> None:
+    trainer = PolicyTrainer(str(tiny_model_dir), 0, lr=0.0, weight_decay=0.01, max_grad_norm=1.0, clip_eps=0.2, seed=0,
+                            num_threads=1)
+    before = [param.detach().clone() for param in trainer.model.parameters()]
+    trainer.accumulate(TrainBatch([[5, 6, 7]], [[8, 9]], [[-1.0, -1.0]], [1.0]))
+    assert trainer.apply_step().grad_norm > 0  # it computed the step ...
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # ... and moved nothing
+
+
 def test_length_chunks_sort_rows_and_keep_each_pass_within_the_budget() -> None:
     lengths = [9, 3, 30, 4, 9, 5, 3]
     chunks = length_chunks(lengths, budget=12)

@@ -68,8 +68,9 @@ class EngineConfig(StrictModel):
 class TrainerConfig(StrictModel):
     """Torch trainer settings for one agent."""
 
-    lr: float = Field(1e-3, gt=0)
-    """AdamW learning rate (peak, before decay)."""
+    lr: float = Field(1e-3, ge=0)
+    """AdamW learning rate (peak, before decay). 0: the agent's weights stay version 0's (a frozen opponent, or a
+    teammate held fixed); its trainer still computes each step and its versions still advance."""
     lr_decay_steps: int | None = Field(None, ge=1)
     """Linear decay of the learning rate over this many policy versions (None: constant)."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
