@@ -101,3 +101,27 @@ def test_an_actors_name_is_spelled_in_one_place() -> None:
                if ACTOR_NAME.search(line) and path != ROOT / "marl_pipeline" / "cluster" / "specs.py"]
     assert spelled == []
     assert ACTOR_NAME.search('names = [f"{agent}/engine/{k}" for k in range(2)]')  # what it catches
+
+
+def test_the_planner_simulates_the_orchestrators_rules_by_calling_them() -> None:
+    """planner/ calls the rules the run schedules by (issue 71.3): it never routes an episode or syncs a replica by
+    hand (the router's bookkeeping only through ``EpisodeRoute`` and ``rolling_sync``), and defines no function of
+    the rules' names (the staleness gate, who learns, when a sync is due: run/queues.py)."""
+    import ast
+
+    from marl_pipeline.run import queues
+
+    bookkeeping = {"acquire", "release", "lane", "forget", "set_draining", "mark_down", "mark_up"}
+    rules = {name for name, value in vars(queues).items() if callable(value) and not isinstance(value, type)
+             and getattr(value, "__module__", None) == queues.__name__}
+    assert {"gate_open", "sync_due", "learners"} <= rules
+    found = []
+    for path in sorted((ROOT / "marl_pipeline" / "planner").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name in rules:
+                found.append(f"{path.name}:{node.lineno} defines {node.name}")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in bookkeeping
+                    and not re.fullmatch(r"route|routes\[.*\]", ast.unparse(node.func.value))):
+                found.append(f"{path.name}:{node.lineno} calls {ast.unparse(node.func)}")
+    assert not found, found

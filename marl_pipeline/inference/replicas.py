@@ -28,7 +28,7 @@ from functools import partial
 
 import ray
 
-from marl_pipeline.inference.router import Router
+from marl_pipeline.inference.router import Router, rolling_sync
 from marl_pipeline.policy.transfer import SyncGroup
 
 Spawn = Callable[[int, int], "ray.actor.ActorHandle"]
@@ -124,19 +124,13 @@ class EngineReplicas:
         with self._sync:
             with self._lock:
                 self._weights, self._version = weights, version
-            for replica in range(len(self)):
-                if self.router.is_down(replica):
-                    continue  # its restart loads the version just set
-                handle = self.handle(replica)
-                if handle is None:
+            for replica in rolling_sync(self.router, range(len(self))):  # one down: its restart loads the version
+                if (handle := self.handle(replica)) is None:
                     continue  # retired just now
-                self.router.set_draining(replica, True)
                 try:
                     ray.get(handle.load_weights.remote(weights, version))
                 except ray.exceptions.RayActorError:
                     self.replica_died(replica, handle)
-                finally:
-                    self.router.set_draining(replica, False)
         return version
 
     def sync_from(self, trainer, weights, version: int, broadcast: bool) -> int:
@@ -192,16 +186,14 @@ class EngineReplicas:
                     raise RuntimeError(f"{self.agent}: broadcasting version {version} failed twice: {failed}")
             with self._lock:  # a restart from now on aims at this version
                 self._version, self._weights = version, partial(fetch, version)
-            for slot, handle in live:
-                if self.router.is_down(slot) or self.handle(slot) is not handle:
-                    continue  # died or retired meanwhile: its restart loads the version
-                self.router.set_draining(slot, True)
+            handles = dict(live)
+            for slot in rolling_sync(self.router, handles):  # one down meanwhile: its restart loads the version
+                if self.handle(slot) is not handles[slot]:
+                    continue  # retired meanwhile
                 try:
-                    ray.get(handle.load_received.remote(version))
+                    ray.get(handles[slot].load_received.remote(version))
                 except ray.exceptions.RayActorError:
-                    self.replica_died(slot, handle)
-                finally:
-                    self.router.set_draining(slot, False)
+                    self.replica_died(slot, handles[slot])
         return version
 
     # -- failure ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ so its state is behind a lock.
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Iterator
 
 
 class NoReplica(RuntimeError):
@@ -113,6 +113,44 @@ class Router:
     def is_down(self, replica: int) -> bool:
         with self._lock:
             return replica in self._down
+
+
+class EpisodeRoute:
+    """One episode's way through the agents' routers, the one rule of the rollout (stages/trajectories.py) and the
+    planner's simulation: each turn acquires a replica of its agent, by the episode's lane from its previous turn
+    where ``lanes`` is on; a turn served releases it and leaves its lane to the next; a failed one releases it and
+    keeps the lane it had; the episode's end forgets it at every router."""
+
+    def __init__(self, episode: Hashable, lanes: bool) -> None:
+        self.episode, self.lanes = episode, lanes
+        self.lane: tuple[int, int] | None = None
+
+    def acquire(self, router: Router) -> int | None:
+        """:meth:`Router.acquire` for this episode's next turn (None: every live replica is saturated)."""
+        return router.acquire(self.episode, self.lane)
+
+    def release(self, router: Router, replica: int, served: bool = True) -> None:
+        router.release(replica)
+        if served:
+            self.lane = router.lane(replica) if self.lanes else None
+
+    def end(self, routers: Iterable[Router]) -> None:
+        for router in routers:
+            router.forget(self.episode)
+
+
+def rolling_sync(router: Router, replicas: Iterable[int]) -> Iterator[int]:
+    """The order a new version reaches an agent's replicas, the one rule of the replica set (inference/replicas.py)
+    and the planner's simulation: one at a time, in order, each draining while it loads so that the others serve;
+    a replica down is skipped (its restart loads the version)."""
+    for replica in replicas:
+        if router.is_down(replica):
+            continue
+        router.set_draining(replica, True)
+        try:
+            yield replica
+        finally:
+            router.set_draining(replica, False)
 
 
 def split_replicas(demand: dict[str, float], total: int) -> dict[str, int]:

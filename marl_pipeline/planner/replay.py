@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from marl_pipeline.inference.router import Router
+from marl_pipeline.inference.router import EpisodeRoute, Router
 from marl_pipeline.planner.costs import epoch_seconds
 from marl_pipeline.run.pipeline_metrics import spans_from_store, version_timings
 from marl_pipeline.run.queues import gate_open
@@ -51,19 +51,17 @@ def replay_routing(store: ExperienceStore, run: str, replicas: dict[str, int],
     events = sorted([(end, 0, index) for index, end in enumerate(ends)]
                     + [(start, 1, index) for index, start in enumerate(starts)])
     chosen: dict[int, int] = {}
-    previous: dict[tuple, tuple[int, int] | None] = {}  # per episode: its previous turn's lane
+    routes = {key: EpisodeRoute(key, lanes) for key in last_turn}  # an episode's turns run one after another
     for _, starting, index in events:
         row = rows[index]
         key = (row["step"], row["micro_batch"], row["episode"])
         router = routers[row["agent"]]
         if starting:
-            chosen[index] = router.acquire(key, previous.get(key))
-            previous[key] = router.lane(chosen[index]) if lanes else None
+            chosen[index] = routes[key].acquire(router)
         elif index in chosen:
-            router.release(chosen[index])
+            routes[key].release(router, chosen[index])
             if row["turn"] == last_turn[key]:
-                for every in routers.values():
-                    every.forget(key)
+                routes[key].end(routers.values())
     differing = [(rows[i]["step"], rows[i]["micro_batch"], rows[i]["episode"], rows[i]["turn"], rows[i]["engine"],
                   f"{rows[i]['agent']}/{chosen[i]}") for i in range(len(rows))
                  if rows[i]["engine"] != f"{rows[i]['agent']}/{chosen[i]}"]

@@ -21,7 +21,7 @@ import simpy
 from marl_pipeline.cluster.placement import PlacementPlan
 from marl_pipeline.cluster.specs import ActorSpec
 from marl_pipeline.config import PipelineConfig
-from marl_pipeline.inference.router import Router
+from marl_pipeline.inference.router import EpisodeRoute, Router, rolling_sync
 from marl_pipeline.planner.costs import Costs, Turn
 from marl_pipeline.planner.replica import Busy, EngineReplica
 from marl_pipeline.planner.shared_cores import SerialWork, SharedCores
@@ -195,25 +195,23 @@ class _Simulation:
         yield simpy.AllOf(self.env, episodes)
 
     def _episode(self, step: int, mb: int, e: int, turns: list[Turn]):
-        key, lane = (step, mb, e), None
+        route = EpisodeRoute((step, mb, e), self.pipeline.rollout.lanes)
         for index, turn in enumerate(turns):
             router = self.routers[turn.agent]
-            while (replica := router.acquire(key, lane)) is None:  # every replica saturated: wait for a release
+            while (replica := route.acquire(router)) is None:  # every replica saturated: wait for a release
                 yield self.released_replica[turn.agent]
             started = self.env.now
             engine = self.engines[turn.agent][replica]
             self.driver.add(self.driver_per_turn[turn.agent])  # beside the turn, not before it
             version = yield engine.generate(turn, index)
-            router.release(replica)
-            lane = router.lane(replica) if self.pipeline.rollout.lanes else None
+            route.release(router, replica)
             waiting, self.released_replica[turn.agent] = self.released_replica[turn.agent], self.env.event()
             waiting.succeed()
             self.decisions.append(Decision(step, mb, e, index, turn.agent, replica, version, started, self.env.now))
             self.tokens[(step, mb)][turn.agent] += turn.prompt_tokens + turn.response_tokens
             if turn.observe_seconds:  # the environment's reply, before the episode's next turn
                 yield self.env.timeout(turn.observe_seconds)
-        for router in self.routers.values():
-            router.forget(key)
+        route.end(self.routers.values())
 
     def _map(self, stage: str, seconds: float, inbox: simpy.Store, outbox: simpy.Store, barrier: StepBarrier):
         while True:
@@ -274,10 +272,9 @@ class _Simulation:
                 yield self.env.timeout(costs.apply)
                 self.busy[spec.name].stop()
             if sync_due(step + 1, self.sync_every[agent], self.steps):  # else the engines keep their version
-                for replica, engine in enumerate(self.engines[agent]):  # one replica at a time, the others serving
-                    self.routers[agent].set_draining(replica, True)
-                    yield engine.sync(costs.sync_per_replica, step + 1)
-                    self.routers[agent].set_draining(replica, False)
+                engines = self.engines[agent]
+                for replica in rolling_sync(self.routers[agent], range(len(engines))):  # the others serving
+                    yield engines[replica].sync(costs.sync_per_replica, step + 1)
                 self.served[agent] = step + 1
                 self.served_at[agent][step + 1] = self.env.now
                 self._served_changed()

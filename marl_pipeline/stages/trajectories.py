@@ -57,7 +57,7 @@ from marl_pipeline.environment import Environment, Turn
 from marl_pipeline.hooks import hooks_of
 from marl_pipeline.inference.engine import GenerationRequest
 from marl_pipeline.inference.replicas import EngineReplicas, as_replicas
-from marl_pipeline.inference.router import NoReplica
+from marl_pipeline.inference.router import EpisodeRoute, NoReplica
 from marl_pipeline.stages.rollout import (
     RolloutSettings,
     append_turn,
@@ -140,7 +140,7 @@ class _MicroBatch:
         self.timed_out: dict[int, str] = {}  # per episode cut by the time limit: why
         self.threads: ThreadPoolExecutor | None = None
         self.batches = _Batches()
-        self.lanes: dict[int, tuple[int, int]] = {}  # per episode: its previous turn's (replicas, replica)
+        self.routes = [EpisodeRoute((key, e), options.lanes) for e in range(len(self.episodes))]
 
     async def run(self) -> pa.Table:
         observes = hooks_of(self.env).observe is not None and self.options.observe_on == "thread"
@@ -217,8 +217,7 @@ class _MicroBatch:
         try:
             await self._turns(e)
         finally:
-            for replicas in {id(r): r for r in self.engines.values()}.values():
-                replicas.router.forget((self.key, e))
+            self.routes[e].end({id(r.router): r.router for r in self.engines.values()}.values())
 
     async def _turns(self, e: int) -> None:
         _, _, task = self.episodes[e]
@@ -248,11 +247,13 @@ class _MicroBatch:
         when its replica dies. -> (Sampled, the replica that served it)."""
         replicas, failures = self.engines[role], []
         while True:
-            replica = await self._acquire(replicas, (self.key, e), self.lanes.get(e))
+            replica = await self._acquire(replicas, self.routes[e])
             handle = replicas.handle(replica)
             self.in_flight[e] = (handle, request_id)
+            served = False
             try:
                 sampled = await self.batches.submit(handle, request_id, request)
+                served = True
             except ray.exceptions.RayActorError as error:
                 # Died, or unreachable (ActorUnavailableError is one too): Ray never restarts our engine actors, so
                 # an unreachable replica is treated as lost, replaced, and the request goes elsewhere.
@@ -264,17 +265,17 @@ class _MicroBatch:
                                        f"({'; '.join(failures)})") from error
                 continue
             finally:  # a cancelled request stays in in_flight: the time limit's _abort frees its engine slot
-                replicas.router.release(replica)
+                self.routes[e].release(replicas.router, replica, served)
             self.in_flight.pop(e, None)
-            self.lanes[e] = replicas.router.lane(replica) if self.options.lanes else None
             return sampled, replica
 
     @staticmethod
-    async def _acquire(replicas: EngineReplicas, episode: object, lane: tuple[int, int] | None = None) -> int:
-        """A replica (``Router.acquire``; ``lane``: the previous turn's), waiting while all are saturated or down."""
+    async def _acquire(replicas: EngineReplicas, route: EpisodeRoute) -> int:
+        """A replica for the episode's next turn (``EpisodeRoute.acquire``), waiting while all are saturated or
+        down."""
         while True:
             try:
-                replica = replicas.router.acquire(episode, lane)
+                replica = route.acquire(replicas.router)
             except NoReplica as down:
                 if not replicas.restarting():  # with why, if a restart failed (a hybrid agent's process died, say)
                     failed = replicas.restart_errors[-1:]
