@@ -12,7 +12,8 @@ ends; an episode the game has not ended by ``max_turns`` is cut and scored a dra
   the game's messages and the current board).
 - Rewards: the game's outcome, TextArena's win 1, draw 0, loss -1, mapped to 1, 0.5 and 0 (for a game of other
   payoffs, clipped to that range). A refused move is recorded as the turn's outcome ``invalid``, with the game's
-  reason, and costs what the game's rules make it cost (a second refused move in a row loses a two-player game).
+  reason, and costs what the game's rules make it cost (a second refused move in a row loses a two-player game);
+  ``refused_move_reward`` also gives it a reward of its own (turn-level shaping from the game's refusals).
 - Held-out cases: positions reached by random legal play from seeds training never draws, one per case; an agent's
   metric is the share of its moves the game accepts (``legal_move_rate``). The warm-up shows random legal moves in
   positions of training games: the form of a move, not a good one.
@@ -28,7 +29,7 @@ import re
 from typing import Any, ClassVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from environments.games import outcome_reward
 from marl_pipeline.environment import ActionResult, EvaluationCase, Turn
@@ -82,6 +83,10 @@ class TextArenaOptions(BaseModel):
     """TextArena's id of the game or one of its variants (``TicTacToe-v0-train``); None: the environment's own."""
     evaluation_moves: int = 4
     """The most random legal moves played before a held-out case's position (from 0)."""
+    refused_move_reward: float | None = Field(None, ge=0, le=1)
+    """Turn-level shaping from the game's own refusals: a refused move's reward is this, the mover's other moves
+    earn the game's outcome (``score_turns``: advantages relative per group, agent and turn). None: every move of a
+    seat earns the outcome alone."""
 
 
 class TextArenaGame:
@@ -166,6 +171,13 @@ class TextArenaGame:
         if not rewards:  # cut at max_turns before the game ended: a draw
             return dict.fromkeys(self.turn_order, 0.5)
         return {f"player_{seat}": outcome_reward(rewards.get(str(seat), 0.0)) for seat in range(self.players)}
+
+    def score_turns(self, task: dict, transcript: list[Turn], results: list[ActionResult]) -> list[float] | None:
+        if self.options.refused_move_reward is None:
+            return None
+        outcome = self.score(task, transcript, results)
+        return [self.options.refused_move_reward if result.outcome == "invalid" else outcome[turn.role]
+                for turn, result in zip(transcript, results)]
 
     # -- the built-in model and held-out cases ----------------------------------------------------------------------
 

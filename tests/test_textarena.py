@@ -56,6 +56,18 @@ def test_a_won_game_scores_its_outcome_and_an_unfinished_one_is_a_draw() -> None
     assert short.score(TASK, cut, short.execute(TASK, cut)) == {"player_0": 0.5, "player_1": 0.5}
 
 
+def test_refused_moves_can_earn_a_reward_of_their_own() -> None:
+    env = TicTacToe(TicTacToe.Options())
+    lost = play(env, TASK, ["[4]", "x", "[0]", "[0]", "[1]"])  # player_0's second [0] is taken: tried again
+    results = env.execute(TASK, lost)
+    assert [r.outcome for r in results] == ["move", "invalid", "move", "invalid", "move"]
+    assert env.score_turns(TASK, lost, results) is None  # the outcome alone, by default
+    shaped = TicTacToe(TicTacToe.Options(refused_move_reward=0.1))
+    outcome = shaped.score(TASK, lost, results)
+    assert shaped.score_turns(TASK, lost, results) == [outcome["player_0"], 0.1, outcome["player_1"], 0.1,
+                                                       outcome["player_0"]]
+
+
 def test_three_seats_move_in_turn_and_held_out_positions_grade_legal_moves() -> None:
     env = ThreePlayerTicTacToe(ThreePlayerTicTacToe.Options())
     assert [turn.role for turn in play(env, TASK, ["[0]", "[1]", "[2]", "[3]"])] == \
