@@ -103,7 +103,7 @@ def test_a_game_that_is_not_there_needs_a_network_or_other_seats_is_refused_when
 def test_a_three_player_game_trains_two_seats_on_one_policy_and_the_third_on_its_own(local_ray,
                                                                                    tmp_path: Path) -> None:
     register_environment(ThreePlayerTicTacToe)  # shipped through the entry point too; this keeps the test explicit
-    small = {"warmup": {"steps": 30}, "engine": {"num_cpus": 0.25, "max_model_len": 512},
+    small = {"warmup": {"steps": 40, "batch_size": 8}, "engine": {"num_cpus": 0.25, "max_model_len": 512},
              "trainer": {"num_cpus": 0.25}, "algorithm": {"max_new_tokens": 4}}
     data = {"run": "arena", "store": str(tmp_path / "store"),
             "environment": {"name": "textarena_three_player_tictactoe"},
