@@ -37,7 +37,7 @@ from marl_pipeline.environment import ActionResult, EvaluationCase, Turn
 EVALUATION_SEEDS = 1 << 40
 """Held-out games' seeds start here; training draws its seeds below it."""
 NEEDS_NETWORK = ("Codenames", "Debate", "DontSayIt", "GuessWho", "Hangman", "LetterAuction", "ScenarioPlanning",
-                 "TwentyQuestions", "WordChains", "WordLadder", "WordSearch", "Wordle")
+                 "SpellingBee", "TwentyQuestions", "WordChains", "WordLadder", "WordSearch", "Wordle")
 """TextArena 0.7.4's games that download word lists (nltk) or call a hosted model as they start: refused."""
 MOVE = re.compile(r"\[\s*([^\]]*?)\s*\]")
 
