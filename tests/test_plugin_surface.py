@@ -106,3 +106,54 @@ def test_a_role_named_team_is_refused(tmp_path: Path) -> None:
     data["agents"]["team"] = dict(data["agents"]["solver"])
     with pytest.raises(ConfigError, match="has a role named 'team', the name the team's held-out evaluation"):
         parse_config(data)
+
+
+class _Relay:
+    """Two roles; with ``next_role``, the game it plays ends when a reply says "stop"."""
+
+    name = "relay_turns"
+    turn_order = ("a", "b", "a")
+
+
+class _Game(_Relay):
+    max_turns = 5
+
+    def next_role(self, task, transcript):
+        if transcript and transcript[-1].text == "stop":
+            return None
+        return task["next"] if transcript else "a"
+
+
+def test_whose_turn_is_one_rule_fixed_order_or_the_games_cut_at_max_turns() -> None:
+    from marl_pipeline.environment import Turn
+    from marl_pipeline.stages.rollout import next_turn
+
+    fixed, transcript = _Relay(), []
+    while (role := next_turn(fixed, {}, transcript)) is not None:
+        transcript.append(Turn(role, "x"))
+    assert [turn.role for turn in transcript] == ["a", "b", "a"] and hooks_of(fixed).max_turns == 3
+    game, played = _Game(), []
+    while (role := next_turn(game, {"next": "b"}, played)) is not None:
+        played.append(Turn(role, "go"))
+    assert [turn.role for turn in played] == ["a", "b", "b", "b", "b"]  # cut at max_turns, not turn_order's 3
+    assert next_turn(game, {"next": "b"}, [Turn("a", "stop")]) is None  # the game ended it
+    with pytest.raises(ValueError, match=r"_Game.next_role named 'c' after 1 turns; the roles are \['a', 'b'\]"):
+        next_turn(game, {"next": "c"}, [Turn("a", "go")])
+
+
+def test_a_game_without_a_turn_to_cut_at_is_refused(tmp_path: Path) -> None:
+    class Endless(_Game):
+        name = "endless_turns"
+        max_turns = 0
+        Options = BaseModel
+
+        def sample_tasks(self, rng, count): ...
+        def render_prompt(self, role, task, transcript): ...
+        def execute(self, task, transcript): ...
+        def score(self, task, transcript, results): ...
+
+    register_environment(Endless)
+    data = {"run": "r", "store": str(tmp_path), "environment": {"name": "endless_turns"},
+            "agents": {"a": {"warmup": {"steps": 0}}, "b": {"warmup": {"steps": 0}}}}
+    with pytest.raises(ConfigError, match="decides its turns \\(next_role\\) and cuts an episode at max_turns 0"):
+        parse_config(data)

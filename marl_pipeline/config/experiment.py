@@ -221,6 +221,9 @@ def parse_config(data: dict[str, Any], source: str = "<dict>", layouts: bool = T
     if answering not in roles:
         raise ConfigError(f"invalid config {source}:\n  environment: {config.environment.name!r} gives the team's "
                           f"answer to role {answering!r} (answering_role), which it does not have; roles {list(roles)}")
+    if hooks_of(env_class).next_role is not None and (turns := hooks_of(env_class).max_turns) < 1:
+        raise ConfigError(f"invalid config {source}:\n  environment: {config.environment.name!r} decides its turns "
+                          f"(next_role) and cuts an episode at max_turns {turns}; it must be 1 or more")
     if config.pipeline.rollout.rebalance_replicas:
         asks = {name: (agent.engine.num_cpus, agent.engine.num_gpus) for name, agent in config.agents.items()}
         if len(set(asks.values())) > 1:
