@@ -355,3 +355,14 @@ def test_each_agents_lag_behind_the_step_by_hand() -> None:
     assert (verifier["staleness_max"], verifier["stale_share"]) == (0, 0.0)
     (older,) = health_table([_turn("solver", "g1", "4", [-1.0])], [], [], {"solver": 1}, {}).to_pylist()
     assert older["staleness_max"] is None and older["stale_share"] is None  # stored without the version
+
+
+def test_one_answer_to_one_prompt_is_not_one_answer_to_everything() -> None:
+    """A game's first position is the same in every episode: the same opening there is a sure move, not a collapse;
+    the same reply to every position of the second turn is."""
+    opening = [{**_turn("player_0", f"g{i}", "[4]", [-0.1], turn=0), "prompt_text": "empty board"} for i in range(4)]
+    (sure,) = health_table(opening, [], [], {"player_0": 1}, {}).to_pylist()
+    assert sure["top_answer_share"] is None
+    later = [{**_turn("player_0", f"g{i}", "[4]", [-0.1], turn=2), "prompt_text": f"board {i}"} for i in range(4)]
+    (collapsed,) = health_table(opening + later, [], [], {"player_0": 1}, {}).to_pylist()
+    assert collapsed["top_answer_share"] == 1.0

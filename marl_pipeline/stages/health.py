@@ -3,7 +3,8 @@ evaluation hooks needed): what shows one agent collapsing while the team's mean 
 
 Per agent: the share of GRPO groups whose rewards are all equal (they carry no learning signal), answer diversity
 (the share of distinct responses to one prompt and of its most frequent one, averaged over the prompts of its
-turns, and the share of its most frequent response over the whole step, in the turn where it is highest), the mean
+turns, and the share of its most frequent response over the whole step, in the turn where it is highest among the
+turns asked more than one prompt), the mean
 -log p of the sampled tokens (an unbiased estimate of the policy's token entropy at temperature 1), what the most
 frequent response earned beside the best reward any turn earned (its base rate: whether one answer to everything
 leaves reward untaken, or is simply right), response length
@@ -31,7 +32,7 @@ from marl_pipeline.store.schema import HEALTH
 if TYPE_CHECKING:
     from marl_pipeline.training.batches import StepResult
 
-ROLLOUT_COLUMNS = ["agent", "sample_id", "group_id", "turn", "response_text", "response_ids", "logprobs",
+ROLLOUT_COLUMNS = ["agent", "sample_id", "group_id", "turn", "prompt_text", "response_text", "response_ids", "logprobs",
                    "finish_reason", "status", "group_shortfall", "group_dropped", "policy_version"]
 REWARD_COLUMNS = ["agent", "sample_id", "group_id", "reward"]
 UPDATE_COLUMNS = ["agent", "tokens", "loss_sum", "clip_fraction", "mismatch_abs_logprob"]
@@ -278,10 +279,13 @@ def _group_figures(turns: list[dict]) -> dict[str, int | None]:
 
 
 def _by_turn(rows: list[dict]) -> dict[int, list[str]]:
-    turns = defaultdict(list)
+    """Each turn's responses, for the turns asked more than one prompt: a turn that answers one prompt throughout (a
+    game's first position, the same in every episode) shows a sure answer, not one answer to everything."""
+    turns, prompts = defaultdict(list), defaultdict(set)
     for row in rows:
         turns[row["turn"]].append(row["response_text"])
-    return turns
+        prompts[row["turn"]].add(row.get("prompt_text"))
+    return {turn: texts for turn, texts in turns.items() if len(prompts[turn]) > 1 or None in prompts[turn]}
 
 
 def _top_share(texts: list[str]) -> float:
