@@ -82,6 +82,7 @@ def held_out_games(store: Path, run: str, versions: dict[str, int], games: int, 
     """``player_0`` at ``versions["player_0"]`` against ``player_1`` at ``versions["player_1"]``, over ``games``."""
     import ray
 
+    from environments.games import TRAINING_SEEDS, game_task
     from environments.textarena_games import EVALUATION_SEEDS, TicTacToe
     from marl_pipeline.cluster.spawn import engine_actor
     from marl_pipeline.config import EngineConfig
@@ -94,7 +95,7 @@ def held_out_games(store: Path, run: str, versions: dict[str, int], games: int, 
         dtype="float32", seed=0) for role, version in versions.items()}
     try:
         rng = np.random.default_rng([seed, 74])
-        tasks = [{"id": f"game-{s}", "seed": int(s)} for s in EVALUATION_SEEDS + rng.integers(0, 1 << 40, games)]
+        tasks = [game_task(s) for s in EVALUATION_SEEDS + rng.integers(0, TRAINING_SEEDS, games)]
         return arm_figures(play(env, engines, tasks, seed, CONFIG["agents"]["player_0"]["algorithm"]["max_new_tokens"]))
     finally:
         for engine in engines.values():

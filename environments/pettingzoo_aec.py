@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from environments.games import outcome_reward
+from environments.games import outcome_reward, sample_game_tasks
 from marl_pipeline.environment import ActionResult, Turn
 
 FIRST_INTEGER = re.compile(r"-?\d+")
@@ -84,7 +84,7 @@ class AECGame:
             env.step(None)
 
     def sample_tasks(self, rng: np.random.Generator, count: int) -> list[dict]:
-        return [{"id": f"game-{seed}", "seed": int(seed)} for seed in rng.integers(0, 1 << 40, count)]
+        return sample_game_tasks(rng, count)
 
     def next_role(self, task: dict, transcript: list[Turn]) -> str | None:
         env, played, _ = self._replay(task, transcript)

@@ -1,5 +1,5 @@
-"""TextArena's games as teams: each seat of a TextArena game (``textarena``, the ``games`` extra) is a role, and the
-agent playing that role plays the seat.
+"""TextArena's games as teams: each seat of a TextArena game (``textarena``, the ``environments`` extra) is a role,
+and the agent playing that role plays the seat.
 
 A TextArena game is a stateful object; this plugin's hooks are pure functions of the task and the transcript, so every
 call replays the game from the task's seed and the moves so far (a move costs TextArena about 0.1 ms). The game says
@@ -7,7 +7,7 @@ whose turn it is (``next_role``: a player whose move is refused moves again, as 
 ends; an episode the game has not ended by ``max_turns`` is cut and scored a draw.
 
 - Roles: ``player_0`` .. ``player_<n-1>``, TextArena's player ids; ``player_0`` moves first. Self-play is one policy
-  in every seat (``agents.player_1.policy: player_0``), a team of separate policies one agent per seat.
+  in every seat (an agent whose ``roles:`` names them all), a team of separate policies one agent per seat.
 - Prompts: the seat's observation as the game's wrappers render it (text; the ``-train`` variants show the rules,
   the game's messages and the current board).
 - Rewards: the game's outcome, TextArena's win 1, draw 0, loss -1, mapped to 1, 0.5 and 0 (for a game of other
@@ -31,10 +31,10 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from environments.games import outcome_reward
+from environments.games import TRAINING_SEEDS, game_task, outcome_reward, sample_game_tasks
 from marl_pipeline.environment import ActionResult, EvaluationCase, Turn
 
-EVALUATION_SEEDS = 1 << 40
+EVALUATION_SEEDS = TRAINING_SEEDS
 """Held-out games' seeds start here; training draws its seeds below it."""
 NEEDS_NETWORK = ("Codenames", "Debate", "DontSayIt", "GuessWho", "Hangman", "LetterAuction", "ScenarioPlanning",
                  "SpellingBee", "TwentyQuestions", "WordChains", "WordLadder", "WordSearch", "Wordle")
@@ -46,7 +46,7 @@ def _textarena():
     try:
         import textarena
     except ImportError as error:  # the extra is not installed
-        raise ValueError("TextArena games need the textarena package: install the project's `games` extra "
+        raise ValueError("TextArena games need the textarena package: install the project's `environments` extra "
                          "(make setup does)") from error
     return textarena
 
@@ -66,6 +66,11 @@ def _check_game(game: str, players: int) -> str:
     except (AssertionError, ValueError) as error:
         raise ValueError(f"{game!r} cannot seat {players} players: {error}") from None
     return game
+
+
+def _observation_text(observation: Any) -> str:
+    """A seat's observation as text: as the game's wrappers render it, or a ``-raw`` variant's messages joined."""
+    return observation if isinstance(observation, str) else "\n".join(str(part[1]) for part in observation)
 
 
 def _new_game(game: str, players: int, seed: int):
@@ -135,8 +140,7 @@ class TextArenaGame:
         return env, played
 
     def sample_tasks(self, rng: np.random.Generator, count: int) -> list[dict]:
-        seeds = rng.integers(0, EVALUATION_SEEDS, count)
-        return [{"id": f"game-{seed}", "seed": int(seed)} for seed in seeds]
+        return sample_game_tasks(rng, count)
 
     def next_role(self, task: dict, transcript: list[Turn]) -> str | None:
         env, _ = self._replay(task, [turn.text for turn in transcript])
@@ -147,7 +151,7 @@ class TextArenaGame:
         seat, observation = env.get_observation()
         if f"player_{seat}" != role:
             raise ValueError(f"{self.game_id}: asked for {role}'s prompt, but it is player_{seat}'s move")
-        return observation if isinstance(observation, str) else "\n".join(str(part[1]) for part in observation)
+        return _observation_text(observation)
 
     def execute(self, task: dict, transcript: list[Turn]) -> list[ActionResult]:
         env, played = self._replay(task, [turn.text for turn in transcript])
@@ -201,15 +205,13 @@ class TextArenaGame:
     def legal_moves(env: Any) -> list[str]:
         """The moves the game's current observation offers (``[4]``, ``[rock]``): what its board lists as
         available, the plugin's one reading of a TextArena observation."""
-        _, observation = env.get_observation()
-        text = observation if isinstance(observation, str) else "\n".join(str(part[1]) for part in observation)
-        listed = text.rsplit("Available Moves:", 1)
+        listed = _observation_text(env.get_observation()[1]).rsplit("Available Moves:", 1)
         return [f"[{move}]" for move in MOVE.findall(listed[1].split("\n", 1)[0])] if len(listed) == 2 else []
 
     def text_corpus(self, rng: np.random.Generator, count: int) -> list[str]:
         corpus = []
         for _ in range(count):
-            seed = int(rng.integers(0, EVALUATION_SEEDS))
+            seed = int(rng.integers(0, TRAINING_SEEDS))
             transcript, env = self._random_position(rng, seed, int(rng.integers(0, 9)))
             legal = self.legal_moves(env) or ["[0]"]
             corpus.append(self.render_prompt(f"player_{env.state.current_player_id}", {"seed": seed}, transcript)
@@ -220,10 +222,10 @@ class TextArenaGame:
         """``count`` positions where ``role`` moves next, from games of seeds ``seeds`` .. ``seeds + 2**40``."""
         found = []
         while len(found) < count:
-            seed = seeds + int(rng.integers(0, EVALUATION_SEEDS))
+            seed = seeds + int(rng.integers(0, TRAINING_SEEDS))
             transcript, env = self._random_position(rng, seed, int(rng.integers(0, self.options.evaluation_moves + 1)))
             if f"player_{env.state.current_player_id}" == role:
-                found.append(({"id": f"game-{seed}", "seed": seed}, transcript, env))
+                found.append((game_task(seed), transcript, env))
         return found
 
     def warmup_examples(self, role: str, rng: np.random.Generator, count: int) -> list[tuple[str, str]]:
