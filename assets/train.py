@@ -7,6 +7,7 @@ moment it lands, so the UI's partition grid fills in live.
 
 import os
 import socket
+from typing import TYPE_CHECKING
 
 import dagster as dg
 
@@ -28,6 +29,9 @@ from assets.previews import PREVIEW_COLUMNS
 from marl_pipeline.services.figures import describe as describe_service
 from marl_pipeline.stages.health import groups_note, started_warnings
 from resources import SETUP_PREFIX, ExperimentResource, RayCluster
+
+if TYPE_CHECKING:
+    from marl_pipeline.run.events import CollapseStopped
 
 RUN_TAG = "marl/run"
 """The Dagster tag that names the training run a launch belongs to."""
@@ -148,8 +152,7 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
             _fail_dead_predecessors(context, config.run, event.plan.resumed)
             _log_start(context, config, event)
         elif isinstance(event, CollapseStopped):  # the Dagster run fails with the reason; the launch resumes later
-            raise dg.Failure(description=event.reason(), metadata={"step": event.step, "agents": ", ".join(
-                event.agents)})
+            raise collapse_failure(event)
         elif isinstance(event, RunFinished):
             launch = timeline.timeline()
             report, metadata = run_report(event, launch)
@@ -158,6 +161,12 @@ def stream_training(context: dg.OpExecutionContext, experiment: ExperimentResour
                                                       metadata={"plots": plots, **metadata}))
             return dg.Output(report, metadata=metadata)
     raise RuntimeError("the training launch ended without finishing")  # unreachable: train() raises first
+
+
+def collapse_failure(event: "CollapseStopped") -> dg.Failure:
+    """The train op's failure when a launch stops on collapse: the reason as its description, what a user reads in
+    the Dagster UI and the CLI prints."""
+    return dg.Failure(description=event.reason(), metadata={"step": event.step, "agents": ", ".join(event.agents)})
 
 
 def _fail_dead_predecessors(context: dg.OpExecutionContext, run: str, resumed: bool) -> None:

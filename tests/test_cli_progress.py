@@ -147,3 +147,30 @@ def test_the_sensor_and_marl_runs_mark_failed_a_dead_launch_without_waiting_for_
     assert "no runs" in listed.stdout  # an empty store: the command still checked Dagster's runs first
     with dg.DagsterInstance.from_config(str(home)) as instance:
         assert instance.get_run_by_id("0000dead-0000-4000-8000-00000000000d").status == dg.DagsterRunStatus.FAILURE
+
+
+def test_a_launch_stopped_on_collapse_fails_its_job_with_what_the_cli_prints(tmp_path: Path) -> None:
+    """The train op's failure on ``health.on_collapse: stop`` (issue 72.6), raised on a real Dagster instance: the
+    run fails, and what the CLI prints of it names the agent, the committed version and how to resume."""
+    from assets.cli.train import failure_messages
+    from assets.train import collapse_failure
+    from marl_pipeline.run.events import CollapseStopped
+
+    stopped = CollapseStopped("demo", 6, ["verifier top answer share 0.99 (collapsing)"])
+
+    @dg.op
+    def launch() -> None:
+        raise collapse_failure(stopped)
+
+    @dg.job
+    def train() -> None:
+        launch()
+
+    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
+        result = train.execute_in_process(instance=instance, raise_on_error=False)
+        assert not result.success
+        assert instance.get_run_by_id(result.run_id).status == dg.DagsterRunStatus.FAILURE
+    (message,) = failure_messages(result)
+    assert message == stopped.reason()
+    assert message.startswith("run 'demo' stopped after step 6 (health.on_collapse: stop): verifier top answer")
+    assert "agents.verifier.algorithm.entropy_coef" in message and "resumes from version 7" in message

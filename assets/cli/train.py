@@ -93,12 +93,8 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     result = outcome["result"]
     if not result.success:
         console.print(f"[red]train job failed[/red] (run {run_id}); see `dagster dev -w workspace.yaml`")
-        for event in result.all_events:
-            if event.is_step_failure and event.step_failure_data:
-                failure, told = event.step_failure_data, event.step_failure_data.user_failure_data
-                # a dg.Failure the op raised says what happened (health.on_collapse: stop); an error shows its trace
-                console.print(told.description if told is not None and told.description else
-                              failure.error.to_string() if failure.error else "")
+        for message in failure_messages(result):
+            console.print(message)
         raise typer.Exit(1)
     from marl_pipeline.store import ExperienceStore
 
@@ -107,6 +103,19 @@ def train(config_path: Path = typer.Argument(..., help="Experiment YAML file.", 
     print_evaluation_table(store, config.run)
     console.print(f"run {run_id} finished in {time.perf_counter() - started:.0f} s; DAGSTER_HOME={home}")
 
+
+
+def failure_messages(result) -> list[str]:
+    """What the CLI prints of a failed train job, a step failure each: a ``dg.Failure`` the op raised says what
+    happened in its own words (``health.on_collapse: stop``: which agent, what was kept, how to resume); an error
+    shows its trace."""
+    messages = []
+    for event in result.all_events:
+        if event.is_step_failure and event.step_failure_data:
+            failure, told = event.step_failure_data, event.step_failure_data.user_failure_data
+            messages.append(told.description if told is not None and told.description else
+                            failure.error.to_string() if failure.error else "")
+    return messages
 
 
 def prepare(config_path: Path = typer.Argument(..., help="Experiment YAML file.", metavar="CONFIG"),
