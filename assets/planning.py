@@ -61,6 +61,7 @@ def capacity_plan(context: dg.AssetExecutionContext, config: CapacityPlanConfig,
         "staleness": dg.MetadataValue.json({str(k): v for k, v in sorted(summary["staleness"].items())}),
         "placement": dg.MetadataValue.json(summary["placement"]),
         "busy": images_markdown({"predicted busy share": busy_png(summary["busy"])}),
+        "calibration_error": dg.MetadataValue.json(summary["calibration_error"]),
         "assumptions": dg.MetadataValue.md("\n".join(f"- {line}" for line in summary["assumptions"])),
         **extra,
     })

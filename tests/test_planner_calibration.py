@@ -99,6 +99,20 @@ def test_a_stored_launch_calibrates_the_simulation_which_replays_it(local_ray, d
     assert metadata["bound"].value == prediction.bound and "data:image/png;base64," in metadata["busy"].value
     found = metadata["search"].value  # the CLI's options, through the same plan_capacity
     assert found and found[0]["step_seconds"] <= metadata["step_seconds"].value + 1e-9
+    # beside every prediction, the calibration run simulated again against its step time measured from the store
+    # (issue 71.6): the same simulation as above over steps 1.., and close to what its StepFinished events said
+    (checked,) = metadata["calibration_error"].value
+    assert checked["run"] == config.run
+    assert checked["predicted_s"] == pytest.approx(sum(prediction.step_seconds[1:]) / 2, rel=1e-6)
+    assert checked["measured_s"] == pytest.approx(sum(measured[1:]) / 2, rel=0.25)
+    assert checked["error"] == pytest.approx(checked["predicted_s"] / checked["measured_s"] - 1)
+    (told,) = summary["calibration_error"]  # the CLI's, with the threads profile: its own simulation
+    assert told["measured_s"] == checked["measured_s"]
+    shown = subprocess.run(
+        [sys.executable, "-m", "assets.cli", "plan", str(ROOT / "configs" / "demo.yaml"), "--calibrate",
+         str(tmp_path / "store"), "--run", config.run, "--cluster", "2"], cwd=ROOT, capture_output=True, text=True,
+        timeout=120)
+    assert shown.returncode == 0 and f"the calibration run simulated again: {config.run} " in shown.stdout
 
     refused = subprocess.run(
         [sys.executable, "-m", "assets.cli", "plan", str(ROOT / "configs" / "demo.yaml"), "--calibrate",

@@ -67,6 +67,9 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
                       style="dim", soft_wrap=True)
     console.print(f"predicted step: [bold]{summary['step_seconds']:.2f} s[/bold] "
                   f"({summary['steps_per_hour']:.0f} steps an hour); bound by {summary['bound']}")
+    console.print("the calibration run simulated again: " + "; ".join(
+        f"{one['run']} {one['predicted_s']:.2f} s against {one['measured_s']:.2f} s measured ({one['error']:+.1%})"
+        for one in summary["calibration_error"]) + " (how far to trust the prediction)")
     table = Table("actor or stage", "busy", title="busy share of the simulated time")
     for name, share in sorted(summary["busy"].items(), key=lambda item: -item[1]):
         table.add_row(name, f"{share:.0%}")

@@ -10,6 +10,7 @@ from typing import Any
 from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.planner.plan import (
     calibration,
+    calibration_error,
     describe_nodes,
     gpu_costs_for,
     planned_nodes,
@@ -40,8 +41,9 @@ def plan_capacity(config: ExperimentConfig, data: dict[str, Any], store: Experie
 
     Returns:
         A JSON-able summary: step seconds, steps an hour, each step's seconds, busy shares, the bound, staleness,
-        the placement, the costs' source, the nodes, the simulation's assumptions; ``by_length`` and ``search``
-        when asked.
+        the placement, the costs' source, the nodes, the simulation's assumptions, ``calibration_error`` (each
+        calibration run simulated again against its measured step time: how far to trust the prediction);
+        ``by_length`` and ``search`` when asked.
 
     Raises:
         ValueError: a bad option, a run without a recorded launch, costs without an agent's figures.
@@ -59,13 +61,15 @@ def plan_capacity(config: ExperimentConfig, data: dict[str, Any], store: Experie
     def costs_for(candidate: ExperimentConfig):
         return stored if gpu is None else gpu_costs_for(candidate, gpu, stored, profile, engine_profiles)
 
+    runs = [runs] if isinstance(runs, str) else list(runs)
+    checked = calibration_error(store, runs, this_machine(), stored)  # where the runs ran, as calibrated
     costs = costs_for(config)
     placement, prediction = predict(config, nodes, costs, steps)
     summary: dict[str, Any] = {
         "step_seconds": prediction.mean_step_seconds, "steps_per_hour": prediction.steps_per_hour,
         "per_step": prediction.step_seconds, "busy": prediction.busy, "bound": prediction.bound,
         "staleness": prediction.staleness, "placement": placement.summary(), "costs": costs.source,
-        "nodes": describe_nodes(nodes), "assumptions": list(prediction.assumptions)}
+        "nodes": describe_nodes(nodes), "assumptions": list(prediction.assumptions), "calibration_error": checked}
     if by_length:
         summary["by_length"] = needs_by_length(config, gpu)
     if search:

@@ -98,6 +98,48 @@ def calibration(store: ExperienceStore, run: str | list[str], nodes: list[dict[s
     return calibrate(store, run, agent_threads(plan_placement(config, nodes)), cores, threads)
 
 
+def measured_step_seconds(store: ExperienceStore, run: str) -> tuple[float, int, int]:
+    """Run ``run``'s newest launch's mean step time over its steps after the first, as ``StepFinished.seconds``
+    reports it (each step from the previous one's end), read from the store: a step ends where its last micro-batch
+    of any agent was trained, and the publish after it is the same few tenths each step. With the launch's first
+    and last step.
+
+    Raises:
+        ValueError: no recorded launch, or fewer than two steps trained in the newest one.
+    """
+    launches, _ = launch_history(store, run)
+    if not launches:
+        raise ValueError(f"run {run!r} has no recorded launch in {store.config.uri}")
+    first, last = launches[-1]["first_step"], launches[-1]["last_step"]
+    updates = store.read_stage(run, "policy_updates", columns=["step", "stage_ended"]).to_pylist()
+    ends = {}
+    for row in updates:
+        if first <= row["step"] <= last and row["stage_ended"] is not None:
+            ends[row["step"]] = max(ends.get(row["step"], row["stage_ended"]), row["stage_ended"])
+    trained = sorted(ends)
+    if len(trained) < 2:
+        raise ValueError(f"run {run!r}'s newest launch trained {len(trained)} step(s): a step time needs two")
+    seconds = (ends[trained[-1]] - ends[trained[0]]).total_seconds() / (len(trained) - 1)
+    return seconds, trained[0], trained[-1]
+
+
+def calibration_error(store: ExperienceStore, runs: list[str], nodes: list[dict[str, float]],
+                      costs: Costs) -> list[dict]:
+    """How far the simulation, with ``costs``, lands from the runs they were fitted from: each run's newest launch
+    planned again as it ran (its recorded config on ``nodes``) and simulated over its steps, its mean step time after
+    the first against the measured one. A user's first sign of how far to trust a prediction."""
+    found = []
+    for run in runs:
+        measured, first, last = measured_step_seconds(store, run)
+        launches, configs = launch_history(store, run)
+        config = parse_config(configs[launches[-1]["config"]])
+        simulated = predict(config, nodes, costs, last - first + 1)[1].step_seconds[1:]
+        predicted = sum(simulated) / len(simulated)
+        found.append({"run": run, "predicted_s": predicted, "measured_s": measured,
+                      "error": predicted / measured - 1})
+    return found
+
+
 def predict(config: ExperimentConfig, nodes: list[dict[str, float]], costs: Costs,
             steps: int | None = None) -> tuple[PlacementPlan, Prediction]:
     """The experiment's placement plan on ``nodes`` and its simulated steps.
