@@ -18,13 +18,14 @@ class CapacityPlanConfig(dg.Config):
     """The stored runs (in the experiment's store) to take costs from, each figure their mean; empty: the
     experiment's own run."""
     threads_profile: str = ""
-    """What a trainer's threads buy on these CPUs (``bench/trainer_threads.py --out``'s file); empty: linear."""
+    """What a trainer's threads buy on these CPUs (``marl profile threads``' file); empty: linear."""
     gpu: str = ""
     """A GPU kind (h100, h200, a100): engine and trainer costs from a roofline on it, the workload from the run."""
     profile: str = ""
-    """With ``gpu``: the trainers' MFU from this ``bench/gpu_trainer.py --rl`` output instead of the roofline's."""
+    """With ``gpu``: the trainers' MFU from this ``bench/engines/gpu_trainer.py --rl`` output instead of the
+    roofline's."""
     engine_profiles: dict[str, str] = Field(default_factory=dict)
-    """With ``gpu``: agent -> ``bench/engine_profile.py``'s output, that agent's engine costs, not the roofline's."""
+    """With ``gpu``: agent -> ``marl profile engine``'s output, that agent's engine costs, not the roofline's."""
     by_length: bool = False
     """With ``gpu``: each agent's engine tensor parallelism and trainer workers by range of context length."""
     search: bool = False

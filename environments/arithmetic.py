@@ -191,7 +191,7 @@ class ArithmeticCheck:
 
 class ArithmeticSolo(ArithmeticCheck):
     """The solver of ``arithmetic_check`` alone, with its tasks, reward, warm-up and held-out cases: the single-agent
-    baseline that says what the verifier adds (bench/seeds.py over both configs)."""
+    baseline that says what the verifier adds (bench/learning/seeds.py over both configs)."""
 
     name = "arithmetic_solo"
     turn_order = ("solver",)

@@ -8,7 +8,7 @@ multiplier for the right product of the sum it was shown), and the team's answer
 
 ``arithmetic_chain_solo`` is the one agent doing the whole task (``(a+b)*c=``: the product, in one answer), with
 the same tasks, the same kind of warm-up teacher and the same held-out cases, and its own majority over the same
-number of episodes as its team answer: bench/team.py's single arm (issue 72.4).
+number of episodes as its team answer: bench/learning/team.py's single arm (issue 72.4).
 
 Warm-up, as the demo's (environments/arithmetic.py): a teacher that knows a fixed half of each table (by a hash of
 the question) and guesses on the rest, so that version 0 knows the format and part of the answers and RL finds the

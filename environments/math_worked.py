@@ -243,7 +243,7 @@ class MathChatWorked(MathChat):
         """``warmup_turns: verdict``: the verdict examples' workings are the verifier's own replies to the question
         (``replies``: sampled from it as rollout samples), so it learns to compare the answers it gives. On the
         noisy teacher's bare numbers instead, SmolLM2's held-out verdicts followed its own working 9% of the time,
-        against 91% (bench/verdict_cold_start.py, BENCHMARKS.md). Otherwise None: ``warmup_examples``."""
+        against 91% (bench/learning/verdict_cold_start.py, BENCHMARKS.md). Otherwise None: ``warmup_examples``."""
         if role != "verifier" or self.options.warmup_turns != "verdict":
             return None
         tasks = self.sample_tasks(rng, count)

@@ -125,3 +125,17 @@ def test_the_planner_simulates_the_orchestrators_rules_by_calling_them() -> None
                     and not re.fullmatch(r"route|routes\[.*\]", ast.unparse(node.func.value))):
                 found.append(f"{path.name}:{node.lineno} calls {ast.unparse(node.func)}")
     assert not found, found
+
+
+def test_bench_is_topic_folders_of_modules_each_mapped_to_its_benchmarks_section() -> None:
+    """bench/ (issue 71.4): every script in a topic folder, run as a module from the repository root (``python -m
+    bench.<topic>.<script>``), so none edits ``sys.path`` to find another; each named in bench/README.md; and the
+    baselines the tests compare with live in tests/."""
+    scripts = [path for path in (ROOT / "bench").rglob("*.py") if path.name != "__init__.py"]
+    assert [str(path.relative_to(ROOT)) for path in scripts if path.parent == ROOT / "bench"] == []
+    assert [str(path.relative_to(ROOT)) for path in scripts if "sys.path" in path.read_text()] == []
+    readme = (ROOT / "bench" / "README.md").read_text()
+    unnamed = [path for path in scripts if f"`{path.relative_to(ROOT / 'bench')}`" not in readme]
+    assert [str(path.relative_to(ROOT)) for path in unnamed] == []
+    assert not re.search(r"^\s*(from|import) bench\b", "".join(
+        path.read_text() for path in (ROOT / "tests").rglob("*.py")), re.M)  # tests import no benchmark

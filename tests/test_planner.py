@@ -189,6 +189,34 @@ def test_an_engine_profile_replaces_the_roofline_for_its_agent(demo_config_data:
         engine_profile(path)
 
 
+@pytest.mark.launch
+def test_marl_profile_engine_measures_a_profile_the_planner_fits(tiny_model_dir, tmp_path) -> None:
+    """`marl profile engine` on the tiny model with bare vLLM: every decode point of a context below the limit and
+    the prefill points, in the format planner/engine_profile.py fits."""
+    import os
+    import subprocess
+    import sys
+
+    from marl_pipeline.planner.engine_profile import engine_profile
+    from tests.conftest import ROOT
+
+    path = tmp_path / "engine.json"
+    result = subprocess.run([sys.executable, "-m", "assets.cli", "profile", "engine", "--model", str(tiny_model_dir),
+                             "--out", str(path), "--max-model-len", "200", "--decode-tokens", "4", "--reps", "1",
+                             "--gpu-memory-utilization", "0.08"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"written to {path}" in result.stdout
+    import json
+
+    written = json.loads(path.read_text())
+    assert {(point["batch"], point["context"]) for point in written["decode"]} == {
+        (batch, context) for batch in (1, 8, 32, 64) for context in (64, 128)}
+    assert [point["tokens"] for point in written["prefill"]] == [199 * 5, 199 * 20, 199 * 41]
+    costs = engine_profile(path)
+    assert costs.step > 0 and costs.per_prompt_token > 0
+
+
 def test_the_calibration_counts_the_cores_a_trainer_call_had_and_a_swapped_workers_calls_in_turn() -> None:
     """Three one-thread trainers on 2 cores take a micro-batch's calls at once: each call had 2/3 of a core, so its
     seconds are 2/3 core-seconds; two agents on one swapped worker take theirs in turn, so the train stage's span

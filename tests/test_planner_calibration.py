@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +67,7 @@ def test_a_stored_launch_calibrates_the_simulation_which_replays_it(local_ray, d
     # a sanity bound on the in-sample fit, not a speed goal (BENCHMARKS.md has the validation on unseen launches)
     assert 0.5 < prediction.mean_step_seconds / (sum(measured) / len(measured)) < 2.0
 
-    profile = tmp_path / "threads.json"  # what bench/trainer_threads.py --out writes
+    profile = tmp_path / "threads.json"  # what marl profile threads writes
     profile.write_text(json.dumps({"cpu": "here", "trainer": {"1": 1.0, "2": 1.5}}))
     result = subprocess.run(
         [sys.executable, "-m", "assets.cli", "plan", str(ROOT / "configs" / "demo.yaml"), "--calibrate",
@@ -113,6 +115,17 @@ def test_a_stored_launch_calibrates_the_simulation_which_replays_it(local_ray, d
          str(tmp_path / "store"), "--run", config.run, "--cluster", "2"], cwd=ROOT, capture_output=True, text=True,
         timeout=120)
     assert shown.returncode == 0 and f"the calibration run simulated again: {config.run} " in shown.stdout
+    # the host's crowding exponent fitted on stored launches (here the one, checked against itself): a row each
+    fitted = subprocess.run(
+        [sys.executable, "-m", "assets.cli", "profile", "crowding", str(tmp_path / "store"), "--calibrate",
+         config.run, "--run", config.run, "--grid", "0", "--grid", "0.2"], cwd=ROOT, capture_output=True, text=True,
+        timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert fitted.returncode == 0, fitted.stdout + fitted.stderr
+    assert re.search(r"fit: crowding (0|0\.2) \(least root mean square error\)", fitted.stdout), fitted.stdout
+    refused = subprocess.run(
+        [sys.executable, "-m", "assets.cli", "profile", "crowding", str(tmp_path / "store"), "--calibrate",
+         config.run, "--run", config.run, "--grid", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "crowding exponents [3.0]" in refused.stdout
 
     refused = subprocess.run(
         [sys.executable, "-m", "assets.cli", "plan", str(ROOT / "configs" / "demo.yaml"), "--calibrate",

@@ -8,11 +8,11 @@ import copy
 import pyarrow as pa
 import pytest
 
-from bench.round_robin import RoundRobinRouter
 from marl_pipeline.cluster.placement import PlacementError, plan_placement
 from marl_pipeline.config import ConfigError, parse_config
 from marl_pipeline.inference.router import NoReplica, Router, split_replicas
 from marl_pipeline.stages.rollout import token_demand
+from tests.round_robin import RoundRobinRouter
 
 
 def test_an_episode_stays_on_the_replica_that_served_its_first_turn() -> None:
@@ -79,7 +79,7 @@ def test_a_draining_replica_takes_no_new_episode_but_keeps_its_own() -> None:
 
 
 def test_the_round_robin_baseline_ignores_episodes() -> None:
-    router = RoundRobinRouter(2)  # bench/rollout.py's baseline
+    router = RoundRobinRouter(2)  # bench/pipeline/rollout.py's baseline
     assert [router.acquire("a") for _ in range(4)] == [0, 1, 0, 1]
     assert router.outstanding() == [2, 2]
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.turn_batched import rollout_micro_batch  # the baseline the trajectory rollout is compared with
 from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig, GRPOAdvantage, RolloutConfig
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine
@@ -23,6 +22,7 @@ from marl_pipeline.store.inspection import inspect_run
 from marl_pipeline.store.schema import with_stage_timing
 from marl_pipeline.store.summaries import stage_summary
 from tests.timed_replies import ChosenReplies, TimedReplies
+from tests.turn_batched import rollout_micro_batch  # the baseline the trajectory rollout is compared with
 
 SLOW_REPLY_S = 1.5  # far above a fast episode's turn (milliseconds), short for the suite
 

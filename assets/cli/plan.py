@@ -23,13 +23,14 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
          gpu: str | None = typer.Option(None, help="GPUs of this kind (h100, h200, a100): engine and trainer costs "
                                                    "from their stated figures and the models' shapes (a roofline), "
                                                    "the workload from the stored run."),
-         profile: str | None = typer.Option(None, help="With --gpu: the trainers' MFU from this bench/gpu_trainer.py "
-                                                       "--rl output instead of the roofline's default."),
+         profile: str | None = typer.Option(None, help="With --gpu: the trainers' MFU from this "
+                                                       "bench/engines/gpu_trainer.py --rl output instead of the "
+                                                       "roofline's default."),
          threads_profile: str | None = typer.Option(None, "--threads-profile", help="What a trainer's threads buy "
-                                                     "on these CPUs (bench/trainer_threads.py --out's file), in "
+                                                     "on these CPUs (marl profile threads' file), in "
                                                      "place of a linear speed-up."),
          engine_profiles: list[str] = typer.Option([], "--engine-profile", help="With --gpu: AGENT=FILE, that "
-                                                   "agent's engine costs from bench/engine_profile.py's output "
+                                                   "agent's engine costs from marl profile engine's output "
                                                    "instead of the roofline (repeatable)."),
          by_length: bool = typer.Option(False, "--by-length", help="With --gpu: each agent's engine tensor "
                                                                   "parallelism and trainer workers by range of "

@@ -1,12 +1,11 @@
 """An agent's trainer in its engine's process (``agents.<a>.hybrid``), as verl's hybrid engine holds its actor and
 its rollout in one worker.
 
-Why: start-up is CPU-bound on a small machine, and a trainer process of its own pays torch's and transformers'
-imports that its engine's process has already paid for vLLM. One process per agent saves them. The cost: the
-engine's and the trainer's Python share one interpreter lock. Where every core is busy anyway (the demo: two agents
-on two cores) what the engines gain the trainers lose, and the steps do not change; a trainer with a core to spare
-beside its engine loses much of its rate to the lock (bench/one_process.py). So it is a choice per agent, not the
-default.
+Why: start-up is CPU-bound on a small machine, and a trainer process of its own pays torch's and transformers' imports
+that its engine's process has already paid for vLLM. One process per agent saves them. The cost: the engine's and the
+trainer's Python share one interpreter lock. Where every core is busy anyway (the demo: two agents on two cores) what
+the engines gain the trainers lose, and the steps do not change; a trainer with a core to spare beside its engine loses
+much of its rate to the lock (bench/pipeline/one_process.py). So it is a choice per agent, not the default.
 
 The actor (:class:`AgentProcess`) is replica 0 of the agent's engines with a ``StoreTrainer`` beside the engine.
 Ray runs an asynchronous actor's calls out of order (a call whose arguments arrive first starts first), and a

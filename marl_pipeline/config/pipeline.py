@@ -65,7 +65,7 @@ class RolloutConfig(StrictModel):
 
     removed_keys: ClassVar[dict[str, str]] = {
         "mode": "pipeline.rollout.mode is gone: trajectory-level rollout is the one rollout (the turn-batched "
-                "baseline is bench/turn_batched.py); remove the key"}
+                "baseline is tests/turn_batched.py); remove the key"}
     episode_timeout_s: float | None = Field(None, gt=0)
     """Cut an episode still running this long after its micro-batch started (stored failed); None: no limit."""
     observe_threads: int = Field(32, ge=1, le=256)

@@ -96,7 +96,7 @@ class AsyncRolloutEngine:
         """Sample a batch of ``(request id, request)`` as :meth:`generate_one` samples each; yields, as they finish,
         lists of ``(request id, Sampled or the exception that ended it)``, the requests of one engine step together.
         Call it with ``num_returns="streaming"``: one Ray call per batch instead of one per request, whose fixed cost
-        dominated a tiny model's rollout (bench/bound.py). Closing the stream (the
+        dominated a tiny model's rollout (bench/pipeline/bound.py). Closing the stream (the
         caller cancelled it) aborts the requests still running."""
         prepared, failed = [], []
         for request_id, request in batch:

@@ -33,8 +33,8 @@ def plan_capacity(config: ExperimentConfig, data: dict[str, Any], store: Experie
         cluster: ``NODESxCPUS[:GPUS]``; None: the Ray cluster at ``ray.address`` (or ``RAY_ADDRESS``), else this
             machine's CPUs.
         steps: steps to simulate (None: the experiment's).
-        gpu, profile, engine_profiles: GPUs of this kind, the trainers' MFU from ``bench/gpu_trainer.py --rl``'s output,
-            agents' engines from measured profiles (planner/plan.py's ``gpu_costs_for``).
+        gpu, profile, engine_profiles: GPUs of this kind, the trainers' MFU from ``bench/engines/gpu_trainer.py
+            --rl``'s output, agents' engines from measured profiles (planner/plan.py's ``gpu_costs_for``).
         threads_profile: what a trainer's threads buy on these CPUs (planner/threads.py), in place of linear.
         by_length: with ``gpu``, each agent's engine parallelism and trainer workers by range of context length.
         search: try allocations and list the best few with the settings that make each.

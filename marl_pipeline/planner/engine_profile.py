@@ -1,5 +1,6 @@
-"""An engine's measured costs: vLLM's decode step by batch and context length, and its prefill by tokens, as
-``bench/engine_profile.py`` writes them; fitted into the simulation's ``EngineCosts`` in place of a roofline.
+"""An engine's measured costs: vLLM's decode step by batch and context length, and its prefill by tokens, as ``marl
+profile engine`` writes them (planner/profiling.py); fitted into the simulation's ``EngineCosts`` in place of a
+roofline.
 
 The format (JSON)::
 

@@ -170,8 +170,8 @@ def gpu_costs_for(config: ExperimentConfig, gpu_name: str, workload: Costs, prof
                   engine_profiles: dict[str, str] | None = None) -> Costs:
     """The experiment's costs on GPUs of ``gpu_name`` (planner/profiles.py): each agent's model shape from its
     ``config.json``, its engines' tensor parallelism and trainer workers as configured, the trainers' MFU from a
-    measured ``profile`` (``bench/gpu_trainer.py --rl``'s output) or the roofline's default, an agent's engine from
-    its measured profile (``engine_profiles``: agent -> ``bench/engine_profile.py``'s output) or the roofline; the
+    measured ``profile`` (``bench/engines/gpu_trainer.py --rl``'s output) or the roofline's default, an agent's engine
+    from its measured profile (``engine_profiles``: agent -> ``marl profile engine``'s output) or the roofline; the
     workload (episodes) and the stages around the engines and trainers from a stored run's ``workload``. The
     costs' ``source`` says which each came from.
 

@@ -3,7 +3,7 @@
 (``threads`` unless measured, planner/threads.py); while the busy threads of the node exceed its cores, every job
 slows in proportion (processor sharing, which is what the OS scheduler gives OpenMP threads beyond the cores), and
 with ``crowding`` > 0 each core-second held also does less work, ``(cores / threads) ** crowding`` of it: what time
-slicing more threads than cores costs on a host (switches, cold caches, late wake-ups), fitted by bench/crowding.py.
+slicing more threads than cores costs on a host (switches, cold caches, late wake-ups), fitted by marl profile crowding.
 
 Written here: simpy's resources queue jobs whole (a ``Resource`` serves one at a time, a ``Container`` holds
 amounts) and none shares a capacity among running jobs at changing rates.

@@ -1,6 +1,6 @@
 """An actor's threads: those the calibration run gave it (``AgentThreads``), the share of the node's cores its trainer
 calls had (``core_shares``), and what more threads buy a trainer (``ThreadScaling``), measured by
-``bench/trainer_threads.py --out`` rather than taken as linear: work of W seconds on one thread takes
+``marl profile threads`` rather than taken as linear: work of W seconds on one thread takes
 ``W / speedup(T)`` on T free cores and keeps all T busy meanwhile (the threads spin while the ops divide badly). On the
 planner bench's tiny model a second thread buys 1.5x, not 2x (BENCHMARKS.md, planner-error).
 
@@ -11,7 +11,7 @@ The format (JSON)::
 Thread counts beyond the profile's largest keep its efficiency (speed-up per thread); without a profile the speed-up
 is the thread count (the simulation's linear assumption, stated with the prediction). ``crowding`` (optional, 0 when
 absent): how much work a node's threads lose while more of them run than it has cores (planner/shared_cores.py), a
-host's figure that bench/crowding.py fits from launches of several layouts.
+host's figure that marl profile crowding fits from launches of several layouts.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class ThreadScaling:
 
 
 def thread_profile(path: str | Path) -> ThreadScaling:
-    """The trainer speed-ups a ``bench/trainer_threads.py --out`` profile measured, and its crowding exponent.
+    """The trainer speed-ups a ``marl profile threads`` profile measured, and its crowding exponent.
 
     Raises:
         ValueError: the file is not such a profile, its speed-ups do not start at one thread, skip a count, or are
@@ -74,7 +74,7 @@ def thread_profile(path: str | Path) -> ThreadScaling:
         measured = {int(threads): float(speedup) for threads, speedup in entries}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"thread profile {path}: expected JSON with a \"trainer\" object of thread count -> speed-up "
-                         f"over one thread, as bench/trainer_threads.py --out writes ({type(error).__name__}: "
+                         f"over one thread, as marl profile threads writes ({type(error).__name__}: "
                          f"{error})") from None
     counts = sorted(measured)
     if not counts or counts != list(range(1, len(counts) + 1)):
@@ -85,7 +85,7 @@ def thread_profile(path: str | Path) -> ThreadScaling:
     crowding = data.get("crowding", 0.0)
     if isinstance(crowding, bool) or not isinstance(crowding, (int, float)) or not 0 <= crowding <= 2:
         raise ValueError(f"thread profile {path}: crowding {crowding!r} is not a number from 0 to 2 (the exponent "
-                         f"bench/crowding.py fits; 0: no loss beyond the cores)")
+                         f"marl profile crowding fits; 0: no loss beyond the cores)")
     return ThreadScaling(tuple(measured[threads] / measured[1] for threads in counts), str(path), float(crowding))
 
 

@@ -124,7 +124,7 @@ def next_turn(env: Environment, task: Task, transcript: list[Turn]) -> str | Non
 
 def turn_seeds(seed: int, key: MicroBatchKey, turn: int, episodes: int) -> list[int]:
     """Each episode's seed for one turn: a function of (run seed, step, micro-batch, turn, episode) only, never of
-    when the request runs (bench/turn_batched.py's baseline sends the same seeded requests) nor of how many
+    when the request runs (tests/turn_batched.py's baseline sends the same seeded requests) nor of how many
     episodes there are (``generate_state``'s first m words are the same for any longer state)."""
     state = np.random.SeedSequence([seed, key.step, key.micro_batch, turn]).generate_state(episodes)
     return [int(s) for s in state]

@@ -7,7 +7,7 @@ at each step (inference/async_engine.py). A reply (``observe``) runs on a driver
 pool when it costs real time (``pipeline.rollout.observe_on``). The micro-batch is committed once every
 episode has finished, or been cut at ``pipeline.rollout.episode_timeout_s``.
 
-What a stored micro-batch keeps, compared with the turn-batched baseline (bench/turn_batched.py), for the same
+What a stored micro-batch keeps, compared with the turn-batched baseline (tests/turn_batched.py), for the same
 weights: the same tasks, prompts and seeded requests (each request's seed is a function of run seed, step,
 micro-batch, turn and episode, never of timing), and the same rows in the same order. vLLM's seeded sampling
 draws each request's tokens from its own generator, so a request's tokens do not depend on which other requests
@@ -340,7 +340,7 @@ class _Batches:
     """Requests to an engine replica go in batches: those submitted in one turn of the event loop (a micro-batch's
     first turns, or the turns whose previous ones finished in one engine step) are one streaming call
     (``AsyncRolloutEngine.generate_stream``), and each request's future is settled as its result streams back: a Ray
-    call per request would cost more than a tiny model's turn (bench/bound.py)."""
+    call per request would cost more than a tiny model's turn (bench/pipeline/bound.py)."""
 
     def __init__(self) -> None:
         self.waiting: dict[ray.actor.ActorHandle, list[tuple[str, GenerationRequest]]] = {}

@@ -27,7 +27,7 @@ ARCHITECTURES = {
                        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False),
 }
 TESTED = ("smollm2-135m", "llama-1b")
-"""The architectures the suite builds (bench/gpu_trainer.py builds any of them)."""
+"""The architectures the suite builds (bench/engines/gpu_trainer.py builds any of them)."""
 
 
 def build_model_dir(directory: Path, name: str) -> Path:

@@ -1,0 +1,1 @@
+"""Benchmarks: engines (bench/README.md maps each script to its BENCHMARKS.md section)."""

@@ -1,0 +1,1 @@
+"""Benchmarks: learning (bench/README.md maps each script to its BENCHMARKS.md section)."""

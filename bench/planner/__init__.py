@@ -1,0 +1,1 @@
+"""Benchmarks: planner (bench/README.md maps each script to its BENCHMARKS.md section)."""
