@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from environments.extras import extra
 from environments.games import TRAINING_SEEDS, game_task, outcome_reward, sample_game_tasks
 from marl_pipeline.environment import ActionResult, EvaluationCase, Turn
 
@@ -43,12 +44,7 @@ MOVE = re.compile(r"\[\s*([^\]]*?)\s*\]")
 
 
 def _textarena():
-    try:
-        import textarena
-    except ImportError as error:  # the extra is not installed
-        raise ValueError("TextArena games need the textarena package: install the project's `environments` extra "
-                         "(make setup does)") from error
-    return textarena
+    return extra("textarena", "TextArena games")
 
 
 def _check_game(game: str, players: int) -> str:
