@@ -106,7 +106,8 @@ def test_an_actors_name_is_spelled_in_one_place() -> None:
 def test_the_planner_simulates_the_orchestrators_rules_by_calling_them() -> None:
     """planner/ calls the rules the run schedules by (issue 71.3): it never routes an episode or syncs a replica by
     hand (the router's bookkeeping only through ``EpisodeRoute`` and ``rolling_sync``), and defines no function of
-    the rules' names (the staleness gate, who learns, when a sync is due: run/queues.py)."""
+    the rules' names (the staleness gate, who learns, when a sync is due: run/queues.py), nor keeps a step clock of
+    its own (``StepClock``)."""
     import ast
 
     from marl_pipeline.run import queues
@@ -124,7 +125,12 @@ def test_the_planner_simulates_the_orchestrators_rules_by_calling_them() -> None
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in bookkeeping
                     and not re.fullmatch(r"route|routes\[.*\]", ast.unparse(node.func.value))):
                 found.append(f"{path.name}:{node.lineno} calls {ast.unparse(node.func)}")
+            if isinstance(node, ast.Assign) and any(  # the step clock's state kept by hand (queues.StepClock)
+                    isinstance(target, ast.Attribute) and target.attr in {"last_end", "step_started"}
+                    for target in node.targets):
+                found.append(f"{path.name}:{node.lineno} keeps a step clock of its own")
     assert not found, found
+    assert "StepClock()" in (ROOT / "marl_pipeline" / "planner" / "simulate.py").read_text()
 
 
 def test_bench_is_topic_folders_of_modules_each_mapped_to_its_benchmarks_section() -> None:

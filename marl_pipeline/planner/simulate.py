@@ -25,7 +25,7 @@ from marl_pipeline.inference.router import EpisodeRoute, Router, rolling_sync
 from marl_pipeline.planner.costs import Costs, Turn
 from marl_pipeline.planner.replica import Busy, EngineReplica
 from marl_pipeline.planner.shared_cores import SerialWork, SharedCores
-from marl_pipeline.run.queues import StepBarrier, gate_open, learners, sync_due
+from marl_pipeline.run.queues import StepBarrier, StepClock, gate_open, learners, sync_due
 from marl_pipeline.store import MicroBatchKey
 
 ASSUMPTIONS = (
@@ -136,9 +136,8 @@ class _Simulation:
         self.decisions: list[Decision] = []
         self.tokens: dict[tuple[int, int], dict[str, int]] = defaultdict(lambda: dict.fromkeys(self.agents, 0))
         self.released: dict[int, float] = {}
-        self.step_started: dict[int, float] = {}
         self.step_seconds: list[float] = []
-        self.last_end: float | None = None
+        self.clock = StepClock()  # the orchestrator's: each step from the previous one's end
         self.episode_counter = 0
         self.driver_per_turn = {agent: costs.driver_per_turn + costs.driver_per_message * costs.messages_per_turn
                                 * len(replicas) for agent, replicas in self.engines.items()}  # planner/cpu.py
@@ -176,7 +175,7 @@ class _Simulation:
         for step in range(self.steps):
             while not gate_open(self.served, step, self.staleness):
                 yield self.served_changed
-            self.released[step] = self.step_started.setdefault(step, self.env.now)
+            self.released[step] = self.clock.start(step, self.env.now)
             for mb in range(self.pipeline.micro_batches_per_step):
                 self.busy["rollouts"].start()
                 yield self.env.process(self._rollout(step, mb))
@@ -281,9 +280,7 @@ class _Simulation:
             yield self.env.timeout(costs.commit)  # the save the trainer ran meanwhile, the commit after it
             self.committed[agent] = step + 1
             if min(self.committed.values()) > step and len(self.step_seconds) == step:
-                start = self.last_end if self.last_end is not None else self.step_started[step]
-                self.step_seconds.append(self.env.now - start)
-                self.last_end = self.env.now
+                self.step_seconds.append(self.clock.finish(step, self.env.now)[0])
 
     def _replica(self, spec: ActorSpec, costs: Costs) -> EngineReplica:
         """An engine spec's replica: a hybrid agent's engine part, on the cores the plan put its process on."""

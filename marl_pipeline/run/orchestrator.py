@@ -54,6 +54,7 @@ from marl_pipeline.run.queues import (
     PendingStep,
     Stage,
     StepBarrier,
+    StepClock,
     gate_open,
     get_until_stopped,
     learners,
@@ -111,8 +112,7 @@ class Orchestrator:
         self._broadcast = config.ray.weight_sync == "broadcast"
         self._served_changed = threading.Condition()
         self._ready_at: dict[tuple[str, MicroBatchKey], float] = {}
-        self._step_started: dict[int, float] = {}
-        self._last_step_end: float | None = None  # when the previous StepFinished was put (None: none yet)
+        self._clock = StepClock()  # when each step's rollout started, when the previous StepFinished was put
         # Per step, per agent stepped here: its trainer's figures of the optimizer step (health's TRAINER_SIGNALS).
         self._trained: dict[int, dict[str, dict[str, float]]] = defaultdict(dict)
         self.handover = GpuHandover(config, workers.engines, workers.trainers)  # engine and trainer sharing GPUs
@@ -179,7 +179,7 @@ class Orchestrator:
         for step in self.steps():
             if not self._wait_until_served(step) or step > self.last_step:
                 return  # the run stopped (the gate never opened: this step must not be sampled), or ends before it
-            self._step_started.setdefault(step, time.time())
+            self._clock.start(step, time.time())
             if self.config.pipeline.rollout.rebalance_replicas and step > 0:
                 self._rebalance_replicas(step - 1)
             for key in self.keys(step):
@@ -336,15 +336,13 @@ class Orchestrator:
 
     def _step_finished(self, step: int, fallback_start: float) -> StepFinished:
         with self._served_changed:  # publishers of several agents may finish steps at once
-            now, first_rollout = time.time(), self._step_started.get(step, fallback_start)
-            since = now - (self._last_step_end if self._last_step_end is not None else first_rollout)
-            self._last_step_end = now
+            since, span = self._clock.finish(step, time.time(), fallback_start)
         versions = {agent: step + 1 for agent in self.config.agents}  # step s makes version s + 1
         signals = health.commit_step_health(self.recent, self.config.run, step, versions, self._trained.pop(step, {}),
                                             self.micro_batches)
         services = commit_step_services(self.recent, self.config.run, step, self.workers.services)
         self.recent.flush()  # the collapse check reads the store's health partitions
-        return StepFinished(step, mean_rewards(self.recent, self.keys(step)), since, now - first_rollout,
+        return StepFinished(step, mean_rewards(self.recent, self.keys(step)), since, span,
                             health.signals_by_agent(signals),
                             health.stored_collapse(self.store, self.config.run, step, self.config.health), services)
 

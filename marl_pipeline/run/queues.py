@@ -1,7 +1,8 @@
 """The queues between the orchestrator's stages and what crosses them: blocking puts and gets that give up once the
 run stops (a stage that failed elsewhere must not leave the others blocked for ever), a stage as the orchestrator
-runs it, an agent's step from the train thread to its publisher, the step barrier of synchronous mode and the
-staleness gate. The planner's simulation (marl_pipeline/planner/) runs the same barrier and gate."""
+runs it, an agent's step from the train thread to its publisher, the step barrier of synchronous mode, the
+staleness gate and the step clock. The planner's simulation (marl_pipeline/planner/) runs the same barrier, gate and
+clock."""
 
 from __future__ import annotations
 
@@ -111,6 +112,29 @@ class StepBarrier:
             if len(self.done[key.step]) < self.micro_batches:
                 return []
             return sorted(self.done.pop(key.step))
+
+
+class StepClock:
+    """A launch's step times as ``StepFinished`` reports them: each step's seconds since the previous step finished
+    (the first step's: since its first rollout), and its span from its own first rollout. Given the times, not
+    reading a clock: the orchestrator gives it the wall clock's, the planner's simulation its simulated ones. Callers
+    that finish steps from several threads hold their own lock around it."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, float] = {}
+        self.last_end: float | None = None
+
+    def start(self, step: int, now: float) -> float:
+        """The step's rollout starts at ``now`` unless it started already; when it started."""
+        return self.started.setdefault(step, now)
+
+    def finish(self, step: int, now: float, fallback_start: float | None = None) -> tuple[float, float]:
+        """The step finished at ``now``: its seconds since the previous step finished and its span (a step never
+        started here counts from ``fallback_start``, else from ``now``)."""
+        first = self.started.get(step, now if fallback_start is None else fallback_start)
+        since = now - (self.last_end if self.last_end is not None else first)
+        self.last_end = now
+        return since, now - first
 
 
 def start_threads(name: str, workers: int, target: Callable[[], None], events: queue.Queue, done: object,
