@@ -151,7 +151,8 @@ def test_a_hybrid_agents_process_reports_engine_and_trainer_apart_and_its_traine
     config = parse_config(data)
     store = ExperienceStore(tmp_path / "store")
     shutil.copytree(tiny_model_dir, store.policy_dir(config.run, "solver", 0))
-    trainer = start_trainers(plan_on_ray(config), store, {"solver": 0})["solver"]  # the agent's process
+    placement = plan_on_ray(config)
+    trainer = start_trainers(placement, store, {"solver": 0})["solver"]  # the agent's process
     process = trainer.actor
     try:
         def on_trainer_lane(function, *args):  # as the trainer's calls run: on its training lane's thread
@@ -159,7 +160,7 @@ def test_a_hybrid_agents_process_reports_engine_and_trainer_apart_and_its_traine
                 lambda self: self._lanes["train"].thread.submit(function, *args).result()))
 
         assert on_trainer_lane(torch.get_num_threads) == 1  # engine and trainer share 2 cores
-        split = CoreSplit.for_run(config, {}, {"solver": trainer})
+        split = CoreSplit.for_run(placement, {}, {"solver": trainer})
         split.actors["solver/engine/0"] = process  # the engine's part of the same process
         assert split.movable == {"solver/trainer"}
         split.after_step()

@@ -48,7 +48,7 @@ def test_an_agents_own_settings_replace_the_experiments_and_the_rest_stay(demo_c
     assert config.advantages() == {"solver": GRPOAdvantage(), "verifier": RLOOAdvantage()}
     assert config.dropping_zero_advantage_groups() == {"verifier"}
     # the trainers' options, each cut from its own agent's settings
-    solver_options, verifier_options = trainer_options(config, "solver"), trainer_options(config, "verifier")
+    solver_options, verifier_options = (trainer_options(config.agent_slice(a)) for a in ("solver", "verifier"))
     assert (solver_options["clip_eps"], solver_options["kl_coef"], solver_options["reference_dir"]) == (0.3, 0.0, None)
     assert (verifier_options["clip_eps"], verifier_options["kl_coef"], verifier_options["reference_dir"],
             verifier_options["entropy_coef"], verifier_options["loss_normalization"], verifier_options["tis_cap"]

@@ -166,7 +166,7 @@ def test_trainer_options_carry_the_algorithm_and_precision(demo_config_data: dic
     from marl_pipeline.config import parse_config
 
     default = parse_config({**demo_config_data, "store": str(tmp_path / "store")})
-    options = trainer_options(default, "solver")
+    options = trainer_options(default.agent_slice("solver"))
     assert (options["kl_coef"], options["reference_dir"], options["entropy_coef"], options["tis_cap"]) == (
         0.0, None, 0.0, None)
     assert (options["loss_normalization"], options["dtype"]) == ("token", "float32")
@@ -175,7 +175,7 @@ def test_trainer_options_carry_the_algorithm_and_precision(demo_config_data: dic
     config = parse_config({**demo_config_data, "store": str(tmp_path / "store"), "agents": agents,
                            "algorithm": {"kl_coef": 0.05, "entropy_coef": 0.001, "loss_normalization": "sequence",
                                          "tis_cap": 2.0}})
-    options = trainer_options(config, "solver")
+    options = trainer_options(config.agent_slice("solver"))
     assert options["reference_dir"] == BASE_POLICY  # version 0, fetched where the trainer is built
     assert (options["kl_coef"], options["entropy_coef"], options["loss_normalization"], options["tis_cap"],
             options["dtype"]) == (0.05, 0.001, "sequence", 2.0, "auto")

@@ -228,7 +228,8 @@ def test_engine_stored_and_trainer_ids_are_the_templates_and_a_recomputation_rep
     for row, r in enumerate(by_order):
         width = int(attention_mask[row].sum())
         assert input_ids[row, :width].tolist() == r["prompt_ids"] + r["response_ids"]
-    trainer = PolicyTrainer(str(store.policy_dir("chat", "solver", 0)), 0, **trainer_options(config, "solver"))
+    trainer = PolicyTrainer(str(store.policy_dir("chat", "solver", 0)), 0,
+                            **trainer_options(config.agent_slice("solver")))
     for r in by_order:
         trained = trainer.completion_logprobs(r["prompt_ids"], r["response_ids"])
         assert np.abs(np.asarray(trained) - np.asarray(r["logprobs"])).max() < 1e-3  # measured: under 6e-5

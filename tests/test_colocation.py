@@ -5,6 +5,7 @@ disaggregated run's."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -181,3 +182,17 @@ def test_colocated_engines_sleep_while_their_trainers_train_and_the_run_is_the_d
         apart, colocated = (load_file(stores[n].policy_dir("demo", agent, 3) / "model.safetensors")
                             for n in ("apart", "colocated"))
         assert max((apart[k] - colocated[k]).abs().max().item() for k in apart) <= 1e-6, agent
+
+
+def test_the_plan_says_which_agents_hand_over_and_which_trainers_the_core_split_moves(demo_config_data: dict) -> None:
+    """The run-time reads these from the plan its actors were started from (issue 71.2): the orchestrator's
+    hand-overs (``GpuHandover``) and the core split (``CoreSplit.for_run``), never the config again."""
+    nodes = [{"CPU": 2.0}]
+    plan = plan_placement(parse_config(_colocated(demo_config_data, agents=("solver",))), nodes)
+    assert plan.handovers == ("solver",) and plan.movable_trainers == ()  # synchronous: no trainer moves
+    streaming = copy.deepcopy(demo_config_data)
+    assert plan_placement(parse_config(streaming), nodes).movable_trainers == ("solver/trainer", "verifier/trainer")
+    streaming["agents"]["verifier"]["trainer"] = {"threads": 1}  # its threads set: the split leaves it
+    assert plan_placement(parse_config(streaming), nodes).movable_trainers == ("solver/trainer",)
+    swapped = parse_config({**streaming, "ray": {"resident_trainers": 1}})  # one worker swaps both: none moves
+    assert plan_placement(swapped, nodes).movable_trainers == () and plan_placement(swapped, nodes).handovers == ()

@@ -142,7 +142,7 @@ def test_lora_and_full_agents_in_one_config(demo_config_data: dict, tiny_model_d
     data["agents"]["solver"]["lora"] = {"rank": 4, "target_modules": ["q_proj", "v_proj"]}
     config = parse_config(data)
     store = ExperienceStore(config.store)
-    solver, verifier = (trainer_options(config, agent) for agent in ("solver", "verifier"))
+    solver, verifier = (trainer_options(config.agent_slice(agent)) for agent in ("solver", "verifier"))
     assert solver["lora"] == {"rank": 4, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]}
     assert solver["base_dir"] == BASE_POLICY  # version 0, fetched where the trainer is built
     assert verifier["lora"] is None and verifier["base_dir"] is None

@@ -51,7 +51,7 @@ def threads(config_path: Path = typer.Argument(..., help="Experiment YAML file."
 
     model = store.require_policy(config.run, agent, 0)
     options = {key: str(model) if value == BASE_POLICY else value
-               for key, value in trainer_options(config, agent, 1).items()}
+               for key, value in trainer_options(config.agent_slice(agent), 1).items()}
     prompt, response = _stored_lengths(store, config.run, agent)
     rows = config.pipeline.prompts_per_micro_batch * config.pipeline.samples_per_prompt
     batch = synthetic_batch(rows, AutoConfig.from_pretrained(model).vocab_size, prompt, response)

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.learning.seeds import train
+from bench.pipeline.bound import override
 
 CONFIG = {
     # A refused move earns 0 at its own turn (the game's refusals as turn-level shaping): with the outcome alone,
@@ -110,11 +111,17 @@ def main() -> None:
     parser.add_argument("--games", type=int, default=200)
     parser.add_argument("--work", type=Path, default=Path("/tmp/marl-bench-textarena"))
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a setting of CONFIG (YAML value), e.g. agents.player_0.algorithm.kl_coef=0.1")
     args = parser.parse_args()
+    import copy
+
     import ray
 
     shutil.rmtree(args.work, ignore_errors=True)
-    data = {**CONFIG, "pipeline": {**CONFIG["pipeline"], "steps": args.steps}}
+    data = copy.deepcopy({**CONFIG, "pipeline": {**CONFIG["pipeline"], "steps": args.steps}})
+    for setting in args.set:
+        override(data, setting)
     figures: dict[str, dict[int, dict[str, float]]] = {"trained": {}, "version 0": {}}
     for seed in args.seeds:
         train(data, seed, args.work)

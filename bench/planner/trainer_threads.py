@@ -31,7 +31,7 @@ def main() -> None:
 
     model = tiny_model(Path(tempfile.mkdtemp()))
     config = parse_config({**base_config("pair"), "run": "threads", "store": tempfile.mkdtemp()})
-    options = trainer_options(config, next(iter(config.agents)), 1)  # the bench's trainer settings
+    options = trainer_options(config.agent_slice(next(iter(config.agents))), 1)  # the bench's trainer settings
     options |= {key: str(model) for key in ("reference_dir", "base_dir") if options[key]}
     batch = synthetic_batch(args.rows, 200, tuple(args.prompt_tokens), tuple(args.response_tokens))
     found = trainer_threads(model, options, batch, args.threads, args.reps)

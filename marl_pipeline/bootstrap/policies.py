@@ -73,8 +73,8 @@ def base_policy_makers(config: ExperimentConfig, env: Environment,
     """For each agent without a version 0 in the store, a picklable call ``make(threads=None)`` that builds, warms
     up and commits it wherever it runs (a trainer actor, a Ray task, this process). The built-in model the agents
     on ``builtin:tiny`` start from is built here first, once, as every maker reads it."""
-    missing = {agent: (agent_config, config.seed + index) for index, (agent, agent_config)
-               in enumerate(config.agents.items()) if not store.policy_versions(config.run, agent)}
+    missing = {agent: (agent_config, config.agent_slice(agent).seed) for agent, agent_config in config.agents.items()
+               if not store.policy_versions(config.run, agent)}
     if any(agent_config.model == BUILTIN_TINY for agent_config, _ in missing.values()):
         ensure_builtin_model(config, env, store.config)
     return {agent: functools.partial(_create_base_policy, config, env, store.config, agent, agent_config, seed)

@@ -19,17 +19,18 @@ the engine's sleep.
 
 from __future__ import annotations
 
-import ray
+from collections.abc import Iterable
 
-from marl_pipeline.config import ExperimentConfig
+import ray
 
 
 class GpuHandover:
     """The orchestrator's side: the calls that hand a colocated agent's GPUs from its engine to its trainer and
     back (nothing for the other agents)."""
 
-    def __init__(self, config: ExperimentConfig, engines: dict, trainers: dict) -> None:
-        self.agents = {name for name, agent in config.agents.items() if agent.colocated}
+    def __init__(self, agents: Iterable[str], engines: dict, trainers: dict) -> None:
+        """``agents``: those whose engine and trainer take turns (the placement plan's ``handovers``)."""
+        self.agents = set(agents)
         self.engines, self.trainers = engines, trainers
         for agent in self.agents:  # the engines sample first
             trainers[agent].offload.remote()

@@ -23,11 +23,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 
 from marl_pipeline.cluster.specs import engine_names, trainer_name
-from marl_pipeline.config import ExperimentConfig
+
+if TYPE_CHECKING:
+    from marl_pipeline.cluster.placement import PlacementPlan
 
 REPORT_TIMEOUT_S = 10.0
 """How long a step's end waits for the reports (each is answered at once, unless the actor hangs)."""
@@ -145,14 +148,11 @@ class CoreSplit:
         self._set: dict[str, tuple[int, int]] = {}  # trainer -> (its pid, the threads last set): the call may wait
 
     @classmethod
-    def for_run(cls, config: ExperimentConfig, engines: dict, trainers: dict) -> CoreSplit:
+    def for_run(cls, plan: PlacementPlan, engines: dict, trainers: dict) -> CoreSplit:
         """Over the run's engine replicas and trainers (actors, or in a hybrid agent's process; a swapped trainer's
-        worker does not report), moving the trainers it may (none in ``synchronous`` mode)."""
+        worker does not report), moving the trainers the plan lets it move (none in ``synchronous`` mode)."""
         reporting = {trainer_name(agent): handle for agent, handle in trainers.items() if reports_cpu(handle)}
-        movable = {trainer_name(agent) for agent, settings in config.agents.items()
-                   if config.pipeline.mode == "streaming" and settings.trainer.threads is None
-                   and settings.trainer.num_gpus == 0 and settings.trainer.workers == 1
-                   and trainer_name(agent) in reporting}
+        movable = {name for name in plan.movable_trainers if name in reporting}
         nodes = {node["NodeID"]: node["Resources"].get("CPU", 1.0) for node in ray.nodes() if node["Alive"]}
         split = cls(reporting, movable, nodes, engines if movable else None)
         split.after_step()  # the reports the first step is measured from

@@ -89,6 +89,12 @@ class PlacementPlan:
     node_of: dict[str, int] = field(default_factory=dict)
     """Each actor's node, as the plan checked they fit (an index in the nodes it was made on)."""
     run: str = ""
+    handovers: tuple[str, ...] = ()
+    """Agents whose engine and trainer take turns on their devices (``agents.<a>.colocated``): the engine sleeps
+    while the trainer trains (cluster/colocation.py), whether or not they share GPUs (``ActorRequest.colocated``)."""
+    movable_trainers: tuple[str, ...] = ()
+    """Trainer actors whose threads the core split may move between steps (cluster/cores.py): in streaming mode,
+    resident, on one worker without a GPU, their threads not set in the config."""
 
     def agent_specs(self, agent: str, role: str) -> list[ActorSpec]:
         """An agent's specs of one role (``engine``, ``trainer``; its process counts as both when hybrid)."""
@@ -103,19 +109,6 @@ class PlacementPlan:
             return self.request(trainer_name(agent))
         agents = [name.split("/")[0] for name in self.swapped_trainers]
         return self.request(WORKER.format(assign_workers(agents, self.trainer_workers)[agent]))
-
-    def fitted(self, config: ExperimentConfig) -> ExperimentConfig:
-        """``config`` with each engine's and trainer's ``num_cpus`` as planned (the fitted defaults filled in; a
-        swapped agent's trainer gets its worker's) and ``ray.resident_trainers`` as planned."""
-        agents = {}
-        for agent, agent_config in config.agents.items():
-            first = engine_names(agent, agent_config.engine.replicas)[0]  # replicas are planned alike
-            engine = agent_config.engine.model_copy(update={"num_cpus": self.request(first).cpus})
-            trainer = agent_config.trainer.model_copy(update={"num_cpus": self.trainer_request(agent).cpus})
-            agents[agent] = agent_config.model_copy(update={"engine": engine, "trainer": trainer})
-        budget = self.trainer_workers or len(config.agents)
-        return config.model_copy(update={"agents": agents,
-                                         "ray": config.ray.model_copy(update={"resident_trainers": budget})})
 
     def summary(self) -> dict[str, str]:
         """One line per actor and the totals, for Dagster metadata and the CLI."""
@@ -210,9 +203,17 @@ def _plan(config: ExperimentConfig, nodes: list[dict[str, float]], workers: int)
     node_of = _check_nodes(actors, nodes)
     trainers = [trainer_name(agent) for agent in config.agents]
     node_cpus = max((node.get("CPU", 0.0) for node in nodes), default=1.0)
-    specs = actor_specs(config, {a.name: (a.cpus, a.gpus, a.fitted) for a in actors}, 0 if resident else workers,
+    slices = [config.agent_slice(agent) for agent in config.agents]
+    specs = actor_specs(slices, config.ray, config.pipeline.mode == "synchronous",
+                        {a.name: (a.cpus, a.gpus, a.fitted) for a in actors}, 0 if resident else workers,
                         cluster["CPU"] or 1.0, node_cpus or 1.0)
-    layout = dict(specs=specs, engine_sets=engine_sets(config), run=config.run, node_of=node_of)
+    handovers = tuple(agent for agent, agent_config in config.agents.items() if agent_config.colocated)
+    movable = tuple(trainer_name(agent) for agent, agent_config in config.agents.items()
+                    if resident and config.pipeline.mode == "streaming" and agent_config.trainer.threads is None
+                    and agent_config.trainer.num_gpus == 0 and agent_config.trainer.workers == 1)
+    layout = dict(specs=specs, engine_sets=engine_sets(config.agents, config.pipeline.rollout.rebalance_replicas),
+                  run=config.run, node_of=node_of,
+                  handovers=handovers, movable_trainers=movable)
     if resident:
         return PlacementPlan(actors, cluster, resident_trainers=trainers, **layout)
     return PlacementPlan(actors, cluster, swapped_trainers=trainers, trainer_workers=workers, **layout)

@@ -71,6 +71,8 @@ class Workers:
     """The versions 0 made as the workers started."""
     services: dict[str, ray.actor.ActorHandle] = field(default_factory=dict)
     """The schedulers of the run's external services, by name (services/scheduler.py)."""
+    placement: PlacementPlan | None = None
+    """The plan the actors were started from: what the run-time reads of them (hand-overs, the core split)."""
 
     def shutdown(self, keep: bool = False) -> None:
         """Stop the run's actors; with ``keep``, leave its engines and resident trainers idle for the next launch
@@ -282,7 +284,8 @@ def start_workers(plan: PlacementPlan, store: ExperienceStore, versions: dict[st
         if spec.group is not None and spec.group.kind == "colocated" and spec.agent not in shared:
             shared[spec.agent] = placement_group(spec.group)
     groups: list = list(shared.values())
-    workers = Workers({}, start_trainers(plan, store, versions, groups, prepare, shared), placement_groups=groups)
+    workers = Workers({}, start_trainers(plan, store, versions, groups, prepare, shared), placement_groups=groups,
+                      placement=plan)
     try:
         after = {agent: [workers.trainers[agent].base_policy.remote()] for agent in prepare}
         in_process = {agent: trainer.actor for agent, trainer in workers.trainers.items()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from marl_pipeline.config import EngineConfig, ExperimentConfig, TrainerConfig
+from marl_pipeline.config import AgentConfig, AgentSlice, EngineConfig, RayConfig, TrainerConfig
 from marl_pipeline.inference.engine import ENGINE_ENV
 
 Role = Literal["engine", "trainer", "trainer-worker", "agent-process"]
@@ -107,25 +107,21 @@ class ActorSpec:
     engine alone)."""
 
 
-def engine_options(config: ExperimentConfig, agent: str, threads: int) -> dict:
+def engine_options(agent: AgentSlice, threads: int) -> dict:
     """The keyword arguments of an agent's engine actors (``StoreAsyncEngine``) beside the store and version."""
-    agent_config = config.agents[agent]
-    engine = agent_config.engine
+    engine = agent.settings.engine
     return dict(gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
-                dtype=engine.dtype, seed=config.seed + list(config.agents).index(agent), threads=threads,
-                kv_cache_gib=engine.kv_cache_gib, tensor_parallel_size=engine.tensor_parallel_size,
-                sleep_mode=agent_config.colocated)
+                dtype=engine.dtype, seed=agent.seed, threads=threads, kv_cache_gib=engine.kv_cache_gib,
+                tensor_parallel_size=engine.tensor_parallel_size, sleep_mode=agent.settings.colocated)
 
 
-def trainer_options(config: ExperimentConfig, agent: str, threads: int | None = None) -> dict:
-    """``PolicyTrainer``'s keyword arguments for one agent, cut from its slice of the config (the one place: the
-    run's actors and a recomputed partition's in-process trainer alike). The KL penalty's reference and a LoRA
-    agent's base are :data:`BASE_POLICY` when used. ``threads``: the actor's (None: ``trainer.threads``, else the
-    process's own)."""
-    trainer, algorithm = config.agents[agent].trainer, config.algorithm_of(agent)
-    lora = config.agents[agent].lora
+def trainer_options(agent: AgentSlice, threads: int | None = None) -> dict:
+    """``PolicyTrainer``'s keyword arguments for one agent, from its slice (the one place: the run's actors and a
+    recomputed partition's in-process trainer alike). The KL penalty's reference and a LoRA agent's base are
+    :data:`BASE_POLICY` when used. ``threads``: the actor's (None: ``trainer.threads``, else the process's own)."""
+    trainer, algorithm, lora = agent.settings.trainer, agent.algorithm, agent.settings.lora
     return dict(lr=trainer.lr, weight_decay=trainer.weight_decay, max_grad_norm=trainer.max_grad_norm,
-                clip_eps=algorithm.clip_eps, seed=config.seed + list(config.agents).index(agent),
+                clip_eps=algorithm.clip_eps, seed=agent.seed,
                 num_threads=trainer.threads if threads is None else threads,
                 lr_decay_steps=trainer.lr_decay_steps, min_lr_ratio=trainer.min_lr_ratio,
                 kl_coef=algorithm.kl_coef, reference_dir=BASE_POLICY if algorithm.kl_coef > 0 else None,
@@ -151,7 +147,7 @@ def colocation_group(agent: str, engine: EngineConfig, trainer: TrainerConfig, e
                      * (trainer.workers - 1), "STRICT_PACK")
 
 
-def thread_shares(config: ExperimentConfig, cpus: dict[str, float], kinds: dict[str, str], cluster_cpus: float,
+def thread_shares(synchronous: bool, cpus: dict[str, float], kinds: dict[str, str], cluster_cpus: float,
                   node_cpus: float) -> dict[str, int]:
     """Each reservation's threads (``cpus``: by plan name, ``kinds``: ``engine`` or ``trainer``): its share of the
     cluster's CPUs among the reservations that compute at the same time, by :func:`shared_threads`. Streaming:
@@ -160,7 +156,7 @@ def thread_shares(config: ExperimentConfig, cpus: dict[str, float], kinds: dict[
     alone gets all of a node's cores for each (OpenMP threads beyond the cores of the actors running at once slow
     them all down)."""
     def peers(name: str) -> list[float]:
-        if config.pipeline.mode != "synchronous":
+        if not synchronous:
             return list(cpus.values())
         return [amount for other, amount in cpus.items() if kinds[other] == kinds[name]]
 
@@ -187,28 +183,32 @@ class EngineSet:
     """Replica slots (None: its replicas); with rebalancing, every replica of the run but one per other agent."""
 
 
-def engine_sets(config: ExperimentConfig) -> dict[str, EngineSet]:
-    """Each agent's :class:`EngineSet`."""
-    budget = sum(agent.engine.replicas for agent in config.agents.values())
-    capacity = budget - len(config.agents) + 1 if config.pipeline.rollout.rebalance_replicas else None
+def engine_sets(agents: dict[str, AgentConfig], rebalance: bool) -> dict[str, EngineSet]:
+    """Each agent's :class:`EngineSet` (``rebalance``: ``pipeline.rollout.rebalance_replicas``)."""
+    budget = sum(agent.engine.replicas for agent in agents.values())
+    capacity = budget - len(agents) + 1 if rebalance else None
     return {agent: EngineSet(agent, agent_config.engine.max_outstanding, capacity)
-            for agent, agent_config in config.agents.items()}
+            for agent, agent_config in agents.items()}
 
 
-def actor_specs(config: ExperimentConfig, reserved: dict[str, tuple[float, float, bool]], workers: int,
-                cluster_cpus: float, node_cpus: float) -> list[ActorSpec]:
-    """The run's actors, from what the plan reserves for each name (CPUs, GPUs, fitted): each agent's engine
-    replicas and trainer ranks, or the trainer workers that swap them (``workers`` of them, 0 for none)."""
+def actor_specs(agents: list[AgentSlice], ray: RayConfig, synchronous: bool,
+                reserved: dict[str, tuple[float, float, bool]], workers: int, cluster_cpus: float,
+                node_cpus: float) -> list[ActorSpec]:
+    """The run's actors, from the agents' slices, the Ray settings (custom resources) and the pipeline's mode, and
+    from what the plan reserves for each name (CPUs, GPUs, fitted): each agent's engine replicas and trainer ranks,
+    or the trainer workers that swap them (``workers`` of them, 0 for none)."""
     kinds = {name: "engine" if "/engine" in name else "trainer" for name in reserved}
-    shares = thread_shares(config, {name: cpus for name, (cpus, _, _) in reserved.items()}, kinds, cluster_cpus,
-                           node_cpus)
-    custom = {"engine": dict(config.ray.engine_resources), "trainer": dict(config.ray.trainer_resources)}
+    shares = thread_shares(synchronous, {name: cpus for name, (cpus, _, _) in reserved.items()}, kinds,
+                           cluster_cpus, node_cpus)
+    custom = {"engine": dict(ray.engine_resources), "trainer": dict(ray.trainer_resources)}
+    slices = {one.name: one for one in agents}
     specs = []
-    for agent, agent_config in config.agents.items():
+    for agent, one in slices.items():
+        agent_config = one.settings
         engine, trainer = agent_config.engine, agent_config.trainer
         names = engine_names(agent, engine.replicas)
         engine_threads = engine.threads or shares[names[0]]
-        options = engine_options(config, agent, engine_threads)
+        options = engine_options(one, engine_threads)
         split = engine.tensor_parallel_size > 1
         colocated = agent_config.colocated and engine.num_gpus > 0
         group = colocation_group(agent, engine, trainer, custom["engine"], custom["trainer"]) if colocated else None
@@ -233,7 +233,7 @@ def actor_specs(config: ExperimentConfig, reserved: dict[str, tuple[float, float
                 parts = (ActorSpec(**common, gpus=gpus, env=dict(ENGINE_ENV), keep=True),
                          ActorSpec(trainer_name(agent), "trainer", agent, 0, trainer_cpus, trainer_gpus,
                                    custom["trainer"], threads, loads=(agent,),
-                                   options=trainer_options(config, agent, threads)))
+                                   options=trainer_options(one, threads)))
                 both = {r: custom["engine"].get(r, 0.0) + custom["trainer"].get(r, 0.0)
                         for r in {*custom["engine"], *custom["trainer"]}}
                 specs.append(ActorSpec(process_name(agent), "agent-process", agent, 0, cpus + trainer_cpus,
@@ -253,16 +253,17 @@ def actor_specs(config: ExperimentConfig, reserved: dict[str, tuple[float, float
             specs.append(ActorSpec(name, "trainer", agent, rank, cpus, SHARE if colocated else gpus,
                                    {} if colocated else custom["trainer"], threads, group=group,
                                    bundle=None if group is None else rank,
-                                   loads=(agent,), options=trainer_options(config, agent, threads),
+                                   loads=(agent,), options=trainer_options(one, threads),
                                    keep=group is None, fitted=fitted))
-    explicit = [a.trainer.threads for a in config.agents.values() if a.trainer.threads is not None]
-    served = assign_workers(list(config.agents), workers) if workers else {}
+    explicit = [one.settings.trainer.threads for one in agents if one.settings.trainer.threads is not None]
+    served = assign_workers(list(slices), workers) if workers else {}
     for k in range(workers):  # each serves agents k, k + workers, ...: the largest request, the most threads asked
         name = WORKER.format(k)
         cpus, gpus, fitted = reserved[name]
         threads = max(explicit) if explicit else shares[name]
-        agents = tuple(agent for agent, worker in served.items() if worker == k)
-        specs.append(ActorSpec(name, "trainer-worker", None, k, cpus, gpus, custom["trainer"], threads, loads=agents,
-                               options={agent: trainer_options(config, agent, threads) for agent in agents},
+        served_agents = tuple(agent for agent, worker in served.items() if worker == k)
+        specs.append(ActorSpec(name, "trainer-worker", None, k, cpus, gpus, custom["trainer"], threads,
+                               loads=served_agents,
+                               options={agent: trainer_options(slices[agent], threads) for agent in served_agents},
                                fitted=fitted))
     return specs

@@ -20,6 +20,7 @@ from marl_pipeline.config.algorithm import (
 )
 from marl_pipeline.config.base import BUILTIN_TINY, ConfigError, StrictModel
 from marl_pipeline.config.experiment import (
+    AgentSlice,
     ExperimentConfig,
     apply_overrides,
     apply_settings,
@@ -53,6 +54,7 @@ __all__ = [
     "Advantage",
     "AgentConfig",
     "AgentNormalizedAdvantage",
+    "AgentSlice",
     "AlgorithmConfig",
     "ConfigError",
     "DrGRPOAdvantage",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -31,6 +32,18 @@ from marl_pipeline.config.services import RewardConfig, ServiceConfig
 def _roles(agent: str, settings: AgentConfig) -> list[str]:
     """The roles an agent plays: its ``roles``, else the one named as it."""
     return list(settings.roles or [agent])
+
+
+@dataclass(frozen=True)
+class AgentSlice:
+    """What one agent's actors are built from (cluster/specs.py): its settings, the algorithm values it trains with
+    and its seed; never the whole experiment."""
+
+    name: str
+    settings: AgentConfig
+    algorithm: AlgorithmConfig
+    seed: int
+    """The experiment's seed plus the agent's place among the agents."""
 
 
 class ExperimentConfig(StrictModel):
@@ -144,6 +157,11 @@ class ExperimentConfig(StrictModel):
         if not own:
             return self.algorithm
         return AlgorithmConfig.model_validate(with_own_values(self.algorithm.model_dump(), own))
+
+    def agent_slice(self, agent: str) -> AgentSlice:
+        """``agent``'s slice of the experiment: its settings, its algorithm values and its seed (the one rule)."""
+        return AgentSlice(agent, self.agents[agent], self.algorithm_of(agent),
+                          self.seed + list(self.agents).index(agent))
 
     def staleness_bounds(self) -> dict[str, int]:
         """Per agent, the most versions its turns may lag their step (``agents.<a>.staleness``, else

@@ -115,7 +115,9 @@ class Orchestrator:
         self._clock = StepClock()  # when each step's rollout started, when the previous StepFinished was put
         # Per step, per agent stepped here: its trainer's figures of the optimizer step (health's TRAINER_SIGNALS).
         self._trained: dict[int, dict[str, dict[str, float]]] = defaultdict(dict)
-        self.handover = GpuHandover(config, workers.engines, workers.trainers)  # engine and trainer sharing GPUs
+        # engine and trainer taking turns on their devices, as the plan the actors were started from says
+        self.handover = GpuHandover(workers.placement.handovers if workers.placement else (), workers.engines,
+                                    workers.trainers)
         for agent, replicas in workers.engines.items():  # a replica's death and restart, to the caller's log
             replicas.listener = partial(self._replica_changed, agent)
 

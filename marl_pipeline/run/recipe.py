@@ -74,8 +74,7 @@ def _launch(config: ExperimentConfig, launch_id: str | None, store: ExperienceSt
         return event
 
     # Before any work (a warm-up takes minutes): a run the cluster cannot hold fails now, with the arithmetic.
-    placement = plan_on_ray(config)
-    config = placement.fitted(config)
+    placement = plan_on_ray(config)  # the actors start from it and the run-time reads it; the config stays as written
     env = build_environment(config.environment.name, config.environment.options)
     yield done(f"placement planned, environment {config.environment.name!r} built")
     # What is missing of version 0 is made in the agents' trainer actors as the workers start (the base_policies
@@ -114,7 +113,7 @@ def _launch(config: ExperimentConfig, launch_id: str | None, store: ExperienceSt
                          for agent in config.agents]
         yield RunStarted(config.run, plan, base_policies, time.perf_counter() - started, placement)
         streaming_started = time.time()
-        cores = CoreSplit.for_run(config, workers.engines, workers.trainers)
+        cores = CoreSplit.for_run(placement, workers.engines, workers.trainers)
         orchestrator = Orchestrator(config, env, store, workers, plan, layouts)
         with heap_frozen():  # the start-up heap lives as long as the launch (cluster/heap.py)
             for event in orchestrator.run():

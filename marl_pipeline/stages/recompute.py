@@ -154,7 +154,7 @@ def _policy_updates(config: ExperimentConfig, env, store: ExperienceStore, key: 
     stats = {}
     for agent, version in _policy_versions_at(store, config, key, "policy_updates").items():
         trainer = PolicyTrainer(str(store.require_policy(config.run, agent, version)), version,
-                                **with_local_base(store, config.run, agent, trainer_options(config, agent)))
+                                **with_local_base(store, config.run, agent, trainer_options(config.agent_slice(agent))))
         stats[agent] = trainer.accumulate(train_batch_for(store, key, agent,
                                                           agent in config.dropping_zero_advantage_groups()))
         trainer.discard_gradients()
