@@ -46,12 +46,12 @@ def threads(config_path: Path = typer.Argument(..., help="Experiment YAML file."
         raise typer.Exit(2)
     from transformers import AutoConfig
 
-    from marl_pipeline.cluster.specs import BASE_POLICY, trainer_options
+    from marl_pipeline.cluster.specs import trainer_options
+    from marl_pipeline.cluster.trainers import with_local_base
     from marl_pipeline.planner.profiling import synthetic_batch, trainer_threads
 
     model = store.require_policy(config.run, agent, 0)
-    options = {key: str(model) if value == BASE_POLICY else value
-               for key, value in trainer_options(config.agent_slice(agent), 1).items()}
+    options = with_local_base(store, config.run, agent, trainer_options(config.agent_slice(agent), 1))
     prompt, response = _stored_lengths(store, config.run, agent)
     rows = config.pipeline.prompts_per_micro_batch * config.pipeline.samples_per_prompt
     batch = synthetic_batch(rows, AutoConfig.from_pretrained(model).vocab_size, prompt, response)

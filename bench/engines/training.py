@@ -40,21 +40,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from marl_pipeline.planner.profiling import synthetic_batch
 from marl_pipeline.stages.training import issue_order
 from marl_pipeline.training.batches import TrainBatch
 from marl_pipeline.training.trainer import PolicyTrainer
 
 OPTIONS = dict(lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, seed=0)
-
-
-def make_batch(rng: np.random.Generator, rows: int, vocab: int, prompt: tuple[int, int],
-               response: tuple[int, int]) -> TrainBatch:
-    """Random rows, prompt and response lengths uniform in the ranges (inclusive)."""
-    prompts = [rng.integers(1, vocab, size=rng.integers(prompt[0], prompt[1] + 1)).tolist() for _ in range(rows)]
-    responses = [rng.integers(1, vocab, size=rng.integers(response[0], response[1] + 1)).tolist()
-                 for _ in range(rows)]
-    old = [(-rng.random(len(r)) * 3).tolist() for r in responses]
-    return TrainBatch(prompts, responses, old, rng.normal(size=rows).tolist())
 
 
 def rows_of(batch: TrainBatch, rows: list[int]) -> TrainBatch:
@@ -131,7 +122,7 @@ def bench_swapping(args, model_dir: Path, work: Path) -> None:
     seconds: dict[str, list[float]] = {name: [] for name in layouts}
     weights = {}
     for step in range(args.steps + 1):  # step 0 warms up (a worker builds each agent's trainer on first use)
-        batches = [{agent: make_batch(rng, args.rows, vocab, (8, 32), (4, 64)) for agent in agents}
+        batches = [{agent: synthetic_batch(args.rows, vocab, (8, 32), (4, 64), rng) for agent in agents}
                    for _ in range(args.micro_batches)]
         for name, handles in trainers.items():
             alternate = layouts[name][1]
@@ -175,7 +166,7 @@ def bench_round_trip(label: str, model_dir: str, reps: int) -> None:
     from marl_pipeline.training.swap import AgentSpec, TrainerWorker
 
     worker = TrainerWorker({"a": AgentSpec(model_dir, 0, {**OPTIONS, "num_threads": 2})})
-    batch = make_batch(np.random.default_rng(0), 2, model_vocab(model_dir), (4, 8), (2, 4))
+    batch = synthetic_batch(2, model_vocab(model_dir), (4, 8), (2, 4), 0)
     worker.call("a", "accumulate", batch)
     worker.call("a", "apply_step")  # AdamW's moments exist
     worker.call("a", "accumulate", batch)  # and gradients
@@ -194,7 +185,7 @@ def bench_round_trip(label: str, model_dir: str, reps: int) -> None:
 def token_budget_rows(args, vocab: int) -> TrainBatch:
     """Response lengths evenly spread from the shortest to the longest (10x apart by default), in random order."""
     rng = np.random.default_rng(1)
-    batch = make_batch(rng, args.budget_rows, vocab, (16, 16), (1, 1))
+    batch = synthetic_batch(args.budget_rows, vocab, (16, 16), (1, 1), rng)
     lengths = rng.permutation(np.linspace(*args.response_tokens, args.budget_rows).round().astype(int))
     responses = [rng.integers(1, vocab, size=length).tolist() for length in lengths]
     return TrainBatch(batch.prompt_ids, responses, [(-rng.random(len(r)) * 3).tolist() for r in responses],
@@ -208,7 +199,7 @@ def _variants(args, batch: TrainBatch) -> dict[str, tuple[str, int, list[TrainBa
     longest = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
     length = next(n for n in range(longest, args.chunk_tokens + 1) if args.chunk_tokens % n == 0)
     per_pass = args.chunk_tokens // length
-    at_budget = make_batch(np.random.default_rng(2), per_pass, vocab_of(batch), (16, 16), (length - 16, length - 16))
+    at_budget = synthetic_batch(per_pass, vocab_of(batch), (16, 16), (length - 16, length - 16), 2)
     rows = list(range(len(batch.prompt_ids)))
     fixed = [rows_of(batch, rows[i:i + args.fixed_rows]) for i in range(0, len(rows), args.fixed_rows)]
     return {
@@ -231,7 +222,7 @@ def measure_peak(args) -> None:
     batch = token_budget_rows(args, args.vocab)
     _, chunk_tokens, micro_batches = _variants(args, batch)[args.measure]
     trainer = PolicyTrainer(args.model_dir, 0, **OPTIONS, num_threads=args.threads, chunk_tokens=chunk_tokens)
-    warm = make_batch(np.random.default_rng(3), 2, args.vocab, (4, 4), (4, 4))
+    warm = synthetic_batch(2, args.vocab, (4, 4), (4, 4), 3)
     trainer.accumulate(warm)
     trainer.apply_step()  # AdamW's moments allocated
     trainer.accumulate(warm)  # and the gradients

@@ -98,19 +98,16 @@ def calibration(store: ExperienceStore, run: str | list[str], nodes: list[dict[s
     return calibrate(store, run, agent_threads(plan_placement(config, nodes)), cores, threads)
 
 
-def measured_step_seconds(store: ExperienceStore, run: str) -> tuple[float, int, int]:
-    """Run ``run``'s newest launch's mean step time over its steps after the first, as ``StepFinished.seconds``
-    reports it (each step from the previous one's end), read from the store: a step ends where its last micro-batch
-    of any agent was trained, and the publish after it is the same few tenths each step. With the launch's first
-    and last step.
+def measured_step_seconds(store: ExperienceStore, run: str, launch: dict) -> tuple[float, int, int]:
+    """The mean step time of ``launch`` (a record of run ``run``'s history) over its steps after the first, as
+    ``StepFinished.seconds`` reports it (each step from the previous one's end), read from the store: a step ends
+    where its last micro-batch of any agent was trained, and the publish after it is the same few tenths each step.
+    With the launch's first and last step trained.
 
     Raises:
-        ValueError: no recorded launch, or fewer than two steps trained in the newest one.
+        ValueError: fewer than two steps trained in the launch.
     """
-    launches, _ = launch_history(store, run)
-    if not launches:
-        raise ValueError(f"run {run!r} has no recorded launch in {store.config.uri}")
-    first, last = launches[-1]["first_step"], launches[-1]["last_step"]
+    first, last = launch["first_step"], launch["last_step"]
     updates = store.read_stage(run, "policy_updates", columns=["step", "stage_ended"]).to_pylist()
     ends = {}
     for row in updates:
@@ -127,11 +124,17 @@ def calibration_error(store: ExperienceStore, runs: list[str], nodes: list[dict[
                       costs: Costs) -> list[dict]:
     """How far the simulation, with ``costs``, lands from the runs they were fitted from: each run's newest launch
     planned again as it ran (its recorded config on ``nodes``) and simulated over its steps, its mean step time after
-    the first against the measured one. A user's first sign of how far to trust a prediction."""
+    the first against the measured one. A user's first sign of how far to trust a prediction.
+
+    Raises:
+        ValueError: a run without a recorded launch, or whose newest launch trained fewer than two steps.
+    """
     found = []
     for run in runs:
-        measured, first, last = measured_step_seconds(store, run)
         launches, configs = launch_history(store, run)
+        if not launches:
+            raise ValueError(f"run {run!r} has no recorded launch in {store.config.uri}")
+        measured, first, last = measured_step_seconds(store, run, launches[-1])
         config = parse_config(configs[launches[-1]["config"]])
         simulated = predict(config, nodes, costs, last - first + 1)[1].step_seconds[1:]
         predicted = sum(simulated) / len(simulated)

@@ -26,9 +26,10 @@ Progress = Callable[[str], None]
 
 
 def synthetic_batch(rows: int, vocab: int, prompt_tokens: tuple[int, int], response_tokens: tuple[int, int],
-                    seed: int = 0) -> TrainBatch:
+                    seed: int | np.random.Generator = 0) -> TrainBatch:
     """An RL micro-batch of random token rows, prompt and response lengths drawn uniformly from the ranges
-    (inclusive), old log-probabilities and advantages random: a trainer's work without a run."""
+    (inclusive), old log-probabilities and advantages random: a trainer's work without a run. ``seed``: a seed, or a
+    generator to draw on (successive batches of one benchmark)."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(1, vocab, size=rng.integers(prompt_tokens[0], prompt_tokens[1] + 1)).tolist()
                for _ in range(rows)]
