@@ -26,6 +26,7 @@ from marl_pipeline.store import ExperienceStore
 from tests.conftest import small_config_data
 
 pytestmark = pytest.mark.launch
+SHARES_WARM_ACTORS = True  # its launches take the engines and trainers the module before kept (conftest)
 
 STEPS = 12
 

@@ -17,6 +17,7 @@ from marl_pipeline.store.experience import StoreError
 from tests.conftest import small_config_data
 
 pytestmark = pytest.mark.launch
+SHARES_WARM_ACTORS = True  # its launches take the engines and trainers the module before kept (conftest)
 
 PARAMETER_TOLERANCE = 1e-6
 ADAPTERS, FULL = "adapter_model.safetensors", "model.safetensors"

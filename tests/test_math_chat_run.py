@@ -15,6 +15,7 @@ from marl_pipeline.run.recipe import train
 from marl_pipeline.store import ExperienceStore
 
 pytestmark = pytest.mark.launch
+SHARES_WARM_ACTORS = True  # its launches take the engines and trainers the module before kept (conftest)
 
 
 def test_math_chat_worked_trains_with_the_tiny_model(local_ray, tmp_path: Path) -> None:
@@ -26,10 +27,10 @@ def test_math_chat_worked_trains_with_the_tiny_model(local_ray, tmp_path: Path) 
                         "options": {"prompt_format": "text", "a_range": [0, 4], "b_range": [0, 4],
                                     "warmup_accuracy": 0.8},
                         "pool": {"min_workers": 1, "max_workers": 1, "num_cpus": 0}},
-        "agents": {role: {"warmup": {"steps": 30}, "engine": {"num_cpus": 0.25}, "trainer": {"num_cpus": 0.25}}
-                   for role in ("solver", "verifier")},
+        "agents": {role: {"warmup": {"steps": 30}} for role in ("solver", "verifier")},
         "pipeline": {"steps": 1, "prompts_per_micro_batch": 4, "samples_per_prompt": 4, "micro_batches_per_step": 2},
         "evaluation": {"every": 1, "cases_per_agent": 8},
+        "ray": {"keep_actors": True},
     }
     config = parse_config(data)
     evaluated = {event.version: event.metrics for event in train(config) if isinstance(event, EvaluationCommitted)}

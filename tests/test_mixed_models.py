@@ -18,6 +18,7 @@ from tests.conftest import small_config_data
 from tests.test_model_sources import needs_smollm2
 
 pytestmark = pytest.mark.launch
+SHARES_WARM_ACTORS = True  # its launches take the engines and trainers the module before kept (conftest)
 
 
 @needs_smollm2

@@ -19,6 +19,7 @@ from tests.conftest import small_config_data
 from tests.quota_proxy import QuotaProxy
 
 pytestmark = pytest.mark.launch
+SHARES_WARM_ACTORS = True  # its launches take the engines and trainers the module before kept (conftest)
 
 
 @pytest.fixture(scope="module")

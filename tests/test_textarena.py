@@ -19,6 +19,7 @@ from marl_pipeline.stages.rollout import next_turn
 from marl_pipeline.store import ExperienceStore
 from tests.games import play
 
+SHARES_WARM_ACTORS = True  # its launch takes the engines and trainers the module before kept (conftest)
 TASK = {"id": "game-7", "seed": 7}
 
 
@@ -103,14 +104,14 @@ def test_a_game_that_is_not_there_needs_a_network_or_other_seats_is_refused_when
 def test_a_three_player_game_trains_two_seats_on_one_policy_and_the_third_on_its_own(local_ray,
                                                                                    tmp_path: Path) -> None:
     register_environment(ThreePlayerTicTacToe)  # shipped through the entry point too; this keeps the test explicit
-    small = {"warmup": {"steps": 40, "batch_size": 8}, "engine": {"num_cpus": 0.25, "max_model_len": 512},
-             "trainer": {"num_cpus": 0.25}, "algorithm": {"max_new_tokens": 4}}
+    small = {"warmup": {"steps": 40, "batch_size": 8}, "engine": {"max_model_len": 512},
+             "algorithm": {"max_new_tokens": 4}}
     data = {"run": "arena", "store": str(tmp_path / "store"),
             "environment": {"name": "textarena_three_player_tictactoe"},
             "agents": {"player_0": {**small, "roles": ["player_0", "player_1"]}, "player_2": small},
             "pipeline": {"steps": 1, "prompts_per_micro_batch": 2, "samples_per_prompt": 4,
                          "micro_batches_per_step": 1},
-            "evaluation": {"every": 1, "cases_per_agent": 6}}
+            "evaluation": {"every": 1, "cases_per_agent": 6}, "ray": {"keep_actors": True}}
     config = parse_config(data)
     evaluated = {event.version: event.metrics for event in train(config) if isinstance(event, EvaluationCommitted)}
     store = ExperienceStore(config.store)

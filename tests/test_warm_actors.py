@@ -1,5 +1,6 @@
 """Engines and trainers kept between the launches of one process (``ray.keep_actors``, cluster/warm_actors.py): the
-next launch takes them and ends exactly where a launch on new actors ends; what they cannot serve is replaced."""
+next launch takes them and ends exactly where a launch on new actors ends, an engine given other settings rebuilt in
+its process; what they cannot serve is replaced."""
 
 from __future__ import annotations
 
@@ -51,15 +52,27 @@ def test_a_launch_on_kept_actors_ends_where_a_launch_on_new_ones_does(local_ray,
                  for store in (first, second))
     assert new.num_rows and new.equals(kept)  # every sample, and the engine's logprob of each token, the same
 
-    # Other engine settings: the kept engines cannot serve them and are stopped; the trainers are taken.
+    # Other engine settings: the kept engines are rebuilt in their processes, the trainers taken, and the launch
+    # ends where one on new actors with those settings ends.
     third = _launch(demo_config_data, tmp_path / "third", max_model_len=96)
-    now = _alive(local_ray)
-    assert len(now) == 4
-    assert {pid for pid, name in now.items() if name.endswith("Trainer")} == {
-        pid for pid, name in started.items() if name.endswith("Trainer")}
-    assert not {pid for pid, name in now.items() if name.endswith("Engine")} & set(started)
+    assert _alive(local_ray) == started
+    warm_actors.stop_idle()
+    fourth = _launch(demo_config_data, tmp_path / "fourth", max_model_len=96)
+    assert not set(_alive(local_ray)) & set(started)
+    rebuilt, new = (store.read_stage("demo", "rollouts", columns=columns).sort_by("sample_id")
+                    for store in (third, fourth))
+    assert rebuilt.num_rows and rebuilt.equals(new)
     assert pc.max(third.read_stage("demo", "policy_updates", columns=["step"]).column("step")).as_py() == 1
 
+
+def test_an_engine_is_rebuilt_in_its_process_only_on_a_cpu_with_its_threads_and_one_rank() -> None:
+    from marl_pipeline.inference.engine import RolloutEngine
+
+    engine = object.__new__(RolloutEngine)  # the rule reads the settings it was built with, not vLLM
+    engine._settings = {"threads": 1, "tensor_parallel_size": 1, "max_model_len": 128, "seed": 0}
+    assert engine.rebuildable({"threads": 1, "tensor_parallel_size": 1, "max_model_len": 96, "seed": 3})
+    assert not engine.rebuildable({"threads": 2, "tensor_parallel_size": 1})
+    assert not engine.rebuildable({"threads": 1, "tensor_parallel_size": 2})
 
 def test_an_engine_is_reused_only_for_the_same_model_files_besides_its_weights(tiny_model_dir: Path,
                                                                                tmp_path: Path) -> None:

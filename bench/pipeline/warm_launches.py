@@ -1,11 +1,13 @@
 """Launches in one process with and without ``ray.keep_actors`` (cluster/warm_actors.py), side by side.
 
 Each launch is the test suite's small demo run (tests/conftest.py's ``small_config_data``: two agents on the built-in
-tiny model, 2 steps of 2 micro-batches) on a fresh store, so every launch does the same work. Per launch: the seconds
-to its first event (set-up: starting policies, actors) and in all. With ``keep_actors`` the first launch starts the
-actors and the later ones take them; the weights each launch ends with are checked equal to the first's.
+tiny model in processes of their own, 2 steps of 2 micro-batches) on a fresh store, so every launch does the same
+work. Per launch: the seconds to its ``RunStarted`` (set-up: starting policies, actors) and in all. Three ways:
+new actors each launch; kept actors, the same settings (each engine reloads its weights); kept actors, the engines'
+``max_model_len`` alternating between launches (each engine rebuilt in its process). The weights each launch ends
+with are checked equal to the first launch's.
 
-    PYTHONPATH=$PWD .venv/bin/python -m bench.pipeline.warm_launches --launches 3
+    .venv/bin/python -m bench.pipeline.warm_launches --launches 3
 """
 
 from __future__ import annotations
@@ -18,20 +20,30 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+WAYS = {"new actors": (False, False), "kept, same settings": (True, False), "kept, engines rebuilt": (True, True)}
+"""Each way: (``keep_actors``, the engines' settings changed every launch)."""
 
 
-def _launch(keep: bool, store: Path) -> tuple[float, float]:
+def _launch(keep: bool, store: Path, max_model_len: int | None) -> tuple[float, float]:
     from marl_pipeline.config import parse_config
+    from marl_pipeline.run.events import RunStarted
     from marl_pipeline.run.recipe import train
     from tests.conftest import small_config_data
 
-    data = small_config_data(yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text()), store, steps=2)
+    demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    for agent in demo["agents"].values():
+        agent.pop("hybrid", None)  # an agent's process is never kept (cluster/spawn.py)
+    data = small_config_data(demo, store, steps=2)
     data["ray"]["keep_actors"] = keep
+    if max_model_len is not None:
+        for agent in data["agents"].values():
+            agent["engine"]["max_model_len"] = max_model_len
     started = time.perf_counter()
-    first = None
-    for _ in train(parse_config(data)):
-        first = first or time.perf_counter() - started
-    return first, time.perf_counter() - started
+    setup = None
+    for event in train(parse_config(data)):
+        if isinstance(event, RunStarted):
+            setup = time.perf_counter() - started
+    return setup, time.perf_counter() - started
 
 
 def _same_weights(a: Path, b: Path) -> bool:
@@ -55,15 +67,16 @@ def main() -> None:
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     root = Path(tempfile.mkdtemp(prefix="warm_launches_"))
-    print("| keep_actors | launch | set-up s | total s | weights as the first launch's |")
+    print("| way | launch | set-up s | total s | weights as the first launch's |")
     print("| --- | ---: | ---: | ---: | --- |")
-    for keep in (False, True):
-        stores = []
+    first = None
+    for way, (keep, alternate) in WAYS.items():
         for index in range(args.launches):
-            stores.append(root / f"keep={keep}" / str(index))
-            setup, total = _launch(keep, stores[-1])
-            same = "yes" if _same_weights(stores[0], stores[-1]) else "NO"
-            print(f"| {keep} | {index} | {setup:.1f} | {total:.1f} | {same} |", flush=True)
+            store = root / way.replace(" ", "_").replace(",", "") / str(index)
+            setup, total = _launch(keep, store, (128 if index % 2 else 256) if alternate else None)
+            first = first or store
+            same = "yes" if _same_weights(first, store) else "NO"
+            print(f"| {way} | {index} | {setup:.1f} | {total:.1f} | {same} |", flush=True)
         warm_actors.stop_idle()
     ray.shutdown()
 

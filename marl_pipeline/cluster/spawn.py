@@ -159,9 +159,11 @@ def _spawn_engine(specs: list[ActorSpec], shared: PlacementGroup | None, own: di
     actor = ray.remote(StoreAsyncEngine)
     arguments = (store, run, source, version)
     if spec.group is None:
-        # What a kept engine must have been started with to be taken instead of a new one (warm_actors.py).
+        # What a kept engine must have been started with to be taken instead of a new one (warm_actors.py): its
+        # resources and threads. It serves another model or other settings by rebuilding its engine in place
+        # (RolloutEngine.restart), or refuses and is replaced.
         settings = ("engine", StoreAsyncEngine.__name__, spec.cpus, spec.gpus, tuple(sorted(spec.resources.items())),
-                    tuple(sorted(spec.options.items())))
+                    spec.options.get("threads"), spec.options.get("tensor_parallel_size", 1))
         return warm_actors.start(actor.options(**actor_options(spec)), settings, *arguments, after=after,
                                  **spec.options)
     group = placement_group(spec.group) if spec.group.kind == "engine" else shared  # a split replica's own

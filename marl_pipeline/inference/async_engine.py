@@ -190,13 +190,18 @@ class AsyncRolloutEngine:
         return version
 
     async def restart(self, model_dir: str, version: int, *, adapter_dir: str | None = None, **settings) -> bool:
-        """``RolloutEngine.restart`` through the engine thread (a weight reload), with the prefix-cache counts of
-        the launch that kept this engine reset."""
+        """``RolloutEngine.restart`` through the engine thread (a weight reload, or the engine rebuilt there), with
+        the prefix-cache counts of the launch that kept this engine reset."""
         weights = self._engine.restart_weights(model_dir, adapter_dir, settings)
-        if weights is None:
+        if weights is not None:
+            await self.load_weights(weights, version)
+            self._engine.model_dir = model_dir
+        elif self._engine.rebuildable(settings):
+            result = await self._call(lambda deliver: self._rebuild(model_dir, version, adapter_dir, settings, deliver))
+            if isinstance(result, BaseException):
+                raise result
+        else:
             return False
-        await self.load_weights(weights, version)
-        self._engine.model_dir = model_dir
         self._prompt_tokens = self._cached_tokens = 0
         self._received = None  # the last launch's
         return True
@@ -357,6 +362,21 @@ class AsyncRolloutEngine:
                 request.deliver(RequestAborted(f"request {request.request_id!r} was aborted"))
         if done is not None:
             done.get_loop().call_soon_threadsafe(settle, done, None)
+
+    def _rebuild(self, model_dir: str, version: int, adapter_dir: str | None, settings: dict,
+                 deliver: Callable[[object], None]) -> None:
+        """``RolloutEngine.rebuild`` on the engine thread, whose OpenMP threads the engine was set up with."""
+        if self._running or self._reload is not None or self._asleep_since is not None:
+            return deliver(RuntimeError("only an idle engine is rebuilt: requests running, a reload or asleep"))
+        self._core = None  # the old engine's last reference beside the RolloutEngine's: freed by the rebuild
+        try:
+            self._engine.rebuild(model_dir, version, adapter_dir=adapter_dir, **settings)
+            self._core = self._engine.llm.llm_engine
+        except Exception as error:  # the old engine is gone: every later call learns why
+            self._failure = error
+            deliver(error)
+        else:
+            deliver(None)
 
     def _begin_reload(self, reload: Reload) -> None:
         if self._reload is not None:

@@ -235,15 +235,40 @@ class RolloutEngine:
         return self.version
 
     def restart(self, model_dir: str, version: int, *, adapter_dir: str | None = None, **settings) -> bool:
-        """Serve ``version`` as an engine built with these arguments would, by reloading its weights into the model
-        held (a kept actor taken by a new launch: cluster/warm_actors.py). False, with nothing changed, where these
-        arguments would build another engine: other settings, or another model (its files besides the weights)."""
+        """Serve ``version`` as an engine built with these arguments would (a kept actor taken by a new launch:
+        cluster/warm_actors.py): by reloading its weights into the model held, or, for other settings or another
+        model (its files besides the weights), by building that engine here in place of this one
+        (:meth:`rebuild`). False, with nothing changed, where it cannot be built in this process
+        (:meth:`rebuildable`)."""
         weights = self.restart_weights(model_dir, adapter_dir, settings)
-        if weights is None:
+        if weights is not None:
+            self.load_weights(weights, version)
+            self.model_dir = model_dir
+            return True
+        if not self.rebuildable(settings):
             return False
-        self.load_weights(weights, version)
-        self.model_dir = model_dir
+        self.rebuild(model_dir, version, adapter_dir=adapter_dir, **settings)
         return True
+
+    def rebuildable(self, settings: dict) -> bool:
+        """Whether an engine with these settings can be built in this process in place of this one: on a CPU, with
+        one rank and this engine's threads (vLLM's CPU worker binds its threads once per process). A kept actor that
+        is not is replaced by a new one."""
+        return (engine_device() == "cpu" and settings.get("threads") == self._settings["threads"]
+                and settings.get("tensor_parallel_size", 1) == self._settings["tensor_parallel_size"] == 1)
+
+    def rebuild(self, model_dir: str, version: int, **settings) -> None:
+        """Free this process's vLLM engine and build another from these arguments, as a new actor would, without a
+        new process's imports. vLLM's own tests build engine after engine in one process this way."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        # The build froze what was alive then, this engine included: unfrozen, it is collected now, its finalizers
+        # run before the next engine sets vLLM's process state up again, not at a later collection after it.
+        gc.unfreeze()
+        del self.llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        self.__init__(model_dir, version, **settings)
 
     def restart_weights(self, model_dir: str, adapter_dir: str | None, settings: dict) -> list | None:
         """The weights :meth:`restart` reloads, or None where this engine cannot serve ``model_dir``."""
