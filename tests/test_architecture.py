@@ -135,11 +135,15 @@ def test_the_planner_simulates_the_orchestrators_rules_by_calling_them() -> None
 
 def test_bench_is_topic_folders_of_modules_each_mapped_to_its_benchmarks_section() -> None:
     """bench/ (issue 71.4): every script in a topic folder, run as a module from the repository root (``python -m
-    bench.<topic>.<script>``), so none edits ``sys.path`` to find another; each named in bench/README.md; and the
-    baselines the tests compare with live in tests/."""
-    scripts = [path for path in (ROOT / "bench").rglob("*.py") if path.name != "__init__.py"]
+    bench.<topic>.<script>``), so none edits ``sys.path`` to find another; each named in bench/README.md; every
+    launch through the one harness, bench/launch.py; and the baselines the tests compare with live in tests/."""
+    harness = ROOT / "bench" / "launch.py"
+    scripts = [path for path in (ROOT / "bench").rglob("*.py") if path.name != "__init__.py" and path != harness]
     assert [str(path.relative_to(ROOT)) for path in scripts if path.parent == ROOT / "bench"] == []
     assert [str(path.relative_to(ROOT)) for path in scripts if "sys.path" in path.read_text()] == []
+    launching = re.compile(r"recipe import train\b|\"train\", str\(config")  # recipe.train, or `marl train CONFIG`
+    assert [str(path.relative_to(ROOT)) for path in scripts if launching.search(path.read_text())] == []
+    assert launching.search(harness.read_text())
     readme = (ROOT / "bench" / "README.md").read_text()
     unnamed = [path for path in scripts if f"`{path.relative_to(ROOT / 'bench')}`" not in readme]
     assert [str(path.relative_to(ROOT)) for path in unnamed] == []

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import yaml
 
+from bench.launch import launch
+
 ROOT = Path(__file__).resolve().parents[2]
 ARMS = {"nothing": {}, "entropy 0.01": {"entropy_coef": 0.01}, "kl 0.1": {"kl_coef": 0.1}}
 TASK = {"decoy_share": 0.7, "right_share": 0.1}
@@ -57,7 +59,6 @@ def main() -> None:
     from marl_pipeline.environment import build_environment
     from marl_pipeline.run.evaluations import evaluation_history
     from marl_pipeline.run.events import StepFinished
-    from marl_pipeline.run.recipe import train
     from marl_pipeline.stages.evaluation import headline_metric
     from marl_pipeline.stages.health import COLLAPSING
     from marl_pipeline.store import ExperienceStore
@@ -76,7 +77,9 @@ def main() -> None:
             data["agents"]["verifier"]["algorithm"] = copy.deepcopy(own)
             config = parse_config(data)
             started = time.perf_counter()
-            steps = [event for event in train(config) if isinstance(event, StepFinished)]
+            events: list = []
+            launch(config, events.append)
+            steps = [event for event in events if isinstance(event, StepFinished)]
             history = evaluation_history(ExperienceStore(config.store), config.run)
             first, last = min(history), max(history)
             collapsed = next((event.step for event in steps if any(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.launch import launch
 from bench.planner.planner import base_config  # it registers the long-tail relay
 
 
@@ -29,7 +30,6 @@ def main() -> None:
     import ray
 
     from marl_pipeline.config import parse_config
-    from marl_pipeline.run.recipe import train
     from marl_pipeline.stages.episodes import DROPPED
     from marl_pipeline.store import ExperienceStore
 
@@ -40,7 +40,7 @@ def main() -> None:
     config = parse_config(data)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        list(train(config))
+        launch(config)
     finally:
         ray.shutdown()
     store = ExperienceStore(config.store)

@@ -14,15 +14,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import time
 from pathlib import Path
 
-import yaml
-
+from bench.launch import launch_cli
 from bench.pipeline.bound import config_arguments
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def train(data: dict, seed: int, work: Path) -> dict[int, dict[str, dict[str, float]]]:
@@ -31,13 +26,8 @@ def train(data: dict, seed: int, work: Path) -> dict[int, dict[str, dict[str, fl
     from marl_pipeline.store import ExperienceStore
 
     where = work / f"seed{seed}"
-    (where / "dagster").mkdir(parents=True)
-    config = where / "config.yaml"
-    config.write_text(yaml.safe_dump({**data, "seed": seed, "store": str(where / "store")}))
-    started = time.perf_counter()
-    subprocess.run([str(ROOT / ".venv/bin/marl"), "train", str(config)], check=True, cwd=ROOT,
-                   env={**os.environ, "DAGSTER_HOME": str(where / "dagster"), "COLUMNS": "160"})
-    print(f"seed {seed}: {time.perf_counter() - started:.0f} s", flush=True)
+    seconds = launch_cli({**data, "seed": seed, "store": str(where / "store")}, where)
+    print(f"seed {seed}: {seconds:.0f} s", flush=True)
     return evaluation_history(ExperienceStore(str(where / "store")), data["run"])
 
 

@@ -48,11 +48,13 @@ from pathlib import Path
 
 import yaml
 
+from bench.launch import launch
+
 STAGES = ("rollouts", "environment_results", "rewards", "policy_updates")
 
 
-def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: int | None,
-           s3_endpoint: str | None = None, driver_core: bool = False) -> dict:
+def measured_launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: int | None,
+                    s3_endpoint: str | None = None, driver_core: bool = False) -> dict:
     """One launch of the experiment; its step times, spans and configuration. ``s3_endpoint``: the store on that
     S3-compatible server (bucket ``marl``, a fresh prefix) instead of ``store``, which then holds its policy cache.
     ``driver_core``: the driver (this process) on the last core alone, Ray and the actors on the others."""
@@ -60,7 +62,6 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
 
     from marl_pipeline.config import parse_config
     from marl_pipeline.run.events import PolicyCommitted, SetupPhase, StageCommitted, StepFinished, ThreadsChanged
-    from marl_pipeline.run.recipe import train
 
     data = json.loads(json.dumps(data))
     data.update(run="bound", store=str(store))
@@ -89,25 +90,27 @@ def launch(data: dict, store: Path, steps: int, staleness: int, warmup_steps: in
         pin_threads({max(cores)})  # this process's threads (Ray's own in it included); the ones it starts inherit
     spans, steps_seen, setup, committed = defaultdict(list), [], [], []
     sampler, driver_cpu, collector = CpuSampler(), {}, GcTimer()
+
+    def seen(event) -> None:
+        if isinstance(event, SetupPhase):
+            setup.append((event.name, round(event.seconds, 2)))
+            print(f"  set-up: {event.name} ({event.seconds:.1f} s)", flush=True)
+        elif isinstance(event, StageCommitted):
+            committed.append(event)  # read after the launch: reading 512 rows' columns here took the driver's
+            # interpreter from the stages it measures (the bench's own cost in bar 2's overhead)
+        elif isinstance(event, PolicyCommitted):
+            t = event.timing
+            spans["optimizer_step"].append((event.step, -1, t.enqueued, t.started, t.ended, None, None, 0.0, None))
+        elif isinstance(event, StepFinished):
+            steps_seen.append((event.step, event.seconds))
+            driver_cpu["first" if event.step == 0 else "last"] = {**thread_cpu(exclude={sampler.native_id}),
+                                                                  **collector.totals()}
+            print(f"  step {event.step}: {event.seconds:.3f} s", flush=True)
+        elif isinstance(event, ThreadsChanged):
+            print(f"  after step {event.step}: threads {event.changed}, cores used "
+                  f"{ {name: round(cores, 2) for name, cores in event.cores.items()} }", flush=True)
     try:
-        for event in train(config):
-            if isinstance(event, SetupPhase):
-                setup.append((event.name, round(event.seconds, 2)))
-                print(f"  set-up: {event.name} ({event.seconds:.1f} s)", flush=True)
-            elif isinstance(event, StageCommitted):
-                committed.append(event)  # read after the launch: reading 512 rows' columns here took the driver's
-                # interpreter from the stages it measures (the bench's own cost in bar 2's overhead)
-            elif isinstance(event, PolicyCommitted):
-                t = event.timing
-                spans["optimizer_step"].append((event.step, -1, t.enqueued, t.started, t.ended, None, None, 0.0, None))
-            elif isinstance(event, StepFinished):
-                steps_seen.append((event.step, event.seconds))
-                driver_cpu["first" if event.step == 0 else "last"] = {**thread_cpu(exclude={sampler.native_id}),
-                                                                      **collector.totals()}
-                print(f"  step {event.step}: {event.seconds:.3f} s", flush=True)
-            elif isinstance(event, ThreadsChanged):
-                print(f"  after step {event.step}: threads {event.changed}, cores used "
-                      f"{ {name: round(cores, 2) for name, cores in event.cores.items()} }", flush=True)
+        launch(config, seen)
     finally:
         sampler.stop()
         collector.stop()
@@ -506,8 +509,8 @@ def main() -> None:
     launches = {}
     for staleness in args.staleness:  # every launch first: the bare replays hold memory a later launch needs
         print(f"pipeline, staleness {staleness}:", flush=True)
-        launches[staleness] = launch(data, args.work / f"s{staleness}", args.steps, staleness, args.warmup_steps,
-                                     args.s3_endpoint, args.driver_core)
+        launches[staleness] = measured_launch(data, args.work / f"s{staleness}", args.steps, staleness,
+                                              args.warmup_steps, args.s3_endpoint, args.driver_core)
     if args.pipeline_only:
         for staleness, ran in launches.items():
             measured = [step for step, _ in ran["steps"] if step > 0]

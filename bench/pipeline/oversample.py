@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from bench.launch import launch
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
 from marl_pipeline.environment import register_environment
 
@@ -82,14 +83,14 @@ def experiment(store: Path, steps: int, hang_fraction: float, oversample: int | 
 def run_launch(name: str, data: dict, base: Path) -> dict:
     from marl_pipeline.config import parse_config
     from marl_pipeline.run.events import RunFinished, StepFinished
-    from marl_pipeline.run.recipe import train
     from marl_pipeline.store import ExperienceStore
 
     store = Path(data["store"])
     shutil.rmtree(store, ignore_errors=True)
     shutil.copytree(base, store)  # identical base policies for every launch
     config = parse_config(data, source=name)
-    events = list(train(config))
+    events: list = []
+    launch(config, events.append)
     assert isinstance(events[-1], RunFinished), events[-1]
     seconds = [event.seconds for event in events if isinstance(event, StepFinished)][1:]
     n = config.pipeline.samples_per_prompt

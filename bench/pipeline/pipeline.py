@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from assets.plots import activity_png
+from bench.launch import launch
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
 from marl_pipeline.environment import register_environment
 from marl_pipeline.run.pipeline_metrics import (
@@ -78,13 +79,13 @@ def experiment(mode: dict, store: Path, steps: int, latency: float) -> dict:
 def run_mode(name: str, data: dict, base: Path) -> dict:
     from marl_pipeline.config import parse_config
     from marl_pipeline.run.events import RunFinished
-    from marl_pipeline.run.recipe import train
 
     store = Path(data["store"])
     shutil.rmtree(store, ignore_errors=True)
     shutil.copytree(base, store)  # identical base policies for every mode
     config = parse_config(data, source=name)
-    events = list(train(config))
+    events: list = []
+    launch(config, events.append)
     finished = events[-1]
     assert isinstance(finished, RunFinished), finished
     timeline = timeline_from_events(events)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import yaml
 
+from bench.launch import run_cli
 from bench.pipeline.bound import config_arguments, read_stat
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,20 +80,17 @@ def cpu_by_process(root: int) -> dict[str, float]:
 def marl_train(config: Path, home: Path, cpu: dict | None = None) -> list[tuple[float, str]]:
     """``marl train CONFIG``'s set-up and step lines, each with its seconds from the command's start; ``cpu`` gets
     :func:`cpu_by_process` as the first rollout starts."""
-    env = {**os.environ, "DAGSTER_HOME": str(home), "COLUMNS": "400"}  # one line per message: no wrapping
-    started = time.perf_counter()
-    process = subprocess.Popen([str(ROOT / ".venv/bin/marl"), "train", str(config)], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     lines = []
-    for line in process.stdout:
-        if LINE.match(line.strip()):
-            lines.append((round(time.perf_counter() - started, 2), line.strip()))
+
+    def seen(seconds: float, line: str, pid: int) -> None:
+        if LINE.match(line):
+            lines.append((round(seconds, 2), line))
             print(f"  {lines[-1][0]:6.2f} s  {lines[-1][1]}", flush=True)
-            if cpu is not None and not cpu and lines[-1][1].startswith("set-up: engines"):
-                cpu.update(cpu_by_process(process.pid))
+            if cpu is not None and not cpu and line.startswith("set-up: engines"):
+                cpu.update(cpu_by_process(pid))
                 print(f"  CPU seconds by process at the first rollout: {cpu}", flush=True)
-    if process.wait() != 0:
-        raise SystemExit(f"marl train {config} failed ({process.returncode})")
+
+    run_cli(config, home, seen)
     return lines
 
 

@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
+
+from bench.launch import Launch, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 WAYS = {"new actors": (False, False), "kept, same settings": (True, False), "kept, engines rebuilt": (True, True)}
 """Each way: (``keep_actors``, the engines' settings changed every launch)."""
 
 
-def _launch(keep: bool, store: Path, max_model_len: int | None) -> tuple[float, float]:
+def _launch(keep: bool, store: Path, max_model_len: int | None) -> Launch:
     from marl_pipeline.config import parse_config
-    from marl_pipeline.run.events import RunStarted
-    from marl_pipeline.run.recipe import train
     from tests.conftest import small_config_data
 
     demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
@@ -38,12 +37,7 @@ def _launch(keep: bool, store: Path, max_model_len: int | None) -> tuple[float, 
     if max_model_len is not None:
         for agent in data["agents"].values():
             agent["engine"]["max_model_len"] = max_model_len
-    started = time.perf_counter()
-    setup = None
-    for event in train(parse_config(data)):
-        if isinstance(event, RunStarted):
-            setup = time.perf_counter() - started
-    return setup, time.perf_counter() - started
+    return launch(parse_config(data))
 
 
 def _same_weights(a: Path, b: Path) -> bool:
@@ -73,10 +67,10 @@ def main() -> None:
     for way, (keep, alternate) in WAYS.items():
         for index in range(args.launches):
             store = root / way.replace(" ", "_").replace(",", "") / str(index)
-            setup, total = _launch(keep, store, (128 if index % 2 else 256) if alternate else None)
+            done = _launch(keep, store, (128 if index % 2 else 256) if alternate else None)
             first = first or store
             same = "yes" if _same_weights(first, store) else "NO"
-            print(f"| {way} | {index} | {setup:.1f} | {total:.1f} | {same} |", flush=True)
+            print(f"| {way} | {index} | {done.setup_seconds:.1f} | {done.seconds:.1f} | {same} |", flush=True)
         warm_actors.stop_idle()
     ray.shutdown()
 

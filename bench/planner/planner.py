@@ -47,6 +47,8 @@ from pathlib import Path
 
 import yaml
 
+from bench.launch import launch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -173,13 +175,12 @@ def _process_cpu() -> dict[int, tuple[str, float]]:
     return {pid: (kind(pid, title), seconds) for pid, (title, seconds) in cpu_by_pid(os.getpid()).items()}
 
 
-def launch(data: dict, run: str, store_uri: Path, version0_from: str | None,
-           cpu: dict[str, float] | None = None) -> list[float]:
+def measured_launch(data: dict, run: str, store_uri: Path, version0_from: str | None,
+                    cpu: dict[str, float] | None = None) -> list[float]:
     """Run one launch of ``data`` as ``run``; its steps' ``StepFinished.seconds``. ``cpu``: filled with each kind of
     process's CPU seconds a step (:func:`_process_cpu`) over steps 1.., as the step times are compared."""
     from marl_pipeline.config import parse_config
     from marl_pipeline.run.events import StepFinished
-    from marl_pipeline.run.recipe import train
     from marl_pipeline.store import ExperienceStore
 
     # every version kept: each one's timing.json is what the calibration reads of its step's end
@@ -189,12 +190,15 @@ def launch(data: dict, run: str, store_uri: Path, version0_from: str | None,
         for agent in config.agents:
             shutil.copytree(store.policy_dir(version0_from, agent, 0), store.policy_dir(run, agent, 0))
     seconds, marks = [], []  # with cpu: the processes' CPU at step 0's end and at the last step's, before teardown
-    for event in train(config):
+
+    def seen(event) -> None:
         if isinstance(event, StepFinished):
             seconds.append(event.seconds)
             print(f"  {run} step {event.step}: {event.seconds:.2f} s", flush=True)
             if cpu is not None and len(seconds) in (1, config.pipeline.steps):
                 marks.append(_process_cpu())
+
+    launch(config, seen)
     if cpu is not None and len(marks) == 2:
         before, after = marks
         for pid, (kind, used) in after.items():
@@ -396,8 +400,8 @@ def main() -> None:
     calibrations: list[str] = []
 
     def calibrate(run: str) -> None:
-        measured[run] = launch(launches["streaming"], run, store_uri, calibrations[0] if calibrations else None,
-                               cpu_of(run))
+        measured[run] = measured_launch(launches["streaming"], run, store_uri,
+                                        calibrations[0] if calibrations else None, cpu_of(run))
         calibrations.append(run)
 
     calibrate("streaming")
@@ -425,7 +429,7 @@ def main() -> None:
         print(f"predictions for {[run for _, run in block['launches']]} written, from {block['calibrations']}",
               flush=True)
         for name, run in block["launches"]:
-            measured[run] = launch(launches[name], run, store_uri, "streaming", cpu_of(run))
+            measured[run] = measured_launch(launches[name], run, store_uri, "streaming", cpu_of(run))
     results = {"measured": measured, "cpu_per_step": cpu, "plan": plan, "wall_s": time.time() - started}
     (args.work / "results.json").write_text(json.dumps(results, indent=1))  # the measurements, before the report
     results["rows"] = report(compare(plan, predicted, measured, cpu),

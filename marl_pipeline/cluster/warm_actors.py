@@ -10,7 +10,8 @@ takes the ones started with the same settings and restarts them in place at its 
   seed and options are exactly a new actor's), paying only the model load;
 - an engine reloads the starting weights into the model it holds (``RolloutEngine.restart``), if it serves the
   same model (its config and tokenizer files) with the same engine settings; otherwise it builds the new engine in
-  its process, without a new process's imports, where it can: on a CPU, with one rank and the threads it has. Where it cannot, it refuses, is stopped, and a new one is started.
+  its process, without a new process's imports, where it can: on a CPU, with one rank and the threads it has.
+  Where it cannot, it refuses, is stopped, and a new one is started.
 
 Idle actors keep their CPUs and memory. A launch takes what it can and stops every idle actor it did not take,
 before it waits for its new ones, so they never hold resources a new actor waits for. A launch that failed does not
