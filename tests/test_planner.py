@@ -217,6 +217,41 @@ def test_marl_profile_engine_measures_a_profile_the_planner_fits(tiny_model_dir,
     assert costs.step > 0 and costs.per_prompt_token > 0
 
 
+
+def test_marl_profile_gpu_writes_what_the_planner_reads_and_refuses_a_machine_without_one(tiny_model_dir,
+                                                                                        tmp_path) -> None:
+    """The GPU trainer profile: this project's trainer with its defaults on an RL-shaped micro-batch, in the format
+    ``trainer_profile`` reads (run here on the CPU, the one device this machine has); `marl profile gpu` itself
+    refuses a machine whose torch sees no GPU, by name."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from marl_pipeline.planner.profiles import GPUS, trainer_profile
+    from marl_pipeline.planner.profiling import gpu_trainer, synthetic_batch
+    from tests.conftest import ROOT
+
+    batch = synthetic_batch(rows=4, vocab=50, prompt_tokens=(4, 8), response_tokens=(2, 6))
+    found = gpu_trainer(tiny_model_dir, device="cpu", repeats=1, batch=batch, progress=lambda line: None)
+    run = found["runs"][0]
+    tokens = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+    assert found["tokens"] == tokens and found["peak_tflops"] > 0 and run["variant"] == "default"
+    assert run["mfu"] == pytest.approx(6 * run["parameters"] * tokens / run["seconds"] / (found["peak_tflops"] * 1e12))
+    path = tmp_path / "trainer.json"
+    path.write_text(json.dumps(found))
+    stated = GPUS["h100"]
+    assert trainer_profile(path, gpu=stated) == pytest.approx(run["mfu"] * found["peak_tflops"] / stated.bf16_tflops)
+    if torch.cuda.is_available():
+        return
+    result = subprocess.run([sys.executable, "-m", "assets.cli", "profile", "gpu", "--model", str(tiny_model_dir),
+                             "--out", str(tmp_path / "refused.json")], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 2 and "measures a CUDA GPU" in result.stdout, result.stdout + result.stderr
+    assert not (tmp_path / "refused.json").exists()
+
 def test_the_calibration_counts_the_cores_a_trainer_call_had_and_a_swapped_workers_calls_in_turn() -> None:
     """Three one-thread trainers on 2 cores take a micro-batch's calls at once: each call had 2/3 of a core, so its
     seconds are 2/3 core-seconds; two agents on one swapped worker take theirs in turn, so the train stage's span

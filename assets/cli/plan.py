@@ -24,8 +24,8 @@ def plan(config_path: Path = typer.Argument(..., help="Experiment YAML file.", m
                                                    "from their stated figures and the models' shapes (a roofline), "
                                                    "the workload from the stored run."),
          profile: str | None = typer.Option(None, help="With --gpu: the trainers' MFU from this "
-                                                       "bench/engines/gpu_trainer.py --rl output instead of the "
-                                                       "roofline's default."),
+                                                       "marl profile gpu output instead of the roofline's "
+                                                       "default."),
          threads_profile: str | None = typer.Option(None, "--threads-profile", help="What a trainer's threads buy "
                                                      "on these CPUs (marl profile threads' file), in "
                                                      "place of a linear speed-up."),

@@ -1,4 +1,4 @@
-"""``marl profile threads|engine|crowding``: the profiles ``marl plan`` reads, measured on this machine
+"""``marl profile threads|engine|gpu|crowding``: the profiles ``marl plan`` reads, measured on this machine
 (marl_pipeline/planner/profiling.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from rich.table import Table
 from assets.cli.output import console, open_store
 
 profile = typer.Typer(no_args_is_help=True, help="Measure what marl plan reads, on this machine: a trainer's "
-                                                 "threads, an engine, the host's crowding.")
+                                                 "threads, an engine, a trainer on a GPU, the host's crowding.")
 
 DEFAULT_PROMPT, DEFAULT_RESPONSE = (3, 8), (1, 3)
 """Token lengths of a thread profile's rows when the run has no stored turns to take them from."""
@@ -104,6 +104,29 @@ def engine(model: str = typer.Option(..., help="A model directory vLLM loads."),
                     progress=console.print)
     out.write_text(json.dumps(found, indent=1))
     console.print(f"engine profile of {found['gpu']} written to {out} (marl plan --engine-profile AGENT={out})")
+
+
+@profile.command()
+def gpu(model: str = typer.Option(..., help="A model directory (Hugging Face format) the trainer loads."),
+        out: Path = typer.Option(..., "--out", help="Where to write the trainer profile (JSON)."),
+        checkpointing: bool = typer.Option(False, help="With activation checkpointing (trainer."
+                                                       "activation_checkpointing)."),
+        repeats: int = typer.Option(5, help="Timed steps after the warm-up (the best kept).")) -> None:
+    """A trainer's MFU on this machine's GPU, for `marl plan --gpu KIND --profile FILE`: one RL-shaped
+    micro-batch (64 rows, prompts of 256 tokens, responses of 32 to 1,024) through this project's trainer with its
+    defaults, in bf16 autocast."""
+    import torch
+
+    from marl_pipeline.planner.profiling import gpu_trainer
+
+    if not torch.cuda.is_available():
+        console.print("[red]marl profile gpu measures a CUDA GPU, and torch sees none on this machine: run it where "
+                      "the training will run[/red]")
+        raise typer.Exit(2)
+    found = gpu_trainer(model, checkpointing=checkpointing, repeats=repeats, progress=console.print)
+    out.write_text(json.dumps(found, indent=1))
+    console.print(f"trainer profile of {found['gpu']}: MFU {found['runs'][0]['mfu']:.1%} of the measured peak, "
+                  f"written to {out} (marl plan --profile {out})")
 
 
 @profile.command()

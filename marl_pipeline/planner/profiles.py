@@ -1,5 +1,5 @@
 """Costs for GPUs no stored run has used: a roofline from the card's stated figures and the model's shape, the
-trainer's share of the peak taken from a measured profile (``bench/engines/gpu_trainer.py --rl``) where one exists.
+trainer's share of the peak taken from a measured profile (``marl profile gpu``) where one exists.
 
 A roofline is a bound, not a fit: each figure is the time the work takes at the stated peak (FLOP/s or memory
 bandwidth) scaled by an efficiency, so a prediction from it is as good as those efficiencies. Its figures are
@@ -208,11 +208,12 @@ def trainer_profile(path: str | Path, *, model: str | None = None, variant: str 
                     checkpointing: bool = False, gpu: GpuSpec | None = None) -> float:
     """A trainer's measured MFU as a fraction of its GPU's stated bf16 peak, for :func:`trainer_roofline`'s ``mfu``.
 
-    Reads either ``bench/engines/gpu_trainer.py --rl``'s output (``peak_tflops``, ``gpu`` and ``runs``, each run's
-    ``mfu`` a fraction of the matmul peak measured in that process) or a plain ``{"mfu": ...}`` object, percent where
-    above 1, else a fraction, of the stated peak (of the measured peak where the object has ``peak_tflops``). From a
-    benchmark's runs, the one of ``variant`` and ``checkpointing`` (the trainer's defaults: the ``default`` variant,
-    no activation checkpointing) and ``model`` (which may be left out where the file has one model).
+    Reads either ``marl profile gpu``'s output, as ``bench/engines/gpu_trainer.py --rl``'s (``peak_tflops``, ``gpu``
+    and ``runs``, each run's ``mfu`` a fraction of the matmul peak measured in that process), or a plain
+    ``{"mfu": ...}`` object, percent where above 1, else a fraction, of the stated peak (of the measured peak where
+    the object has ``peak_tflops``). From a benchmark's runs, the one of ``variant`` and ``checkpointing`` (the
+    trainer's defaults: the ``default`` variant, no activation checkpointing) and ``model`` (which may be left out where
+    the file has one model).
 
     A measured peak is below the stated one, so its MFU is scaled by measured over stated to carry to another GPU:
     the stated peak is ``gpu``'s, or that of the table's GPU the file names (``NVIDIA H200``); PCIe and NVL parts,
@@ -235,7 +236,7 @@ def trainer_profile(path: str | Path, *, model: str | None = None, variant: str 
         value = _number(path, data["mfu"], "mfu")
         value = value / 100 if value > 1 else value
     else:
-        raise ValueError(f"trainer profile {path} has neither 'runs' (bench/engines/gpu_trainer.py --rl's output) nor "
+        raise ValueError(f"trainer profile {path} has neither 'runs' (marl profile gpu's output) nor "
                          f"'mfu' (percent or fraction)")
     if "peak_tflops" in data:
         measured = _number(path, data["peak_tflops"], "peak_tflops")

@@ -1,7 +1,8 @@
 """The profiles the planner reads, measured on this machine (``marl profile``, as vLLM has ``vllm bench``): what a
-trainer's threads buy (``threads``), an engine's decode step and prefill (``engine``), and the host's crowding
-exponent fitted on stored launches of several layouts (``crowding``). Each writes the file ``marl plan`` takes
-(``--threads-profile``, ``--engine-profile``) or the exponent to write into a thread profile.
+trainer's threads buy (``threads``), an engine's decode step and prefill (``engine``), a trainer's MFU on a GPU
+(``gpu``), and the host's crowding exponent fitted on stored launches of several layouts (``crowding``). Each writes
+the file ``marl plan`` takes (``--threads-profile``, ``--engine-profile``, ``--profile``) or the exponent to write
+into a thread profile.
 """
 
 from __future__ import annotations
@@ -157,3 +158,50 @@ def crowding(store: ExperienceStore, calibrate: list[str], checked: list[str], g
                       "rms": math.sqrt(statistics.mean(run["error"] ** 2 for run in runs))})
     return found
 
+
+
+GPU_BATCH = {"rows": 64, "prompt_tokens": (256, 256), "response_tokens": (32, 1024)}
+"""The RL-shaped micro-batch ``gpu_trainer`` times (bench/engines/gpu_trainer.py ``--rl``'s): 64 rows, prompts of
+256 tokens, responses of 32 to 1,024."""
+
+
+def gpu_trainer(model_dir: str | Path, *, checkpointing: bool = False, repeats: int = 5, device: str = "cuda",
+                batch: TrainBatch | None = None, progress: Progress = print) -> dict:
+    """What the planner's GPU trainer costs read (``planner/profiles.trainer_profile``): this project's trainer with
+    its defaults (packed passes, the token budget sized to the device, the fused head) in bf16 autocast, one
+    ``accumulate`` and ``apply_step`` of an RL-shaped micro-batch (:data:`GPU_BATCH`, random tokens of the model's
+    vocabulary) timed ``repeats`` times after a warm-up step, the best kept; MFU = 6 x parameters x tokens / s over
+    the matmul peak measured here. ``device``: ``cpu`` runs the same steps where there is no GPU (the file's
+    figures then describe this CPU, not a GPU)."""
+    import torch
+
+    from marl_pipeline.training.flops import peak_flops, training_flops
+    from marl_pipeline.training.trainer import PolicyTrainer
+
+    trainer = PolicyTrainer(str(model_dir), 0, lr=1e-5, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, seed=0,
+                            dtype="bfloat16", device=device, activation_checkpointing=checkpointing)
+    if batch is None:
+        batch = synthetic_batch(vocab=len(trainer.tokenizer), **GPU_BATCH)
+    tokens = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+    peak = peak_flops(torch.device(device), torch.bfloat16)
+    parameters = sum(p.numel() for p in trainer.model.parameters())
+    times = []
+    for repeat in range(repeats + 1):  # the first pays the one-off costs
+        if device == "cuda":
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        trainer.accumulate(batch)
+        trainer.apply_step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+        progress(f"step {repeat}{' (warm-up)' if repeat == 0 else ''}: {times[-1]:.3f} s")
+    seconds = min(times[1:])
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    settings = trainer.pass_settings()
+    run = {"model": Path(model_dir).name, "checkpointing": checkpointing, "variant": "default", "seconds": seconds,
+           "tokens_per_s": tokens / seconds, "parameters": parameters,
+           "mfu": training_flops(parameters, tokens) / seconds / peak, "passes": settings["passes"],
+           "chunk_tokens": settings["chunk_tokens"], "head": settings["head"]}
+    return {"gpu": name, "torch": torch.__version__, "tokens": tokens,
+            "response_tokens": sum(map(len, batch.response_ids)), "peak_tflops": peak / 1e12, "runs": [run]}
