@@ -84,3 +84,36 @@ def test_an_engine_is_reused_only_for_the_same_model_files_besides_its_weights(t
     tokenizer = copy / "tokenizer.json"
     tokenizer.write_text(tokenizer.read_text() + " ")
     assert model_fingerprint(str(copy)) != model_fingerprint(str(tiny_model_dir))
+
+
+class _Served:
+    """An actor that remembers what it serves: the restart protocol of a kept engine without vLLM."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def restart(self, what: str) -> bool:
+        self.what = what
+        return True
+
+    def serving(self) -> str:
+        return self.what
+
+
+def test_a_kept_actor_last_started_for_the_same_work_is_taken_first(local_ray) -> None:
+    """Two agents' engines share a key (the same resources and threads); each next launch's engine takes the one that
+    served its agent with its options, which reloads weights, not the other, which would rebuild its engine."""
+    actor = local_ray.remote(num_cpus=0)(_Served)
+    idle, used = warm_actors.idle_count(), warm_actors.in_use()  # the module's launches keep theirs
+    first = {name: warm_actors.start(actor, "key", name, prefer=name) for name in ("solver", "verifier")}
+    for handle in first.values():
+        warm_actors.release(handle, keep=True)
+    again = {name: warm_actors.start(actor, "key", name, prefer=name) for name in ("verifier", "solver")}
+    assert {name: handle._actor_id for name, handle in again.items()} == {
+        name: handle._actor_id for name, handle in first.items()}
+    other = warm_actors.start(actor, "key", "reporter", prefer="reporter")  # nothing kept: a new actor
+    assert other._actor_id not in {handle._actor_id for handle in first.values()}
+    assert local_ray.get(other.serving.remote()) == "reporter"
+    for handle in [*again.values(), other]:
+        warm_actors.release(handle, keep=False)
+    assert (warm_actors.idle_count(), warm_actors.in_use()) == (idle, used)

@@ -165,7 +165,7 @@ def _spawn_engine(specs: list[ActorSpec], shared: PlacementGroup | None, own: di
         settings = ("engine", StoreAsyncEngine.__name__, spec.cpus, spec.gpus, tuple(sorted(spec.resources.items())),
                     spec.options.get("threads"), spec.options.get("tensor_parallel_size", 1))
         return warm_actors.start(actor.options(**actor_options(spec)), settings, *arguments, after=after,
-                                 **spec.options)
+                                 prefer=(source, tuple(sorted(spec.options.items()))), **spec.options)
     group = placement_group(spec.group) if spec.group.kind == "engine" else shared  # a split replica's own
     handle = actor.options(**actor_options(spec, group)).remote(*arguments, after=after, **spec.options)
     if group is not shared:

@@ -36,6 +36,7 @@ RESTART_TIMEOUT_S = 300.0
 _lock = threading.Lock()
 _idle: dict[tuple, list] = {}  # key -> idle handles
 _keys: dict[object, tuple] = {}  # actor id -> key, for the actors started or taken through here
+_preferred: dict[object, Hashable] = {}  # actor id -> what it was last started or restarted for (``prefer``)
 
 
 def _cluster() -> str:
@@ -44,27 +45,30 @@ def _cluster() -> str:
     return f"{context.get_node_id()}/{context.get_job_id()}"
 
 
-def start(actor, settings: Hashable, *args, **kwargs):
+def start(actor, settings: Hashable, *args, prefer: Hashable = None, **kwargs):
     """An actor of ``actor`` (a ``ray.remote(...).options(...)`` class) started with ``args`` and ``kwargs``: an
     idle one kept with the same ``settings`` and restarted with them, else a new one (not yet ready).
-    ``settings`` must name everything a restart cannot change: the class, the Ray resources, the engine's options
-    (Ray's option wrapper does not expose the options it was given, so the caller names them)."""
+    ``settings`` must name everything a restart cannot change: the class, the Ray resources, the threads (Ray's
+    option wrapper does not expose the options it was given, so the caller names them). Among the idle ones, one
+    last started or restarted with the same ``prefer`` is taken first: an engine that serves the same agent with
+    the same options reloads its weights, where another would rebuild its engine."""
     key = (_cluster(), settings)
     while True:
         with _lock:
-            handles = _idle.get(key)
-            handle = handles.pop() if handles else None
+            handles = _idle.get(key) or []
+            same = [i for i, handle in enumerate(handles) if _preferred.get(handle._actor_id) == prefer]
+            handle = handles.pop(same[-1] if same else -1) if handles else None
         if handle is None:
             break
         try:
             if ray.get(handle.restart.remote(*args, **kwargs), timeout=RESTART_TIMEOUT_S):
-                _remember(handle, key)
+                _remember(handle, key, prefer)
                 return handle
         except (ray.exceptions.RayError, TimeoutError):
             pass  # it died while idle, or hung: a new one below
         ray.kill(handle)
     handle = actor.remote(*args, **kwargs)
-    _remember(handle, key)
+    _remember(handle, key, prefer)
     return handle
 
 
@@ -75,6 +79,7 @@ def release(handle, keep: bool) -> None:
         if keep and key is not None:
             _idle.setdefault(key, []).append(handle)
             return
+        _preferred.pop(handle._actor_id, None)
     ray.kill(handle)
 
 
@@ -83,6 +88,8 @@ def stop_idle() -> int:
     with _lock:
         handles = [handle for handles in _idle.values() for handle in handles]
         _idle.clear()
+        for handle in handles:
+            _preferred.pop(handle._actor_id, None)
     for handle in handles:
         try:
             ray.kill(handle)
@@ -104,6 +111,7 @@ def in_use() -> int:
         return len(_keys)
 
 
-def _remember(handle, key: tuple) -> None:
+def _remember(handle, key: tuple, prefer: Hashable) -> None:
     with _lock:
         _keys[handle._actor_id] = key
+        _preferred[handle._actor_id] = prefer
