@@ -159,7 +159,6 @@ def crowding(store: ExperienceStore, calibrate: list[str], checked: list[str], g
     return found
 
 
-
 GPU_BATCH = {"rows": 64, "prompt_tokens": (256, 256), "response_tokens": (32, 1024)}
 """The RL-shaped micro-batch ``gpu_trainer`` times (bench/engines/gpu_trainer.py ``--rl``'s): 64 rows, prompts of
 256 tokens, responses of 32 to 1,024."""
@@ -175,7 +174,7 @@ def gpu_trainer(model_dir: str | Path, *, checkpointing: bool = False, repeats: 
     figures then describe this CPU, not a GPU)."""
     import torch
 
-    from marl_pipeline.training.flops import peak_flops, training_flops
+    from marl_pipeline.training.flops import peak_flops, synchronize, training_flops
     from marl_pipeline.training.trainer import PolicyTrainer
 
     trainer = PolicyTrainer(str(model_dir), 0, lr=1e-5, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, seed=0,
@@ -187,13 +186,11 @@ def gpu_trainer(model_dir: str | Path, *, checkpointing: bool = False, repeats: 
     parameters = sum(p.numel() for p in trainer.model.parameters())
     times = []
     for repeat in range(repeats + 1):  # the first pays the one-off costs
-        if device == "cuda":
-            torch.cuda.synchronize()
+        synchronize(torch.device(device))
         began = time.perf_counter()
         trainer.accumulate(batch)
         trainer.apply_step()
-        if device == "cuda":
-            torch.cuda.synchronize()
+        synchronize(torch.device(device))
         times.append(time.perf_counter() - began)
         progress(f"step {repeat}{' (warm-up)' if repeat == 0 else ''}: {times[-1]:.3f} s")
     seconds = min(times[1:])

@@ -53,15 +53,16 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
         a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
         best = float("inf")
         for _ in range(repeats + 1):  # the first is the warm-up: kernel choice, allocation
-            _sync(device)
+            synchronize(device)
             began = time.perf_counter()
             a @ b
-            _sync(device)
+            synchronize(device)
             best = min(best, time.perf_counter() - began)
         _PEAKS[key] = 2.0 * size**3 / best
     return _PEAKS[key]
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on a CPU, whose work is done when the call returns)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
