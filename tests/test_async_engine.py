@@ -12,7 +12,7 @@ import pytest
 from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine, RequestAborted
-from marl_pipeline.inference.engine import MAX_NUM_SEQS, GenerationRequest
+from marl_pipeline.inference.engine import MAX_NUM_SEQS, GenerationRequest, PromptTooLong
 from marl_pipeline.policy.checkpoint import kv_cache_bytes_per_token
 from marl_pipeline.training.batches import TrainBatch
 from marl_pipeline.training.trainer import PolicyTrainer
@@ -73,13 +73,18 @@ def test_a_streamed_batch_yields_each_request_once_as_sampled_alone_and_a_bad_on
                                                                                               engine) -> None:
     batch = [(f"stream-{i}", GenerationRequest(PROMPT, i, 4 + 3 * i, 1.0, ignore_eos=True)) for i in range(6)]
     batch.append(("bad", GenerationRequest(PROMPT, 0, 4, 1.0, adapter="nowhere")))
+    # Prompts that leave no room for an output token in the fixture's 128: vLLM refuses each its own way.
+    too_long = {f"context-{length}": GenerationRequest(PROMPT * (length // 4), 0, 4, 1.0) for length in (128, 132)}
+    batch.extend(too_long.items())
     chunks = [local_ray.get(ref) for ref in engine.generate_stream.options(num_returns="streaming").remote(batch)]
     results = dict(item for chunk in chunks for item in chunk)
     assert sorted(results) == sorted(request_id for request_id, _ in batch)  # each once
     assert sum(len(chunk) for chunk in chunks) == len(batch)
     assert len(chunks) > 1  # streamed as they finish: 4 to 19 tokens end in different engine steps
     assert isinstance(results["bad"], ValueError) and "nowhere" in str(results["bad"])
-    for request_id, request in batch[:-1]:
+    for request_id in too_long:
+        assert isinstance(results[request_id], PromptTooLong) and "128" in str(results[request_id]), results[request_id]
+    for request_id, request in batch[:-3]:
         alone = local_ray.get(engine.generate_one.remote(f"{request_id}-alone", request))
         assert results[request_id].completion.response_ids == alone.completion.response_ids
 

@@ -97,6 +97,32 @@ def test_an_episode_over_its_time_limit_is_cut_and_does_not_hold_the_commit(engi
     assert {row["group_id"] for row in rewards if row["episode"] in slow} == {"0-0-0"}
 
 
+class OutgrownContext(TimedReplies):
+    """Task 0's conversation outgrows the engine's 128 tokens at its second turn, as a long game's history would."""
+
+    def render_prompt(self, role: str, task: dict, transcript: list) -> str:
+        prompt = super().render_prompt(role, task, transcript)
+        return prompt + " 1+1=2" * 60 if task["id"] == 0 and transcript else prompt
+
+
+@pytest.mark.launch
+def test_an_episode_whose_prompt_outgrows_the_context_fails_alone(engines) -> None:
+    """vLLM refuses a prompt over ``max_model_len``: that episode fails there, the micro-batch goes on (the launch
+    stopped on it before)."""
+    env, key = OutgrownContext(), MicroBatchKey("outgrown", 0, 0)
+    stored = rollout_trajectories(env, engines, key, SETTINGS, RolloutConfig())
+    episodes = by_episode(stored)
+    outgrown = {e: turns for e, turns in episodes.items() if turns[0]["task_id"] == "0"}
+    assert len(outgrown) == 2 and len(episodes) == 8
+    for turns in outgrown.values():  # its first turn sampled and replied to, its second never sent
+        assert [(row["turn"], row["status"]) for row in turns] == [(0, "prompt_too_long")]
+        assert "turn 1's prompt is over max_model_len" in turns[0]["error"]
+        assert "maximum context length is 128" in turns[0]["error"]
+    assert all([row["status"] for row in turns] == ["ok"] * 3 for e, turns in episodes.items() if e not in outgrown)
+    results = execute_micro_batch(env, stored)
+    assert {row["episode"] for row in results.to_pylist() if row["status"] == "failed"} == set(outgrown)
+
+
 def test_the_stored_rows_are_those_of_the_turn_batched_rollout(engines) -> None:
     key, env = MicroBatchKey("same", 2, 1), TimedReplies()
     trajectory = rollout_trajectories(env, engines, key, SETTINGS, RolloutConfig()).to_pylist()

@@ -32,6 +32,7 @@ from marl_pipeline.inference.engine import (
     RolloutEngine,
     completion_of,
     engine_prompt,
+    refused_prompt,
 )
 from marl_pipeline.inference.engine_handoff import (
     Delivery,
@@ -341,10 +342,9 @@ class AsyncRolloutEngine:
             self._reload.held.append(request)
         else:
             try:
-                self._core.add_request(request.request_id, request.prompt, request.params,
-                                       lora_request=request.lora)
+                self._core.add_request(request.request_id, request.prompt, request.params, lora_request=request.lora)
             except Exception as error:  # a bad prompt fails its own request, not the engine
-                request.deliver(error)
+                request.deliver(refused_prompt(request.request_id, error))
                 return
             request.version = self._engine.version
             self._running[request.request_id] = request

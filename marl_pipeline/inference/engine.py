@@ -115,6 +115,21 @@ class Completion:
     asynchronous engine's; None: not measured (the batched engine)."""
 
 
+class PromptTooLong(ValueError):
+    """A prompt the engine's context (``max_model_len``) cannot hold, as vLLM refused it: its request fails alone,
+    and the rollout ends the episode there, failed (stages/trajectories.py), where the launch used to stop."""
+
+
+def refused_prompt(request_id: str, error: Exception) -> Exception:
+    """What a request vLLM refused fails with: :class:`PromptTooLong` where its prompt left no room for an output
+    token (vLLM 0.32's two ``VLLMValidationError``s: over ``max_model_len``, or exactly at it)."""
+    text = str(error)
+    if type(error).__name__ == "VLLMValidationError" and ("maximum context length" in text
+                                                           or "maximum model length" in text):
+        return PromptTooLong(f"request {request_id!r}: {text}")
+    return error
+
+
 class RolloutEngine:
     """A vLLM engine serving one agent's policy; construct inside a Ray actor (or a ``__main__`` script)."""
 

@@ -18,11 +18,12 @@ it, never older than the staleness gate allowed), and which episodes a time limi
 
 A timed-out episode: its request in flight is aborted, the turns it sampled are stored with status ``timeout``
 (one whose reply was cut has no observation; an episode cut in its first generation stores no row, so its group
-is one episode smaller), and the environment stage records the episode failed, like one
-whose reply raised. In GRPO it stays in its group with reward 0 for every agent: it lowers its group's mean,
-raising the others' advantages, and its stored turns get a negative advantage when the group earned anything.
-So the time limit acts as a penalty on the turns of episodes that ran too long; set it well above the normal
-episode time, or the penalty also hits episodes that were merely unlucky with a slow reply.
+is one episode smaller), and the environment stage records the episode failed, like one whose reply raised or
+whose conversation outgrew its engine's context (status ``prompt_too_long``: vLLM refused a prompt over
+``max_model_len``, which used to stop the launch). In GRPO it stays in its group with reward 0 for every agent: it
+lowers its group's mean, raising the others' advantages, and its stored turns get a negative advantage when the
+group earned anything. So the time limit acts as a penalty on the turns of episodes that ran too long; set it well
+above the normal episode time, or the penalty also hits episodes that were merely unlucky with a slow reply.
 
 Over-sampling (``pipeline.rollout.oversample``: k): each group starts n + k episodes and keeps the first n that
 finish (every turn and reply done without error). The n-th cuts the group's others at once (their requests aborted,
@@ -55,7 +56,7 @@ from marl_pipeline.config import ExperimentConfig, RolloutConfig
 from marl_pipeline.config.agent import turn_adapter
 from marl_pipeline.environment import Environment, Turn
 from marl_pipeline.hooks import hooks_of
-from marl_pipeline.inference.engine import GenerationRequest
+from marl_pipeline.inference.engine import GenerationRequest, PromptTooLong
 from marl_pipeline.inference.replicas import EngineReplicas, as_replicas
 from marl_pipeline.inference.router import EpisodeRoute, NoReplica
 from marl_pipeline.stages.rollout import (
@@ -137,7 +138,7 @@ class _MicroBatch:
         self.finished: list[list[_Sampled]] = [[] for _ in self.episodes]  # per episode: its sampled turns
         self.in_flight: dict[int, tuple[ray.actor.ActorHandle, str]] = {}  # per episode: (engine, request id)
         self.replied = [0] * len(self.episodes)  # per episode: turns whose reply came back
-        self.timed_out: dict[int, str] = {}  # per episode cut by the time limit: why
+        self.cut: dict[int, tuple[str, str]] = {}  # per episode cut short: its rows' status and why
         self.threads: ThreadPoolExecutor | None = None
         self.batches = _Batches()
         self.routes = [EpisodeRoute((key, e), options.lanes) for e in range(len(self.episodes))]
@@ -177,15 +178,15 @@ class _MicroBatch:
             await asyncio.wait_for(self._episode(e), max(0.0, started + limit - time.monotonic()))
         except TimeoutError:
             await self._abort([e])
-            self.timed_out[e] = (f"episode over its time limit of {limit:g} s (pipeline.rollout.episode_timeout_s) "
-                                 f"with {self._progress(e)}")
+            self.cut[e] = ("timeout", f"episode over its time limit of {limit:g} s "
+                                      f"(pipeline.rollout.episode_timeout_s) with {self._progress(e)}")
 
     def _progress(self, e: int) -> str:
         return f"{self.replied[e]} of {self.max_turns} turns and their replies done"
 
     def _failure(self, e: int) -> str | None:
         """Why an ended episode failed (its time limit, or a reply that raised); None: it finished."""
-        return self.timed_out.get(e) or next((turn.error for turn in self.finished[e] if turn.error), None)
+        return self.cut.get(e, (None, None))[1] or next((turn.error for turn in self.finished[e] if turn.error), None)
 
     async def _ended(self, e: int) -> None:
         """Counts a finished episode to its group; the group's n-th cuts the group's others (over-sampling)."""
@@ -228,8 +229,12 @@ class _MicroBatch:
             request_id = f"{self.key.run}/{self.key.step}/{self.key.micro_batch}/{e}/{turn}"
             start = datetime.now(UTC)
             adapter = turn_adapter(self.settings.turn_adapters, role, [earlier.role for earlier in transcript])
-            sampled, replica = await self._generate(
-                e, role, request_id, self.settings.request(role, request, self.seeds[turn][e], adapter))
+            try:
+                sampled, replica = await self._generate(
+                    e, role, request_id, self.settings.request(role, request, self.seeds[turn][e], adapter))
+            except PromptTooLong as error:  # the conversation outgrew the engine's context: the episode fails here
+                self.cut[e] = ("prompt_too_long", f"turn {turn}'s prompt is over max_model_len: {error}")
+                return
             completion = sampled.completion
             self.chats.record(e, role, completion.text, completion.response_ids)
             # Kept before the reply comes: a turn sampled and then cut while its reply ran is stored too.
@@ -271,8 +276,7 @@ class _MicroBatch:
 
     @staticmethod
     async def _acquire(replicas: EngineReplicas, route: EpisodeRoute) -> int:
-        """A replica for the episode's next turn (``EpisodeRoute.acquire``), waiting while all are saturated or
-        down."""
+        """A replica for the episode's next turn (``EpisodeRoute.acquire``), waiting while all are busy or down."""
         while True:
             try:
                 replica = route.acquire(replicas.router)
@@ -317,10 +321,10 @@ class _MicroBatch:
         replies = hooks_of(self.env).observe is not None  # without observe, a turn's reply time is none, not 0
         for (turn, e), kept in rows:
             p, trajectory, task = self.episodes[e]
-            timed_out, dropped = self.timed_out.get(e), self.dropped.get(e)
-            status = "dropped" if dropped else "timeout" if timed_out else None
+            (status, cut), dropped = self.cut.get(e, (None, None)), self.dropped.get(e)
+            status = "dropped" if dropped else status
             append_turn(columns, self.key, task, p, trajectory, e, turn, kept.role, kept.prompt, kept.completion,
-                        kept.version, kept.start, kept.end, kept.observation, dropped or kept.error or timed_out,
+                        kept.version, kept.start, kept.end, kept.observation, dropped or kept.error or cut,
                         status=status, engine=kept.engine, adapter=kept.adapter, group=groups[p],
                         observe_seconds=kept.observe_seconds if replies else None,
                         agent=self.settings.agent_of(kept.role))

@@ -83,7 +83,7 @@ ROLLOUTS = pa.schema(
         # (0: a full group), and its episodes over-sampling dropped (pipeline.rollout.oversample); null: older
         pa.field("group_shortfall", pa.int32()),
         pa.field("group_dropped", pa.int32()),
-        pa.field("status", pa.string()),  # ok, observe_failed, timeout, dropped (over-sampling cut it; why in error)
+        pa.field("status", pa.string()),  # ok, observe_failed, timeout, prompt_too_long, dropped (why in error)
         pa.field("error", pa.string()),
     ]
 )
