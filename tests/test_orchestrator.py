@@ -318,31 +318,63 @@ def test_killed_twice_and_resumed_commits_every_micro_batch_once(uninterrupted, 
         assert max((straight[n] - killed[n]).abs().max().item() for n in straight) <= PARAMETER_TOLERANCE, agent
 
 
-def test_killed_with_oversampling_and_a_shared_policy_resumed_keeps_n_episodes_per_group_once(
-        demo_config_data, tmp_path: Path) -> None:
-    """With over-sampling on and one shared policy playing both roles (``agents.team.roles``), a launch killed at a
-    random commit and resumed still commits every micro-batch once, with one version line, and every group trains on
-    its n episodes, never on a dropped one (which episodes a group keeps depends on timing, so the parameters are not
-    compared). Both launches take their store from ``--set`` (the file names another): a run config Dagster refused
-    once, when `marl train` then hung on Ray."""
-    steps, micro_batches = 2, 2
-    data = small_config_data(demo_config_data, tmp_path / "unused", steps=steps, micro_batches_per_step=micro_batches)
+def test_synchronous_mode_rejects_staleness(demo_config_data, tmp_path: Path) -> None:
+    from marl_pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="mode 'synchronous' trains strictly on-policy"):
+        parse_config(small_config_data(demo_config_data, tmp_path, mode="synchronous", staleness=1))
+
+
+def test_each_agent_keeps_its_own_pace_and_a_kill_9_resumes_every_micro_batch_once(demo_config_data,
+                                                                                   tmp_path: Path) -> None:
+    """Mixed pace (issue 73.1) with one policy playing two roles and over-sampling, on three agents' roles
+    (tests/three_agents.py: the demo's two and a reporter): ``team`` plays the solver and the verifier
+    (``agents.team.roles``) held on-policy (``staleness: 0``), the reporter at staleness 2 with engines that load every
+    third version (``sync_every: 3``); each group samples 2 episodes more than it keeps (``rollout.oversample``).
+    Launched from the CLI, its store given by ``--set`` (the file names another: a run config Dagster refused once,
+    when `marl train` then hung on Ray), killed with SIGKILL at a random commit and resumed:
+
+    - every micro-batch once, with one version line for the two roles;
+    - every team turn sampled at its step's version, the reporter's within 2 and from fewer versions than the
+      team's (its engines skipped some); each trains every step at its version;
+    - every group trains on its n episodes, never on a dropped one (which ones a group keeps depends on timing, so
+      the parameters are not compared; a resumed launch's engines start at the newest committed version, so which
+      versions the reporter sampled depends on where the kill fell)."""
+    steps, micro_batches = 4, 2
+    agents = ("reporter", "team")
+    data = small_config_data(demo_config_data, tmp_path / "unused", steps=steps, micro_batches_per_step=micro_batches,
+                             staleness=1)
     data["pipeline"]["rollout"] = {"oversample": 2}
-    data["agents"] = {"team": {**data["agents"]["solver"], "roles": ["solver", "verifier"]}}
+    data["environment"] = {"name": "arithmetic_report", "options": data["environment"].get("options", {})}
+    data["agents"] = {"team": {**data["agents"]["solver"], "roles": ["solver", "verifier"], "staleness": 0},
+                      "reporter": {**data["agents"]["verifier"], "staleness": 2, "sync_every": 3}}
     config_path = tmp_path / "experiment.yaml"
     config_path.write_text(yaml.safe_dump(data))
     store_setting = f"store={tmp_path / 'store'}"
     store = ExperienceStore(str(tmp_path / "store"))
     total = steps * micro_batches * len(STAGES)
-    target = random.Random(os.getpid()).randrange(1, total - len(STAGES))
-    kill_after_commits(config_path, tmp_path, store, target, store_setting)
+    kill_after_commits(config_path, tmp_path, store, random.Random(os.getpid()).randrange(1, total - len(STAGES)),
+                       store_setting, marl=CLI)
     assert _committed(store) < total
-    process = _launch(config_path, tmp_path, store_setting)
+    process = _launch(config_path, tmp_path, store_setting, marl=CLI)
     output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output
     assert not (tmp_path / "unused").exists()
+    assert_every_micro_batch_once(store, steps, micro_batches, agents=agents, turns=3)
 
-    assert_every_micro_batch_once(store, steps, micro_batches, agents=("team",))
+    rollouts = store.read_stage("demo", "rollouts", columns=["step", "policy_version", "agent", "status"]).to_pylist()
+    lag = {agent: {row["step"] - row["policy_version"] for row in rollouts if row["agent"] == agent}
+           for agent in agents}
+    assert lag["team"] == {0} and lag["reporter"] <= {0, 1, 2}, lag
+    sampled = {agent: {row["policy_version"] for row in rollouts if row["agent"] == agent} for agent in agents}
+    assert len(sampled["reporter"]) < len(sampled["team"]) == steps, sampled
+    health = store.read_stage("demo", "health", columns=["agent", "staleness_max"]).to_pylist()
+    assert {row["staleness_max"] for row in health if row["agent"] == "team"} == {0}  # as the health records it
+    assert {row["staleness_max"] for row in health if row["agent"] == "reporter"} <= lag["reporter"]
+    updates = store.read_stage("demo", "policy_updates", columns=["step", "policy_version", "agent"])
+    assert pc.all(pc.equal(updates.column("step"), updates.column("policy_version"))).as_py()
+    assert sorted(set(updates.column("agent").to_pylist())) == list(agents)
+
     rollouts = store.read_stage("demo", "rollouts", columns=["group_id", "episode", "status", "group_dropped"])
     dropped = {(row["group_id"], row["episode"]) for row in rollouts.to_pylist() if row["status"] == "dropped"}
     assert dropped and set(rollouts.column("group_dropped").to_pylist()) == {2}  # each group cut its 2 slowest
@@ -354,52 +386,3 @@ def test_killed_with_oversampling_and_a_shared_policy_resumed_keeps_n_episodes_p
     assert len(episodes) == steps * micro_batches * 4 and {len(kept) for kept in episodes.values()} == {4}
     health = [row for step in range(steps) for row in store.read("health", MicroBatchKey("demo", step, 0)).to_pylist()]
     assert {(row["dropped_episodes"], row["short_groups"]) for row in health} == {(2 * 4 * micro_batches, 0)}
-
-
-def test_synchronous_mode_rejects_staleness(demo_config_data, tmp_path: Path) -> None:
-    from marl_pipeline.config import ConfigError
-
-    with pytest.raises(ConfigError, match="mode 'synchronous' trains strictly on-policy"):
-        parse_config(small_config_data(demo_config_data, tmp_path, mode="synchronous", staleness=1))
-
-
-def test_each_agent_keeps_its_own_pace_and_a_kill_9_resumes_every_micro_batch_once(demo_config_data,
-                                                                                   tmp_path: Path) -> None:
-    """Mixed pace (issue 73.1), three agents (tests/three_agents.py: the demo's two and a reporter): the solver held
-    on-policy (``agents.solver.staleness: 0``), the verifier at staleness 2, the reporter at staleness 2 with
-    engines that load every third version (``sync_every: 3``); launched from the CLI, killed with SIGKILL at a random
-    commit and resumed: every micro-batch once; every solver turn sampled at its step's version, the others' within
-    2, the reporter's from fewer versions than the solver's (its engines skipped some); each trains every step at its
-    version. (A resumed launch's engines start at the newest committed version, so which versions the reporter
-    sampled depends on where the kill fell.)"""
-    steps, micro_batches = 4, 2
-    agents = ("reporter", "solver", "verifier")
-    data = small_config_data(demo_config_data, tmp_path / "store", steps=steps, micro_batches_per_step=micro_batches,
-                             staleness=1)
-    data["environment"] = {"name": "arithmetic_report", "options": data["environment"].get("options", {})}
-    data["agents"]["reporter"] = {**data["agents"]["verifier"], "staleness": 2, "sync_every": 3}
-    data["agents"]["solver"]["staleness"] = 0
-    data["agents"]["verifier"]["staleness"] = 2
-    config_path = tmp_path / "experiment.yaml"
-    config_path.write_text(yaml.safe_dump(data))
-    store = ExperienceStore(data["store"])
-    kill_after_commits(config_path, tmp_path, store,
-                       random.Random(os.getpid()).randrange(1, steps * micro_batches * len(STAGES) - len(STAGES)),
-                       marl=CLI)
-    process = _launch(config_path, tmp_path, marl=CLI)
-    output, _ = process.communicate(timeout=600)
-    assert process.returncode == 0, output
-    assert_every_micro_batch_once(store, steps, micro_batches, agents=agents, turns=3)
-    rollouts = store.read_stage("demo", "rollouts", columns=["step", "policy_version", "agent"]).to_pylist()
-    lag = {agent: {row["step"] - row["policy_version"] for row in rollouts if row["agent"] == agent}
-           for agent in agents}
-    assert lag["solver"] == {0} and lag["verifier"] <= {0, 1, 2} and lag["reporter"] <= {0, 1, 2}, lag
-    sampled = {agent: {row["policy_version"] for row in rollouts if row["agent"] == agent} for agent in agents}
-    assert len(sampled["reporter"]) < len(sampled["solver"]) == steps, sampled
-    health = store.read_stage("demo", "health", columns=["agent", "staleness_max"]).to_pylist()
-    assert {row["staleness_max"] for row in health if row["agent"] == "solver"} == {0}  # as the health records it
-    for agent in ("verifier", "reporter"):
-        assert {row["staleness_max"] for row in health if row["agent"] == agent} <= lag[agent]
-    updates = store.read_stage("demo", "policy_updates", columns=["step", "policy_version", "agent"])
-    assert pc.all(pc.equal(updates.column("step"), updates.column("policy_version"))).as_py()
-    assert sorted(set(updates.column("agent").to_pylist())) == list(agents)
