@@ -1,7 +1,7 @@
 """A LoRA agent's weight sync on a real pretrained model: SmolLM2-135M in a float32 vLLM engine actor and a peft
 trainer. The engine serves the base with the adapters merged in, by the same ``reload_weights`` path as a full
 fine-tuning agent (the merged weights broadcast from the trainer, bit for bit what the object store carries); an
-engine started later from the stored adapters (a resumed launch, an evaluation) serves the same policy. One engine
+engine started again from the stored adapters (a resumed launch, an evaluation) serves the same policy. One engine
 alive at a time."""
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ def _distance(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
+ENGINE = {"gpu_memory_utilization": 0.15, "max_model_len": 128, "dtype": "float32", "seed": 0, "threads": 2}
+
+
 def _engine(local_ray, model_dir: Path, version: int, adapter_dir: str | None = None, actor_class=RolloutEngine):
-    settings = EngineConfig(threads=2, max_model_len=128)
-    return engine_actor(settings, actor_class=actor_class).remote(str(model_dir), version, gpu_memory_utilization=0.15,
-                                         max_model_len=settings.max_model_len, dtype="float32", seed=0,
-                                         threads=settings.threads, adapter_dir=adapter_dir)
+    settings = EngineConfig(threads=ENGINE["threads"], max_model_len=ENGINE["max_model_len"])
+    return engine_actor(settings, actor_class=actor_class).remote(str(model_dir), version, adapter_dir=adapter_dir,
+                                                                  **ENGINE)
 
 
 ADAPTER = "verdict"
@@ -69,9 +71,9 @@ def test_a_lora_engine_serves_the_trainers_policy_and_a_named_adapter_on_the_req
         local_ray, smollm2_dir: Path, tmp_path: Path) -> None:
     """The engine serves RL's merged adapters on every request and version 0's named adapter (vLLM's LoRA) on the
     requests that name it only; the trainer computes each row with the adapter its row names, before and after RL
-    steps, and never changes the named adapter. An unknown name is refused by both. An engine started later from
-    the stored adapters serves the same policy. One engine alive at a time (two engines cost a SmolLM2 start
-    each)."""
+    steps, and never changes the named adapter. An unknown name is refused by both. The engine started again from
+    the stored adapters serves the same policy. One engine actor (a second cost a SmolLM2 start and vLLM's
+    imports)."""
     base = _version_0_with_named_adapters(smollm2_dir, tmp_path / "version=0")
     trainer = PolicyTrainer(str(base), 0, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, seed=0,
                             num_threads=2, lora=LoraAdapterConfig().model_dump(), base_dir=str(base))
@@ -115,18 +117,17 @@ def test_a_lora_engine_serves_the_trainers_policy_and_a_named_adapter_on_the_req
         assert _distance(served(engine, plain, None), before) > 0.05  # RL's adapters moved the policy
         assert _distance(served(engine, plain, None), trained(plain, None)) <= LOGPROB_TOLERANCE
         assert _distance(served(engine, adapted, ADAPTER), trained(adapted, ADAPTER)) <= LOGPROB_TOLERANCE
+        assert all(frozen[name].equal(param) for name, param in trainer.model.named_parameters() if name in frozen)
+
+        trainer.save(str(tmp_path / "version=2"))
+        assert not (tmp_path / "version=2" / "model.safetensors").exists()  # adapters only
+        assert not (tmp_path / "version=2" / NAMED_ADAPTERS).exists()  # RL's; the named ones stay in version 0 alone
+        # Started again from the stored adapters, as a resumed launch's engine starts: built anew from the files
+        # (in this process, as a kept engine is rebuilt, which a new actor's vLLM imports would only slow).
+        assert local_ray.get(engine.restart.remote(str(base), 2, adapter_dir=str(tmp_path / "version=2"), **ENGINE))
+        assert local_ray.get(engine.policy_version.remote()) == 2
+        assert _distance(served(engine, plain, None), trained(plain, None)) <= LOGPROB_TOLERANCE
+        assert _distance(served(engine, adapted, ADAPTER), trained(adapted, ADAPTER)) <= LOGPROB_TOLERANCE
+        assert local_ray.get(engine.model_directory.remote()) == str(base)  # the base: its tokenizer
     finally:
         local_ray.kill(engine)
-    assert all(frozen[name].equal(param) for name, param in trainer.model.named_parameters() if name in frozen)
-
-    trainer.save(str(tmp_path / "version=2"))
-    assert not (tmp_path / "version=2" / "model.safetensors").exists()  # adapters only
-    assert not (tmp_path / "version=2" / NAMED_ADAPTERS).exists()  # RL's; the named ones stay in version 0 alone
-    restarted = _engine(local_ray, base, 2, adapter_dir=str(tmp_path / "version=2"), actor_class=AsyncRolloutEngine)
-    try:
-        assert local_ray.get(restarted.policy_version.remote()) == 2
-        assert _distance(served(restarted, plain, None), trained(plain, None)) <= LOGPROB_TOLERANCE
-        assert _distance(served(restarted, adapted, ADAPTER), trained(adapted, ADAPTER)) <= LOGPROB_TOLERANCE
-        assert local_ray.get(restarted.model_directory.remote()) == str(base)  # the base: its tokenizer
-    finally:
-        local_ray.kill(restarted)
