@@ -18,9 +18,9 @@ ends; an episode the game has not ended by ``max_turns`` is cut and scored a dra
   metric is the share of its moves the game accepts (``legal_move_rate``). The warm-up shows random legal moves in
   positions of training games: the form of a move, not a good one.
 
-``textarena_tictactoe`` (two players) and ``textarena_three_player_tictactoe`` (three, a 5x5 board, four in a row)
-are registered; :func:`textarena_game` makes the environment of another game (docs/environments.md, "Bring your
-own").
+``textarena_tictactoe`` (two players), ``textarena_three_player_tictactoe`` (three, a 5x5 board, four in a row) and
+``textarena_kuhn_poker`` (two players, three hands of a three-card poker, one of SPIRAL's games) are registered;
+:func:`textarena_game` makes the environment of another game (docs/environments.md, "Bring your own").
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import re
 from typing import Any, ClassVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from environments.extras import extra
 from environments.games import TRAINING_SEEDS, game_task, outcome_reward, sample_game_tasks
@@ -41,14 +41,18 @@ NEEDS_NETWORK = ("Codenames", "Debate", "DontSayIt", "GuessWho", "Hangman", "Let
                  "SpellingBee", "TwentyQuestions", "WordChains", "WordLadder", "WordSearch", "Wordle")
 """TextArena 0.7.4's games that download word lists (nltk) or call a hosted model as they start: refused."""
 MOVE = re.compile(r"\[\s*([^\]]*?)\s*\]")
+OFFERED = re.compile(r"(?:Available Moves|available actions are):(.*)", re.IGNORECASE)
+"""How TextArena's boards and tables list the moves open now (``Available Moves: '[0]', ..``, ``Your available
+actions are: '[check]', '[bet]'``)."""
 
 
 def _textarena():
     return extra("textarena", "TextArena games")
 
 
-def _check_game(game: str, players: int) -> str:
-    """``game`` if TextArena has it, it fits ``players`` seats and it plays offline; else why not."""
+def _check_game(game: str, players: int, settings: dict[str, Any] | None = None) -> str:
+    """``game`` if TextArena has it, it fits ``players`` seats with these ``settings`` and it plays offline; else why
+    not."""
     registry = _textarena().envs.registration.ENV_REGISTRY
     if game not in registry:
         close = sorted(name for name in registry if name.lower().startswith(game.split("-")[0].lower()))[:5]
@@ -58,7 +62,9 @@ def _check_game(game: str, players: int) -> str:
         raise ValueError(f"TextArena's {family} games need a network as they start (word lists or a hosted "
                          f"model); this cluster plays offline, so {game!r} cannot be used")
     try:
-        _new_game(game, players, 0)
+        _new_game(game, players, 0, settings)
+    except TypeError as error:
+        raise ValueError(f"{game!r} does not take the settings {sorted(settings or {})}: {error}") from None
     except (AssertionError, ValueError) as error:
         raise ValueError(f"{game!r} cannot seat {players} players: {error}") from None
     return game
@@ -69,8 +75,8 @@ def _observation_text(observation: Any) -> str:
     return observation if isinstance(observation, str) else "\n".join(str(part[1]) for part in observation)
 
 
-def _new_game(game: str, players: int, seed: int):
-    env = _textarena().make(game)
+def _new_game(game: str, players: int, seed: int, settings: dict[str, Any] | None = None):
+    env = _textarena().make(game, **(settings or {}))
     env.reset(num_players=players, seed=seed)
     return env
 
@@ -84,6 +90,9 @@ class TextArenaOptions(BaseModel):
     """TextArena's id of the game or one of its variants (``TicTacToe-v0-train``); None: the environment's own."""
     evaluation_moves: int = 4
     """The most random legal moves played before a held-out case's position (from 0)."""
+    game_settings: dict[str, Any] = {}
+    """The game's own settings, as TextArena's game takes them (Kuhn Poker's ``max_rounds``), over its registered
+    ones; refused when the config loads if the game does not take them."""
     refused_move_reward: float | None = Field(None, ge=0, le=1)
     """Turn-level shaping from the game's own refusals: a refused move's reward is this, the mover's other moves
     earn the game's outcome (``score_turns``: advantages relative per group, agent and turn). None: every move of a
@@ -104,7 +113,7 @@ class TextArenaGame:
 
     def __init__(self, options: TextArenaOptions) -> None:
         self.options = options
-        self.game_id = _check_game(options.game or self.game, self.players)
+        self.game_id = _check_game(options.game or self.game, self.players, options.game_settings)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -116,13 +125,19 @@ class TextArenaGame:
             def playable(cls_, game: str | None) -> str | None:
                 return game if game is None else _check_game(game, cls.players)
 
+            @model_validator(mode="after")
+            def takes_settings(self) -> TextArenaOptions:
+                if self.game_settings:
+                    _check_game(self.game or cls.game, cls.players, self.game_settings)
+                return self
+
         cls.Options = Options
 
     # -- the game, replayed ---------------------------------------------------------------------------------------
 
     def _replay(self, task: dict, moves: list[str]) -> tuple[Any, list[dict]]:
         """The game after ``moves``, and per move: the seat that made it and whether the game refused it."""
-        env = _new_game(self.game_id, self.players, int(task["seed"]))
+        env = _new_game(self.game_id, self.players, int(task["seed"]), self.options.game_settings)
         played = []
         for move in moves:
             state = env.state
@@ -184,7 +199,7 @@ class TextArenaGame:
     def _random_position(self, rng: np.random.Generator, seed: int, moves: int) -> tuple[list[Turn], Any]:
         """A position after up to ``moves`` random legal moves (each a cell or word the board offers)."""
         transcript: list[Turn] = []
-        env = _new_game(self.game_id, self.players, seed)
+        env = _new_game(self.game_id, self.players, seed, self.options.game_settings)
         for _ in range(moves):
             legal = self.legal_moves(env)
             if env.state.done or not legal:
@@ -199,10 +214,10 @@ class TextArenaGame:
 
     @staticmethod
     def legal_moves(env: Any) -> list[str]:
-        """The moves the game's current observation offers (``[4]``, ``[rock]``): what its board lists as
-        available, the plugin's one reading of a TextArena observation."""
-        listed = _observation_text(env.get_observation()[1]).rsplit("Available Moves:", 1)
-        return [f"[{move}]" for move in MOVE.findall(listed[1].split("\n", 1)[0])] if len(listed) == 2 else []
+        """The moves the game's current observation offers (``[4]``, ``[bet]``): the last list of them it shows
+        (``OFFERED``), the plugin's one reading of a TextArena observation."""
+        offered = OFFERED.findall(_observation_text(env.get_observation()[1]))
+        return [f"[{move}]" for move in MOVE.findall(offered[-1])] if offered else []
 
     def text_corpus(self, rng: np.random.Generator, count: int) -> list[str]:
         corpus = []
@@ -275,3 +290,13 @@ class ThreePlayerTicTacToe(TextArenaGame):
     game = "ThreePlayerTicTacToe-v0-train"
     players = 3
     max_turns = 40
+
+
+class KuhnPoker(TextArenaGame):
+    """TextArena's Kuhn Poker: a deck of J, Q and K, one card each, check, bet, call or fold; three hands, the player
+    with more chips after them wins. A hand takes at most three moves."""
+
+    name = "textarena_kuhn_poker"
+    game = "KuhnPoker-v0-train"
+    players = 2
+    max_turns = 18

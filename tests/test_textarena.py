@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from environments.textarena_games import ThreePlayerTicTacToe, TicTacToe, textarena_game
+from environments.textarena_games import KuhnPoker, ThreePlayerTicTacToe, TicTacToe, textarena_game
 from marl_pipeline.config import ConfigError, parse_config
 from marl_pipeline.environment import Turn, register_environment
 from marl_pipeline.run.events import EvaluationCommitted
@@ -81,6 +81,38 @@ def test_three_seats_move_in_turn_and_held_out_positions_grade_legal_moves() -> 
     assert scores == {"legal_move_rate": 0.5}
 
 
+def test_a_card_game_offers_its_actions_and_scores_the_chips_after_its_hands() -> None:
+    """Kuhn Poker (three hands of J, Q, K; SPIRAL's second game): its table lists the actions open now, which the
+    warm-up and the held-out cases read as the board's cells are read."""
+    env = KuhnPoker(KuhnPoker.Options())
+    first = next_turn(env, TASK, [])
+    assert env.legal_moves(_game(env, [])) == ["[check]", "[bet]"]
+    assert env.legal_moves(_game(env, ["[bet]"])) == ["[fold]", "[call]"]
+    bet = play(env, TASK, ["[bet]"])
+    assert "Your available actions are: '[fold]', '[call]'" in env.render_prompt(next_turn(env, TASK, bet), TASK, bet)
+    refused = play(env, TASK, ["[call]", "[check]"])  # no bet to call: the same seat moves again
+    assert [turn.role for turn in refused] == [first, first]
+    assert [r.outcome for r in env.execute(TASK, refused)] == ["invalid", "move"]
+    # Each hand's opener bets and the other folds: three hands, then the chips decide.
+    transcript = play(env, TASK, ["[bet]", "[fold]"] * 3)
+    assert next_turn(env, TASK, transcript) is None
+    results = env.execute(TASK, transcript)
+    assert results[-1].info["finished"] and sum(env.score(TASK, transcript, results).values()) == 1.0
+    cases = env.evaluation_cases("player_0", np.random.default_rng(0), 4)
+    assert all(set(case.label.split()) in ({"[check]", "[bet]"}, {"[fold]", "[call]"}) for case in cases)
+    # The game's own settings: one hand, Kuhn's original game, over TextArena's three.
+    one_hand = KuhnPoker(KuhnPoker.Options(game_settings={"max_rounds": 1}))
+    folded = play(one_hand, TASK, ["[bet]", "[fold]"])
+    assert next_turn(one_hand, TASK, folded) is None and "out of 1 rounds" in one_hand.render_prompt(
+        next_turn(one_hand, TASK, []), TASK, [])
+    assert sorted(one_hand.score(TASK, folded, one_hand.execute(TASK, folded)).values()) == [0.0, 1.0]
+
+
+def _game(env, moves: list[str]):
+    """The TextArena game after ``moves``, as the plugin replays it."""
+    return env._replay(TASK, moves)[0]
+
+
 def test_a_game_that_is_not_there_needs_a_network_or_other_seats_is_refused_when_the_config_loads(tmp_path) -> None:
     def config(game: str | None = None, agents=("player_0", "player_1")) -> dict:
         return {"run": "ta", "store": str(tmp_path), "agents": {a: {"warmup": {"steps": 0}} for a in agents},
@@ -94,6 +126,9 @@ def test_a_game_that_is_not_there_needs_a_network_or_other_seats_is_refused_when
         parse_config(config("Wordle-v0"))
     with pytest.raises(ConfigError, match="'ThreePlayerTicTacToe-v0' cannot seat 2 players"):
         parse_config(config("ThreePlayerTicTacToe-v0"))
+    with pytest.raises(ConfigError, match=r"'TicTacToe-v0-train' does not take the settings \['rounds'\]"):
+        parse_config({**config(), "environment": {"name": "textarena_tictactoe",
+                                                  "options": {"game_settings": {"rounds": 1}}}})
     with pytest.raises(ConfigError, match=r"no agent plays role\(s\) \['player_1'\]"):
         parse_config(config(agents=("player_0",)))
     with pytest.raises(ValueError, match="cannot seat 3 players"):
