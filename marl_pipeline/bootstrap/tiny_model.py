@@ -20,7 +20,7 @@ TINY_ARCHITECTURE = {
     "num_attention_heads": 2,
     "num_key_value_heads": 2,
     "head_dim": 64,
-    "max_position_embeddings": 512,
+    "max_position_embeddings": 1024,
 }
 
 
