@@ -1,7 +1,9 @@
-"""Benchmark: a policy trained against a frozen version 0 at TextArena's Tic Tac Toe wins more often than version 0
-does against the same opponent (issue 74.1, BENCHMARKS ``textarena-selfplay``).
+"""Benchmark: a policy trained against a frozen version 0 at a two-player TextArena game wins more often than version
+0 does against the same opponent (issue 74.1, BENCHMARKS ``textarena-selfplay``).
 
-Per seed, one ``marl train`` (bench/learning/seeds.py) of ``textarena_tictactoe`` on the built-in tiny model:
+Per seed, one ``marl train`` (bench/learning/seeds.py) of the game (``--environment``: ``textarena_kuhn_poker``,
+``textarena_tictactoe``) on the built-in tiny model, its whole context (1,024 tokens: three hands of Kuhn Poker with
+their refused moves outgrew 512 in most games of seed 2's tokenizer):
 ``player_0`` learns, ``player_1`` is held at its version 0 (``trainer.lr: 0``); a refused move earns 0 at its own turn
 (``refused_move_reward``), the other moves the game's outcome. Then 200 held-out games (seeds training never draws),
 sampled at temperature 1 with the same request seeds in both arms, ``player_1`` at version 0 throughout:
@@ -9,10 +11,12 @@ sampled at temperature 1 with the same request seeds in both arms, ``player_1`` 
 - ``trained``: ``player_0`` at its last version;
 - ``version 0``: ``player_0`` at its version 0.
 
-Reported per arm: ``player_0``'s mean outcome (win 1, draw 0.5, loss 0), its wins, losses, and the share of its moves
-the game refused; mean and minimum over the seeds::
+Reported per arm: ``player_0``'s mean outcome (win 1, draw 0.5, loss 0), its wins, losses, the share of its moves the
+game refused, and the share of games cut where the conversation outgrew the engine's context (a draw, as the game
+scores an unfinished one); mean and minimum over the seeds::
 
-    .venv/bin/python -m bench.learning.textarena_selfplay --seeds 0 1 2 --out /tmp/textarena_selfplay.json
+    .venv/bin/python -m bench.learning.textarena_selfplay --environment textarena_kuhn_poker --seeds 0 1 2 \
+        --out /tmp/textarena_selfplay.json
 """
 
 from __future__ import annotations
@@ -31,11 +35,11 @@ from bench.pipeline.bound import override
 CONFIG = {
     # A refused move earns 0 at its own turn (the game's refusals as turn-level shaping): with the outcome alone,
     # seed 0 ended where it began (0.4775 against version 0's 0.48, 2026-12-06).
-    "run": "tictactoe_frozen", "environment": {"name": "textarena_tictactoe", "options": {"refused_move_reward": 0.0}},
+    "run": "frozen_opponent", "environment": {"name": "textarena_kuhn_poker", "options": {"refused_move_reward": 0.0}},
     "agents": {
-        "player_0": {"model": "builtin:tiny", "warmup": {"steps": 60}, "engine": {"max_model_len": 512},
+        "player_0": {"model": "builtin:tiny", "warmup": {"steps": 60}, "engine": {"max_model_len": 1024},
                      "trainer": {"lr": 1e-3}, "algorithm": {"max_new_tokens": 4}},
-        "player_1": {"model": "builtin:tiny", "warmup": {"steps": 60}, "engine": {"max_model_len": 512},
+        "player_1": {"model": "builtin:tiny", "warmup": {"steps": 60}, "engine": {"max_model_len": 1024},
                      "trainer": {"lr": 0.0}, "algorithm": {"max_new_tokens": 4}},
     },
     "pipeline": {"steps": 40, "prompts_per_micro_batch": 8, "samples_per_prompt": 4, "micro_batches_per_step": 2},
@@ -44,31 +48,40 @@ CONFIG = {
 
 def play(env, engines: dict, tasks: list[dict], seed: int, max_new_tokens: int) -> list[dict]:
     """Each game of ``tasks`` played to its end by the engines of the roles (the game naming who moves), every
-    request seeded by (``seed``, turn, game); per game ``player_0``'s outcome and its refused moves."""
+    request seeded by (``seed``, turn, game); per game ``player_0``'s outcome, its refused moves, and whether the game
+    was cut where its conversation outgrew the engine's context (scored as the game scores an unfinished one: a
+    draw)."""
     import ray
 
     from marl_pipeline.environment import Turn
-    from marl_pipeline.inference.engine import GenerationRequest
+    from marl_pipeline.inference.engine import GenerationRequest, PromptTooLong
     from marl_pipeline.stages.rollout import next_turn
 
     transcripts: list[list[Turn]] = [[] for _ in tasks]
+    cut: set[int] = set()
     for turn in range(env.max_turns):
         seeds = np.random.SeedSequence([seed, turn]).generate_state(len(tasks))
         moving: dict[str, list[int]] = {}
         for game, task in enumerate(tasks):
-            if len(transcripts[game]) == turn and (role := next_turn(env, task, transcripts[game])) is not None:
+            if (len(transcripts[game]) == turn and game not in cut
+                    and (role := next_turn(env, task, transcripts[game])) is not None):
                 moving.setdefault(role, []).append(game)
         for role, games in moving.items():
-            requests = [GenerationRequest(env.render_prompt(role, tasks[g], transcripts[g]), int(seeds[g]),
-                                          max_new_tokens, 1.0) for g in games]
-            _, completions = ray.get(engines[role].generate.remote(requests))
-            for game, completion in zip(games, completions):
-                transcripts[game].append(Turn(role, completion.text))
+            batch = [(str(g), GenerationRequest(env.render_prompt(role, tasks[g], transcripts[g]), int(seeds[g]),
+                                                max_new_tokens, 1.0)) for g in games]
+            stream = engines[role].generate_stream.options(num_returns="streaming").remote(batch)
+            for game, sampled in (item for chunk in stream for item in ray.get(chunk)):
+                if isinstance(sampled, PromptTooLong):
+                    cut.add(int(game))
+                elif isinstance(sampled, BaseException):
+                    raise sampled
+                else:
+                    transcripts[int(game)].append(Turn(role, sampled.completion.text))
     outcomes = []
-    for task, transcript in zip(tasks, transcripts):
+    for game, (task, transcript) in enumerate(zip(tasks, transcripts)):
         results = env.execute(task, transcript)
         own = [result for turn, result in zip(transcript, results) if turn.role == "player_0"]
-        outcomes.append({"outcome": env.score(task, transcript, results)["player_0"],
+        outcomes.append({"outcome": env.score(task, transcript, results)["player_0"], "cut": game in cut,
                          "refused": sum(result.outcome == "invalid" for result in own), "moves": len(own)})
     return outcomes
 
@@ -77,23 +90,28 @@ def arm_figures(outcomes: list[dict]) -> dict[str, float]:
     return {"mean_outcome": statistics.fmean(o["outcome"] for o in outcomes),
             "wins": statistics.fmean(o["outcome"] == 1.0 for o in outcomes),
             "losses": statistics.fmean(o["outcome"] == 0.0 for o in outcomes),
+            "cut": statistics.fmean(o["cut"] for o in outcomes),
             "refused_moves": sum(o["refused"] for o in outcomes) / max(1, sum(o["moves"] for o in outcomes))}
 
 
-def held_out_games(store: Path, run: str, versions: dict[str, int], games: int, seed: int) -> dict[str, float]:
-    """``player_0`` at ``versions["player_0"]`` against ``player_1`` at ``versions["player_1"]``, over ``games``."""
+def held_out_games(environment: dict, store: Path, run: str, versions: dict[str, int], games: int,
+                   seed: int) -> dict[str, float]:
+    """``player_0`` at ``versions["player_0"]`` against ``player_1`` at ``versions["player_1"]``, over ``games``
+    of ``environment`` (the config's section: its name and options)."""
     import ray
 
     from environments.games import TRAINING_SEEDS, game_task
-    from environments.textarena_games import EVALUATION_SEEDS, TicTacToe
+    from environments.textarena_games import EVALUATION_SEEDS
     from marl_pipeline.cluster.spawn import engine_actor
     from marl_pipeline.config import EngineConfig
+    from marl_pipeline.environment import build_environment
+    from marl_pipeline.inference.async_engine import AsyncRolloutEngine
     from marl_pipeline.store import ExperienceStore
 
-    env = TicTacToe(TicTacToe.Options())
+    env = build_environment(environment["name"], environment["options"])
     experience = ExperienceStore(str(store))
-    engines = {role: engine_actor(EngineConfig()).remote(
-        str(experience.require_policy(run, role, version)), version, gpu_memory_utilization=0.08, max_model_len=512,
+    engines = {role: engine_actor(EngineConfig(), actor_class=AsyncRolloutEngine).remote(
+        str(experience.require_policy(run, role, version)), version, gpu_memory_utilization=0.08, max_model_len=1024,
         dtype="float32", seed=0) for role, version in versions.items()}
     try:
         rng = np.random.default_rng([seed, 74])
@@ -106,6 +124,8 @@ def held_out_games(store: Path, run: str, versions: dict[str, int], games: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--environment", default=CONFIG["environment"]["name"],
+                        help="a two-player TextArena game's environment (environments/textarena_games.py)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=CONFIG["pipeline"]["steps"])
     parser.add_argument("--games", type=int, default=200)
@@ -120,6 +140,7 @@ def main() -> None:
 
     shutil.rmtree(args.work, ignore_errors=True)
     data = copy.deepcopy({**CONFIG, "pipeline": {**CONFIG["pipeline"], "steps": args.steps}})
+    data["environment"]["name"] = args.environment
     for setting in args.set:
         override(data, setting)
     figures: dict[str, dict[int, dict[str, float]]] = {"trained": {}, "version 0": {}}
@@ -129,8 +150,8 @@ def main() -> None:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             for arm, version in (("trained", args.steps), ("version 0", 0)):
-                figures[arm][seed] = held_out_games(store, CONFIG["run"], {"player_0": version, "player_1": 0},
-                                                    args.games, seed)
+                figures[arm][seed] = held_out_games(data["environment"], store, CONFIG["run"],
+                                                    {"player_0": version, "player_1": 0}, args.games, seed)
                 print(f"seed {seed} {arm}: {figures[arm][seed]}", flush=True)
         finally:
             ray.shutdown()
@@ -139,7 +160,8 @@ def main() -> None:
                for arm, by_seed in figures.items()}
     print(json.dumps(summary, indent=1))
     if args.out:
-        args.out.write_text(json.dumps({"seeds": figures, "summary": summary, "steps": args.steps,
+        args.out.write_text(json.dumps({"environment": args.environment, "seeds": figures, "summary": summary,
+                                        "steps": args.steps,
                                         "games": args.games}, indent=1))
 
 
