@@ -4,7 +4,8 @@
 Per seed, one ``marl train`` (bench/learning/seeds.py) of the game (``--environment``: ``textarena_kuhn_poker``,
 ``textarena_tictactoe``) on the built-in tiny model, its whole context (1,024 tokens: three hands of Kuhn Poker with
 their refused moves outgrew 512 in most games of seed 2's tokenizer):
-``player_0`` learns, ``player_1`` is held at its version 0 (``trainer.lr: 0``); a refused move earns 0 at its own turn
+``player_0`` learns (lr 5e-4: at 1e-3 one seed of three collapsed onto replies the game cannot read, 2026-12-07),
+``player_1`` is held at its version 0 (``trainer.lr: 0``); a refused move earns 0 at its own turn
 (``refused_move_reward``), the other moves the game's outcome. Then 200 held-out games (seeds training never draws),
 sampled at temperature 1 with the same request seeds in both arms, ``player_1`` at version 0 throughout:
 
@@ -38,11 +39,11 @@ CONFIG = {
     "run": "frozen_opponent", "environment": {"name": "textarena_kuhn_poker", "options": {"refused_move_reward": 0.0}},
     "agents": {
         "player_0": {"model": "builtin:tiny", "warmup": {"steps": 60}, "engine": {"max_model_len": 1024},
-                     "trainer": {"lr": 1e-3}, "algorithm": {"max_new_tokens": 4}},
+                     "trainer": {"lr": 5e-4}, "algorithm": {"max_new_tokens": 4}},
         "player_1": {"model": "builtin:tiny", "warmup": {"steps": 60}, "engine": {"max_model_len": 1024},
                      "trainer": {"lr": 0.0}, "algorithm": {"max_new_tokens": 4}},
     },
-    "pipeline": {"steps": 40, "prompts_per_micro_batch": 8, "samples_per_prompt": 4, "micro_batches_per_step": 2},
+    "pipeline": {"steps": 60, "prompts_per_micro_batch": 8, "samples_per_prompt": 4, "micro_batches_per_step": 2},
 }
 
 
