@@ -2,9 +2,8 @@
 0 does against the same opponent (issue 74.1, BENCHMARKS ``textarena-selfplay``).
 
 Per seed, one ``marl train`` (bench/learning/seeds.py) of the game (``--environment``: ``textarena_kuhn_poker``,
-``textarena_tictactoe``) on the built-in tiny model, its whole context (1,024 tokens: three hands of Kuhn Poker with
-their refused moves outgrew 512 in most games of seed 2's tokenizer):
-``player_0`` learns (lr 5e-4: at 1e-3 one seed of three collapsed onto replies the game cannot read, 2026-12-07),
+``textarena_tictactoe``) on the built-in tiny model, its whole context (1,024 tokens, which three hands of Kuhn Poker
+with refused moves need): ``player_0`` learns (lr 5e-4; 1e-3 let a seed collapse onto replies the game cannot read),
 ``player_1`` is held at its version 0 (``trainer.lr: 0``); a refused move earns 0 at its own turn
 (``refused_move_reward``), the other moves the game's outcome. Then 200 held-out games (seeds training never draws),
 sampled at temperature 1 with the same request seeds in both arms, ``player_1`` at version 0 throughout:
@@ -35,7 +34,7 @@ from bench.pipeline.bound import override
 
 CONFIG = {
     # A refused move earns 0 at its own turn (the game's refusals as turn-level shaping): with the outcome alone,
-    # seed 0 ended where it began (0.4775 against version 0's 0.48, 2026-12-06).
+    # Tic Tac Toe's seed 0 ended where it began (0.4775 against version 0's 0.48, 2026-12-06).
     "run": "frozen_opponent", "environment": {"name": "textarena_kuhn_poker", "options": {"refused_move_reward": 0.0}},
     "agents": {
         "player_0": {"model": "builtin:tiny", "warmup": {"steps": 60}, "engine": {"max_model_len": 1024},
@@ -95,10 +94,10 @@ def arm_figures(outcomes: list[dict]) -> dict[str, float]:
             "refused_moves": sum(o["refused"] for o in outcomes) / max(1, sum(o["moves"] for o in outcomes))}
 
 
-def held_out_games(environment: dict, store: Path, run: str, versions: dict[str, int], games: int,
-                   seed: int) -> dict[str, float]:
-    """``player_0`` at ``versions["player_0"]`` against ``player_1`` at ``versions["player_1"]``, over ``games``
-    of ``environment`` (the config's section: its name and options)."""
+def held_out_games(config: dict, store: Path, versions: dict[str, int], games: int, seed: int) -> dict[str, float]:
+    """``player_0`` at ``versions["player_0"]`` against ``player_1`` at ``versions["player_1"]``, over ``games`` of
+    the game ``config`` (the run's config as trained: its environment, run and each seat's context and reply
+    length)."""
     import ray
 
     from environments.games import TRAINING_SEEDS, game_task
@@ -109,15 +108,16 @@ def held_out_games(environment: dict, store: Path, run: str, versions: dict[str,
     from marl_pipeline.inference.async_engine import AsyncRolloutEngine
     from marl_pipeline.store import ExperienceStore
 
-    env = build_environment(environment["name"], environment["options"])
-    experience = ExperienceStore(str(store))
+    env = build_environment(config["environment"]["name"], config["environment"]["options"])
+    experience, agents = ExperienceStore(str(store)), config["agents"]
     engines = {role: engine_actor(EngineConfig(), actor_class=AsyncRolloutEngine).remote(
-        str(experience.require_policy(run, role, version)), version, gpu_memory_utilization=0.08, max_model_len=1024,
-        dtype="float32", seed=0) for role, version in versions.items()}
+        str(experience.require_policy(config["run"], role, version)), version, gpu_memory_utilization=0.08,
+        max_model_len=agents[role]["engine"]["max_model_len"], dtype="float32", seed=0)
+        for role, version in versions.items()}
     try:
         rng = np.random.default_rng([seed, 74])
         tasks = [game_task(s) for s in EVALUATION_SEEDS + rng.integers(0, TRAINING_SEEDS, games)]
-        return arm_figures(play(env, engines, tasks, seed, CONFIG["agents"]["player_0"]["algorithm"]["max_new_tokens"]))
+        return arm_figures(play(env, engines, tasks, seed, agents["player_0"]["algorithm"]["max_new_tokens"]))
     finally:
         for engine in engines.values():
             ray.kill(engine)
@@ -151,8 +151,8 @@ def main() -> None:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             for arm, version in (("trained", args.steps), ("version 0", 0)):
-                figures[arm][seed] = held_out_games(data["environment"], store, CONFIG["run"],
-                                                    {"player_0": version, "player_1": 0}, args.games, seed)
+                figures[arm][seed] = held_out_games(data, store, {"player_0": version, "player_1": 0}, args.games,
+                                                    seed)
                 print(f"seed {seed} {arm}: {figures[arm][seed]}", flush=True)
         finally:
             ray.shutdown()

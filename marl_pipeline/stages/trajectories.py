@@ -185,7 +185,7 @@ class _MicroBatch:
         return f"{self.replied[e]} of {self.max_turns} turns and their replies done"
 
     def _failure(self, e: int) -> str | None:
-        """Why an ended episode failed (its time limit, or a reply that raised); None: it finished."""
+        """Why an ended episode failed (cut short: its time limit, its context; or a reply raised); None: finished."""
         return self.cut.get(e, (None, None))[1] or next((turn.error for turn in self.finished[e] if turn.error), None)
 
     async def _ended(self, e: int) -> None:
