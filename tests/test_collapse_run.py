@@ -15,6 +15,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 
 from environments.arithmetic import ArithmeticCheck, ArithmeticOptions
+from marl_pipeline.cluster import warm_actors
 from marl_pipeline.config import HealthConfig, parse_config
 from marl_pipeline.environment import build_environment, register_environment
 from marl_pipeline.hooks import hooks_of
@@ -138,4 +139,6 @@ def test_a_checker_collapsing_onto_no_is_stopped_after_the_step_it_shows_and_a_l
         "solver": stopped.step + 1, "verifier": stopped.step + 1}
     assert run_overview(store, "demo").state == "unfinished"
     assert "--set agents.verifier.algorithm.entropy_coef=0.01" in stopped.reason()
+    # A clean stop, not a failure: its engines and trainers are kept for the next launch (``ray.keep_actors``)
+    assert warm_actors.idle_count() == 4
     assert f"resumes from version {stopped.step + 1}" in stopped.reason()

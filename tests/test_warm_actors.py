@@ -12,6 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from marl_pipeline.cluster import warm_actors
+from marl_pipeline.cluster.spawn import start_engines
 from marl_pipeline.config import parse_config
 from marl_pipeline.inference.engine import model_fingerprint
 from marl_pipeline.run.recipe import train
@@ -51,6 +52,13 @@ def test_a_launch_on_kept_actors_ends_where_a_launch_on_new_ones_does(local_ray,
     new, kept = (store.read_stage("demo", "rollouts", columns=columns).sort_by("sample_id")
                  for store in (first, second))
     assert new.num_rows and new.equals(kept)  # every sample, and the engine's logprob of each token, the same
+
+    # A recomputation's engines (an evaluation's, a cast's), all taken idle: the idle trainers stay for the next launch
+    config = parse_config(small_config_data(demo_config_data, tmp_path / "second", steps=2))
+    engines = start_engines(config, second, {"solver": 2, "verifier": 2})
+    assert warm_actors.idle_count() == 2 and _alive(local_ray) == started
+    for engine in engines.values():
+        warm_actors.release(engine, keep=True)
 
     # Other engine settings: the kept engines are rebuilt in their processes, the trainers taken, and the launch
     # ends where one on new actors with those settings ends.
@@ -115,5 +123,23 @@ def test_a_kept_actor_last_started_for_the_same_work_is_taken_first(local_ray) -
     assert other._actor_id not in {handle._actor_id for handle in first.values()}
     assert local_ray.get(other.serving.remote()) == "reporter"
     for handle in [*again.values(), other]:
+        warm_actors.release(handle, keep=False)
+    assert (warm_actors.idle_count(), warm_actors.in_use()) == (idle, used)
+
+
+def test_a_kept_actor_is_taken_where_the_plan_gives_it_as_many_cpus_or_more(local_ray) -> None:
+    """A kept actor holds the CPUs it reserved when it started. A launch whose plan gives the actor as many or more
+    takes it (it holds nothing the plan did not count on); one that gives fewer does not (its other actors could wait
+    for the difference)."""
+    actor = local_ray.remote(num_cpus=0)(_Served)
+    idle, used = warm_actors.idle_count(), warm_actors.in_use()
+    kept = warm_actors.start(actor, "key", "solver", held_cpus=0.4)
+    warm_actors.release(kept, keep=True)
+    smaller = warm_actors.start(actor, "key", "solver", held_cpus=0.25)
+    assert smaller._actor_id != kept._actor_id
+    larger = warm_actors.start(actor, "key", "solver", held_cpus=0.5)
+    assert larger._actor_id == kept._actor_id and warm_actors.taken_idle(larger)
+    assert not warm_actors.taken_idle(smaller)
+    for handle in (smaller, larger):
         warm_actors.release(handle, keep=False)
     assert (warm_actors.idle_count(), warm_actors.in_use()) == (idle, used)

@@ -122,8 +122,9 @@ def start_engines(config: ExperimentConfig, store: ExperienceStore, versions: di
     plan = plan_on_ray(config.model_copy(update={"agents": agents}))
     engines = {agent: replicas.handle(0)
                for agent, replicas in start_engine_replicas(plan, store, versions, sources=sources).items()}
-    warm_actors.stop_idle()  # kept actors not taken would hold CPUs the new engines wait for
-    return engines
+    if not all(warm_actors.taken_idle(engine) for engine in engines.values()):
+        warm_actors.stop_idle()  # kept actors not taken would hold CPUs the new engines wait for
+    return engines  # all of them taken idle: the other idle actors (trainers) stay for the next launch
 
 
 def start_engine_replicas(plan: PlacementPlan, store: ExperienceStore, versions: dict[str, int],
@@ -160,12 +161,13 @@ def _spawn_engine(specs: list[ActorSpec], shared: PlacementGroup | None, own: di
     arguments = (store, run, source, version)
     if spec.group is None:
         # What a kept engine must have been started with to be taken instead of a new one (warm_actors.py): its
-        # resources and threads. It serves another model or other settings by rebuilding its engine in place
-        # (RolloutEngine.restart), or refuses and is replaced.
-        settings = ("engine", StoreAsyncEngine.__name__, spec.cpus, spec.gpus, tuple(sorted(spec.resources.items())),
+        # resources (at most its CPUs) and threads. It serves another model or other settings by rebuilding its
+        # engine in place (RolloutEngine.restart), or refuses and is replaced.
+        settings = ("engine", StoreAsyncEngine.__name__, spec.gpus, tuple(sorted(spec.resources.items())),
                     spec.options.get("threads"), spec.options.get("tensor_parallel_size", 1))
         return warm_actors.start(actor.options(**actor_options(spec)), settings, *arguments, after=after,
-                                 prefer=(source, tuple(sorted(spec.options.items()))), **spec.options)
+                                 prefer=(source, tuple(sorted(spec.options.items()))), held_cpus=spec.cpus,
+                                 **spec.options)
     group = placement_group(spec.group) if spec.group.kind == "engine" else shared  # a split replica's own
     handle = actor.options(**actor_options(spec, group)).remote(*arguments, after=after, **spec.options)
     if group is not shared:
@@ -221,9 +223,9 @@ def start_trainers(plan: PlacementPlan, store: ExperienceStore, versions: dict[s
             trainers[agent] = remote_trainer(StoreTrainer).options(**actor_options(spec, groups[agent])).remote(
                 *arguments, **options)
         else:  # a kept trainer is rebuilt whatever its options were (PolicyTrainer.restart): only its resources match
-            settings = ("trainer", spec.cpus, spec.gpus, tuple(sorted(spec.resources.items())))
+            settings = ("trainer", spec.gpus, tuple(sorted(spec.resources.items())))
             trainers[agent] = warm_actors.start(remote_trainer(StoreTrainer).options(**actor_options(spec)),
-                                                settings, *arguments, **options)
+                                                settings, *arguments, held_cpus=spec.cpus, **options)
     return trainers
 
 

@@ -102,7 +102,7 @@ def _launch(config: ExperimentConfig, launch_id: str | None, store: ExperienceSt
     made = {policy.agent: policy for policy in workers.base_policies}
     yield done(f"engines ({replicas} replicas) and trainers of {len(config.agents)} agents started"
                + (f", version 0 made for {', '.join(made)}" if made else ""))
-    finished = relaid = False
+    clean = relaid = False
     try:
         if config.services:  # one scheduler per service for every caller of the run; this process calls them too
             workers.services = start_services(config.services)
@@ -124,14 +124,15 @@ def _launch(config: ExperimentConfig, launch_id: str | None, store: ExperienceSt
         if relaid := bool(orchestrator.relayout):  # its record stays unfinished: the next launch resumes it
             return (orchestrator.last_step, orchestrator.relayout, orchestrator.relayout_lengths,
                     began or (plan, streaming_started))
+        clean = True  # stopped on collapse, its last step is committed too: its actors are sound
         if orchestrator.collapsed:  # its record stays unfinished: a relaunch, settings changed, resumes it
             yield CollapseStopped(config.run, orchestrator.last_step, orchestrator.collapsed)
             return None
         finish_launch(store, config.run, plan.last_step)
-        finished = True
         yield RunFinished(config.run, *(began or (plan, streaming_started)), time.time(), placement)
         return None
     finally:
-        # Only a launch that ended cleanly leaves actors for the next (a failed one may hold a broken actor); one
-        # ending for a new layout leaves them for the next launch of this call, which takes the ones it can use.
-        workers.shutdown(keep=relaid or (finished and config.ray.keep_actors))
+        # Only a launch that ended cleanly (finished, or stopped on collapse after its step) leaves actors for the
+        # next (a failed one may hold a broken actor); one ending for a new layout leaves them for the next launch of
+        # this call, which takes the ones it can use.
+        workers.shutdown(keep=relaid or (clean and config.ray.keep_actors))
