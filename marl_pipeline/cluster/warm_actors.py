@@ -76,6 +76,8 @@ def start(actor, settings: Hashable, *args, prefer: Hashable = None, held_cpus: 
                 return handle
         except (ray.exceptions.RayError, TimeoutError):
             pass  # it died while idle, or hung: a new one below
+        with _lock:
+            _forget(handle)
         ray.kill(handle)
     handle = actor.remote(*args, **kwargs)
     _remember(handle, key, prefer)
@@ -99,8 +101,7 @@ def release(handle, keep: bool) -> None:
         if keep and key is not None:
             _idle.setdefault(key, []).append(handle)
             return
-        _preferred.pop(handle._actor_id, None)
-        _cpus.pop(handle._actor_id, None)
+        _forget(handle)
     ray.kill(handle)
 
 
@@ -110,8 +111,7 @@ def stop_idle() -> int:
         handles = [handle for handles in _idle.values() for handle in handles]
         _idle.clear()
         for handle in handles:
-            _preferred.pop(handle._actor_id, None)
-            _cpus.pop(handle._actor_id, None)
+            _forget(handle)
     for handle in handles:
         try:
             ray.kill(handle)
@@ -131,6 +131,12 @@ def in_use() -> int:
     handle killed without :func:`release` (a dead replica, a retired one) would stay counted, and its key kept."""
     with _lock:
         return len(_keys)
+
+
+def _forget(handle) -> None:
+    """Drop what is known of an actor being stopped (under ``_lock``)."""
+    _preferred.pop(handle._actor_id, None)
+    _cpus.pop(handle._actor_id, None)
 
 
 def _remember(handle, key: tuple, prefer: Hashable) -> None:
