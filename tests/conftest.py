@@ -58,16 +58,45 @@ def shares_warm_actors(module) -> bool:
     return getattr(module, "SHARES_WARM_ACTORS", False)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+KEPT_ACTORS_GROUP = "kept-actors"
+"""The pytest-xdist group (``--dist loadgroup``) of the modules that share kept actors: one worker runs them all, in
+order, on its one Ray."""
+
+
+def _in_workers(config: pytest.Config) -> bool:
+    """Whether pytest-xdist spreads the suite over worker processes (``-n``)."""
+    return config.getvalue("dist") not in (None, "no")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups marked here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if LAUNCH_FIXTURES & fixtures:
             item.add_marker(pytest.mark.launch)
         if "local_ray" in fixtures:
             _RAY_MODULES.add(item.module.__name__)
-    # A stable sort keeps each module's tests together and in order; the modules on the shared Ray come last, those
-    # sharing kept actors last of all, one after another.
-    items.sort(key=lambda item: (item.module.__name__ in _RAY_MODULES, shares_warm_actors(item.module)))
+    if not _in_workers(config):
+        # A stable sort keeps each module's tests together and in order; the modules on the shared Ray come last,
+        # those sharing kept actors last of all, one after another.
+        items.sort(key=lambda item: (item.module.__name__ in _RAY_MODULES, shares_warm_actors(item.module)))
+        return
+    # In workers (``make test``: two on two cores), each module goes whole to one worker, and the modules that share
+    # kept actors go together to one: the first free worker takes the next module in this order. Those come first,
+    # so that one worker runs them while the other takes the modules that launch without the suite's Ray (the `marl`
+    # and `make` processes, the browser, the two nodes), then the rest; the modules on a Ray of their own come last.
+    launching = {item.module.__name__ for item in items if item.get_closest_marker("launch")}
+
+    def queue(item: pytest.Item) -> int:
+        name = item.module.__name__
+        if name in _RAY_MODULES:
+            return 0 if shares_warm_actors(item.module) else 3
+        return 1 if name in launching else 2
+
+    items.sort(key=queue)
+    for item in items:
+        kept = item.module.__name__ in _RAY_MODULES and shares_warm_actors(item.module)
+        item.add_marker(pytest.mark.xdist_group(KEPT_ACTORS_GROUP if kept else item.module.__name__))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
