@@ -10,11 +10,12 @@ train: setup
 	.venv/bin/marl prepare configs/demo.yaml
 	.venv/bin/marl train configs/demo.yaml
 
-# One pytest process: two workers (pytest-xdist, by file) were no faster on 2 cores (30 min for 336 tests, about
-# what one process takes) and made the action pool's hedging tests miss their timings (BENCHMARKS.md, suite
-# time). `make test PYTEST_ARGS="-n 4"` on a bigger machine.
+# Two pytest workers (pytest-xdist), one for the modules that share kept actors, the other for the launches without
+# the suite's Ray, then both for the rest (tests/conftest.py): the cores sat idle 28% of a one-process run (30 min
+# 50 s against 35 min 30 s; docs/decisions/0001-how-the-suite-runs.md). `make test TEST_WORKERS=4` on a bigger machine.
+TEST_WORKERS ?= 2
 test: setup
-	.venv/bin/pytest $(PYTEST_ARGS)
+	.venv/bin/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Install an environment plugin into .venv (P=a directory, editable, or a package name); every later set-up keeps it.
 plugin:

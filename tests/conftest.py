@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import copy
+import functools
 import os
 import signal
 import sys
@@ -58,17 +60,11 @@ def shares_warm_actors(module) -> bool:
     return getattr(module, "SHARES_WARM_ACTORS", False)
 
 
-KEPT_ACTORS_GROUP = "kept-actors"
-"""The pytest-xdist group (``--dist loadgroup``) of the modules that share kept actors: one worker runs them all, in
-order, on its one Ray."""
-
-
 def _in_workers(config: pytest.Config) -> bool:
-    """Whether pytest-xdist spreads the suite over worker processes (``-n``)."""
-    return config.getvalue("dist") not in (None, "no")
+    """Whether this is a pytest-xdist worker (``-n`` of 1 or more): the workers collect, their controller does not."""
+    return hasattr(config, "workerinput")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups marked here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
@@ -81,10 +77,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # those sharing kept actors last of all, one after another.
         items.sort(key=lambda item: (item.module.__name__ in _RAY_MODULES, shares_warm_actors(item.module)))
         return
-    # In workers (``make test``: two on two cores), each module goes whole to one worker, and the modules that share
-    # kept actors go together to one: the first free worker takes the next module in this order. Those come first,
-    # so that one worker runs them while the other takes the modules that launch without the suite's Ray (the `marl`
-    # and `make` processes, the browser, the two nodes), then the rest; the modules on a Ray of their own come last.
+    # In workers (``make test``: two on two cores, each with its own suite's Ray) the order is the queue that
+    # ``ModulesWhole`` hands out: the modules that share kept actors first (one work unit, to one worker), so that
+    # the other worker meanwhile takes the modules that launch without the suite's Ray (the `marl` and `make`
+    # processes, the browser, the two nodes), then the rest; the other modules on the suite's Ray come last.
     launching = {item.module.__name__ for item in items if item.get_closest_marker("launch")}
 
     def queue(item: pytest.Item) -> int:
@@ -94,9 +90,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return 1 if name in launching else 2
 
     items.sort(key=queue)
-    for item in items:
-        kept = item.module.__name__ in _RAY_MODULES and shares_warm_actors(item.module)
-        item.add_marker(pytest.mark.xdist_group(KEPT_ACTORS_GROUP if kept else item.module.__name__))
+
+
+@functools.cache
+def _shares_kept_actors_file(path: str) -> bool:
+    """``shares_warm_actors`` read from a test module's source, for pytest-xdist's controller, which imports no
+    test module: a module-level ``SHARES_WARM_ACTORS = True``."""
+    tree = ast.parse((ROOT / path).read_text())
+    return any(isinstance(node, ast.Assign) and getattr(node.value, "value", None) is True
+               and any(getattr(target, "id", None) == "SHARES_WARM_ACTORS" for target in node.targets)
+               for node in tree.body)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """pytest-xdist's work units: each module whole to one worker (its module fixtures and its launches on one Ray),
+    and every module that shares kept actors in one unit, in the order the workers collected them."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesWhole(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "kept actors" if _shares_kept_actors_file(path) else path
+
+    config.option.loadscopereorder = False  # the collection's order (above), not the largest unit first
+    return ModulesWhole(config, log)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

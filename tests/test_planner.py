@@ -202,7 +202,7 @@ def test_marl_profile_engine_measures_a_profile_the_planner_fits(tiny_model_dir,
 
     path = tmp_path / "engine.json"
     result = subprocess.run([sys.executable, "-m", "assets.cli", "profile", "engine", "--model", str(tiny_model_dir),
-                             "--out", str(path), "--max-model-len", "200", "--decode-tokens", "4", "--reps", "1",
+                             "--out", str(path), "--max-model-len", "200", "--decode-tokens", "4", "--reps", "3",
                              "--gpu-memory-utilization", "0.08"], cwd=ROOT, capture_output=True, text=True,
                             timeout=600, env={**os.environ, "COLUMNS": "200"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
