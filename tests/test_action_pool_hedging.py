@@ -19,7 +19,7 @@ pytestmark = pytest.mark.launch
 
 # A stalled first copy sleeps this long; the checks below finish well before it. Generous: on a loaded 2-core
 # machine starting a hedge's worker and dispatching to it can take a second or more.
-STALL = 6.0
+STALL = 10.0
 
 
 def copy_of(directory: str, key: str, stall_s: float, sleep_s: float = 0.05, fail: bool = False) -> int:
@@ -82,7 +82,7 @@ class LiveWorkers:
 
 
 def warm_pool(**settings) -> ActionPool:
-    pool = ActionPool(PoolSettings(num_cpus=0, timeout_s=10, idle_grace_s=30, **settings))
+    pool = ActionPool(PoolSettings(num_cpus=0, timeout_s=2 * STALL, idle_grace_s=30, **settings))
     pool.wait_ready()
     return pool
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,18 +14,30 @@ from marl_pipeline.external import CallRecord, ServiceError, connect_services, s
 from marl_pipeline.services.quota import QuotaScheduler
 from tests.quota_proxy import QuotaProxy
 
+CALLERS = 8
 
-def _calls(count: int, cost: float) -> int:
-    """``count`` calls to the run's service ``api`` from a Ray task (another process); -> calls answered."""
+
+def _calls(count: int, cost: float, ready: str, callers: int) -> int:
+    """``count`` calls to the run's service ``api`` from a Ray task (another process), once every caller's task is
+    running (each marks itself in ``ready``): on a loaded machine Ray starts the tasks' processes seconds apart, and
+    the burst is all of them at once; -> calls answered."""
+    import os
+    import time
+    import uuid
+
     from marl_pipeline.environment import service as plugin_service
     from marl_pipeline.services import scheduler
 
     scheduler.connect()
     client = plugin_service("api")
+    open(os.path.join(ready, uuid.uuid4().hex), "w").close()
+    deadline = time.monotonic() + 300
+    while len(os.listdir(ready)) < callers and time.monotonic() < deadline:
+        time.sleep(0.01)
     return sum("echo" in client.post("/work", {"n": i}, expected_cost=cost) for i in range(count))
 
 
-def _burst(local_ray, proxy: QuotaProxy, scheduled: bool) -> tuple[dict, float, float]:
+def _burst(local_ray, proxy: QuotaProxy, scheduled: bool, ready: Path) -> tuple[dict, float, float]:
     from marl_pipeline.services import scheduler
 
     # Callers on their own race for the quota: retries enough that none gives up (5 tries did, once in a suite),
@@ -35,9 +48,11 @@ def _burst(local_ray, proxy: QuotaProxy, scheduled: bool) -> tuple[dict, float, 
     try:
         remote = local_ray.remote(num_cpus=0)(_calls)
         started = time.monotonic()
-        answered = local_ray.get([remote.remote(6, 1.0) for _ in range(8)])  # 48 calls wanting ~160 a second
+        ready.mkdir()
+        # 48 calls wanting about 160 a second
+        answered = local_ray.get([remote.remote(6, 1.0, str(ready), CALLERS) for _ in range(CALLERS)])
         ended = time.monotonic()
-        assert answered == [6] * 8
+        assert answered == [6] * CALLERS
         time.sleep(0.5)  # the last releases are sent without waiting: a step's figures may count them in the next
         return scheduler.step_figures(handles)["api"], started, ended
     finally:
@@ -45,10 +60,10 @@ def _burst(local_ray, proxy: QuotaProxy, scheduled: bool) -> tuple[dict, float, 
 
 
 @pytest.mark.launch
-def test_every_caller_of_the_run_shares_one_quota_and_none_is_refused(local_ray):
+def test_every_caller_of_the_run_shares_one_quota_and_none_is_refused(local_ray, tmp_path: Path):
     proxy = QuotaProxy(requests_per_second=10, latency_s=0.05)
     try:
-        figures, _, _ = _burst(local_ray, proxy, scheduled=True)
+        figures, _, _ = _burst(local_ray, proxy, scheduled=True, ready=tmp_path / "ready")
     finally:
         proxy.close()
     assert proxy.refused == 0 and figures["throttled"] == 0 and figures["retries"] == 0
@@ -60,10 +75,10 @@ def test_every_caller_of_the_run_shares_one_quota_and_none_is_refused(local_ray)
 
 
 @pytest.mark.launch
-def test_callers_on_their_own_are_refused_and_retry(local_ray):
+def test_callers_on_their_own_are_refused_and_retry(local_ray, tmp_path: Path):
     proxy = QuotaProxy(requests_per_second=10, latency_s=0.05, retry_after_s=0.3)
     try:
-        figures, _, _ = _burst(local_ray, proxy, scheduled=False)
+        figures, _, _ = _burst(local_ray, proxy, scheduled=False, ready=tmp_path / "ready")
     finally:
         proxy.close()
     assert proxy.refused > 0 and figures["throttled"] == proxy.refused
