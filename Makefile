@@ -10,9 +10,10 @@ train: setup
 	.venv/bin/marl prepare configs/demo.yaml
 	.venv/bin/marl train configs/demo.yaml
 
-# Two pytest workers (pytest-xdist), one for the modules that share kept actors, the other for the launches without
-# the suite's Ray, then both for the rest (tests/conftest.py): the cores sat idle 28% of a one-process run (30 min
-# 50 s against 35 min 30 s; docs/decisions/0001-how-the-suite-runs.md). `make test TEST_WORKERS=4` on a bigger machine.
+# Two pytest workers (pytest-xdist), each module whole to one: first one takes the modules that share kept actors, the
+# other the launches without the suite's Ray, then both the rest (tests/conftest.py). The cores sat idle 28% of a
+# one-process run: 25 min 44 s against 35 min 30 s (docs/decisions/0001-how-the-suite-runs.md). `make test
+# TEST_WORKERS=4` on a bigger machine.
 TEST_WORKERS ?= 2
 test: setup
 	.venv/bin/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
