@@ -52,12 +52,24 @@ def _stop_shared_ray() -> None:
         _SHARED_RAY.pop().shutdown()
 
 
+@functools.cache
+def _shares_kept_actors_file(path: str) -> bool:
+    """Whether the test module at ``path`` (from the checkout's root) sets ``SHARES_WARM_ACTORS = True`` at its top
+    level, read from its source: the one rule for the workers, which import the module, and for pytest-xdist's
+    controller, which imports none (``pytest_xdist_make_scheduler``)."""
+    tree = ast.parse((ROOT / path).read_text())
+    return any(isinstance(node, ast.Assign | ast.AnnAssign) and getattr(node.value, "value", None) is True
+               and any(getattr(target, "id", None) == "SHARES_WARM_ACTORS"
+                       for target in (node.targets if isinstance(node, ast.Assign) else [node.target]))
+               for node in tree.body)
+
+
 def shares_warm_actors(module) -> bool:
     """Whether a module on the shared Ray sets ``SHARES_WARM_ACTORS = True``: every test in it starts its actors
     through a launch or ``start_engines`` (cluster/spawn.py), which take the engines and trainers kept idle with
     the same settings (cluster/warm_actors.py) and stop the others before waiting for new ones. Such a module takes
     what the one before it kept, and keeps its own for the next: starting them was most of a small launch."""
-    return getattr(module, "SHARES_WARM_ACTORS", False)
+    return _shares_kept_actors_file(str(Path(module.__file__).relative_to(ROOT)))
 
 
 def _in_workers(config: pytest.Config) -> bool:
@@ -90,16 +102,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return 1 if name in launching else 2
 
     items.sort(key=queue)
-
-
-@functools.cache
-def _shares_kept_actors_file(path: str) -> bool:
-    """``shares_warm_actors`` read from a test module's source, for pytest-xdist's controller, which imports no
-    test module: a module-level ``SHARES_WARM_ACTORS = True``."""
-    tree = ast.parse((ROOT / path).read_text())
-    return any(isinstance(node, ast.Assign) and getattr(node.value, "value", None) is True
-               and any(getattr(target, "id", None) == "SHARES_WARM_ACTORS" for target in node.targets)
-               for node in tree.body)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
