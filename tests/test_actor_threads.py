@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from marl_pipeline.cluster.cores import CoreSplit, CpuReport, cores_used, demand_threads
+from marl_pipeline.cluster.cores import IDLE_CORES, CoreSplit, CpuReport, cores_used, demand_threads
 from marl_pipeline.cluster.placement import plan_placement
 from marl_pipeline.cluster.spawn import plan_on_ray, start_trainers
 from marl_pipeline.cluster.specs import shared_threads
@@ -130,7 +130,9 @@ def test_a_busy_trainer_takes_the_cores_its_idle_neighbour_leaves(local_ray, dem
         local_ray.get(trainers["solver"].__ray_call__.remote(spin, 1.0))
         time.sleep(0.5)
         changed, used = split.after_step()
-        assert used["solver/trainer"] > 0.5 > used["verifier/trainer"], used
+        # Busy against idle, as the split reads them: how many cores the busy one got depends on what else the
+        # machine runs (0.46 of a core beside the other pytest worker, 0.25 with a benchmark too), its share does not.
+        assert used["solver/trainer"] > IDLE_CORES and used["solver/trainer"] > 10 * used["verifier/trainer"], used
         assert changed == {"solver/trainer": (1, 2)}
         assert threads() == {"solver": 2, "verifier": 1}  # set in the actor, seen by its next call
         time.sleep(1.0)
@@ -173,7 +175,8 @@ def test_a_hybrid_agents_process_reports_engine_and_trainer_apart_and_its_traine
         on_trainer_lane(spin, 1.0)
         time.sleep(0.3)
         changed, used = split.after_step()
-        assert used["solver/trainer"] > 0.5 > used["solver/engine/0"], used  # one process, two reports
+        assert used["solver/trainer"] > IDLE_CORES, used  # one process, two reports: busy against idle, as above
+        assert used["solver/trainer"] > 10 * used["solver/engine/0"], used
         assert changed == {"solver/trainer": (1, 2)}
         assert local_ray.get(trainer.policy_version.remote()) == 0  # the training lane's next call, in turn
         assert on_trainer_lane(torch.get_num_threads) == 2  # set on the lane's thread
