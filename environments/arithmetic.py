@@ -20,7 +20,8 @@ way: while the solver is weak, a verifier shown decoys and the solver's (mostly 
 always saying "no" (measured). So on a share of the tasks, drawn with the task, the verifier is shown a
 wrong "decoy" answer (``decoy_share``) or the right sum (``right_share``) instead of the solver's, and the
 kinds it sees stay balanced whatever the solver does. The solver's reward is unchanged; the verifier is
-rewarded for a right verdict on what it was shown.
+rewarded for a right verdict on what it was shown, weighted by its class (``yes_weight``, ``no_weight``): a
+class-balanced reward when the weights are in the inverse ratio of the classes' shares.
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ class ArithmeticOptions(BaseModel):
     right_share: float = Field(1 / 3, ge=0, le=1)
     """Share of tasks on which the verifier is shown the right sum instead of the solver's answer (with
     ``decoy_share`` 0 too, it always judges the solver)."""
+    yes_weight: float = Field(1.0, gt=0, le=1)
+    """The verifier's reward for a right "yes" (the answer shown is right); a wrong or unparsable verdict earns 0."""
+    no_weight: float = Field(1.0, gt=0, le=1)
+    """The verifier's reward for a right "no". Weights in the inverse ratio of the verdicts' shares make the reward
+    class-balanced: a verdict given to every prompt then earns the same whichever it is (docs/environments.md, "When
+    a verifier collapses", on which advantage estimators keep it)."""
 
     @model_validator(mode="after")
     def validate_shares(self) -> ArithmeticOptions:
@@ -106,12 +113,16 @@ class ArithmeticCheck:
         if verdict not in ("yes", "no"):
             verifier = ActionResult("unparsable", False, info=info)
         else:
-            right = (verdict == "yes") == (_parse_int(shown) == expected)
-            verifier = ActionResult("right_verdict" if right else "wrong_verdict", right, info=info)
+            truth = "yes" if _parse_int(shown) == expected else "no"
+            verifier = ActionResult("right_verdict" if verdict == truth else "wrong_verdict", verdict == truth,
+                                    info={**info, "truth": truth})
         return [solver, verifier]
 
     def score(self, task: Task, transcript: list[Turn], results: list[ActionResult]) -> dict[str, float]:
-        return {"solver": float(results[0].success), "verifier": float(results[1].success)}
+        verifier = results[1]
+        weights = {"yes": self.options.yes_weight, "no": self.options.no_weight}
+        weight = weights[verifier.info["truth"]] if verifier.success else 0.0
+        return {"solver": float(results[0].success), "verifier": weight}
 
     # -- held-out evaluation ----------------------------------------------------------------------
     def evaluation_cases(self, role: str, rng: np.random.Generator, count: int) -> list[EvaluationCase]:

@@ -82,6 +82,31 @@ def test_the_verifier_judges_what_it_is_shown_and_the_solver_is_still_scored_on_
         assert results[1].info["shown"] == str(task["shown"]) and results[1].info["substituted"] is True
 
 
+def test_class_weights_pay_each_right_verdict_by_its_class_and_a_constant_verdict_the_same() -> None:
+    env = ArithmeticCheck(ArithmeticOptions(max_operand=3, decoy_share=0.7, right_share=0.1, no_weight=0.4))
+    decoy, right = {"id": "2+3~6", "a": 2, "b": 3, "shown": 6}, {"id": "2+3~5", "a": 2, "b": 3, "shown": 5}
+    for task, verdict, reward in ((decoy, "no", 0.4), (decoy, "yes", 0.0), (right, "yes", 1.0), (right, "no", 0.0),
+                                  (right, "maybe", 0.0)):
+        transcript = [Turn("solver", "5"), Turn("verifier", verdict)]
+        assert env.score(task, transcript, env.execute(task, transcript))["verifier"] == reward, (task, verdict)
+    # a right verdict's class ("no" where the decoy shows 6) is in the result, for what a run stores
+    assert env.execute(decoy, [Turn("solver", "5"), Turn("verifier", "yes")])[1].info["truth"] == "no"
+    # With a right solver, "no" is right on the decoys' 70% of prompts: weights of about the inverse shares leave a
+    # verifier nothing to gain from giving one verdict to every prompt.
+    tasks = env.sample_tasks(np.random.default_rng(0), 2000)
+
+    def earns(verdict: str) -> float:
+        transcripts = [[Turn("solver", str(task["a"] + task["b"])), Turn("verifier", verdict)] for task in tasks]
+        return float(np.mean([env.score(task, transcript, env.execute(task, transcript))["verifier"]
+                              for task, transcript in zip(tasks, transcripts)]))
+
+    earned = {verdict: earns(verdict) for verdict in ("yes", "no")}
+    assert abs(earned["yes"] - earned["no"]) < 0.05 and min(earned.values()) > 0.2, earned
+    for bad in ({"no_weight": 0.0}, {"yes_weight": 1.5}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}"):
+            ArithmeticOptions(**bad)
+
+
 def test_warm_up_verdicts_are_balanced_whatever_the_teacher_solver_says() -> None:
     env = ArithmeticCheck(ArithmeticOptions(max_operand=3, warmup_accuracy=1.0))
     examples = env.warmup_examples("verifier", np.random.default_rng(0), 1500)

@@ -173,4 +173,4 @@ def test_a_launch_stopped_on_collapse_fails_its_job_with_what_the_cli_prints(tmp
     (message,) = failure_messages(result)
     assert message == stopped.reason()
     assert message.startswith("run 'demo' stopped after step 6 (health.on_collapse: stop): verifier top answer")
-    assert "agents.verifier.algorithm.entropy_coef" in message and "resumes from version 7" in message
+    assert "agents.verifier.algorithm.advantage.type=dr_grpo" in message and "resumes from version 7" in message

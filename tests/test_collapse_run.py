@@ -138,7 +138,7 @@ def test_a_checker_collapsing_onto_no_is_stopped_after_the_step_it_shows_and_a_l
     assert {agent: store.policy_versions("demo", agent)[-1] for agent in ("solver", "verifier")} == {
         "solver": stopped.step + 1, "verifier": stopped.step + 1}
     assert run_overview(store, "demo").state == "unfinished"
-    assert "--set agents.verifier.algorithm.entropy_coef=0.01" in stopped.reason()
+    assert "--set agents.verifier.algorithm.advantage.type=dr_grpo" in stopped.reason()
     # A clean stop, not a failure: its engines and trainers are kept for the next launch (``ray.keep_actors``)
     assert warm_actors.idle_count() == 4
     assert f"resumes from version {stopped.step + 1}" in stopped.reason()

@@ -1,14 +1,18 @@
 """Benchmark: which of a verifier's own settings keep it from a base-rate collapse (issue 72.6). The demo's team on
 a task where "no" is the right verdict on most prompts (``decoy_share`` 0.7, ``right_share`` 0.1: the verifier is
-shown a wrong decoy on 70% of the tasks), paid for right verdicts. Arms, each the verifier's ``algorithm:`` alone:
-nothing, an entropy bonus, a KL penalty to version 0. Per arm and seed: the step where the health rules first saw a
-collapse (``may be collapsing``), the verifier's top-answer share and the reward its top answer earned at the end,
-and its held-out balanced accuracy at version 0 and at the last version. Each seed's version 0 is made once and
-shared by its arms; the launches run one after another in this process, on one local Ray of 2 CPUs:
+shown a wrong decoy on 70% of the tasks), paid for right verdicts. An arm is the verifier's own settings
+(``algorithm``, ``trainer``) and the environment's options (``environment``); the default arms: nothing, an entropy
+bonus, a KL penalty to version 0, a smaller step, the advantage estimators, and a class-balanced reward
+(``no_weight`` 0.4: a right "no" earns 0.4, a right "yes" 1, about the inverse ratio of their shares) under each
+estimator. Per arm and seed: the step where the health rules first saw a collapse (``may be collapsing``), the
+verifier's top-answer share and the reward its top answer earned at the end, and its held-out balanced accuracy at
+version 0 and at the last version. Each seed's version 0 is made once and shared by its arms; the launches run one
+after another in this process, on one local Ray of 2 CPUs:
 
     .venv/bin/python -m bench.learning.collapse_remedies --seeds 0 1 --steps 30 --out /tmp/collapse-remedies.json
     .venv/bin/python -m bench.learning.collapse_remedies --seeds 0 1 --steps 30 \
-        --arm 'entropy 0.1={"entropy_coef": 0.1}' --arm 'kl 1={"kl_coef": 1.0}' --out /tmp/collapse-remedies-strong.json
+        --arm 'rloo, balanced={"algorithm": {"advantage": {"type": "rloo"}}, "environment": {"no_weight": 0.4}}' \
+        --out /tmp/collapse-rloo.json
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ import yaml
 from bench.launch import launch
 
 ROOT = Path(__file__).resolve().parents[2]
-ARMS = {"nothing": {}, "entropy 0.01": {"entropy_coef": 0.01}, "kl 0.1": {"kl_coef": 0.1}}
+BALANCED = {"environment": {"no_weight": 0.4}}
+ARMS = {"nothing": {}, "entropy 0.1": {"algorithm": {"entropy_coef": 0.1}}, "kl 1": {"algorithm": {"kl_coef": 1.0}},
+        "lr 2.5e-4": {"trainer": {"lr": 2.5e-4}}, "balanced": BALANCED,
+        **{f"{estimator}{name}": {"algorithm": {"advantage": {"type": estimator}}, **extra}
+           for estimator in ("dr_grpo", "agent_normalized") for name, extra in (("", {}), (", balanced", BALANCED))}}
+SETTINGS = ("algorithm", "trainer", "environment")
 TASK = {"decoy_share": 0.7, "right_share": 0.1}
 
 
@@ -46,10 +55,14 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/marl-bench-collapse"))
     parser.add_argument("--out", type=Path)
     parser.add_argument("--arm", action="append", default=[], metavar="NAME=JSON",
-                        help="an arm of your own: its name and the verifier's algorithm settings (default: the three)")
+                        help="an arm of your own: its name and the verifier's settings, keys of "
+                             f"{', '.join(SETTINGS)} (default: the nine)")
     args = parser.parse_args()
     arms = dict(ARMS) if not args.arm else {name: json.loads(own) for name, own in
                                              (arm.split("=", 1) for arm in args.arm)}
+    for name, own in arms.items():
+        if not isinstance(own, dict) or set(own) - set(SETTINGS):
+            parser.error(f"arm {name!r}: {own} is not an object with keys of {', '.join(SETTINGS)}")
     import shutil
 
     import ray
@@ -74,7 +87,10 @@ def main() -> None:
             data = experiment(seed, args.steps, args.work / f"seed{seed}-{arm.replace(' ', '-')}")
             for name, agent in data["agents"].items():
                 agent.update(model=made[name], warmup={"steps": 0})
-            data["agents"]["verifier"]["algorithm"] = copy.deepcopy(own)
+            verifier = data["agents"]["verifier"]
+            verifier["algorithm"] = copy.deepcopy(own.get("algorithm", {}))
+            verifier["trainer"].update(own.get("trainer", {}))
+            data["environment"]["options"].update(own.get("environment", {}))
             config = parse_config(data)
             started = time.perf_counter()
             events: list = []

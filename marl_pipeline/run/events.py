@@ -173,10 +173,10 @@ class CollapseStopped:
         agent = self.agents[0]
         return (f"run {self.run!r} stopped after step {self.step} (health.on_collapse: stop): "
                 f"{'; '.join(self.warnings)}. Every agent's version {self.step + 1} is committed and the launch is "
-                f"unfinished: change what lets {', '.join(self.agents)} collapse (for example --set "
-                f"agents.{agent}.algorithm.entropy_coef=0.01 or agents.{agent}.algorithm.kl_coef=0.05, or a "
-                f"class-balanced reward in the environment; docs/environments.md, \"When a verifier collapses\") and "
-                f"run the same command again: it resumes from version {self.step + 1}")
+                f"unfinished: change what lets {', '.join(self.agents)} collapse (what held a verifier: a "
+                f"class-balanced reward in the environment with --set agents.{agent}.algorithm.advantage.type=dr_grpo, "
+                f"which keeps its weights; docs/environments.md, \"When a verifier collapses\") and run the same "
+                f"command again: it resumes from version {self.step + 1}")
 
 
 @dataclass(frozen=True)
