@@ -1,25 +1,32 @@
 """Trajectory-level rollout on a real asynchronous engine actor: a slow episode holds only itself, a time limit
-cuts it without holding the micro-batch's commit, and the stored rows are those of the turn-batched rollout."""
+cuts it without holding the micro-batch's commit, and the stored rows are those of the turn-batched rollout. A prompt
+over the engine's context fails its episode, or its held-out case, alone."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pytest
 
 from marl_pipeline.cluster.spawn import engine_actor
 from marl_pipeline.config import EngineConfig, GRPOAdvantage, RolloutConfig
+from marl_pipeline.environment import EvaluationCase, Turn
 from marl_pipeline.inference.async_engine import AsyncRolloutEngine
+from marl_pipeline.stages.evaluation import EvaluationSettings, evaluate_agent, with_metrics
 from marl_pipeline.stages.execution import execute_micro_batch
 from marl_pipeline.stages.health import REWARD_COLUMNS, ROLLOUT_COLUMNS, health_table
 from marl_pipeline.stages.reward import score_micro_batch
 from marl_pipeline.stages.rollout import RolloutSettings, episode_tasks, turn_seeds
+from marl_pipeline.stages.team import evaluate_team
 from marl_pipeline.stages.training import train_batch_for
 from marl_pipeline.stages.trajectories import rollout_trajectories
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.inspection import inspect_run
-from marl_pipeline.store.schema import with_stage_timing
+from marl_pipeline.store.schema import EVALUATIONS, with_agent, with_stage_timing
 from marl_pipeline.store.summaries import stage_summary
 from tests.timed_replies import ChosenReplies, TimedReplies
 from tests.turn_batched import rollout_micro_batch  # the baseline the trajectory rollout is compared with
@@ -121,6 +128,54 @@ def test_an_episode_whose_prompt_outgrows_the_context_fails_alone(engines) -> No
     assert all([row["status"] for row in turns] == ["ok"] * 3 for e, turns in episodes.items() if e not in outgrown)
     results = execute_micro_batch(env, stored)
     assert {row["episode"] for row in results.to_pylist() if row["status"] == "failed"} == set(outgrown)
+
+
+class OutgrownCase(TimedReplies):
+    """Held-out cases of additions, one of which (task 0) outgrows the engine's 128 tokens: in its first prompt for
+    the writer, and in the team's episodes from the checker's turn (the writer's reply is shown it again)."""
+
+    answering_role = "writer"
+
+    def evaluation_cases(self, role: str, rng, count: int) -> list[EvaluationCase]:
+        return [EvaluationCase(task, [], str(task["a"] + task["b"])) for task in self.sample_tasks(rng, count)]
+
+    def evaluate(self, role: str, cases: list[EvaluationCase], responses: list[str]) -> dict[str, float]:
+        return {"answered": float(np.mean([response != "" for response in responses]))}
+
+    def answer_of(self, role: str, response: str) -> str:
+        return response.strip()
+
+    def render_prompt(self, role: str, task: dict, transcript: list) -> str:
+        prompt = super().render_prompt(role, task, transcript)
+        long = task["id"] == 0 and ((role == "writer" and not transcript) or role == "checker")
+        return prompt + " 1+1=2" * 60 if long else prompt
+
+    def team_choice(self, task: dict, episodes: list[list[Turn]]) -> int:
+        return 0
+
+
+@pytest.mark.launch
+def test_an_evaluation_scores_a_case_over_the_context_and_goes_on(engines) -> None:
+    """A held-out case whose prompt the engine cannot hold is stored unanswered, with why; the others are answered
+    as before (the evaluation failed whole before)."""
+    env = OutgrownCase()
+    settings = EvaluationSettings(seed=0, cases_per_agent=4, max_new_tokens={"writer": 4, "checker": 4},
+                                  turn_adapters={}, team_samples=2, temperature={"writer": 1.0, "checker": 1.0})
+    rows = evaluate_agent(env, "writer", engines["writer"], settings).to_pylist()
+    assert [row["status"] for row in rows] == ["prompt_too_long", "ok", "ok", "ok"]
+    assert rows[0]["response_text"] == "" and "maximum context length is 128" in rows[0]["error"]
+    assert all(row["response_text"] for row in rows[1:]) and {row["policy_version"] for row in rows} == {0}
+    assert with_metrics(env, pa.Table.from_pylist(rows, schema=with_agent(EVALUATIONS)))[1]["writer"][
+        "answered"] == 0.75
+    # The team: task 0's first prompt is refused, then its checker's; the writer's third turn is short again
+    team = evaluate_team(env, engines, settings).to_pylist()
+    assert [row["status"] for row in team] == ["prompt_too_long", "ok", "ok", "ok"]
+    assert team[0]["error"].count("maximum context length is 128") == 4  # 2 episodes, 2 turns refused in each
+    assert "turn 0 (writer)" in team[0]["error"] and "turn 1 (checker)" in team[0]["error"]
+    for episode in json.loads(team[0]["transcript"]):
+        assert [(turn["role"], turn["text"]) for turn in episode][:2] == [("writer", ""), ("checker", "")]
+        assert len(episode) == 3 and episode[2]["text"]  # the third prompt fits: answered
+    assert all(json.loads(row["transcript"])[0][0]["text"] for row in team[1:])
 
 
 def test_the_stored_rows_are_those_of_the_turn_batched_rollout(engines) -> None:

@@ -29,6 +29,7 @@ from dataclasses import replace
 from marl_pipeline.inference.engine import (
     Completion,
     GenerationRequest,
+    PromptTooLong,
     RolloutEngine,
     completion_of,
     engine_prompt,
@@ -126,12 +127,27 @@ class AsyncRolloutEngine:
     async def generate(self, requests: list[GenerationRequest]) -> tuple[int, list[Completion]]:
         """``RolloutEngine.generate``'s contract (a batch in, the version and completions out), so evaluations and
         benchmarks run on this engine unchanged. The version is the oldest of the batch's."""
+        version, completions = await self.generate_each(requests)
+        if refused := next((c for c in completions if isinstance(c, PromptTooLong)), None):
+            raise refused
+        return version, completions
+
+    async def generate_each(self, requests: list[GenerationRequest]) -> tuple[int, list[Completion | PromptTooLong]]:
+        """:meth:`generate`, where a request whose prompt the engine's context cannot hold fails alone: its place
+        holds the :class:`PromptTooLong` (a held-out case over the context is scored, not the whole evaluation
+        stopped). Any other error fails the call. The version is the oldest of the completions', or the one served
+        when every request was refused."""
         for i, request in enumerate(requests):  # before any is sent, naming the bad one by its index
             engine_prompt(f"prompt {i}", request.prompt)
         batch = next(self._ids)
         sampled = await asyncio.gather(*[self.generate_one(f"batch-{batch}-{i}", request)
-                                         for i, request in enumerate(requests)])
-        return min(s.version for s in sampled), [s.completion for s in sampled]
+                                         for i, request in enumerate(requests)], return_exceptions=True)
+        if failed := next((s for s in sampled if isinstance(s, BaseException) and not isinstance(s, PromptTooLong)),
+                          None):
+            raise failed
+        versions = [s.version for s in sampled if not isinstance(s, PromptTooLong)]
+        version = min(versions) if versions else await self.policy_version()
+        return version, [s if isinstance(s, PromptTooLong) else s.completion for s in sampled]
 
     async def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int],
                                   adapter: str | None = None) -> list[float]:

@@ -29,7 +29,7 @@ from marl_pipeline.config import ExperimentConfig
 from marl_pipeline.config.agent import adapter_of_turn
 from marl_pipeline.environment import TEAM, Environment, EvaluationCase, Turn, accepted_majority
 from marl_pipeline.hooks import hooks_of
-from marl_pipeline.inference.engine import Completion, GenerationRequest
+from marl_pipeline.inference.engine import Completion, GenerationRequest, PromptTooLong
 from marl_pipeline.stages.rollout import engine_chat_session
 from marl_pipeline.store.schema import EVALUATIONS, with_agent
 
@@ -82,37 +82,49 @@ def evaluate_agent(env: Environment, role: str, engine: ray.actor.ActorHandle,
                    settings: EvaluationSettings) -> pa.Table:
     """Greedy answers of the policy ``engine`` serves to ``role``'s held-out cases; one row per case. A case of
     several turns (``EvaluationCase.turns``) is played turn by turn, all cases' next turns in one batch; its stored
-    transcript is everything before its last reply, its own earlier replies included."""
+    transcript is everything before its last reply, its own earlier replies included. A case whose prompt the
+    engine's context cannot hold ends there unanswered (status ``prompt_too_long``, an empty reply, scored as the
+    plugin scores one); the other cases go on."""
     cases = evaluation_cases(env, role, settings)
     chats = engine_chat_session(env, {role: engine})
     transcripts = [list(case.transcript) for case in cases]
     served = settings.turn_adapters.get(role, {})
-    last: dict[int, tuple[str | list[int], Completion]] = {}
+    last: dict[int, tuple[str | list[int], Completion | PromptTooLong]] = {}
     versions = set()
     for turn in range(max((case.turns for case in cases), default=0)):
-        playing = [index for index, case in enumerate(cases) if turn < case.turns]
+        # a case whose prompt outgrew the engine's context ends there, unanswered
+        playing = [index for index, case in enumerate(cases)
+                   if turn < case.turns and not isinstance(last.get(index, (None, None))[1], PromptTooLong)]
         requests = [chats.request(index, role, len(transcripts[index]),
                                   env.render_prompt(role, cases[index].task, transcripts[index])) for index in playing]
         adapter = adapter_of_turn(served, turn)
-        version, completions = ray.get(engine.generate.remote(
+        version, completions = ray.get(engine.generate_each.remote(
             [GenerationRequest(request, 0, settings.max_new_tokens[role], 0.0, adapter) for request in requests]))
         versions.add(version)
         for index, request, completion in zip(playing, requests, completions):
+            last[index] = (request, completion)
+            if isinstance(completion, PromptTooLong):
+                continue
             chats.record(index, role, completion.text, completion.response_ids)
             if turn + 1 < cases[index].turns:
                 transcripts[index].append(Turn(role, completion.text))
-            last[index] = (request, completion)
     if len(versions) > 1:  # an evaluation engine serves one version; a sync mid-case would mix two policies
         raise RuntimeError(f"{role}'s evaluation engine changed policy version mid-evaluation: {sorted(versions)}")
     version = versions.pop() if versions else None
-    rows = [{
-        "policy_version": version, "case": index,
-        "task_id": str(case.task["id"]), "task": json.dumps(case.task),
-        "transcript": json.dumps([asdict(turn) for turn in transcripts[index]]), "label": case.label,
-        "prompt_text": chats.prompt_text(role, last[index][0]), "response_text": last[index][1].text,
-        "answer": env.answer_of(role, last[index][1].text),  # type: ignore[attr-defined]
-        "metrics": None, "status": "ok", "error": None, "agent": role,
-    } for index, case in enumerate(cases)]
+    rows = []
+    for index, case in enumerate(cases):
+        request, completion = last[index]
+        refused = isinstance(completion, PromptTooLong)
+        response = "" if refused else completion.text  # unanswered: scored as the plugin scores an empty reply
+        rows.append({
+            "policy_version": version, "case": index,
+            "task_id": str(case.task["id"]), "task": json.dumps(case.task),
+            "transcript": json.dumps([asdict(turn) for turn in transcripts[index]]), "label": case.label,
+            "prompt_text": chats.prompt_text(role, request), "response_text": response,
+            "answer": env.answer_of(role, response),  # type: ignore[attr-defined]
+            "metrics": None, "status": "prompt_too_long" if refused else "ok",
+            "error": f"its prompt is over max_model_len: {completion}" if refused else None,
+            "agent": role})
     return pa.Table.from_pylist(rows, schema=with_agent(EVALUATIONS))
 
 

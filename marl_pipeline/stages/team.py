@@ -27,7 +27,7 @@ import ray
 from marl_pipeline.config.agent import turn_adapter
 from marl_pipeline.environment import TEAM, Environment, Turn
 from marl_pipeline.hooks import hooks_of
-from marl_pipeline.inference.engine import GenerationRequest
+from marl_pipeline.inference.engine import GenerationRequest, PromptTooLong
 from marl_pipeline.stages.evaluation import (
     EVALUATION_STREAM,
     EvaluationSettings,
@@ -53,14 +53,16 @@ def evaluate_team(env: Environment, engines: dict[str, ray.actor.ActorHandle], s
                   versions: dict[str, int] | None = None) -> pa.Table:
     """The team's rows: each held-out case of the answering role played ``settings.team_samples`` times by the agents
     ``engines`` serve (each at the same version; with ``versions``, each role at its own, a cast's: run/casts.py),
-    turn by turn, every episode's next turn in one batch per agent. The rows' ``policy_version`` is the answering
-    role's."""
+    turn by turn, every episode's next turn in one batch per agent. A turn whose prompt the engine's context cannot
+    hold gets an empty reply and the episode goes on (the case's status ``prompt_too_long``, which turns in
+    ``error``). The rows' ``policy_version`` is the answering role's."""
     answering = hooks_of(env).answering_role
     cases = evaluation_cases(env, answering, settings)
     n = settings.team_samples
     episodes: list[list[Turn]] = [[] for _ in range(len(cases) * n)]  # episode e plays case e // n
     chats = engine_chat_session(env, engines)
     served: dict[str, set[int]] = {}
+    refused: dict[int, list[str]] = {}  # per case: its turns whose prompt the engine's context could not hold
     for turn in range(hooks_of(env).max_turns):
         seeds = np.random.SeedSequence([settings.seed, EVALUATION_STREAM, TEAM_STREAM, turn]).generate_state(
             len(episodes))
@@ -76,14 +78,18 @@ def evaluate_team(env: Environment, engines: dict[str, ray.actor.ActorHandle], s
                 int(seeds[e]), settings.max_new_tokens[role], settings.temperature[role],
                 turn_adapter(settings.turn_adapters, role, [earlier.role for earlier in episodes[e]]))
                 for e in playing]
-            version, completions = ray.get(engines[role].generate.remote(requests))
+            version, completions = ray.get(engines[role].generate_each.remote(requests))
             served.setdefault(role, set()).add(version)
             for e, completion in zip(playing, completions):
-                chats.record(e, role, completion.text, completion.response_ids)
+                if isinstance(completion, PromptTooLong):  # over the engine's context: an empty reply, and on
+                    refused.setdefault(e // n, []).append(f"episode {e % n}, turn {turn} ({role}): {completion}")
+                    text, ids = "", []
+                else:
+                    text, ids = completion.text, completion.response_ids
+                chats.record(e, role, text, ids)
                 # a reply that fails leaves the turn without one and the episode goes on, as in rollout
-                observation, _ = observe_reply(env, role, cases[e // n].task,
-                                               [*episodes[e], Turn(role, completion.text)])
-                episodes[e].append(Turn(role, completion.text, observation))
+                observation, _ = observe_reply(env, role, cases[e // n].task, [*episodes[e], Turn(role, text)])
+                episodes[e].append(Turn(role, text, observation))
     # every engine serves its one version throughout: the version evaluated, or each role's in a cast
     wanted = versions or dict.fromkeys(served, min(set().union(*served.values()), default=None))
     if any(found != {wanted[role]} for role, found in served.items()):
@@ -100,5 +106,6 @@ def evaluate_team(env: Environment, engines: dict[str, ray.actor.ActorHandle], s
             "transcript": json.dumps([[asdict(turn) for turn in episode] for episode in played]),
             "label": case.label, "prompt_text": None, "response_text": response,
             "answer": env.answer_of(answering, response),  # type: ignore[attr-defined]
-            "metrics": None, "status": "ok", "error": None, "agent": TEAM})
+            "metrics": None, "status": "prompt_too_long" if c in refused else "ok",
+            "error": "; ".join(refused[c]) if c in refused else None, "agent": TEAM})
     return pa.Table.from_pylist(rows, schema=with_agent(EVALUATIONS))
