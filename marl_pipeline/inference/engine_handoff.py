@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from marl_pipeline.inference.engine import Completion
+from marl_pipeline.inference.engine import Completion, PromptTooLong
 
 
 class RequestAborted(RuntimeError):
@@ -66,3 +66,15 @@ def settle(future: asyncio.Future, value: object) -> None:
 def settle_all(settled: list[tuple[asyncio.Future, object]]) -> None:
     for future, value in settled:
         settle(future, value)
+
+
+def completions_or_refused(results: list, serving: int,
+                            refused_alone: bool) -> tuple[int, list[Completion | PromptTooLong]]:
+    """A batch's results (each a :class:`Sampled` or what ended its request) as the engine's ``generate`` returns
+    them: each completion, or with ``refused_alone`` the :class:`PromptTooLong` that refused its request in its place;
+    any other error is raised. The version is the oldest that sampled, else the one ``serving``."""
+    kept = PromptTooLong if refused_alone else ()
+    if failed := next((r for r in results if isinstance(r, BaseException) and not isinstance(r, kept)), None):
+        raise failed
+    versions = [r.version for r in results if isinstance(r, Sampled)]
+    return min(versions, default=serving), [r.completion if isinstance(r, Sampled) else r for r in results]

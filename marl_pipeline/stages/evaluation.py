@@ -98,8 +98,9 @@ def evaluate_agent(env: Environment, role: str, engine: ray.actor.ActorHandle,
         requests = [chats.request(index, role, len(transcripts[index]),
                                   env.render_prompt(role, cases[index].task, transcripts[index])) for index in playing]
         adapter = adapter_of_turn(served, turn)
-        version, completions = ray.get(engine.generate_each.remote(
-            [GenerationRequest(request, 0, settings.max_new_tokens[role], 0.0, adapter) for request in requests]))
+        version, completions = ray.get(engine.generate.remote(
+            [GenerationRequest(request, 0, settings.max_new_tokens[role], 0.0, adapter) for request in requests],
+            refused_alone=True))
         versions.add(version)
         for index, request, completion in zip(playing, requests, completions):
             last[index] = (request, completion)

@@ -78,7 +78,7 @@ def evaluate_team(env: Environment, engines: dict[str, ray.actor.ActorHandle], s
                 int(seeds[e]), settings.max_new_tokens[role], settings.temperature[role],
                 turn_adapter(settings.turn_adapters, role, [earlier.role for earlier in episodes[e]]))
                 for e in playing]
-            version, completions = ray.get(engines[role].generate_each.remote(requests))
+            version, completions = ray.get(engines[role].generate.remote(requests, refused_alone=True))
             served.setdefault(role, set()).add(version)
             for e, completion in zip(playing, completions):
                 if isinstance(completion, PromptTooLong):  # over the engine's context: an empty reply, and on
