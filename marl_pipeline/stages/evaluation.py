@@ -94,7 +94,7 @@ def evaluate_agent(env: Environment, role: str, engine: ray.actor.ActorHandle,
     for turn in range(max((case.turns for case in cases), default=0)):
         # a case whose prompt outgrew the engine's context ends there, unanswered
         playing = [index for index, case in enumerate(cases)
-                   if turn < case.turns and not isinstance(last.get(index, (None, None))[1], PromptTooLong)]
+                   if turn < case.turns and (index not in last or not isinstance(last[index][1], PromptTooLong))]
         requests = [chats.request(index, role, len(transcripts[index]),
                                   env.render_prompt(role, cases[index].task, transcripts[index])) for index in playing]
         adapter = adapter_of_turn(served, turn)
