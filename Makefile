@@ -12,8 +12,8 @@ train: setup
 
 # Two pytest workers (pytest-xdist), each module whole to one: first one takes the modules that share kept actors, the
 # other the launches without the suite's Ray, then both the rest (tests/conftest.py). The cores sat idle 28% of a
-# one-process run: 25 min 44 s against 35 min 30 s (docs/decisions/0001-how-the-suite-runs.md). `make test
-# TEST_WORKERS=4` on a bigger machine.
+# one-process run: 26-28 minutes against 35 min 30 s on a 2-core Xeon (docs/decisions/0001-how-the-suite-runs.md).
+# `make test TEST_WORKERS=4` on a bigger machine.
 TEST_WORKERS ?= 2
 test: setup
 	.venv/bin/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)

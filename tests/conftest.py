@@ -218,11 +218,10 @@ def _ray_is_idle(ray, wait_s: float = 10.0) -> bool:
 def local_ray(request):
     """A real local Ray of 2 CPUs, one per pytest process (each xdist worker has its own). The modules that use it
     run one after another in their process (``pytest_collection_modifyitems``) and share its Ray while each leaves it
-    idle: starting and stopping it was 5 s a module. One that leaves an actor
-    or a reservation behind stops it, and the next module starts a fresh one. A module that shares kept actors
-    (:func:`shares_warm_actors`) leaves the next one its launches' idle engines and trainers, and nothing else: it
-    must have released every actor it started (``warm_actors.in_use``), and the next module that does not share
-    them stops them and checks the Ray idle."""
+    idle: starting and stopping it was 5 s a module. One that leaves an actor or a reservation behind stops it, and
+    the next module starts a fresh one. A module that shares kept actors (:func:`shares_warm_actors`) leaves the next
+    one its launches' idle engines and trainers, and nothing else: it must have released every actor it started
+    (``warm_actors.in_use``), and the next module that does not share them stops them and checks the Ray idle."""
     import ray
 
     from marl_pipeline.cluster import warm_actors
