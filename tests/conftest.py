@@ -25,6 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # InvalidAuthToken").
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+# OpenMP threads that finish a parallel region sleep at once instead of spinning for the next one, in this process
+# and in everything it starts (Ray's workers, `marl` subprocesses). Two pytest workers, each with an engine and a
+# trainer of two threads, share the cores: a spinning thread burns the core another process waits for. Beside a
+# two-thread torch load on 2 cores, test_lora_sync took 146 s spinning (torch's libgomp default) and 111 s
+# passive, the load doing as much work; alone, 79 and 76 s.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # The suite behaves the same started from a terminal or in the background of a script. A background job of a
 # non-interactive shell inherits SIGINT ignored; leaving a main-thread execution, Dagster sets SIGTERM to SIGINT's
 # handler (dagster._utils.interrupts), so SIGTERM became ignored too, and so in every process started after it:
