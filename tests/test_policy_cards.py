@@ -153,6 +153,7 @@ def assert_release_matches_store(out: Path, store: ExperienceStore, run: str, ag
         assert provenance["evaluation"] is None and f"Version {version} was not evaluated." in card
     [health] = [row for row in store.read("health", MicroBatchKey(run, version - 1, 0)).to_pylist()
                 if row.pop("agent") == agent]
+    assert health.pop("step_finished") is not None  # when the launch finished the step: not a health signal
     assert provenance["health"] == {"step": version - 1, **health}
     # The launches that ran those steps, the code they ran and the config of the last
     record = store.read_record(run, RECORD)

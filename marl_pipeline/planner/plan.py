@@ -10,6 +10,7 @@ import os
 import re
 from collections import Counter
 from dataclasses import replace
+from datetime import datetime
 
 from marl_pipeline.cluster.placement import PlacementPlan, plan_placement
 from marl_pipeline.config import ExperimentConfig, parse_config
@@ -100,19 +101,24 @@ def calibration(store: ExperienceStore, run: str | list[str], nodes: list[dict[s
 
 def measured_step_seconds(store: ExperienceStore, run: str, launch: dict) -> tuple[float, int, int]:
     """The mean step time of ``launch`` (a record of run ``run``'s history) over its steps after the first, as
-    ``StepFinished.seconds`` reports it (each step from the previous one's end), read from the store: a step ends
-    where its last micro-batch of any agent was trained, and the publish after it is the same few tenths each step.
-    With the launch's first and last step trained.
+    ``StepFinished.seconds`` reported it (each step from the previous one's end), read from the store: the
+    ``step_finished`` its health rows hold, of the steps the launch finished itself. A launch stored before them
+    (schema 13) ends a step where its last micro-batch of any agent was trained (the update's publish after it left
+    out). With the first and last step measured.
 
     Raises:
         ValueError: fewer than two steps trained in the launch.
     """
     first, last = launch["first_step"], launch["last_step"]
-    updates = store.read_stage(run, "policy_updates", columns=["step", "stage_ended"]).to_pylist()
-    ends = {}
-    for row in updates:
-        if first <= row["step"] <= last and row["stage_ended"] is not None:
-            ends[row["step"]] = max(ends.get(row["step"], row["stage_ended"]), row["stage_ended"])
+    started = datetime.fromisoformat(launch["started_at"])  # whole seconds: before the launch's first step
+    ends = {row["step"]: row["step_finished"]
+            for row in store.read_stage(run, "health", columns=["step", "step_finished"]).to_pylist()
+            if first <= row["step"] <= last and row["step_finished"] is not None and row["step_finished"] >= started}
+    if len(ends) < 2:  # stored before step_finished
+        ends = {}
+        for row in store.read_stage(run, "policy_updates", columns=["step", "stage_ended"]).to_pylist():
+            if first <= row["step"] <= last and row["stage_ended"] is not None:
+                ends[row["step"]] = max(ends.get(row["step"], row["stage_ended"]), row["stage_ended"])
     trained = sorted(ends)
     if len(trained) < 2:
         raise ValueError(f"run {run!r}'s newest launch trained {len(trained)} step(s): a step time needs two")

@@ -338,10 +338,10 @@ class Orchestrator:
 
     def _step_finished(self, step: int, fallback_start: float) -> StepFinished:
         with self._served_changed:  # publishers of several agents may finish steps at once
-            since, span = self._clock.finish(step, time.time(), fallback_start)
+            since, span = self._clock.finish(step, now := time.time(), fallback_start)
         versions = {agent: step + 1 for agent in self.config.agents}  # step s makes version s + 1
         signals = health.commit_step_health(self.recent, self.config.run, step, versions, self._trained.pop(step, {}),
-                                            self.micro_batches)
+                                            self.micro_batches, now)
         services = commit_step_services(self.recent, self.config.run, step, self.workers.services)
         self.recent.flush()  # the collapse check reads the store's health partitions
         return StepFinished(step, mean_rewards(self.recent, self.keys(step)), since, span,

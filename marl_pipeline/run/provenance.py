@@ -140,11 +140,12 @@ def version_evaluation(store: ExperienceStore, run: str, agent: str, version: in
 
 
 def step_health_row(store: ExperienceStore, run: str, agent: str, step: int) -> dict | None:
-    """The agent's row of the step's ``health`` partition (step and signals); None when it is not stored."""
+    """The agent's row of the step's ``health`` partition (step and signals, not when the step finished); None when it
+    is not stored."""
     key = MicroBatchKey(run, step, 0)
     if not store.is_committed("health", key):
         return None
-    rows = store.read("health", key, agent=agent).drop_columns(["agent"]).to_pylist()
+    rows = store.read("health", key, agent=agent).drop_columns(["agent", "step_finished"]).to_pylist()
     return {"step": step, **rows[0]} if rows else None
 
 

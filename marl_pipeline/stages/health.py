@@ -36,8 +36,8 @@ ROLLOUT_COLUMNS = ["agent", "sample_id", "group_id", "turn", "prompt_text", "res
                    "finish_reason", "status", "group_shortfall", "group_dropped", "policy_version"]
 REWARD_COLUMNS = ["agent", "sample_id", "group_id", "reward"]
 UPDATE_COLUMNS = ["agent", "tokens", "loss_sum", "clip_fraction", "mismatch_abs_logprob"]
-HEALTH_SIGNALS = [field.name for field in HEALTH if field.name not in ("policy_version", "groups")]
-"""The signals proper (not the row's version and group count), as events, logs and plots show them."""
+HEALTH_SIGNALS = [field.name for field in HEALTH if field.name not in ("policy_version", "groups", "step_finished")]
+"""The signals proper (not the row's version, group count and time), as events, logs and plots show them."""
 TRAINER_SIGNALS = ("grad_norm", "trainer_tokens_per_s", "mfu")
 """The signals the trainer reports with its optimizer step: known only to the launch that stepped (a step recomputed
 from the store has them null)."""
@@ -71,12 +71,18 @@ def step_health(store: ExperienceStore | RecentCommits, run: str, step: int, ver
 
 
 def commit_step_health(store: ExperienceStore | RecentCommits, run: str, step: int, versions: dict[str, int],
-                       trainer: dict[str, dict[str, float]], micro_batches: int) -> pa.Table:
-    """:func:`step_health`, committed as the ``health`` partition of the step (once: a committed one is read)."""
+                       trainer: dict[str, dict[str, float]], micro_batches: int,
+                       finished: float | None = None) -> pa.Table:
+    """:func:`step_health`, committed as the ``health`` partition of the step (once: a committed one is read), with
+    ``finished`` (epoch seconds; None: not known here) as every row's ``step_finished``."""
     key = MicroBatchKey(run, step, 0)
     if store.is_committed("health", key):
         return store.read("health", key)
     table = step_health(store, run, step, versions, trainer, micro_batches)
+    if finished is not None:
+        index = table.schema.get_field_index("step_finished")
+        column = pa.array([int(finished * 1e6)] * table.num_rows, pa.int64()).cast(table.schema.field(index).type)
+        table = table.set_column(index, "step_finished", column)
     store.commit("health", key, table)
     return table
 

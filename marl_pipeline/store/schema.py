@@ -20,7 +20,7 @@ from collections.abc import Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 SCHEMA_CHANGES = {
     1: "first version",
     2: "environment_start/environment_end and reward_start/reward_end: timestamps of every stage",
@@ -38,9 +38,11 @@ SCHEMA_CHANGES = {
     12: "health.top_answer_reward, health.reward_max: the most frequent response's base rate and the best reward, "
         "to tell collapse from convergence; health.staleness_max, health.stale_share: how far the agent's turns "
         "lagged the step (null: older)",
+    13: "health.step_finished: when the launch finished the step (its StepFinished), the step time as the launch "
+        "reported it (null: recomputed from the store, or older)",
 }
 # Versions whose files this code reads: each change so far only added columns, null or derived in older files.
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)
 SCHEMA_VERSION_KEY = b"marl_pipeline.schema_version"
 
 PARTITION_SCHEMA = pa.schema(
@@ -142,11 +144,11 @@ STAGE_TIMING = [pa.field(name, pa.timestamp("us", tz="UTC"))
 # Columns a stage's producer may leave out of a table it commits (they are stored null): the orchestrator
 # adds the stage timing, and plugins without ``observe`` or runs without a reward model have nothing to put;
 # policy-update rows made before the mismatch statistics (or dynamic sampling) existed have none, nor rollouts
-# made by hand the group figures of over-sampling.
+# made by hand the group figures of over-sampling, nor a health table recomputed from the store the step's end.
 OPTIONAL_COLUMNS = frozenset([field.name for field in STAGE_TIMING]
                              + ["observation", "model_score", "mismatch_abs_logprob", "mismatch_ratio_std",
                                 "dropped_rows", "adapter", "grad_norm", "compute_seconds", "engine_seconds",
-                                "observe_seconds",
+                                "observe_seconds", "step_finished",
                                 "trainer_tokens_per_s", "mfu", "group_shortfall", "group_dropped"])
 # Columns a commit refuses null values in: a reader takes a null group_id for a row written before it existed.
 NON_NULL_COLUMNS = frozenset(["group_id"])
@@ -269,6 +271,9 @@ HEALTH = pa.schema(
         # an older version (each agent has its own bound, agents.<a>.staleness). Null: older
         pa.field("staleness_max", pa.int32()),
         pa.field("stale_share", pa.float32()),
+        # When the launch finished the step: after the last agent's update was served and published, where
+        # StepFinished.seconds ends (null: recomputed from the store, as the health asset does, or older)
+        pa.field("step_finished", pa.timestamp("us", tz="UTC")),
     ]
 )
 
