@@ -510,3 +510,42 @@ def test_the_prediction_counts_the_core_seconds_it_charges_by_kind_of_work(demo_
     assert prediction.core_seconds["trainers"] == pytest.approx(trained)
     assert prediction.core_seconds["driver"] == pytest.approx(0.002 * 2 * episodes)
     assert prediction.core_seconds["engines"] > 0 and set(prediction.core_seconds) == {"engines", "trainers", "driver"}
+
+
+def test_the_measured_step_is_the_launchs_own_step_end_and_before_it_was_stored_the_last_trained_micro_batch(
+        tmp_path) -> None:
+    """``marl plan``'s measured step (beside every prediction): from each step's ``step_finished`` (when the launch
+    finished it, as its StepFinished said) where the launch stored them; from its last trained micro-batch where it
+    did not (stored before schema 13, or finished by an earlier launch)."""
+    from datetime import UTC, datetime
+
+    import pyarrow as pa
+
+    from marl_pipeline.planner.plan import measured_step_seconds
+    from marl_pipeline.store import ExperienceStore, MicroBatchKey
+    from marl_pipeline.store.schema import HEALTH, STAGE_SCHEMAS, with_agent
+
+    started = 1_800_000_000.0
+    launch = {"first_step": 0, "last_step": 2, "started_at": datetime.fromtimestamp(started, UTC).isoformat()}
+    trained = [started + 10, started + 12, started + 15]  # each step's last micro-batch trained
+    store = ExperienceStore(tmp_path)
+    for step, ended in enumerate(trained):
+        row = {"agent": "solver", "policy_version": step, "rows": 4, "tokens": 40, "loss_sum": 0.0,
+               "clip_fraction": 0.0, "mean_ratio": 1.0, "status": "ok", "error": None,
+               **{name: int(ended * 1e6) for name in ("stage_enqueued", "stage_started", "stage_ended")}}
+        schema = with_agent(STAGE_SCHEMAS["policy_updates"])
+        store.commit("policy_updates", MicroBatchKey("r", step, 0), pa.Table.from_pylist([row], schema=schema))
+
+    def health(ends: list[float | None]) -> None:
+        for step, finished in enumerate(ends):
+            row = {"agent": "solver", "policy_version": step + 1, "groups": 4,
+                   "step_finished": None if finished is None else int(finished * 1e6)}
+            table = pa.Table.from_pylist([row], schema=pa.schema([pa.field("agent", pa.string()), *HEALTH]))
+            store.commit("health", MicroBatchKey("r", step, 0), table)
+
+    health([None, None, None])  # stored before step_finished
+    assert measured_step_seconds(store, "r", launch) == (2.5, 0, 2)
+    health([started - 5, started + 13, started + 17.5])  # step 0 finished by an earlier launch: left out
+    assert measured_step_seconds(store, "r", launch) == (4.5, 1, 2)
+    health([started + 11, started + 13, started + 17])
+    assert measured_step_seconds(store, "r", launch) == (3.0, 0, 2)
