@@ -27,7 +27,7 @@ from marl_pipeline.config import ExperimentConfig, HealthConfig
 from marl_pipeline.stages.episodes import DROPPED
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.recent import RecentCommits
-from marl_pipeline.store.schema import HEALTH
+from marl_pipeline.store.schema import HEALTH, with_time
 
 if TYPE_CHECKING:
     from marl_pipeline.training.batches import StepResult
@@ -80,9 +80,7 @@ def commit_step_health(store: ExperienceStore | RecentCommits, run: str, step: i
         return store.read("health", key)
     table = step_health(store, run, step, versions, trainer, micro_batches)
     if finished is not None:
-        index = table.schema.get_field_index("step_finished")
-        column = pa.array([int(finished * 1e6)] * table.num_rows, pa.int64()).cast(table.schema.field(index).type)
-        table = table.set_column(index, "step_finished", column)
+        table = with_time(table, HEALTH.field("step_finished"), finished)
     store.commit("health", key, table)
     return table
 

@@ -162,14 +162,19 @@ STAGE_SCHEMAS = {
 STAGES = tuple(STAGE_SCHEMAS)
 
 
+def with_time(table: pa.Table, field: pa.Field, seconds: float) -> pa.Table:
+    """``table`` with the timestamp column ``field`` set to ``seconds`` (since the epoch) on every row, replaced
+    where the table has it, else appended."""
+    column = pa.array([int(seconds * 1e6)] * table.num_rows, pa.int64()).cast(field.type)
+    if field.name in table.column_names:
+        return table.set_column(table.column_names.index(field.name), field.name, column)
+    return table.append_column(field, column)
+
+
 def with_stage_timing(table: pa.Table, enqueued: float, started: float, ended: float) -> pa.Table:
     """``table`` with the micro-batch's stage timing columns (epoch seconds in) set on every row."""
     for field, seconds in zip(STAGE_TIMING, (enqueued, started, ended)):
-        column = pa.array([int(seconds * 1e6)] * table.num_rows, pa.int64()).cast(field.type)
-        if field.name in table.column_names:
-            table = table.set_column(table.column_names.index(field.name), field.name, column)
-        else:
-            table = table.append_column(field, column)
+        table = with_time(table, field, seconds)
     return table
 
 
