@@ -111,8 +111,9 @@ bootstrap_uv
 # Bytecode compiled (uv's UV_COMPILE_BYTECODE): every Ray worker, CLI and Dagster process imports torch, vLLM,
 # transformers and Ray. Without .pyc files (PYTHONDONTWRITEBYTECODE=1 on this machine and CI's) each one compiles
 # them again: importing those four took 26-52 s per process against 10 s with bytecode, measured side by side under
-# load. uv compiles every package again on every sync (41 s with nothing else to do): UV_COMPILE_BYTECODE=0 skips it
-# where the .pyc files are there already (tests/test_plugin_install.py's second set-up).
+# load. uv compiles every package again on every sync (41 s with nothing else to do): UV_COMPILE_BYTECODE=0 skips
+# it where the .pyc files are there already, or where Python writes those of what it imports
+# (tests/test_plugin_install.py).
 export UV_COMPILE_BYTECODE="${UV_COMPILE_BYTECODE:-1}"
 "$uv" sync -q --locked --python "$python" --extra "$engine" --extra dev --extra models --extra tracking --extra environments || {
   echo "set-up failed; if uv.lock is out of date with pyproject.toml, refresh it with: make lock" >&2
