@@ -527,14 +527,20 @@ def test_the_measured_step_is_the_launchs_own_step_end_and_before_it_was_stored_
 
     started = 1_800_000_000.0
     launch = {"first_step": 0, "last_step": 2, "started_at": datetime.fromtimestamp(started, UTC).isoformat()}
-    trained = [started + 10, started + 12, started + 15]  # each step's last micro-batch trained
-    store = ExperienceStore(tmp_path)
-    for step, ended in enumerate(trained):
-        row = {"agent": "solver", "policy_version": step, "rows": 4, "tokens": 40, "loss_sum": 0.0,
-               "clip_fraction": 0.0, "mean_ratio": 1.0, "status": "ok", "error": None,
-               **{name: int(ended * 1e6) for name in ("stage_enqueued", "stage_started", "stage_ended")}}
-        schema = with_agent(STAGE_SCHEMAS["policy_updates"])
-        store.commit("policy_updates", MicroBatchKey("r", step, 0), pa.Table.from_pylist([row], schema=schema))
+
+    def updates(store: ExperienceStore, trained: list[float]) -> ExperienceStore:
+        for step, ended in enumerate(trained):  # each step's last micro-batch trained
+            row = {"agent": "solver", "policy_version": step, "rows": 4, "tokens": 40, "loss_sum": 0.0,
+                   "clip_fraction": 0.0, "mean_ratio": 1.0, "status": "ok", "error": None,
+                   **{name: int(ended * 1e6) for name in ("stage_enqueued", "stage_started", "stage_ended")}}
+            schema = with_agent(STAGE_SCHEMAS["policy_updates"])
+            store.commit("policy_updates", MicroBatchKey("r", step, 0), pa.Table.from_pylist([row], schema=schema))
+        return store
+
+    # Stored before step_finished, step 0 trained by an earlier launch (killed before it finished the step): left out
+    earlier = updates(ExperienceStore(tmp_path / "earlier"), [started - 5, started + 12, started + 15])
+    assert measured_step_seconds(earlier, "r", launch) == (3.0, 1, 2)
+    store = updates(ExperienceStore(tmp_path / "store"), [started + 10, started + 12, started + 15])
 
     def health(ends: list[float | None]) -> None:
         for step, finished in enumerate(ends):

@@ -103,8 +103,8 @@ def measured_step_seconds(store: ExperienceStore, run: str, launch: dict) -> tup
     """The mean step time of ``launch`` (a record of run ``run``'s history) over its steps after the first, as
     ``StepFinished.seconds`` reported it (each step from the previous one's end), read from the store: the
     ``step_finished`` its health rows hold, of the steps the launch finished itself. A launch stored before them
-    (schema 13) ends a step where its last micro-batch of any agent was trained (the update's publish after it left
-    out). With the first and last step measured.
+    (schema 13) ends a step where its last micro-batch of any agent was trained in the launch (the update's publish
+    after it left out). With the first and last step measured.
 
     Raises:
         ValueError: fewer than two steps trained in the launch.
@@ -117,7 +117,7 @@ def measured_step_seconds(store: ExperienceStore, run: str, launch: dict) -> tup
     if len(ends) < 2:  # stored before step_finished
         ends = {}
         for row in store.read_stage(run, "policy_updates", columns=["step", "stage_ended"]).to_pylist():
-            if first <= row["step"] <= last and row["stage_ended"] is not None:
+            if first <= row["step"] <= last and row["stage_ended"] is not None and row["stage_ended"] >= started:
                 ends[row["step"]] = max(ends.get(row["step"], row["stage_ended"]), row["stage_ended"])
     trained = sorted(ends)
     if len(trained) < 2:
