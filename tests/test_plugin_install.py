@@ -42,9 +42,8 @@ def test_make_plugin_installs_a_plugin_that_trains_and_survives_the_set_up(tmp_p
     clone = _fresh_clone(tmp_path / "clone")
     # The clone's processes write the bytecode of what they import, and its set-ups compile none: scripts/setup.sh
     # compiles every installed package (UV_COMPILE_BYTECODE) for machines where Python writes no bytecode
-    # (PYTHONDONTWRITEBYTECODE=1, as here and in CI), which the suite's own set-up does. Compiling all of the clone's
-    # packages took 104 s of CPU for its first set-up, against 25 s without; its launch took 63 s of CPU writing
-    # what it imported, against 59 s reading it (2026-12-07, Intel Xeon, alone).
+    # (PYTHONDONTWRITEBYTECODE=1, as here and in CI), which the suite's own set-up does; compiling all of it costs
+    # far more CPU than one launch writing what it imports (f3e7fbf).
     env = {key: value for key, value in os.environ.items()
            if key not in ("VIRTUAL_ENV", "RAY_ADDRESS", "PYTHONDONTWRITEBYTECODE")}
     env["UV_COMPILE_BYTECODE"] = "0"
