@@ -2,7 +2,7 @@
 placement plan refuse, the lanes that run a trainer's calls in the order they were issued whatever order they
 arrive in, the weights handed over in the agent's process and fetched from it by its other replicas, and real
 launches: two agents in one process each end with the weights of the launch with separate trainer actors, and so does
-a launch whose process was killed, once resumed."""
+a launch whose process was killed, once resumed, and a launch on the processes the one before kept."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 import ray
 from safetensors.torch import load_file
 
+from marl_pipeline.cluster import warm_actors
 from marl_pipeline.cluster.engines import HeldWeights
 from marl_pipeline.cluster.hybrid import _Lane
 from marl_pipeline.cluster.placement import PlacementError, plan_placement
@@ -98,16 +99,9 @@ def _small(data: dict, store: Path):
 def test_a_hybrid_launch_runs_one_process_per_agent_and_trains_as_separate_actors_do(
         local_ray, demo_config_data, tmp_path: Path) -> None:
     stores = {}
-    for name, data in (("apart", demo_config_data), ("hybrid", hybrid_agents(demo_config_data))):
-        config = _small(data, tmp_path / name)
-        before = set(_actor_classes())
-        events = list(train(config))
-        assert isinstance(events[-1], RunFinished)
-        assert len([event for event in events if isinstance(event, PolicyCommitted)]) == 6
-        stores[name] = ExperienceStore(config.store)
-        if name == "hybrid":
-            started = sorted(cls for actor_id, cls in _actor_classes().items() if actor_id not in before)
-            assert started == ["AgentProcess", "AgentProcess"]  # no trainer actor, no other engine
+    config = _small(demo_config_data, tmp_path / "apart")
+    assert isinstance(list(train(config))[-1], RunFinished)
+    stores["apart"] = ExperienceStore(config.store)
     # A hybrid process killed (as the OOM killer would) takes its trainer and the weights it held with it: the launch
     # stops with Ray's error (or the replica's restart's, which had no weights to load), and the next launch resumes
     # from the store to the uninterrupted run's parameters.
@@ -119,8 +113,23 @@ def test_a_hybrid_launch_runs_one_process_per_agent_and_trains_as_separate_actor
                 alive = ray._private.state.actors(actor_state_name="ALIVE")
                 os.kill(next(info["Pid"] for actor_id, info in alive.items()
                              if info["ActorClassName"] == "AgentProcess" and actor_id not in before), signal.SIGKILL)
-    assert isinstance(list(train(config))[-1], RunFinished)
+    before = set(_actor_classes())
+    events = list(train(config))
+    assert isinstance(events[-1], RunFinished)
     stores["killed"] = ExperienceStore(config.store)
+    kept = {actor_id: cls for actor_id, cls in _actor_classes().items() if actor_id not in before}
+    assert sorted(kept.values()) == ["AgentProcess", "AgentProcess"]  # no trainer actor, no other engine
+    # A clean launch keeps its processes (ray.keep_actors): the next one restarts them in place, new trainer and all,
+    # and trains as new processes do.
+    config = _small(hybrid_agents(demo_config_data), tmp_path / "hybrid")
+    before = set(_actor_classes())
+    events = list(train(config))
+    assert isinstance(events[-1], RunFinished)
+    assert len([event for event in events if isinstance(event, PolicyCommitted)]) == 6
+    assert set(_actor_classes()) == before  # nothing started
+    alive = ray._private.state.actors(actor_state_name="ALIVE")
+    assert set(kept) <= set(alive)
+    stores["hybrid"] = ExperienceStore(config.store)
     for agent in ("solver", "verifier"):
         apart, *others = (load_file(stores[n].policy_dir("demo", agent, 3) / "model.safetensors")
                           for n in ("apart", "hybrid", "killed"))
@@ -142,6 +151,7 @@ def test_a_hybrid_agents_weights_reach_its_engine_in_process_and_its_other_repli
     plan = plan_on_ray(config)
     trainer = start_trainers(plan, store, {"solver": 0})["solver"]  # the agent's process, its engine replica 0
     replicas = start_engine_replicas(plan, store, {"solver": 0}, first={"solver": trainer.actor})["solver"]
+    warm_actors.stop_idle()  # as a launch does: the processes the test before kept hold the CPUs replica 1 waits for
     try:
         prompt, response = [17, 11, 18, 29], [20, 0]
         before = ray.get(replicas.handle(1).completion_logprobs.remote(prompt, response))

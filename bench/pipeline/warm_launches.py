@@ -1,13 +1,14 @@
 """Launches in one process with and without ``ray.keep_actors`` (cluster/warm_actors.py), side by side.
 
 Each launch is the test suite's small demo run (tests/conftest.py's ``small_config_data``: two agents on the built-in
-tiny model in processes of their own, 2 steps of 2 micro-batches) on a fresh store, so every launch does the same
-work. Per launch: the seconds to its ``RunStarted`` (set-up: starting policies, actors) and in all. Three ways:
-new actors each launch; kept actors, the same settings (each engine reloads its weights); kept actors, the engines'
-``max_model_len`` alternating between launches (each engine rebuilt in its process). The weights each launch ends
-with are checked equal to the first launch's.
+tiny model in processes of their own, or with ``--hybrid`` each in one process as configs/demo.yaml has them, 2
+steps of 2 micro-batches) on a fresh store, so every launch does the same work. Per launch: the seconds to its
+``RunStarted`` (set-up: starting policies, actors) and in all. Three ways: new actors each launch; kept actors, the
+same settings (each engine reloads its weights); kept actors, the engines' ``max_model_len`` alternating between
+launches (each engine rebuilt in its process). The weights each launch ends with are checked equal to the first
+launch's.
 
-    .venv/bin/python -m bench.pipeline.warm_launches --launches 3
+    .venv/bin/python -m bench.pipeline.warm_launches --launches 3 [--hybrid]
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ WAYS = {"new actors": (False, False), "kept, same settings": (True, False), "kep
 """Each way: (``keep_actors``, the engines' settings changed every launch)."""
 
 
-def _launch(keep: bool, store: Path, max_model_len: int | None) -> Launch:
+def _launch(keep: bool, store: Path, max_model_len: int | None, hybrid: bool) -> Launch:
     from marl_pipeline.config import parse_config
     from tests.conftest import small_config_data
 
     demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     for agent in demo["agents"].values():
-        agent.pop("hybrid", None)  # an agent's process is never kept (cluster/spawn.py)
+        agent["hybrid"] = hybrid
     data = small_config_data(demo, store, steps=2)
     data["ray"]["keep_actors"] = keep
     if max_model_len is not None:
@@ -54,6 +55,7 @@ def _same_weights(a: Path, b: Path) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=3)
+    parser.add_argument("--hybrid", action="store_true", help="each agent's engine and trainer in one process")
     args = parser.parse_args()
     import ray
 
@@ -67,7 +69,7 @@ def main() -> None:
     for way, (keep, alternate) in WAYS.items():
         for index in range(args.launches):
             store = root / way.replace(" ", "_").replace(",", "") / str(index)
-            done = _launch(keep, store, (128 if index % 2 else 256) if alternate else None)
+            done = _launch(keep, store, (128 if index % 2 else 256) if alternate else None, args.hybrid)
             first = first or store
             same = "yes" if _same_weights(first, store) else "NO"
             print(f"| {way} | {index} | {done.setup_seconds:.1f} | {done.seconds:.1f} | {same} |", flush=True)

@@ -19,13 +19,15 @@ name of their own), so the trainer's threads follow its demand as a trainer acto
 
 A replica 0 that dies takes the trainer with it: the launch fails and resumes from the newest durable version, as
 when a trainer actor dies. Its replica slot restarts as a plain engine (which finds no weights held to load: the
-rollout then fails saying so, if the trainer's error has not stopped the launch first). It is never kept between
-launches.
+rollout then fails saying so, if the trainer's error has not stopped the launch first). With ``ray.keep_actors`` a
+clean launch keeps the process for the next one, which restarts it in place (:meth:`AgentProcess.restart`: a new
+trainer, then the engine's restart), as it restarts a trainer actor and an engine (cluster/warm_actors.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -79,6 +81,20 @@ class AgentProcess(StoreAsyncEngine):
             lambda: StoreTrainer(store, run, agent, version, **trainer)).result()
         super().__init__(store, run, agent, version, **options)
         self._held: dict[int, list] = {}  # version -> its weights, from the trainer's named_weights
+
+    async def restart(self, store: StoreConfig, run: str, agent: str, version: int, trainer: dict,
+                      **options) -> bool:
+        """Become the process ``__init__`` with these arguments builds (a kept process taken by a new launch,
+        cluster/warm_actors.py): a new trainer on the training lane, built as a new process builds it, version 0 made
+        first if asked; then the engine's restart (``StoreAsyncEngine.restart``: the new version's weights, or a new
+        engine in place), whose answer is this one's. The lanes count the new launch's turns from 0."""
+        self._held, self.trainer = {}, None
+        gc.collect()  # the last launch's weights and AdamW moments, before the new trainer loads its own
+        for lane in self._lanes.values():
+            lane.next = 0
+        self.trainer = await asyncio.get_running_loop().run_in_executor(
+            self._lanes["train"].thread, lambda: StoreTrainer(store, run, agent, version, **trainer))
+        return await super().restart(store, run, agent, version, **options)
 
     async def cpu_report(self) -> CpuReport:
         """The engine's part of the process (cluster/cores.py): its CPU less the trainer's threads'."""

@@ -200,11 +200,15 @@ def start_trainers(plan: PlacementPlan, store: ExperienceStore, versions: dict[s
     for agent in plan.engine_sets:
         ranks, version = plan.agent_specs(agent, "trainer"), versions[agent]
         spec = ranks[0]
-        if spec.role == "agent-process":  # in replica 0 of the agent's engines (cluster/hybrid.py); never kept
+        if spec.role == "agent-process":  # in replica 0 of the agent's engines (cluster/hybrid.py)
             engine, trainer = spec.parts
-            handle = remote_agent_process().options(**actor_options(spec)).remote(
-                store.config, plan.run, agent, version, trainer={**trainer.options, "prepare": prepare.get(agent)},
-                **engine.options)
+            # kept as an engine is (_spawn_engine): its trainer is rebuilt whatever its options were
+            settings = ("agent-process", spec.gpus, tuple(sorted(spec.resources.items())),
+                        engine.options.get("threads"), engine.options.get("tensor_parallel_size", 1))
+            handle = warm_actors.start(
+                remote_agent_process().options(**actor_options(spec)), settings, store.config, plan.run, agent,
+                version, trainer={**trainer.options, "prepare": prepare.get(agent)},
+                prefer=(agent, tuple(sorted(engine.options.items()))), held_cpus=spec.cpus, **engine.options)
             trainers[agent] = InProcessTrainer(handle)
             continue
         options = {**spec.options, "prepare": prepare.get(agent)}

@@ -13,6 +13,7 @@ them in place at its own starting versions:
   same model (its config and tokenizer files) with the same engine settings; otherwise it builds the new engine in
   its process, without a new process's imports, where it can: on a CPU, with one rank and the threads it has.
   Where it cannot, it refuses, is stopped, and a new one is started.
+- a hybrid agent's process (cluster/hybrid.py) does both: a new trainer, then its engine's restart.
 
 Idle actors keep their CPUs and memory. A launch takes what it can and stops every idle actor it did not take,
 before it waits for its new ones, so they never hold resources a new actor waits for; a recomputation or an
