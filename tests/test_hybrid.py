@@ -128,7 +128,7 @@ def test_a_hybrid_launch_runs_one_process_per_agent_and_trains_as_separate_actor
     assert len([event for event in events if isinstance(event, PolicyCommitted)]) == 6
     assert set(_actor_classes()) == before  # nothing started
     alive = ray._private.state.actors(actor_state_name="ALIVE")
-    assert set(kept) <= set(alive)
+    assert set(kept) <= set(alive)  # and kept idle again, for the next launch
     stores["hybrid"] = ExperienceStore(config.store)
     for agent in ("solver", "verifier"):
         apart, *others = (load_file(stores[n].policy_dir("demo", agent, 3) / "model.safetensors")
