@@ -30,7 +30,7 @@ from marl_pipeline.actions.pool import ActionPool
 from marl_pipeline.bootstrap.policies import BasePolicy, make_on_ray
 from marl_pipeline.cluster import warm_actors
 from marl_pipeline.cluster.engines import StoreAsyncEngine
-from marl_pipeline.cluster.hybrid import InProcessTrainer, remote_agent_process
+from marl_pipeline.cluster.hybrid import AgentProcess, InProcessTrainer, remote_agent_process
 from marl_pipeline.cluster.options import actor_options, placement_group
 from marl_pipeline.cluster.placement import PlacementPlan, plan_placement
 from marl_pipeline.cluster.specs import ActorSpec
@@ -160,19 +160,25 @@ def _spawn_engine(specs: list[ActorSpec], shared: PlacementGroup | None, own: di
     actor = ray.remote(StoreAsyncEngine)
     arguments = (store, run, source, version)
     if spec.group is None:
-        # What a kept engine must have been started with to be taken instead of a new one (warm_actors.py): its
-        # resources (at most its CPUs) and threads. It serves another model or other settings by rebuilding its
-        # engine in place (RolloutEngine.restart), or refuses and is replaced.
-        settings = ("engine", StoreAsyncEngine.__name__, spec.gpus, tuple(sorted(spec.resources.items())),
-                    spec.options.get("threads"), spec.options.get("tensor_parallel_size", 1))
+        settings, prefer = _kept_engine(StoreAsyncEngine, spec, spec.options, source)
         return warm_actors.start(actor.options(**actor_options(spec)), settings, *arguments, after=after,
-                                 prefer=(source, tuple(sorted(spec.options.items()))), held_cpus=spec.cpus,
-                                 **spec.options)
+                                 prefer=prefer, held_cpus=spec.cpus, **spec.options)
     group = placement_group(spec.group) if spec.group.kind == "engine" else shared  # a split replica's own
     handle = actor.options(**actor_options(spec, group)).remote(*arguments, after=after, **spec.options)
     if group is not shared:
         own[handle._actor_id] = group
     return handle
+
+
+def _kept_engine(actor_class: type, spec: ActorSpec, engine: dict, source: str) -> tuple[tuple, tuple]:
+    """What an engine's process (``actor_class`` from ``spec``, its engine built with the options ``engine``) must have
+    been started with to be taken kept instead of a new one (warm_actors.py: ``settings``): its resources (at most its
+    CPUs), threads and ranks; it serves another model or other settings by rebuilding its engine in place
+    (RolloutEngine.restart), or refuses and is replaced. And the ``prefer`` of one serving ``source`` with the same
+    options, which reloads its weights where another would rebuild."""
+    settings = (actor_class.__name__, spec.gpus, tuple(sorted(spec.resources.items())), engine.get("threads"),
+                engine.get("tensor_parallel_size", 1))
+    return settings, (source, tuple(sorted(engine.items())))
 
 
 def _release_engine(own: dict, handle, keep: bool) -> None:
@@ -202,13 +208,12 @@ def start_trainers(plan: PlacementPlan, store: ExperienceStore, versions: dict[s
         spec = ranks[0]
         if spec.role == "agent-process":  # in replica 0 of the agent's engines (cluster/hybrid.py)
             engine, trainer = spec.parts
-            # kept as an engine is (_spawn_engine): its trainer is rebuilt whatever its options were
-            settings = ("agent-process", spec.gpus, tuple(sorted(spec.resources.items())),
-                        engine.options.get("threads"), engine.options.get("tensor_parallel_size", 1))
+            # kept as an engine is; its trainer is rebuilt whatever its options were
+            settings, prefer = _kept_engine(AgentProcess, spec, engine.options, agent)
             handle = warm_actors.start(
                 remote_agent_process().options(**actor_options(spec)), settings, store.config, plan.run, agent,
-                version, trainer={**trainer.options, "prepare": prepare.get(agent)},
-                prefer=(agent, tuple(sorted(engine.options.items()))), held_cpus=spec.cpus, **engine.options)
+                version, trainer={**trainer.options, "prepare": prepare.get(agent)}, prefer=prefer,
+                held_cpus=spec.cpus, **engine.options)
             trainers[agent] = InProcessTrainer(handle)
             continue
         options = {**spec.options, "prepare": prepare.get(agent)}
