@@ -201,11 +201,19 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct dequantized from its packaged GGUF into a fresh cache (about 30 s): once a session,
-    for every module that uses the real model (tests/test_model_sources.py checks the conversion)."""
+    """SmolLM2-135M-Instruct dequantized from its packaged GGUF into a fresh cache (about 30 s of a core): once a
+    suite, for every module that uses the real model (tests/test_model_sources.py checks the conversion). The
+    workers of a ``pytest -n`` run share the run's temporary root: the first converts, the others wait for it."""
+    import fcntl
+
     from marl_pipeline.bootstrap.model_sources import resolve_model_source
 
-    return Path(resolve_model_source("smollm2-135m-instruct", tmp_path_factory.mktemp("models")))
+    base = tmp_path_factory.getbasetemp()
+    cache = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
+    cache.mkdir(exist_ok=True)
+    with (cache.parent / "models.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return Path(resolve_model_source("smollm2-135m-instruct", cache))
 
 
 def _ray_is_idle(ray, wait_s: float = 10.0) -> bool:
