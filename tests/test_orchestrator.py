@@ -34,7 +34,7 @@ from marl_pipeline.run.recipe import train
 from marl_pipeline.stages.health import collapse_warnings, recent_health
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import STAGES
-from tests.conftest import ROOT, small_config_data
+from tests.conftest import ROOT, hybrid_agents, small_config_data
 from tests.three_agents import CLI
 
 pytestmark = pytest.mark.launch
@@ -330,7 +330,8 @@ def test_each_agent_keeps_its_own_pace_and_a_kill_9_resumes_every_micro_batch_on
     """Mixed pace (issue 73.1) with one policy playing two roles and over-sampling, on three agents' roles
     (tests/three_agents.py: the demo's two and a reporter): ``team`` plays the solver and the verifier
     (``agents.team.roles``) held on-policy (``staleness: 0``), the reporter at staleness 2 with engines that load every
-    third version (``sync_every: 3``); each group samples 2 episodes more than it keeps (``rollout.oversample``).
+    third version (``sync_every: 3``); each group samples 2 episodes more than it keeps (``rollout.oversample``); both
+    agents hybrid, as configs/demo.yaml has them.
     Launched from the CLI, its store given by ``--set`` (the file names another: a run config Dagster refused once,
     when `marl train` then hung on Ray), killed with SIGKILL at a random commit and resumed:
 
@@ -346,8 +347,9 @@ def test_each_agent_keeps_its_own_pace_and_a_kill_9_resumes_every_micro_batch_on
                              staleness=1)
     data["pipeline"]["rollout"] = {"oversample": 2}
     data["environment"] = {"name": "arithmetic_report", "options": data["environment"].get("options", {})}
-    data["agents"] = {"team": {**data["agents"]["solver"], "roles": ["solver", "verifier"], "staleness": 0},
-                      "reporter": {**data["agents"]["verifier"], "staleness": 2, "sync_every": 3}}
+    data["agents"] = hybrid_agents({"agents": {
+        "team": {**data["agents"]["solver"], "roles": ["solver", "verifier"], "staleness": 0},
+        "reporter": {**data["agents"]["verifier"], "staleness": 2, "sync_every": 3}}})["agents"]
     config_path = tmp_path / "experiment.yaml"
     config_path.write_text(yaml.safe_dump(data))
     store_setting = f"store={tmp_path / 'store'}"

@@ -55,7 +55,8 @@ def test_make_plugin_installs_a_plugin_that_trains_and_survives_the_set_up(tmp_p
 
     data = {"run": "relay", "store": str(tmp_path / "store"),
             "environment": {"name": "docs_relay", "options": {"colours": 3}},
-            "agents": {role: {"warmup": {"steps": 30}} for role in ("sender", "receiver")},
+            # each agent's engine and trainer in one process, as configs/demo.yaml has them
+            "agents": {role: {"warmup": {"steps": 30}, "hybrid": True} for role in ("sender", "receiver")},
             "pipeline": {"steps": 2, "prompts_per_micro_batch": 4, "samples_per_prompt": 4,
                          "micro_batches_per_step": 2}}
     (tmp_path / "relay.yaml").write_text(yaml.safe_dump(data))

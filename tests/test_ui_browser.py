@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from assets.partitions import stage_partition
-from tests.conftest import ROOT, small_config_data
+from tests.conftest import ROOT, hybrid_agents, small_config_data
 
 CHROMIUM = os.environ.get("MARL_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 RUN = "ui"
@@ -171,7 +171,8 @@ def _screenshot(page: Page, directory: Path, name: str, element=None) -> Path:
 def launched(dagster_ui, browser, demo_config_data):
     """The `train` job launched from the Launchpad with a 2-step config, waited on until it ends."""
     work = dagster_ui["work"]
-    data = small_config_data(demo_config_data, work / "store", steps=STEPS + 3)
+    # Each agent in one process, as configs/demo.yaml has them: one import of torch, transformers and vLLM an agent.
+    data = small_config_data(hybrid_agents(demo_config_data), work / "store", steps=STEPS + 3)
     data["run"] = RUN
     data["evaluation"] = {"every": 1, "cases_per_agent": 8}  # so the run's page has the held-out plot too
     config_path = work / "small.yaml"
