@@ -66,6 +66,7 @@ PROBE = textwrap.dedent("""
     import ray, yaml
     from marl_pipeline.cluster.options import actor_options, placement_group
     from marl_pipeline.cluster.placement import plan_placement
+    from marl_pipeline.cluster import warm_actors
     from marl_pipeline.cluster.spawn import start_trainers
     from marl_pipeline.config import parse_config
     from tests import logical_gpus
@@ -84,13 +85,12 @@ PROBE = textwrap.dedent("""
     config = parse_config(data)
     plan = plan_placement(config.laid_out({"solver": config.agents["solver"].layout_at(100)}),
                           [{"CPU": 2.0, "GPU": 4.0}])
-    groups = []
-    leader = start_trainers(plan, store, {"solver": 0}, groups)["solver"]
+    leader = start_trainers(plan, store, {"solver": 0})["solver"]
     devices = lambda actor: ray.get(actor.__ray_call__.remote(
         lambda self: (os.environ["CUDA_VISIBLE_DEVICES"], str(self.device), ray.get_runtime_context().get_node_id())))
     followers = ray.get(leader.__ray_call__.remote(lambda self: self.followers))
     ranks = [devices(leader)] + [devices(f) for f in followers]
-    ray.util.remove_placement_group(groups[0])
+    warm_actors.release(leader, keep=False)  # its ranks stop, its placement group goes with them
     # The split replica: the engine actor is assigned no GPU, its children (vLLM's workers) one each
     spec = plan.agent_specs("solver", "engine")[0]
     split = placement_group(spec.group)

@@ -51,6 +51,10 @@ from marl_pipeline.store import ExperienceStore
 from marl_pipeline.training.swap import AgentSpec, SwappedTrainer, TrainerWorker, actor_handles
 from marl_pipeline.training.trainer import PolicyTrainer
 
+TRAINER, SHARDED = "trainer", "sharded trainer"
+"""The kinds of kept trainers (warm_actors.py: the first item of their settings); a hybrid agent's process is kept
+as an engine (``AgentProcess``)."""
+
 
 @dataclass
 class Workers:
@@ -66,7 +70,8 @@ class Workers:
     action_pool: ActionPool | None = None
     """The environment stage's action workers (None: the plugin runs no actions)."""
     placement_groups: list = field(default_factory=list)
-    """Those of the trainers on several workers (removed with the run: their ranks stop)."""
+    """The colocated agents' groups, each shared by an agent's engine and trainer ranks (removed with the run; a
+    sharded trainer's own group goes with its rank 0, cluster/warm_actors.py)."""
     base_policies: list[BasePolicy] = field(default_factory=list)
     """The versions 0 made as the workers started."""
     services: dict[str, ray.actor.ActorHandle] = field(default_factory=dict)
@@ -170,6 +175,22 @@ def _spawn_engine(specs: list[ActorSpec], shared: PlacementGroup | None, own: di
     return handle
 
 
+@dataclass(frozen=True)
+class _NewShardedTrainer:
+    """How :func:`warm_actors.start` starts a sharded trainer none was kept for: its rank 0 in a placement group of
+    its own, which goes with it."""
+
+    spec: ActorSpec
+    """Rank 0's."""
+
+    def remote(self, ranks: list[ActorSpec], *arguments, **options):
+        group = placement_group(self.spec.group)
+        handle = remote_trainer(ShardedTrainer).options(**actor_options(self.spec, group)).remote(
+            ranks, group, *arguments, **options)
+        warm_actors.hold_group(handle, group)
+        return handle
+
+
 def _kept_engine(actor_class: type, spec: ActorSpec, engine: dict, source: str) -> tuple[tuple, tuple]:
     """What an engine's process (``actor_class`` from ``spec``, its engine built with the options ``engine``) must have
     been started with to be taken kept instead of a new one (warm_actors.py: ``settings``): its resources (at most its
@@ -191,12 +212,11 @@ def _release_engine(own: dict, handle, keep: bool) -> None:
 
 
 def start_trainers(plan: PlacementPlan, store: ExperienceStore, versions: dict[str, int],
-                   placement_groups: list | None = None, prepare: dict[str, Callable] | None = None,
-                   groups: dict[str, PlacementGroup] | None = None) -> dict:
+                   prepare: dict[str, Callable] | None = None, groups: dict[str, PlacementGroup] | None = None) -> dict:
     """Each agent's trainer as the plan's specs say, starting from the given policy version in the store, which
-    ``prepare[agent]`` makes first in the actor where it is missing: its own actor, its ranks (rank 0 returned, the
-    group appended to ``placement_groups``), its engine's process, or the trainer worker swapping it (nothing to
-    prepare: see :func:`start_workers`). ``groups`` as for :func:`start_engine_replicas`."""
+    ``prepare[agent]`` makes first in the actor where it is missing: its own actor, its ranks (rank 0 returned, its
+    placement group going with it: ``warm_actors.release`` removes it), its engine's process, or the trainer worker
+    swapping it (nothing to prepare: see :func:`start_workers`). ``groups`` as for :func:`start_engine_replicas`."""
     prepare, groups = prepare or {}, groups or {}
     if plan.trainer_workers:
         if prepare:
@@ -218,21 +238,18 @@ def start_trainers(plan: PlacementPlan, store: ExperienceStore, versions: dict[s
             continue
         options = {**spec.options, "prepare": prepare.get(agent)}
         arguments = (store.config, plan.run, agent, version)
-        if len(ranks) > 1:  # never kept: its ranks meet once, in a placement group (of their own, or shared)
-            group = groups.get(agent)
-            if group is None:
-                if placement_groups is None:
-                    raise ValueError(f"{agent} trains on {len(ranks)} workers: pass placement_groups, to remove "
-                                     f"theirs with the run")
-                group = placement_group(spec.group)
-                placement_groups.append(group)
-            trainers[agent] = remote_trainer(ShardedTrainer).options(**actor_options(spec, group)).remote(
-                ranks, group, *arguments, **options)
+        if len(ranks) > 1 and agent in groups:  # never kept: its ranks share their agent's GPUs (colocated)
+            trainers[agent] = remote_trainer(ShardedTrainer).options(**actor_options(spec, groups[agent])).remote(
+                ranks, groups[agent], *arguments, **options)
+        elif len(ranks) > 1:  # kept with the placement group of its own its ranks run in, as one
+            settings = (SHARDED, tuple((r.cpus, r.gpus, tuple(sorted(r.resources.items()))) for r in ranks))
+            trainers[agent] = warm_actors.start(_NewShardedTrainer(spec), settings, ranks, *arguments,
+                                                held_cpus=spec.cpus, **options)
         elif spec.group is not None:  # never kept: it holds a share of its agent's GPU
             trainers[agent] = remote_trainer(StoreTrainer).options(**actor_options(spec, groups[agent])).remote(
                 *arguments, **options)
         else:  # a kept trainer is rebuilt whatever its options were (PolicyTrainer.restart): only its resources match
-            settings = ("trainer", spec.gpus, tuple(sorted(spec.resources.items())))
+            settings = (TRAINER, spec.gpus, tuple(sorted(spec.resources.items())))
             trainers[agent] = warm_actors.start(remote_trainer(StoreTrainer).options(**actor_options(spec)),
                                                 settings, *arguments, held_cpus=spec.cpus, **options)
     return trainers
@@ -297,8 +314,11 @@ def start_workers(plan: PlacementPlan, store: ExperienceStore, versions: dict[st
         if spec.group is not None and spec.group.kind == "colocated" and spec.agent not in shared:
             shared[spec.agent] = placement_group(spec.group)
     groups: list = list(shared.values())
-    workers = Workers({}, start_trainers(plan, store, versions, groups, prepare, shared), placement_groups=groups,
+    workers = Workers({}, start_trainers(plan, store, versions, prepare, shared), placement_groups=groups,
                       placement=plan)
+    # Kept trainers and agents' processes this launch did not take (nothing takes one after this) would hold CPUs its
+    # new trainers wait for, and the kept engines' restarts below wait for those trainers' versions 0.
+    warm_actors.stop_idle((TRAINER, SHARDED, AgentProcess.__name__))
     try:
         after = {agent: [workers.trainers[agent].base_policy.remote()] for agent in prepare}
         in_process = {agent: trainer.actor for agent, trainer in workers.trainers.items()

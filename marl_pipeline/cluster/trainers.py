@@ -5,7 +5,9 @@ A sharded trainer is one Ray actor per torch.distributed rank in a placement gro
 torch side). Rank 0 leads: the run calls it as it calls a one-worker trainer. It deals each micro-batch's rows to the
 ranks by token count, makes the same call on every other rank (submitted before it computes its own share) and
 merges what they return; a rank runs its calls in the order rank 0 submits them, so their collectives line up.
-Rank 0 starts the other ranks itself, so they share its fate: when it is killed or dies, they stop too.
+Rank 0 starts the other ranks itself, so they share its fate: when it is killed or dies, they stop too. Kept
+between launches (``ray.keep_actors``), rank 0 is taken with its group and restarts the others: every rank rebuilt in
+its process, meeting in a new process group.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from marl_pipeline.policy.transfer import SyncGroup
 from marl_pipeline.store import ExperienceStore
 from marl_pipeline.store.checkpoints import PolicyUpload
 from marl_pipeline.training.batches import TrainBatch
-from marl_pipeline.training.sharded import Rank, deal, merged_stats
+from marl_pipeline.training.sharded import Rank, deal, leave, merged_stats
 from marl_pipeline.training.trainer import PolicyTrainer
 
 CONCURRENCY_GROUPS = {"weights": 1, "reports": 1}
@@ -111,19 +113,36 @@ class ShardedTrainer(StoreTrainer):
     """One rank of an agent's trainer on several workers; rank 0, which the run calls, makes each call on all."""
 
     def __init__(self, ranks: list[ActorSpec], group: PlacementGroup, store: StoreConfig, run: str, agent: str,
-                 version: int, rank: Rank | None = None, prepare: Callable | None = None, **options) -> None:
-        """``ranks``: the specs of the trainer's ranks (the plan's), each started in its bundle of ``group``."""
+                 version: int, rank: Rank | None = None, prepare: Callable | None = None,
+                 followers: list | None = None, **options) -> None:
+        """``ranks``: the specs of the trainer's ranks (the plan's), each started in its bundle of ``group``;
+        ``followers``: rank 0's other ranks, kept from a launch before, restarted instead of started."""
         prepared = None if prepare is None else prepare(options.get("num_threads"))  # before any rank loads it
-        self.followers = []
+        self.group, self.followers, restarted = group, [], []
         if rank is None:  # rank 0: where the ranks meet, then the others, each in its bundle
             with socket.socket() as probe:
                 probe.bind(("", 0))
                 rank = Rank(0, len(ranks), f"{ray.util.get_node_ip_address()}:{probe.getsockname()[1]}")
-            self.followers = [_rank_actor(ranks[k], group).remote(
-                ranks, group, store, run, agent, version, rank=replace(rank, rank=k), **options)
-                for k in range(1, len(ranks))]
-        super().__init__(store, run, agent, version, rank=rank, **options)
+            if followers:
+                self.followers = followers
+                restarted = [follower.restart.remote(ranks, store, run, agent, version, rank=replace(rank, rank=k),
+                                                     **options) for k, follower in enumerate(followers, 1)]
+            else:
+                self.followers = [_rank_actor(ranks[k], group).remote(
+                    ranks, group, store, run, agent, version, rank=replace(rank, rank=k), **options)
+                    for k in range(1, len(ranks))]
+        super().__init__(store, run, agent, version, rank=rank, **options)  # every rank joins the group here
+        ray.get(restarted)
         self.prepared = prepared
+
+    def restart(self, ranks: list[ActorSpec], store: StoreConfig, run: str, agent: str, version: int,
+                **options) -> bool:
+        """Become the rank ``__init__`` builds, in this process and its bundle of the same group (a kept trainer
+        taken by a new launch with as many ranks, cluster/spawn.py); rank 0 restarts the others with a new meeting
+        point."""
+        group, followers = self.group, self.followers
+        leave()
+        return super().restart(ranks, group, store, run, agent, version, followers=followers, **options)
 
     def _on_every_rank(self, method: str, *args, shares: list | None = None) -> list:
         """``method`` on every rank (the others' calls submitted first), each with ``args``, or rank k with

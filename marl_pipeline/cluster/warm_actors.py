@@ -14,6 +14,8 @@ them in place at its own starting versions:
   its process, without a new process's imports, where it can: on a CPU, with one rank and the threads it has.
   Where it cannot, it refuses, is stopped, and a new one is started.
 - a hybrid agent's process (cluster/hybrid.py) does both: a new trainer, then its engine's restart.
+- a trainer on several workers (cluster/trainers.py: ``ShardedTrainer``) is kept as one, rank 0 with its placement
+  group (:func:`hold_group`): rank 0 rebuilds every rank in its process, and the ranks meet in a new process group.
 
 Idle actors keep their CPUs and memory. A launch takes what it can and stops every idle actor it did not take,
 before it waits for its new ones, so they never hold resources a new actor waits for; a recomputation or an
@@ -32,6 +34,7 @@ import threading
 from collections.abc import Hashable
 
 import ray
+from ray.util.placement_group import PlacementGroup
 
 RESTART_TIMEOUT_S = 300.0
 """An idle actor that does not answer its restart by then is stopped and replaced by a new one."""
@@ -42,6 +45,7 @@ _keys: dict[object, tuple] = {}  # actor id -> key, for the actors started or ta
 _preferred: dict[object, Hashable] = {}  # actor id -> what it was last started or restarted for (``prefer``)
 _cpus: dict[object, float] = {}  # actor id -> the CPUs it reserved when it was started (``held_cpus``)
 _taken: set = set()  # actor ids taken idle (restarted, not started new) and not released since
+_groups: dict[object, PlacementGroup] = {}  # actor id -> the placement group that goes with it (``hold_group``)
 
 
 def _cluster() -> str:
@@ -78,13 +82,20 @@ def start(actor, settings: Hashable, *args, prefer: Hashable = None, held_cpus: 
         except (ray.exceptions.RayError, TimeoutError):
             pass  # it died while idle, or hung: a new one below
         with _lock:
-            _forget(handle)
-        ray.kill(handle)
+            group = _forget(handle)
+        _stop(handle, group)
     handle = actor.remote(*args, **kwargs)
     _remember(handle, key, prefer)
     with _lock:
         _cpus[handle._actor_id] = held_cpus
     return handle
+
+
+def hold_group(handle, group: PlacementGroup) -> None:
+    """``handle`` (started through :func:`start`) runs in ``group``, which goes with it: kept idle with it, removed
+    once it is stopped."""
+    with _lock:
+        _groups[handle._actor_id] = group
 
 
 def taken_idle(handle) -> bool:
@@ -102,20 +113,19 @@ def release(handle, keep: bool) -> None:
         if keep and key is not None:
             _idle.setdefault(key, []).append(handle)
             return
-        _forget(handle)
-    ray.kill(handle)
+        group = _forget(handle)
+    _stop(handle, group)
 
 
-def stop_idle() -> int:
-    """Stop every idle actor (those the starting launch did not take); returns how many there were."""
+def stop_idle(kinds: tuple[str, ...] | None = None) -> int:
+    """Stop every idle actor (those the starting launch did not take), or those of ``kinds`` (the first item of
+    their ``settings``: what :func:`start` was given); returns how many there were."""
     with _lock:
-        handles = [handle for handles in _idle.values() for handle in handles]
-        _idle.clear()
-        for handle in handles:
-            _forget(handle)
-    for handle in handles:
+        keys = [key for key in _idle if kinds is None or key[1][0] in kinds]
+        handles = [(handle, _forget(handle)) for key in keys for handle in _idle.pop(key)]
+    for handle, group in handles:
         try:
-            ray.kill(handle)
+            _stop(handle, group)
         except Exception:  # already gone: its cluster was shut down, or it died while idle
             pass
     return len(handles)
@@ -134,10 +144,17 @@ def in_use() -> int:
         return len(_keys)
 
 
-def _forget(handle) -> None:
-    """Drop what is known of an actor being stopped (under ``_lock``)."""
+def _forget(handle) -> PlacementGroup | None:
+    """Drop what is known of an actor being stopped (under ``_lock``); the placement group that goes with it."""
     _preferred.pop(handle._actor_id, None)
     _cpus.pop(handle._actor_id, None)
+    return _groups.pop(handle._actor_id, None)
+
+
+def _stop(handle, group: PlacementGroup | None) -> None:
+    ray.kill(handle)
+    if group is not None:
+        ray.util.remove_placement_group(group)
 
 
 def _remember(handle, key: tuple, prefer: Hashable) -> None:

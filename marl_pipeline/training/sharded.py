@@ -45,6 +45,12 @@ def join(rank: Rank, device: torch.device) -> None:
                             timeout=COLLECTIVE_TIMEOUT)
 
 
+def leave() -> None:
+    """Leave the agent's process group, for a rank rebuilt in its process to join a new one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class ShardedScorer(torch.nn.Module):
     """The policy's token terms (:func:`scored_token_terms`) as a module, so that FSDP's root gathers the embeddings,
     final norm and output head around them: the terms call the decoder and the head apart, which FSDP's hooks on the
