@@ -64,9 +64,9 @@ def test_a_split_engine_reserves_whole_gpus_in_its_placement_group() -> None:
 PROBE = textwrap.dedent("""
     import json, os, sys
     import ray, yaml
+    from marl_pipeline.cluster import warm_actors
     from marl_pipeline.cluster.options import actor_options, placement_group
     from marl_pipeline.cluster.placement import plan_placement
-    from marl_pipeline.cluster import warm_actors
     from marl_pipeline.cluster.spawn import start_trainers
     from marl_pipeline.config import parse_config
     from tests import logical_gpus

@@ -3,11 +3,10 @@
 Each launch is the test suite's small demo run (tests/conftest.py's ``small_config_data``: two agents on the built-in
 tiny model in processes of their own, or with ``--hybrid`` each in one process as configs/demo.yaml has them, or
 with ``--workers N`` the solver's trainer on N workers (FSDP2 ranks), 2 steps of 2 micro-batches) on a fresh store,
-so every launch does the same work. Per launch: the seconds to its
-``RunStarted`` (set-up: starting policies, actors) and in all. Three ways: new actors each launch; kept actors, the
-same settings (each engine reloads its weights); kept actors, the engines' ``max_model_len`` alternating between
-launches (each engine rebuilt in its process). The weights each launch ends with are checked equal to the first
-launch's.
+so every launch does the same work. Per launch: the seconds to its ``RunStarted`` (set-up: starting policies,
+actors) and in all. Three ways: new actors each launch; kept actors, the same settings (each engine reloads its
+weights); kept actors, the engines' ``max_model_len`` alternating between launches (each engine rebuilt in its
+process). The weights each launch ends with are checked equal to the first launch's.
 
     .venv/bin/python -m bench.pipeline.warm_launches --launches 3 [--hybrid | --workers 2]
 """
