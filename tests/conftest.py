@@ -216,6 +216,13 @@ def smollm2_dir(tmp_path_factory) -> Path:
         return Path(resolve_model_source("smollm2-135m-instruct", cache))
 
 
+def actor_classes() -> dict[str, str]:
+    """Every actor the connected Ray cluster has started, alive or dead: its id -> its class's name."""
+    import ray
+
+    return {actor_id: info["ActorClassName"] for actor_id, info in ray._private.state.actors().items()}
+
+
 def _ray_is_idle(ray, wait_s: float = 10.0) -> bool:
     """Every CPU of the cluster free again, as a fresh ``ray.init`` has them (killed actors give theirs back
     within a second or two): no actor, placement group or task of one module is left to the next."""

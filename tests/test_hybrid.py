@@ -28,7 +28,7 @@ from marl_pipeline.run.events import PolicyCommitted, RunFinished, StepFinished
 from marl_pipeline.run.recipe import train
 from marl_pipeline.store import ExperienceStore
 from marl_pipeline.training.batches import TrainBatch
-from tests.conftest import hybrid_agents, small_config_data
+from tests.conftest import actor_classes, hybrid_agents, small_config_data
 
 
 def test_the_config_refuses_what_one_cpu_process_cannot_hold(demo_config_data: dict) -> None:
@@ -85,10 +85,6 @@ def test_a_lane_runs_calls_in_turn_order_on_one_thread_whatever_order_they_arriv
     assert results[:2] == [3, 2] and isinstance(results[2], ValueError) and results[3] == 0
 
 
-def _actor_classes() -> dict[str, str]:
-    return {actor_id: info["ActorClassName"] for actor_id, info in ray._private.state.actors().items()}
-
-
 def _small(data: dict, store: Path):
     data = small_config_data(data, store, steps=3)
     data["store"] = {"uri": str(store), "retention": {"keep_all": True}}
@@ -106,27 +102,27 @@ def test_a_hybrid_launch_runs_one_process_per_agent_and_trains_as_separate_actor
     # stops with Ray's error (or the replica's restart's, which had no weights to load), and the next launch resumes
     # from the store to the uninterrupted run's parameters.
     config = _small(hybrid_agents(demo_config_data), tmp_path / "killed")
-    before = set(_actor_classes())
+    before = set(actor_classes())
     with pytest.raises((ray.exceptions.RayActorError, NoReplica), match=r"(?i)died"):
         for event in train(config):
             if isinstance(event, StepFinished) and event.step == 0:
                 alive = ray._private.state.actors(actor_state_name="ALIVE")
                 os.kill(next(info["Pid"] for actor_id, info in alive.items()
                              if info["ActorClassName"] == "AgentProcess" and actor_id not in before), signal.SIGKILL)
-    before = set(_actor_classes())
+    before = set(actor_classes())
     events = list(train(config))
     assert isinstance(events[-1], RunFinished)
     stores["killed"] = ExperienceStore(config.store)
-    kept = {actor_id: cls for actor_id, cls in _actor_classes().items() if actor_id not in before}
+    kept = {actor_id: cls for actor_id, cls in actor_classes().items() if actor_id not in before}
     assert sorted(kept.values()) == ["AgentProcess", "AgentProcess"]  # no trainer actor, no other engine
     # A clean launch keeps its processes (ray.keep_actors): the next one restarts them in place, new trainer and all,
     # and trains as new processes do.
     config = _small(hybrid_agents(demo_config_data), tmp_path / "hybrid")
-    before = set(_actor_classes())
+    before = set(actor_classes())
     events = list(train(config))
     assert isinstance(events[-1], RunFinished)
     assert len([event for event in events if isinstance(event, PolicyCommitted)]) == 6
-    assert set(_actor_classes()) == before  # nothing started
+    assert set(actor_classes()) == before  # nothing started
     alive = ray._private.state.actors(actor_state_name="ALIVE")
     assert set(kept) <= set(alive)  # and kept idle again, for the next launch
     stores["hybrid"] = ExperienceStore(config.store)

@@ -34,7 +34,7 @@ from marl_pipeline.run.recipe import train
 from marl_pipeline.stages.health import collapse_warnings, recent_health
 from marl_pipeline.store import ExperienceStore, MicroBatchKey
 from marl_pipeline.store.schema import STAGES
-from tests.conftest import ROOT, hybrid_agents, small_config_data
+from tests.conftest import ROOT, actor_classes, hybrid_agents, small_config_data
 from tests.three_agents import CLI
 
 pytestmark = pytest.mark.launch
@@ -169,14 +169,11 @@ def test_a_dead_trainer_stops_the_launch_before_anything_is_sampled_past_the_sta
 
 def test_two_launches_end_with_the_parameters_of_one_adamw_included(uninterrupted, demo_config_data,
                                                                    tmp_path) -> None:
-    import ray
-
     config = parse_config(_sharded_data(demo_config_data, tmp_path / "two", steps=2, micro_batches_per_step=2))
     for _ in range(2):  # the second launch continues from version 2, its AdamW state restored from the checkpoint
-        before = set(ray._private.state.actors())
+        before = set(actor_classes())
         _run(config)
-        started = [info["ActorClassName"] for actor_id, info in ray._private.state.actors().items()
-                   if actor_id not in before]
+        started = [name for actor_id, name in actor_classes().items() if actor_id not in before]
         # the solver's 2 ranks, kept from the launch before (ray.keep_actors): restarted in place, meeting again
         assert "ShardedTrainer" not in started, started
     two = ExperienceStore(config.store)
